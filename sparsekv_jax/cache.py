@@ -1,0 +1,180 @@
+"""The paged KV cache pytree and its page summaries.
+
+Layout (per layer, stacked over layers with a leading ``L`` axis in `KVCache.layers`):
+
+* ``k``, ``v``: ``[B, Hkv, S, D]`` with ``S = num_pages * page_size``. Page ``p`` of row ``b``
+  is ``k[b, :, p*page_size:(p+1)*page_size]``; a reshape to ``[B, Hkv, P, page_size, D]``
+  (free) gives the page view kernels read. Keys are stored *after* RoPE.
+* ``positions``: ``[B, Hkv, S]`` int32, the RoPE position of each slot (``-1`` when empty).
+  Compression may keep different positions per KV head, so positions are per head.
+* ``bias``: ``[B, Hkv, S]`` float32 additive logit per slot (SemantiCache's log cluster size;
+  zero otherwise).
+* ``page_sum``/``page_min``/``page_max``: ``[B, Hkv, P, D]`` float32 summaries of the keys in
+  each page (CHESS uses the mean = sum / count, Quest the elementwise min/max). Maintained on
+  single-token append; recomputed in one pass after prefill or compression.
+
+``length[b]`` is the number of slots used (the same for every head), ``next_position[b]`` the
+RoPE position the next token gets. They differ once entries were evicted or merged.
+Capacity is fixed at creation: every shape is static.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from sparsekv_jax.models.config import ModelConfig
+
+
+@struct.dataclass
+class LayerKV:
+    """One layer's cache (or all layers, stacked on a leading axis)."""
+
+    k: jax.Array
+    v: jax.Array
+    positions: jax.Array
+    bias: jax.Array
+    page_sum: jax.Array
+    page_min: jax.Array
+    page_max: jax.Array
+
+
+@struct.dataclass
+class KVCache:
+    """Paged KV cache for a batch of sequences. See the module docstring for the layout."""
+
+    layers: LayerKV  # every field with a leading [L] axis
+    length: jax.Array  # [B] int32 slots used
+    next_position: jax.Array  # [B] int32 RoPE position of the next token
+    page_size: int = struct.field(pytree_node=False, default=16)
+
+    @property
+    def batch(self) -> int:
+        return self.length.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.layers.k.shape[-2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.capacity // self.page_size
+
+    def nbytes(self) -> int:
+        """Device bytes held by the cache (all leaves)."""
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
+
+    def kv_nbytes(self) -> int:
+        """Bytes of the K and V tensors alone."""
+        return 2 * self.layers.k.size * self.layers.k.dtype.itemsize
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def init_cache(cfg: ModelConfig, batch: int, capacity: int, *, page_size: int = 16,
+               dtype: jnp.dtype = jnp.bfloat16) -> KVCache:
+    """An empty cache holding ``capacity`` tokens per row (rounded up to whole pages)."""
+    if batch <= 0:
+        raise ValueError(f"batch={batch} must be positive")
+    if capacity <= 0:
+        raise ValueError(f"capacity={capacity} must be positive")
+    if page_size <= 0 or page_size & (page_size - 1):
+        raise ValueError(f"page_size={page_size} must be a positive power of two")
+    n_pages = pages_for(capacity, page_size)
+    S = n_pages * page_size
+    L, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    layers = LayerKV(
+        k=jnp.zeros((L, batch, H, S, D), dtype),
+        v=jnp.zeros((L, batch, H, S, D), dtype),
+        positions=jnp.full((L, batch, H, S), -1, jnp.int32),
+        bias=jnp.zeros((L, batch, H, S), jnp.float32),
+        page_sum=jnp.zeros((L, batch, H, n_pages, D), jnp.float32),
+        page_min=jnp.zeros((L, batch, H, n_pages, D), jnp.float32),
+        page_max=jnp.zeros((L, batch, H, n_pages, D), jnp.float32),
+    )
+    zeros = jnp.zeros((batch,), jnp.int32)
+    return KVCache(layers=layers, length=zeros, next_position=zeros, page_size=page_size)
+
+
+def write_chunk(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, start: jax.Array,
+                positions: jax.Array) -> LayerKV:
+    """Write a chunk of ``T`` tokens for every row at slots ``start .. start+T`` (one layer).
+
+    ``k_new``/``v_new``: ``[B, Hkv, T, D]``; ``start``: scalar int (the same slot for every row:
+    prefill writes prompts slot-aligned, padding included, and masks by length);
+    ``positions``: ``[B, T]``. Page summaries are *not* updated here: call
+    `summarize_pages` once the chunks are written.
+    """
+    B, H, T, _ = k_new.shape
+    k = jax.lax.dynamic_update_slice_in_dim(kv.k, k_new.astype(kv.k.dtype), start, axis=2)
+    v = jax.lax.dynamic_update_slice_in_dim(kv.v, v_new.astype(kv.v.dtype), start, axis=2)
+    pos = jnp.broadcast_to(positions[:, None, :], (B, H, T)).astype(jnp.int32)
+    positions_all = jax.lax.dynamic_update_slice_in_dim(kv.positions, pos, start, axis=2)
+    return kv.replace(k=k, v=v, positions=positions_all)
+
+
+def summarize_pages(kv: LayerKV, length: jax.Array, page_size: int) -> LayerKV:
+    """Recompute page sum/min/max from the keys in slots ``< length`` (any leading axes)."""
+    *lead, S, D = kv.k.shape
+    P = S // page_size
+    valid = _slot_valid(length, kv.k.shape[:-1])
+    kf = kv.k.astype(jnp.float32).reshape(*lead, P, page_size, D)
+    vm = valid.reshape(*lead, P, page_size, 1)
+    big = jnp.finfo(jnp.float32).max
+    page_sum = jnp.where(vm, kf, 0.0).sum(-2)
+    page_min = jnp.where(vm, kf, big).min(-2)
+    page_max = jnp.where(vm, kf, -big).max(-2)
+    has_any = vm.any(-2)
+    return kv.replace(page_sum=page_sum, page_min=jnp.where(has_any, page_min, 0.0),
+                      page_max=jnp.where(has_any, page_max, 0.0))
+
+
+def _slot_valid(length: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Bool mask of shape ``shape`` (``[..., B, H, S]``) true where slot < length[b]."""
+    S = shape[-1]
+    return jnp.broadcast_to(jnp.arange(S)[None, None, :] < length[:, None, None], shape)
+
+
+def append_token(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slot: jax.Array,
+                 position: jax.Array, page_size: int) -> LayerKV:
+    """Append one token per row at ``slot[b]`` (one layer), updating that page's summary.
+
+    ``k_new``/``v_new``: ``[B, Hkv, D]``; ``slot``, ``position``: ``[B]`` int32. The slot must
+    be below capacity (checked before jit by the callers that size the cache).
+    """
+    B, H, D = k_new.shape
+    rows = jnp.arange(B)
+    k = kv.k.at[rows, :, slot].set(k_new.astype(kv.k.dtype))
+    v = kv.v.at[rows, :, slot].set(v_new.astype(kv.v.dtype))
+    pos = kv.positions.at[rows, :, slot].set(jnp.broadcast_to(position[:, None], (B, H)))
+    page = slot // page_size
+    first = (slot % page_size == 0)[:, None, None]  # a fresh page starts its summary over
+    kf = k_new.astype(jnp.float32)
+    old_sum = kv.page_sum[rows, :, page]
+    old_min = kv.page_min[rows, :, page]
+    old_max = kv.page_max[rows, :, page]
+    new_sum = jnp.where(first, kf, old_sum + kf)
+    new_min = jnp.where(first, kf, jnp.minimum(old_min, kf))
+    new_max = jnp.where(first, kf, jnp.maximum(old_max, kf))
+    return kv.replace(
+        k=k, v=v, positions=pos,
+        page_sum=kv.page_sum.at[rows, :, page].set(new_sum),
+        page_min=kv.page_min.at[rows, :, page].set(new_min),
+        page_max=kv.page_max.at[rows, :, page].set(new_max),
+    )
+
+
+def page_counts(length: jax.Array, num_pages: int, page_size: int) -> jax.Array:
+    """``[B, P]`` number of valid slots in each page."""
+    starts = jnp.arange(num_pages) * page_size
+    return jnp.clip(length[:, None] - starts[None, :], 0, page_size)
+
+
+def page_mean(kv: LayerKV, length: jax.Array, page_size: int) -> jax.Array:
+    """``[..., B, H, P, D]`` mean key of each page (zero for empty pages)."""
+    counts = page_counts(length, kv.page_sum.shape[-2], page_size)  # [B, P]
+    denom = jnp.maximum(counts, 1).astype(jnp.float32)[:, None, :, None]
+    return kv.page_sum / denom
