@@ -1,0 +1,160 @@
+"""The ``sparsekv`` command: ``generate``, ``info`` (and the subcommands later issues add)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+SHAPE_PRESETS = ("smollm2", "llama3.1-8b")
+
+
+def _config_for(model: str):
+    """A `ModelConfig` without loading weights (presets, HF dirs, GGUF files)."""
+    from sparsekv_jax.models import config as mc
+
+    if model == "smollm2":
+        return mc.smollm2_135m_config()
+    if model == "llama3.1-8b":
+        return mc.llama31_8b_config()
+    path = Path(model)
+    if path.is_dir():
+        cfg_file = path / "config.json"
+        if not cfg_file.exists():
+            raise SystemExit(f"sparsekv: error: {path} has no config.json")
+        return mc.ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
+    if path.suffix == ".gguf" and path.exists():
+        from sparsekv_jax.models.loading import gguf_config
+
+        return gguf_config(path)
+    raise SystemExit(f"sparsekv: error: --model {model!r} is not one of {SHAPE_PRESETS}, "
+                     "a model directory or a .gguf file")
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None and args.prompt_file is not None:
+        raise SystemExit("sparsekv: error: give PROMPT or --prompt-file, not both")
+    if args.prompt is not None:
+        return args.prompt
+    if args.prompt_file is not None:
+        return Path(args.prompt_file).read_text()
+    if sys.stdin is None or sys.stdin.isatty():
+        raise SystemExit("sparsekv: error: no prompt: give PROMPT, --prompt-file F, or pipe text on stdin")
+    return sys.stdin.read()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sparsekv_jax.generate import Sampling, generate
+    from sparsekv_jax.models.embedded import load
+
+    text = _read_prompt(args)
+    if not text.strip():
+        raise SystemExit("sparsekv: error: the prompt is empty")
+    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    params, tokenizer = load(args.model, dtype=dtype, progress=not args.quiet)
+    if args.chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+    else:
+        ids = tokenizer(text)["input_ids"]
+    t0 = time.perf_counter()
+    out = generate(params, None, np.asarray([ids]), max_new_tokens=args.max_new_tokens, sampling=sampling,
+                   seed=args.seed)
+    new = out.sequences()[0]
+    elapsed = time.perf_counter() - t0
+    print(tokenizer.decode(new, skip_special_tokens=True))
+    if not args.quiet:
+        print(f"[{len(ids)} prompt tokens, {len(new)} generated, {elapsed:.2f} s incl. compile]", file=sys.stderr)
+    return 0
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    cfg = _config_for(args.model)
+    elem = {"bfloat16": 2, "float32": 4}[args.dtype]
+    per_token = cfg.kv_bytes_per_token(elem)
+    info = {
+        "config": asdict(cfg),
+        "parameters": cfg.num_params(),
+        "weight_bytes": cfg.num_params() * elem,
+        "kv_bytes_per_token": per_token,
+        "context": args.context,
+        "batch": args.batch,
+        "kv_cache_bytes": per_token * args.context * args.batch,
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    print(f"model        {args.model} ({cfg.family})")
+    for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                "intermediate_size", "rope_theta", "sliding_window", "max_position_embeddings"):
+        print(f"{key:<25}{getattr(cfg, key)}")
+    print(f"{'rope_scaling':<25}{cfg.rope_scaling}")
+    print(f"{'parameters':<25}{cfg.num_params():,} ({_fmt_bytes(cfg.num_params() * elem)} in {args.dtype})")
+    print(f"{'KV bytes per token':<25}{per_token:,} ({_fmt_bytes(per_token)})")
+    print(f"{'KV cache':<25}{_fmt_bytes(info['kv_cache_bytes'])} for context {args.context:,} x batch {args.batch}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sparsekv", description="Long-context LLM inference with pluggable KV selection policies.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    g = sub.add_parser("generate", help="generate text from a prompt",
+                       description="Generate a continuation of PROMPT (argument, --prompt-file, or stdin).")
+    g.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt text (default: read stdin)")
+    g.add_argument("--prompt-file", metavar="F", help="read the prompt from file F")
+    g.add_argument("--model", default="smollm2", help="'smollm2' (default), a HF model directory or a .gguf file")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to generate at most")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")
+    g.add_argument("-q", "--quiet", action="store_true", help="no progress bars or timing line")
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("info", help="model configuration and memory",
+                       description="Print a model's configuration, parameter count, KV bytes per token and "
+                                   "the KV cache memory for a context length and batch size.")
+    i.add_argument("--model", default="smollm2",
+                   help=f"one of {', '.join(SHAPE_PRESETS)} (built-in shapes), a HF model directory or a .gguf file")
+    i.add_argument("--context", type=int, default=8192, metavar="T", help="context length in tokens")
+    i.add_argument("--batch", type=int, default=1, metavar="B", help="batch size")
+    i.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="storage dtype")
+    i.add_argument("--json", action="store_true", help="print JSON")
+    i.set_defaults(func=cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    for name in ("max_new_tokens", "context", "batch"):
+        if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

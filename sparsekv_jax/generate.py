@@ -1,0 +1,328 @@
+"""Jitted generation: prefill (one-shot or chunked) then a `lax.while_loop` decode.
+
+``generate(params, policy, tokens)`` is one `jax.jit`: prompts are right-padded ``[B, T]`` with
+per-row ``lengths``; each row stops on its own at a stop token. The policy's stages
+(`sparsekv_jax.policies.base.Policy`) decide the prefill pattern, the compression after
+prefill and the pages each decode step reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from sparsekv_jax import attention
+from sparsekv_jax.cache import KVCache, append_token, init_cache, pages_for, summarize_pages, write_chunk
+from sparsekv_jax.models.params import Params
+from sparsekv_jax.models.transformer import forward, logits_from_hidden
+from sparsekv_jax.policies.base import Dense, Policy
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Decoding rule. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable
+    those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+
+
+GREEDY = Sampling()
+PAD_TOKEN = -1  # written after a row has stopped
+
+
+@struct.dataclass
+class GenerateOutput:
+    """``tokens`` ``[B, max_new_tokens]`` (``PAD_TOKEN`` after a row stopped, the stop token
+    included before it); ``num_generated`` ``[B]``; ``cache`` the final KV cache; ``stats``
+    what the policy did (fractions of full attention) and what the cache holds."""
+
+    tokens: jax.Array
+    num_generated: jax.Array
+    cache: KVCache
+    stats: dict[str, Any]
+
+    def sequences(self) -> list[list[int]]:
+        """Generated ids per row, on the host, without padding."""
+        toks = np.asarray(self.tokens)
+        return [toks[i, : int(n)].tolist() for i, n in enumerate(np.asarray(self.num_generated))]
+
+
+def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
+    """Next token ``[B]`` from fp32 ``logits`` ``[B, V]``."""
+    if sampling.temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_k:
+        kth = jax.lax.top_k(logits, sampling.top_k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if sampling.top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+        # drop a token once the mass *before* it already reaches top_p (the first always stays)
+        drop_sorted = (cum - jax.nn.softmax(sorted_logits, axis=-1)) >= sampling.top_p
+        drop = jnp.zeros_like(drop_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(drop_sorted)
+        logits = jnp.where(drop, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def _transpose_heads(x: jax.Array) -> jax.Array:
+    return jnp.swapaxes(x, 1, 2)  # [B, T, H, D] <-> [B, H, T, D]
+
+
+def prefill(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
+            *, chunk: int | None = None):
+    """Process right-padded prompts into an empty ``cache``.
+
+    Returns ``(last_logits [B, V] fp32, cache, observations)``. ``chunk`` processes the prompt
+    in chunks of that many tokens against the cache (long prompts; streaming scans);
+    ``None`` runs it in one pass with dense (cuDNN on the GPU) or policy-sparse attention.
+    """
+    cfg = params.config
+    B, T = tokens.shape
+    window = cfg.sliding_window
+
+    if chunk is None or chunk >= T:
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+        def attend(q, k, v, kv, idx):
+            out = attention.prefill(q, k, v, policy.prefill_pattern(q, k, idx), sliding_window=window)
+            kv = write_chunk(kv, _transpose_heads(k), _transpose_heads(v), 0, positions)
+            return out, kv, policy.observe(q, k, v, lengths, idx)
+
+        hidden, layers, observations = forward(params, tokens, positions, cache.layers, attend)
+    else:
+        n_chunks = pages_for(T, chunk)
+        padded = jnp.pad(tokens, ((0, 0), (0, n_chunks * chunk - T)))
+        chunks = padded.reshape(B, n_chunks, chunk).transpose(1, 0, 2)
+        S = cache.capacity
+        if n_chunks * chunk > S:
+            raise ValueError(f"chunked prefill needs capacity {n_chunks * chunk} (prompt {T} rounded up "
+                             f"to chunk={chunk}), cache holds {S}")
+
+        def run_chunk(layers, xs):
+            chunk_tokens, c = xs
+            start = c * chunk
+            positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
+            slot_ok = (jnp.arange(S) < start + chunk)[None, None, None, :]
+
+            def attend(q, k, v, kv, idx):
+                kv = write_chunk(kv, _transpose_heads(k), _transpose_heads(v), start, positions)
+                out = attention.cached_attention(
+                    _transpose_heads(q), kv.k, kv.v, positions, kv.positions, slot_ok,
+                    bias=None, sliding_window=window)
+                return _transpose_heads(out), kv, None
+
+            hidden, layers, _ = forward(params, chunk_tokens, positions, layers, attend)
+            return layers, hidden
+
+        layers, hiddens = jax.lax.scan(run_chunk, cache.layers, (chunks, jnp.arange(n_chunks)))
+        hidden = hiddens.transpose(1, 0, 2, 3).reshape(B, n_chunks * chunk, -1)[:, :T]
+        observations = None
+    last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    logits = logits_from_hidden(params, last_hidden)
+    slot_used = jnp.arange(cache.capacity)[None, None, None, :] < lengths[None, :, None, None]
+    layers = layers.replace(positions=jnp.where(slot_used, layers.positions, -1))
+    layers = summarize_pages(layers, lengths, cache.page_size)
+    cache = cache.replace(layers=layers, length=lengths, next_position=lengths)
+    return logits, cache, observations
+
+
+def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array, state: Any):
+    """Feed one token per row ``[B]``; returns ``(logits [B, V], cache, pages_read [B])``."""
+    cfg = params.config
+    ps = cache.page_size
+    slot = cache.length
+    pos = cache.next_position
+    new_length = slot + 1
+
+    def attend(q, k, v, kv, idx):
+        kv = append_token(kv, k[:, 0], v[:, 0], slot, pos, ps)
+        selection = policy.decode_select(q[:, 0], kv, new_length, state, idx, ps)
+        out, pages = attention.decode(q[:, 0], pos, kv, new_length, ps, selection, sliding_window=cfg.sliding_window)
+        return out[:, None], kv, pages
+
+    hidden, layers, pages = forward(params, token[:, None], pos[:, None], cache.layers, attend)
+    logits = logits_from_hidden(params, hidden[:, 0])
+    cache = cache.replace(layers=layers, length=new_length, next_position=pos + 1)
+    return logits, cache, pages.mean(0)
+
+
+def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Array, key: jax.Array, *,
+              max_new_tokens: int, sampling: Sampling, stop_tokens: tuple[int, ...], page_size: int,
+              prefill_chunk: int | None, capacity: int) -> GenerateOutput:
+    B, T = tokens.shape
+    cache = init_cache(params.config, B, capacity, page_size=page_size, dtype=params.dtype)
+    logits, cache, observations = prefill(params, policy, tokens, lengths, cache, chunk=prefill_chunk)
+    compressed = policy.compressed_capacity(T, max_new_tokens)
+    if compressed is not None:
+        cache = policy.compress(cache, observations, compressed)
+    stored = cache.length.astype(jnp.float32) / lengths.astype(jnp.float32)
+    state = policy.decode_init(cache)
+    stops = jnp.asarray(stop_tokens if stop_tokens else (-2,), jnp.int32)
+
+    key, sub = jax.random.split(key)
+    first = sample(logits, sub, sampling)
+    out = jnp.full((B, max_new_tokens), PAD_TOKEN, jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, stops)
+    zero = jnp.zeros((B,), jnp.float32)
+
+    def cond(carry):
+        step, _, _, done, _, _, _, _ = carry
+        return (step < max_new_tokens) & ~jnp.all(done)
+
+    def body(carry):
+        step, cache, token, done, out, key, state, read = carry
+        logits, cache, pages = decode_step(params, policy, cache, token, state)
+        state = policy.decode_update(state, cache, logits)
+        key, sub = jax.random.split(key)
+        nxt = sample(logits, sub, sampling)
+        nxt = jnp.where(done, PAD_TOKEN, nxt)
+        out = out.at[:, step].set(nxt)
+        read = read + jnp.where(done, 0.0, pages)
+        done = done | jnp.isin(nxt, stops)
+        return step + 1, cache, jnp.where(done, token, nxt), done, out, key, state, read
+
+    init = (jnp.int32(1), cache, first, done, out, key, state, zero)
+    _, cache, _, _, out, _, _, read = jax.lax.while_loop(cond, body, init)
+    num_generated = jnp.sum(out != PAD_TOKEN, axis=1)
+    steps = jnp.maximum(num_generated - 1, 1).astype(jnp.float32)
+    total_pages = pages_for(capacity, page_size)
+    stats = {
+        "kv_stored_fraction": stored,
+        "kv_read_fraction": read / steps,  # mean over steps of pages read / pages in use
+        "cache_bytes": cache.nbytes(),
+        "total_pages": total_pages,
+    }
+    return GenerateOutput(tokens=out, num_generated=num_generated, cache=cache, stats=stats)
+
+
+_generate_jit = jax.jit(
+    _generate,
+    static_argnames=("max_new_tokens", "sampling", "stop_tokens", "page_size", "prefill_chunk", "capacity"))
+
+
+def _is_concrete(x: Any) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def validate_prompt(params: Params, tokens: Any, lengths: Any, max_new_tokens: int,
+                    capacity: int | None) -> tuple[jax.Array, jax.Array, int]:
+    """Checks done before jit; returns ``(tokens [B, T] int32, lengths [B] int32, capacity)``."""
+    cfg = params.config
+    if not hasattr(tokens, "shape"):
+        tokens = np.asarray(tokens)
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must have rank 1 or 2 ([T] or [B, T]), got shape {tuple(tokens.shape)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+    B, T = tokens.shape
+    if T == 0 or B == 0:
+        raise ValueError(f"empty prompt: tokens has shape {tuple(tokens.shape)}")
+    if _is_concrete(tokens):
+        t = np.asarray(tokens)
+        if t.min() < 0 or t.max() >= cfg.vocab_size:
+            bad = int(t.min()) if t.min() < 0 else int(t.max())
+            raise ValueError(f"token id {bad} out of range [0, {cfg.vocab_size})")
+    if lengths is None:
+        lengths = np.full((B,), T, np.int32)
+    if not hasattr(lengths, "shape"):
+        lengths = np.asarray(lengths)
+    if lengths.shape != (B,):
+        raise ValueError(f"lengths must have shape ({B},), got {tuple(lengths.shape)}")
+    if _is_concrete(lengths):
+        ln = np.asarray(lengths)
+        if ln.min() < 1 or ln.max() > T:
+            raise ValueError(f"lengths must be in [1, {T}] (prompt width), got min {ln.min()} max {ln.max()}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if T + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompt length {T} + max_new_tokens {max_new_tokens} = {T + max_new_tokens} exceeds "
+                         f"the model's max_position_embeddings {cfg.max_position_embeddings}")
+    needed = T + max_new_tokens
+    if capacity is None:
+        capacity = needed
+    elif capacity < needed:
+        raise ValueError(f"prompt length {T} + max_new_tokens {max_new_tokens} = {needed} exceeds the "
+                         f"cache capacity {capacity}")
+    return jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32), capacity
+
+
+def generate(params: Params, policy: Policy | None = None, tokens: Any = None, *, lengths: Any = None,
+             max_new_tokens: int = 64, sampling: Sampling = GREEDY, seed: int | jax.Array = 0,
+             stop_tokens: tuple[int, ...] | None = None, page_size: int = 16,
+             prefill_chunk: int | None = None, capacity: int | None = None) -> GenerateOutput:
+    """Generate up to ``max_new_tokens`` per row with ``policy`` choosing the KV entries used.
+
+    Args:
+      params: model weights (carry their `ModelConfig`).
+      policy: a `Policy` (or `Pipeline`); ``None`` means `Dense()`.
+      tokens: ``[B, T]`` right-padded prompt ids (or ``[T]``).
+      lengths: ``[B]`` true prompt lengths (default: all ``T``).
+      max_new_tokens: tokens generated per row at most (the first stop token included).
+      sampling: greedy by default; `Sampling(temperature, top_k, top_p)`.
+      seed: PRNG seed (int) or key.
+      stop_tokens: ids that end a row (default: the model's EOS ids).
+      page_size: KV cache page size in tokens.
+      prefill_chunk: process the prompt in chunks of this many tokens (``None``: one pass).
+      capacity: cache capacity in tokens (default: ``T + max_new_tokens``).
+
+    All checks on the inputs happen here, before tracing, with errors naming the bad value.
+    """
+    if tokens is None:
+        raise ValueError("tokens is required")
+    policy = Dense() if policy is None else policy
+    if not isinstance(policy, Policy):
+        raise ValueError(f"policy must be a Policy, got {type(policy).__name__}")
+    tokens, lengths, capacity = validate_prompt(params, tokens, lengths, max_new_tokens, capacity)
+    if page_size <= 0 or page_size & (page_size - 1):
+        raise ValueError(f"page_size={page_size} must be a positive power of two")
+    if prefill_chunk is not None and prefill_chunk <= 0:
+        raise ValueError(f"prefill_chunk={prefill_chunk} must be positive or None")
+    capacity = pages_for(capacity, page_size) * page_size
+    if prefill_chunk is not None:
+        capacity = max(capacity, pages_for(tokens.shape[1], prefill_chunk) * prefill_chunk)
+    policy.validate(tokens.shape[1], max_new_tokens, page_size)
+    if stop_tokens is None:
+        stop_tokens = params.config.eos_token_ids
+    key = jax.random.key(seed) if isinstance(seed, int) else seed
+    return _generate_jit(params, policy, tokens, lengths, key, max_new_tokens=max_new_tokens,
+                         sampling=sampling, stop_tokens=tuple(int(t) for t in stop_tokens),
+                         page_size=page_size, prefill_chunk=prefill_chunk, capacity=capacity)
+
+
+@functools.partial(jax.jit, static_argnames=("page_size",))
+def _full_logits(params: Params, tokens: jax.Array, page_size: int = 16) -> jax.Array:
+    cfg = params.config
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+    def attend(q, k, v, kv, idx):
+        return attention.dense_causal_attention(q, k, v, sliding_window=cfg.sliding_window), kv, None
+
+    hidden, _, _ = forward(params, tokens, positions, jnp.zeros((cfg.num_layers,)), attend)
+    return logits_from_hidden(params, hidden)
+
+
+def full_logits(params: Params, tokens: Any) -> jax.Array:
+    """``[B, T, V]`` fp32 logits of a plain causal forward pass (no cache): the reference."""
+    tokens, _, _ = validate_prompt(params, tokens, None, 1, None)
+    return _full_logits(params, tokens)

@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny random Hugging Face models of each family, saved to disk."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
+            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+            rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def tiny_hf_config(family: str):
+    """A tiny transformers config of ``family`` exercising that family's specific features."""
+    import transformers as tf
+
+    if family == "llama":
+        return tf.LlamaConfig(**TINY, rope_theta=10000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32})
+    if family == "qwen2":
+        return tf.Qwen2Config(**TINY, rope_theta=1e6)
+    if family == "qwen3":
+        return tf.Qwen3Config(**TINY, head_dim=16, rope_theta=1e6)
+    if family == "mistral":
+        return tf.MistralConfig(**TINY, sliding_window=24, rope_theta=1e4)
+    raise ValueError(family)
+
+
+@pytest.fixture(scope="session")
+def hf_tiny_dir(tmp_path_factory):
+    """``hf_tiny_dir(family)`` → directory of a saved random tiny model (built once per family)."""
+    import torch
+    import transformers as tf
+
+    built: dict[str, str] = {}
+
+    def make(family: str) -> str:
+        if family not in built:
+            torch.manual_seed(hash(family) % 2**31)
+            model = tf.AutoModelForCausalLM.from_config(tiny_hf_config(family), torch_dtype=torch.float32)
+            with torch.no_grad():  # larger than default init so layers actually matter
+                for p in model.parameters():
+                    if p.ndim == 2:
+                        p.normal_(0, 0.08)
+                    else:
+                        p.copy_(1 + 0.1 * torch.randn_like(p))
+            path = tmp_path_factory.mktemp(f"tiny_{family}")
+            model.save_pretrained(path)
+            built[family] = str(path)
+        return built[family]
+
+    return make
