@@ -1,0 +1,152 @@
+"""generate(): input validation before jit, sampling rules, cache bookkeeping."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparsekv_jax.cache import init_cache, page_mean
+from sparsekv_jax.generate import Sampling, full_logits, generate, sample
+from sparsekv_jax.models.config import ModelConfig
+from sparsekv_jax.models.params import random_params
+
+CFG = ModelConfig(family="llama", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=8, intermediate_size=48, max_position_embeddings=64, eos_token_ids=(0,))
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(CFG, jax.random.key(np.random.default_rng().integers(1 << 30)), jnp.float32, scale=0.3)
+
+
+@pytest.mark.parametrize("tokens, match", [
+    (np.array([[5, 97, 3]]), "token id 97 out of range"),
+    (np.array([[5, -1, 3]]), "token id -1 out of range"),
+    (np.zeros((1, 0), np.int32), "empty prompt"),
+    (np.zeros((1, 2, 3), np.int32), "rank"),
+    (np.ones((1, 4), np.float32), "must be integers"),
+])
+def test_bad_tokens(params, tokens, match):
+    with pytest.raises(ValueError, match=match):
+        generate(params, None, tokens, max_new_tokens=2)
+
+
+def test_too_long_for_positions_names_both_numbers(params):
+    with pytest.raises(ValueError, match=r"prompt length 60 \+ max_new_tokens 10 = 70 exceeds the model's "
+                                         r"max_position_embeddings 64"):
+        generate(params, None, np.ones((1, 60), np.int32), max_new_tokens=10)
+
+
+def test_too_long_for_cache_names_both_numbers(params):
+    with pytest.raises(ValueError, match=r"= 30 exceeds the cache capacity 24"):
+        generate(params, None, np.ones((1, 20), np.int32), max_new_tokens=10, capacity=24)
+
+
+@pytest.mark.parametrize("lengths, match", [([0], r"lengths must be in \[1, 5\]"), ([6], r"lengths must be in"),
+                                            ([1, 2], r"lengths must have shape \(1,\)")])
+def test_bad_lengths(params, lengths, match):
+    with pytest.raises(ValueError, match=match):
+        generate(params, None, np.ones((1, 5), np.int32), lengths=np.array(lengths), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-1.0), "temperature=-1.0"), (dict(top_k=-2), "top_k=-2"), (dict(top_p=0.0), "top_p=0.0"),
+])
+def test_bad_sampling(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Sampling(**kwargs)
+
+
+def test_bad_page_size_and_chunk(params):
+    with pytest.raises(ValueError, match="page_size=12"):
+        generate(params, None, np.ones((1, 5), np.int32), max_new_tokens=2, page_size=12)
+    with pytest.raises(ValueError, match="prefill_chunk=0"):
+        generate(params, None, np.ones((1, 5), np.int32), max_new_tokens=2, prefill_chunk=0)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(params):
+    tokens = np.random.default_rng().integers(1, CFG.vocab_size, (3, 9))
+    greedy = generate(params, None, tokens, max_new_tokens=6, stop_tokens=())
+    for s in (Sampling(temperature=1.5, top_k=1), Sampling(temperature=1.5, top_p=1e-6)):
+        out = generate(params, None, tokens, max_new_tokens=6, stop_tokens=(), sampling=s, seed=3)
+        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(greedy.tokens))
+
+
+def test_temperature_sampling_matches_softmax():
+    rng = np.random.default_rng()
+    logits = jnp.asarray(rng.normal(size=(1, 6)) * 2, jnp.float32)
+    n = 20000
+    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), n)
+    draws = jax.vmap(lambda k: sample(logits, k, Sampling(temperature=0.7)))(keys)[:, 0]
+    freq = np.bincount(np.asarray(draws), minlength=6) / n
+    expect = np.asarray(jax.nn.softmax(logits[0] / 0.7))
+    assert np.abs(freq - expect).max() < 0.015, (freq, expect)
+
+
+def test_top_k_and_top_p_restrict_support():
+    rng = np.random.default_rng()
+    logits = jnp.asarray(rng.normal(size=(1, 50)), jnp.float32)
+    keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3000)
+    top3 = set(np.argsort(-np.asarray(logits[0]))[:3].tolist())
+    drawn = set(np.asarray(jax.vmap(lambda k: sample(logits, k, Sampling(1.0, top_k=3)))(keys)[:, 0]).tolist())
+    assert drawn <= top3 and len(drawn) == 3
+    probs = np.sort(np.asarray(jax.nn.softmax(logits[0])))[::-1]
+    p = float(probs[:4].sum()) - 1e-4  # nucleus = the 4 most likely tokens
+    nucleus = set(np.argsort(-np.asarray(logits[0]))[:4].tolist())
+    drawn = set(np.asarray(jax.vmap(lambda k: sample(logits, k, Sampling(1.0, top_p=p)))(keys)[:, 0]).tolist())
+    assert drawn == nucleus
+
+
+def test_same_seed_same_samples_other_seed_differs(params):
+    tokens = np.random.default_rng().integers(1, CFG.vocab_size, (2, 7))
+    s = Sampling(temperature=1.0)
+    a = generate(params, None, tokens, max_new_tokens=12, stop_tokens=(), sampling=s, seed=1)
+    b = generate(params, None, tokens, max_new_tokens=12, stop_tokens=(), sampling=s, seed=1)
+    c = generate(params, None, tokens, max_new_tokens=12, stop_tokens=(), sampling=s, seed=2)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
+
+
+def test_cache_bookkeeping_and_page_summaries(params):
+    rng = np.random.default_rng()
+    tokens = rng.integers(1, CFG.vocab_size, (2, 21))
+    lengths = np.array([21, 10])
+    out = generate(params, None, tokens, lengths=lengths, max_new_tokens=5, stop_tokens=(), page_size=8)
+    cache = out.cache
+    np.testing.assert_array_equal(np.asarray(cache.length), lengths + 4)  # last token is not fed back
+    np.testing.assert_array_equal(np.asarray(cache.next_position), lengths + 4)
+    pos = np.asarray(cache.layers.positions)
+    for b, n in enumerate(lengths + 4):
+        assert (pos[:, b, :, :n] == np.arange(n)).all() and (pos[:, b, :, n:] == -1).all()
+    # summaries maintained on append equal a recomputation from the stored keys
+    k = np.asarray(cache.layers.k, np.float32)
+    mean = np.asarray(page_mean(cache.layers, cache.length, 8))
+    for b, n in enumerate(lengths + 4):
+        for pg in range(-(-n // 8)):
+            sl = k[:, b, :, pg * 8: min(n, pg * 8 + 8)]
+            np.testing.assert_allclose(mean[:, b, :, pg], sl.mean(-2), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(np.asarray(cache.layers.page_min)[:, b, :, pg], sl.min(-2), atol=1e-6)
+            np.testing.assert_allclose(np.asarray(cache.layers.page_max)[:, b, :, pg], sl.max(-2), atol=1e-6)
+
+
+def test_generate_traces_under_user_jit(params):
+    tokens = np.random.default_rng().integers(1, CFG.vocab_size, (2, 8))
+    eager = generate(params, None, tokens, max_new_tokens=4, stop_tokens=())
+    jitted = jax.jit(lambda p, t: generate(p, None, t, max_new_tokens=4, stop_tokens=()).tokens)(params, tokens)
+    np.testing.assert_array_equal(np.asarray(jitted), np.asarray(eager.tokens))
+
+
+def test_bf16_params_close_to_fp32(params):
+    tokens = np.random.default_rng().integers(1, CFG.vocab_size, (1, 12))
+    ref = np.asarray(full_logits(params, tokens))
+    low = np.asarray(full_logits(params.astype(jnp.bfloat16), tokens))
+    assert np.abs(low - ref).max() < 0.05 * np.abs(ref).max()
+
+
+def test_init_cache_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="page_size=3"):
+        init_cache(CFG, 1, 16, page_size=3)
+    with pytest.raises(ValueError, match="capacity=0"):
+        init_cache(CFG, 1, 0)
