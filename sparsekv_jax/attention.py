@@ -107,12 +107,13 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, pattern, *,
 
 
 def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size: int, selection, *,
-           sliding_window: int | None = None) -> tuple[jax.Array, jax.Array]:
+           sliding_window: int | None = None, return_probs: bool = False):
     """One query per row ``[B, Hq, D]`` at RoPE ``q_position`` ``[B]`` against a layer's cache
     ``kv`` (`LayerKV`) whose first ``length`` slots are in use.
 
     ``selection`` is ``None`` (every page in use) or ``(page_ids [B, Hkv, P], counts [B, Hkv])``.
-    Returns the output ``[B, Hq, D]`` and, per row, the fraction of in-use pages read.
+    Returns the output ``[B, Hq, D]``, per row the fraction of in-use pages read, and with
+    ``return_probs`` the attention probabilities ``[B, Hq, S]``.
     """
     B, Hkv, S, _ = kv.k.shape
     n_pages = S // page_size
@@ -127,6 +128,17 @@ def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size
         read = (pm & (jnp.arange(n_pages) < used_pages[:, None, None])).sum((1, 2)) / (
             Hkv * jnp.maximum(used_pages, 1))
     valid = jnp.broadcast_to(valid, (B, Hkv, S))[:, :, None, :]
-    out = cached_attention(q[:, :, None], kv.k, kv.v, q_position[:, None], kv.positions, valid, bias=kv.bias,
-                           sliding_window=sliding_window)
-    return out[:, :, 0], read.astype(jnp.float32)
+    res = cached_attention(q[:, :, None], kv.k, kv.v, q_position[:, None], kv.positions, valid, bias=kv.bias,
+                           sliding_window=sliding_window, return_weights=return_probs)
+    if return_probs:
+        out, probs = res
+        return out[:, :, 0], read.astype(jnp.float32), probs[:, :, 0]
+    return res[:, :, 0], read.astype(jnp.float32)
+
+
+def block_fraction(pattern, T: int) -> jax.Array:
+    """Fraction of the causal attention blocks a block pattern computes (mean over rows, heads)."""
+    _, block_counts, block_size = pattern
+    n = -(-T // block_size)
+    causal_blocks = n * (n + 1) / 2
+    return block_counts.sum(-1).mean().astype(jnp.float32) / causal_blocks

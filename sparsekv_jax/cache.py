@@ -139,31 +139,31 @@ def _slot_valid(length: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def append_token(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slot: jax.Array,
-                 position: jax.Array, page_size: int) -> LayerKV:
-    """Append one token per row at ``slot[b]`` (one layer), updating that page's summary.
+                 position: jax.Array, new_length: jax.Array, page_size: int) -> LayerKV:
+    """Write one token per row at ``slot`` (one layer) and refresh that page's summary.
 
-    ``k_new``/``v_new``: ``[B, Hkv, D]``; ``slot``, ``position``: ``[B]`` int32. The slot must
-    be below capacity (checked before jit by the callers that size the cache).
+    ``k_new``/``v_new``: ``[B, Hkv, D]``; ``slot``: ``[B]`` (append) or ``[B, Hkv]`` (a slot per
+    head, e.g. in-place eviction); ``position``: ``[B]``; ``new_length``: ``[B]`` slots in use
+    after the write. The written page's sum/min/max are recomputed from its ``page_size`` keys,
+    which stays exact when a slot is overwritten and costs O(page) per step.
     """
     B, H, D = k_new.shape
-    rows = jnp.arange(B)
-    k = kv.k.at[rows, :, slot].set(k_new.astype(kv.k.dtype))
-    v = kv.v.at[rows, :, slot].set(v_new.astype(kv.v.dtype))
-    pos = kv.positions.at[rows, :, slot].set(jnp.broadcast_to(position[:, None], (B, H)))
-    page = slot // page_size
-    first = (slot % page_size == 0)[:, None, None]  # a fresh page starts its summary over
-    kf = k_new.astype(jnp.float32)
-    old_sum = kv.page_sum[rows, :, page]
-    old_min = kv.page_min[rows, :, page]
-    old_max = kv.page_max[rows, :, page]
-    new_sum = jnp.where(first, kf, old_sum + kf)
-    new_min = jnp.where(first, kf, jnp.minimum(old_min, kf))
-    new_max = jnp.where(first, kf, jnp.maximum(old_max, kf))
+    slot = jnp.broadcast_to(slot[:, None] if slot.ndim == 1 else slot, (B, H))
+    rows = jnp.arange(B)[:, None]
+    heads = jnp.arange(H)[None, :]
+    k = kv.k.at[rows, heads, slot].set(k_new.astype(kv.k.dtype))
+    v = kv.v.at[rows, heads, slot].set(v_new.astype(kv.v.dtype))
+    pos = kv.positions.at[rows, heads, slot].set(jnp.broadcast_to(position[:, None], (B, H)))
+    page = slot // page_size  # [B, H]
+    in_page = page[..., None] * page_size + jnp.arange(page_size)  # [B, H, ps]
+    keys = jnp.take_along_axis(k, in_page[..., None], axis=2).astype(jnp.float32)  # [B, H, ps, D]
+    valid = (in_page < new_length[:, None, None])[..., None]
+    big = jnp.finfo(jnp.float32).max
     return kv.replace(
         k=k, v=v, positions=pos,
-        page_sum=kv.page_sum.at[rows, :, page].set(new_sum),
-        page_min=kv.page_min.at[rows, :, page].set(new_min),
-        page_max=kv.page_max.at[rows, :, page].set(new_max),
+        page_sum=kv.page_sum.at[rows, heads, page].set(jnp.where(valid, keys, 0.0).sum(-2)),
+        page_min=kv.page_min.at[rows, heads, page].set(jnp.where(valid, keys, big).min(-2)),
+        page_max=kv.page_max.at[rows, heads, page].set(jnp.where(valid, keys, -big).max(-2)),
     )
 
 

@@ -90,7 +90,7 @@ def prefill(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Arra
             *, chunk: int | None = None):
     """Process right-padded prompts into an empty ``cache``.
 
-    Returns ``(last_logits [B, V] fp32, cache, observations)``. ``chunk`` processes the prompt
+    Returns ``(last_logits [B, V] fp32, cache, observations, prefill_block_fraction)``. ``chunk`` processes the prompt
     in chunks of that many tokens against the cache (long prompts; streaming scans);
     ``None`` runs it in one pass with dense (cuDNN on the GPU) or policy-sparse attention.
     """
@@ -102,11 +102,14 @@ def prefill(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Arra
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
         def attend(q, k, v, kv, idx):
-            out = attention.prefill(q, k, v, policy.prefill_pattern(q, k, idx), sliding_window=window)
+            pattern = policy.prefill_pattern(q, k, v, lengths, idx)
+            out = attention.prefill(q, k, v, pattern, sliding_window=window)
             kv = write_chunk(kv, _transpose_heads(k), _transpose_heads(v), 0, positions)
-            return out, kv, policy.observe(q, k, v, lengths, idx)
+            fraction = jnp.float32(1.0) if pattern is None else attention.block_fraction(pattern, T)
+            return out, kv, (policy.observe(q, k, v, lengths, idx), fraction)
 
-        hidden, layers, observations = forward(params, tokens, positions, cache.layers, attend)
+        hidden, layers, (observations, fractions) = forward(params, tokens, positions, cache.layers, attend)
+        block_fraction = fractions.mean()
     else:
         n_chunks = pages_for(T, chunk)
         padded = jnp.pad(tokens, ((0, 0), (0, n_chunks * chunk - T)))
@@ -135,33 +138,47 @@ def prefill(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Arra
         layers, hiddens = jax.lax.scan(run_chunk, cache.layers, (chunks, jnp.arange(n_chunks)))
         hidden = hiddens.transpose(1, 0, 2, 3).reshape(B, n_chunks * chunk, -1)[:, :T]
         observations = None
+        block_fraction = jnp.float32(1.0)
     last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = logits_from_hidden(params, last_hidden)
     slot_used = jnp.arange(cache.capacity)[None, None, None, :] < lengths[None, :, None, None]
     layers = layers.replace(positions=jnp.where(slot_used, layers.positions, -1))
     layers = summarize_pages(layers, lengths, cache.page_size)
     cache = cache.replace(layers=layers, length=lengths, next_position=lengths)
-    return logits, cache, observations
+    return logits, cache, observations, block_fraction
 
 
-def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array, state: Any):
-    """Feed one token per row ``[B]``; returns ``(logits [B, V], cache, pages_read [B])``."""
+def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array, state: tuple[Any, Any]):
+    """Feed one token per row ``[B]``.
+
+    ``state`` is the policy's ``(layer_state, shared_state)``. Returns
+    ``(logits [B, V], cache, state, pages_read [B])`` (fraction of in-use pages read, layer mean).
+    """
     cfg = params.config
     ps = cache.page_size
-    slot = cache.length
     pos = cache.next_position
-    new_length = slot + 1
+    layer_state, shared_state = state
 
-    def attend(q, k, v, kv, idx):
-        kv = append_token(kv, k[:, 0], v[:, 0], slot, pos, ps)
-        selection = policy.decode_select(q[:, 0], kv, new_length, state, idx, ps)
-        out, pages = attention.decode(q[:, 0], pos, kv, new_length, ps, selection, sliding_window=cfg.sliding_window)
-        return out[:, None], kv, pages
+    def attend(q, k, v, layer, idx):
+        kv, lstate = layer
+        slot, new_length = policy.decode_write(kv, cache.length, lstate)
+        kv = append_token(kv, k[:, 0], v[:, 0], slot, pos, new_length, ps)
+        selection = policy.decode_select(q[:, 0], kv, new_length, lstate, shared_state, idx, ps)
+        res = attention.decode(q[:, 0], pos, kv, new_length, ps, selection, sliding_window=cfg.sliding_window,
+                               return_probs=policy.needs_decode_probs)
+        if policy.needs_decode_probs:
+            out, pages, probs = res
+            lstate = policy.decode_observe(lstate, probs, kv)
+        else:
+            out, pages = res
+        return out[:, None], (kv, lstate), (pages, new_length)
 
-    hidden, layers, pages = forward(params, token[:, None], pos[:, None], cache.layers, attend)
+    hidden, (layers, layer_state), (pages, new_length) = forward(
+        params, token[:, None], pos[:, None], (cache.layers, layer_state), attend)
     logits = logits_from_hidden(params, hidden[:, 0])
-    cache = cache.replace(layers=layers, length=new_length, next_position=pos + 1)
-    return logits, cache, pages.mean(0)
+    cache = cache.replace(layers=layers, length=new_length[0], next_position=pos + 1)
+    shared_state = policy.decode_update(shared_state, cache, logits)
+    return logits, cache, (layer_state, shared_state), pages.mean(0)
 
 
 def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Array, key: jax.Array, *,
@@ -169,7 +186,8 @@ def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Ar
               prefill_chunk: int | None, capacity: int) -> GenerateOutput:
     B, T = tokens.shape
     cache = init_cache(params.config, B, capacity, page_size=page_size, dtype=params.dtype)
-    logits, cache, observations = prefill(params, policy, tokens, lengths, cache, chunk=prefill_chunk)
+    logits, cache, observations, block_fraction = prefill(params, policy, tokens, lengths, cache,
+                                                          chunk=prefill_chunk)
     compressed = policy.compressed_capacity(T, max_new_tokens)
     if compressed is not None:
         cache = policy.compress(cache, observations, compressed)
@@ -189,8 +207,7 @@ def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Ar
 
     def body(carry):
         step, cache, token, done, out, key, state, read = carry
-        logits, cache, pages = decode_step(params, policy, cache, token, state)
-        state = policy.decode_update(state, cache, logits)
+        logits, cache, state, pages = decode_step(params, policy, cache, token, state)
         key, sub = jax.random.split(key)
         nxt = sample(logits, sub, sampling)
         nxt = jnp.where(done, PAD_TOKEN, nxt)
@@ -203,12 +220,12 @@ def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Ar
     _, cache, _, _, out, _, _, read = jax.lax.while_loop(cond, body, init)
     num_generated = jnp.sum(out != PAD_TOKEN, axis=1)
     steps = jnp.maximum(num_generated - 1, 1).astype(jnp.float32)
-    total_pages = pages_for(capacity, page_size)
     stats = {
-        "kv_stored_fraction": stored,
+        "kv_stored_fraction": stored,  # entries kept after compression / prompt length
         "kv_read_fraction": read / steps,  # mean over steps of pages read / pages in use
+        "prefill_block_fraction": block_fraction,  # attention blocks computed / causal blocks
         "cache_bytes": cache.nbytes(),
-        "total_pages": total_pages,
+        "cache_capacity": cache.capacity,
     }
     return GenerateOutput(tokens=out, num_generated=num_generated, cache=cache, stats=stats)
 

@@ -61,7 +61,7 @@ def run_point(model: str, kind: str, context: int, batch: int, decode_steps: int
         @jax.jit
         def run(params, tokens):
             cache = init_cache(cfg, batch, context, page_size=16, dtype=jnp.bfloat16)
-            logits, cache, _ = prefill(params, policy, tokens, lengths, cache)
+            logits, cache, _, _ = prefill(params, policy, tokens, lengths, cache)
             return logits, cache.length
 
         times = _timed(run, params, tokens, iters=iters)
@@ -89,7 +89,7 @@ def run_point(model: str, kind: str, context: int, batch: int, decode_steps: int
         def run(params, cache, token):
             def body(i, carry):
                 cache, token = carry
-                logits, cache, _ = decode_step(params, policy, cache, token, None)
+                logits, cache, _, _ = decode_step(params, policy, cache, token, (None, None))
                 return cache, jnp.argmax(logits, -1).astype(jnp.int32)
             return jax.lax.fori_loop(0, decode_steps, body, (cache, token))[1]
 

@@ -93,7 +93,7 @@ def random_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.bfloa
     shapes = expected_shapes(cfg)
     keys = jax.random.split(key, len(shapes))
     arrays = {}
-    for k, (name, shape) in zip(keys, sorted(shapes.items())):
+    for k, (name, shape) in zip(keys, sorted(shapes.items()), strict=True):
         if name.endswith("norm"):
             arrays[name] = (1.0 + 0.1 * jax.random.normal(k, shape)).astype(dtype)
         else:

@@ -6,10 +6,15 @@ learned or calibrated state are leaves. The stages (DESIGN.md, "The policy stage
 * ``prefill_pattern`` — inside each layer during prefill: which KV blocks each query block
   attends to (``None`` = dense causal).
 * ``observe`` — inside each layer during prefill: whatever ``compress`` needs (window scores,
-  attention mass, ...), stacked over layers. ``None`` = nothing.
-* ``compress`` — after prefill: a *smaller* cache (``compressed_capacity`` fixes its size).
-* ``decode_init`` / ``decode_select`` / ``decode_update`` — the decode loop: which pages each
-  step reads per (row, KV head), with state carried through the loop.
+  attention mass, ...), stacked over layers by the layer scan. ``None`` = nothing.
+* ``compress`` — after prefill: a *smaller* cache of ``compressed_capacity`` tokens.
+* decode: ``decode_init`` builds ``(layer_state, shared_state)``; ``layer_state`` has a leading
+  ``[L]`` axis and rides the layer scan. Each step, inside each layer: ``decode_write`` picks the
+  slot the new token goes to (append, or overwrite an evicted entry), ``decode_select`` the pages
+  read, ``decode_observe`` sees the step's attention probabilities (only if
+  ``needs_decode_probs``). After the step ``decode_update`` sees the logits.
+
+Every method receives static sizes as Python ints and arrays as traced values: no host syncs.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from flax import struct
 
 from sparsekv_jax.cache import KVCache, LayerKV
 
+Selection = tuple[jax.Array, jax.Array] | None  # (page_ids [B, Hkv, P], counts [B, Hkv]) or all pages
+
 
 @struct.dataclass
 class Policy:
@@ -30,15 +37,22 @@ class Policy:
     def name(self) -> str:
         return type(self).__name__
 
+    @property
+    def needs_decode_probs(self) -> bool:
+        return False
+
     def validate(self, prompt_len: int, max_new_tokens: int, page_size: int) -> None:
         """Raise ``ValueError`` for settings that cannot work with these sizes (before jit)."""
 
     # -- prefill -----------------------------------------------------------------------
-    def prefill_pattern(self, q: jax.Array, k: jax.Array, layer_index: jax.Array) -> Any:
+    def prefill_pattern(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+                        layer_index: jax.Array) -> Any:
+        """``None`` (dense causal) or ``(block_ids [B,Hkv,nQ,K], counts [B,Hkv,nQ], block_size)``."""
         return None
 
     def observe(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
                 layer_index: jax.Array) -> Any:
+        """Per-layer observation for ``compress``; ``q`` ``[B,T,Hq,D]``, ``k``/``v`` ``[B,T,Hkv,D]``."""
         return None
 
     # -- compress ------------------------------------------------------------------------
@@ -50,18 +64,29 @@ class Policy:
         return cache
 
     # -- decode --------------------------------------------------------------------------
-    def decode_init(self, cache: KVCache) -> Any:
+    def decode_init(self, cache: KVCache) -> tuple[Any, Any]:
+        return None, None
+
+    def decode_write(self, kv: LayerKV, length: jax.Array, layer_state: Any) -> tuple[jax.Array, jax.Array]:
+        """``(slot [B] or [B, Hkv], new_length [B])`` for this step's token: append by default."""
+        return length, length + 1
+
+    def decode_select(self, q: jax.Array, kv: LayerKV, length: jax.Array, layer_state: Any,
+                      shared_state: Any, layer_index: jax.Array, page_size: int) -> Selection:
+        """Pages to read this step, or ``None`` = every page in use."""
         return None
 
-    def decode_select(self, q: jax.Array, kv: LayerKV, length: jax.Array, state: Any,
-                      layer_index: jax.Array, page_size: int) -> tuple[jax.Array, jax.Array] | None:
-        """``(page_ids [B, Hkv, P], counts [B, Hkv])`` to read this step, or ``None`` = all."""
-        return None
+    def decode_observe(self, layer_state: Any, probs: jax.Array, kv: LayerKV) -> Any:
+        """See ``probs`` ``[B, Hq, S]`` of this step (only called if ``needs_decode_probs``)."""
+        return layer_state
 
-    def decode_update(self, state: Any, cache: KVCache, logits: jax.Array) -> Any:
-        return state
+    def decode_update(self, shared_state: Any, cache: KVCache, logits: jax.Array) -> Any:
+        return shared_state
 
 
 @struct.dataclass
 class Dense(Policy):
     """Full attention everywhere: the reference every policy is measured against."""
+
+
+FullKV = Dense

