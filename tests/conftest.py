@@ -57,3 +57,19 @@ def hf_tiny_dir(tmp_path_factory):
         return built[family]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def smol(tmp_path_factory):
+    """(cache_dir, params, tokenizer, seconds) of the first `load("smollm2")` into a fresh cache.
+
+    Shared by every test that needs the real embedded model, so it is converted once a session.
+    """
+    import time
+
+    from sparsekv_jax.models.embedded import load
+
+    cache = tmp_path_factory.mktemp("sparsekv_cache")
+    t0 = time.perf_counter()
+    params, tok = load("smollm2", cache_dir=cache, progress=False)
+    return cache, params, tok, time.perf_counter() - t0

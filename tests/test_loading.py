@@ -139,15 +139,6 @@ def test_load_hf_dir_bf16_checkpoint_upcast_exact(tmp_path):
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def smol(tmp_path_factory):
-    """(cache_dir, params, tokenizer, seconds) of the first `load("smollm2")` into a fresh cache."""
-    cache = tmp_path_factory.mktemp("sparsekv_cache")
-    t0 = time.perf_counter()
-    params, tok = load("smollm2", cache_dir=cache, progress=False)
-    return cache, params, tok, time.perf_counter() - t0
-
-
 def test_smollm2_config_from_gguf(smol):
     _, params, tok, _ = smol
     assert params.config == smollm2_135m_config()

@@ -1,0 +1,267 @@
+"""Page-sparse decode kernel vs its jnp reference, in Pallas interpret mode on CPU.
+
+Every test draws fresh random inputs (the seed is printed; pytest shows it on failure).
+Interpret mode fills kernel outputs with NaN before the kernel runs, so an element the
+kernel forgot to write fails the finite check; unused cache slots are poisoned with NaN
+too, so any read of a slot that should be masked shows up as NaN.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparsekv_jax.pallas.decode import decode_attention, decode_attention_reference, selected_slot_mask
+from sparsekv_jax.pallas.testing import random_page_lists, rel_err
+
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def _inputs(rng, B, Hq, Hkv, D, P, ps, dtype, *, lengths=None):
+    S = P * ps
+    q = rng.standard_normal((B, Hq, D))
+    k = rng.standard_normal((B, Hkv, S, D))
+    v = rng.standard_normal((B, Hkv, S, D))
+    if lengths is None:
+        lengths = rng.integers(1, S + 1, B)
+        lengths[0] = S - int(rng.integers(1, ps))  # partial last page
+    lengths = np.asarray(lengths, np.int32)
+    return (jnp.asarray(q, dtype), jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(lengths))
+
+
+def _poison(x, mask):
+    """NaN wherever the kernel must not look (mask False), per [B, Hkv, S] slot."""
+    return jnp.where(mask[..., None], x, jnp.nan).astype(x.dtype)
+
+
+def _check(out, q, k, v, lengths, dtype, **kw):
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    ref = decode_attention_reference(f32(q), f32(k), f32(v), lengths, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert np.isfinite(np.asarray(out, np.float32)).all(), "NaN/inf in kernel output"
+    err = rel_err(np.asarray(out, np.float32), np.asarray(ref))
+    assert err <= TOL[dtype], f"rel err {err:.3g} > {TOL[dtype]}"
+    return ref
+
+
+# (Hq, Hkv, D, page_size, num_pages, dtype): GQA 1/3/4/8, page 16..128, D 64/128.
+DENSE_CASES = [
+    (2, 2, 64, 16, 9, jnp.float32),
+    (6, 2, 64, 32, 5, jnp.bfloat16),
+    (8, 2, 128, 16, 7, jnp.float32),
+    (16, 2, 64, 64, 3, jnp.bfloat16),
+    (9, 3, 64, 128, 2, jnp.float32),
+    (32, 4, 128, 32, 4, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,ps,P,dtype", DENSE_CASES)
+def test_dense_matches_reference(rng, Hq, Hkv, D, ps, P, dtype):
+    q, k, v, lengths = _inputs(rng, 3, Hq, Hkv, D, P, ps, dtype)
+    mask = selected_slot_mask(lengths, P * ps, Hkv, page_size=ps)
+    k, v = _poison(k, mask), _poison(v, mask)
+    out = decode_attention(q, k, v, lengths, page_size=ps, interpret=True, block_k=32)
+    _check(out, q, k, v, lengths, dtype, page_size=ps)
+
+
+SPARSE_CASES = [
+    (4, 4, 64, 16, 12, jnp.float32),
+    (6, 2, 64, 32, 8, jnp.bfloat16),
+    (8, 2, 128, 64, 5, jnp.float32),
+    (16, 2, 64, 128, 4, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("Hq,Hkv,D,ps,P,dtype", SPARSE_CASES)
+def test_sparse_unsorted_ragged_matches_reference(rng, Hq, Hkv, D, ps, P, dtype):
+    B = 3
+    q, k, v, lengths = _inputs(rng, B, Hq, Hkv, D, P, ps, dtype)
+    ids, counts = random_page_lists(rng, np.asarray(lengths), Hkv, P, ps, list_len=max(2, P - 2))
+    counts[1, 0] = 0  # an empty selection
+    kw = dict(page_size=ps, page_ids=jnp.asarray(ids), page_counts=jnp.asarray(counts))
+    mask = selected_slot_mask(lengths, P * ps, Hkv, **kw)
+    k, v = _poison(k, mask), _poison(v, mask)
+    out = decode_attention(q, k, v, lengths, interpret=True, block_k=64, num_splits=2, **kw)
+    _check(out, q, k, v, lengths, dtype, **kw)
+    G = Hq // Hkv
+    assert np.all(np.asarray(out, np.float32)[1, :G] == 0), "empty selection must give zeros"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_bias_and_scale(rng, dtype):
+    B, Hq, Hkv, D, ps, P = 2, 8, 2, 64, 16, 6
+    q, k, v, lengths = _inputs(rng, B, Hq, Hkv, D, P, ps, dtype)
+    bias = jnp.asarray(np.log(rng.integers(1, 9, (B, Hkv, P * ps))), jnp.float32)
+    ids, counts = random_page_lists(rng, np.asarray(lengths), Hkv, P, ps, list_len=4, allow_empty=False)
+    kw = dict(page_size=ps, page_ids=jnp.asarray(ids), page_counts=jnp.asarray(counts), bias=bias,
+              scale=0.3)
+    out = decode_attention(q, k, v, lengths, interpret=True, block_k=32, **kw)
+    _check(out, q, k, v, lengths, dtype, **kw)
+
+
+def test_full_selection_equals_dense(rng):
+    B, Hq, Hkv, D, ps, P = 2, 4, 2, 64, 16, 8
+    q, k, v, lengths = _inputs(rng, B, Hq, Hkv, D, P, ps, jnp.float32)
+    used = -(-np.asarray(lengths) // ps)
+    ids = np.zeros((B, Hkv, P), np.int32)
+    counts = np.zeros((B, Hkv), np.int32)
+    for b in range(B):
+        for h in range(Hkv):
+            ids[b, h, : used[b]] = rng.permutation(used[b])
+            counts[b, h] = used[b]
+    sparse = decode_attention(q, k, v, lengths, page_size=ps, page_ids=jnp.asarray(ids),
+                              page_counts=jnp.asarray(counts), interpret=True, block_k=32, num_splits=3)
+    dense = decode_attention(q, k, v, lengths, page_size=ps, interpret=True, block_k=64)
+    assert rel_err(np.asarray(sparse), np.asarray(dense)) <= 1e-5
+    _check(sparse, q, k, v, lengths, jnp.float32, page_size=ps)
+
+
+def test_all_empty_gives_zeros_not_nan(rng):
+    B, Hq, Hkv, D, ps, P = 2, 4, 2, 64, 16, 4
+    q, k, v, lengths = _inputs(rng, B, Hq, Hkv, D, P, ps, jnp.bfloat16, lengths=[0, 17])
+    ids = jnp.asarray(rng.integers(0, P, (B, Hkv, 3)), jnp.int32)
+    out = decode_attention(q, k, v, lengths, page_size=ps, page_ids=ids,
+                           page_counts=jnp.zeros((B, Hkv), jnp.int32), interpret=True, block_k=32)
+    assert np.all(np.asarray(out, np.float32) == 0)
+    dense = decode_attention(q, k, v, lengths, page_size=ps, interpret=True, block_k=32)
+    assert np.all(np.asarray(dense, np.float32)[0] == 0)  # length 0 row
+    assert np.isfinite(np.asarray(dense, np.float32)).all()
+
+
+def test_pages_past_length_are_masked(rng):
+    """A listed page entirely past the row's length contributes nothing."""
+    B, Hq, Hkv, D, ps, P = 1, 4, 1, 64, 16, 6
+    q, k, v, lengths = _inputs(rng, B, Hq, Hkv, D, P, ps, jnp.float32, lengths=[40])
+    ids = jnp.asarray([[[5, 1, 2]]], jnp.int32)  # page 5 is past length 40, page 2 partial
+    kw = dict(page_size=ps, page_ids=ids, page_counts=jnp.asarray([[3]], jnp.int32))
+    mask = selected_slot_mask(lengths, P * ps, Hkv, **kw)
+    out = decode_attention(q, _poison(k, mask), _poison(v, mask), lengths, interpret=True, block_k=16, **kw)
+    _check(out, q, k, v, lengths, jnp.float32, **kw)
+
+
+def test_under_jit_with_tracers(rng):
+    B, Hq, Hkv, D, ps, P = 2, 4, 2, 64, 16, 4
+    q, k, v, lengths = _inputs(rng, B, Hq, Hkv, D, P, ps, jnp.float32)
+    ids, counts = random_page_lists(rng, np.asarray(lengths), Hkv, P, ps, list_len=3)
+    f = jax.jit(lambda q, k, v, n, i, c: decode_attention(q, k, v, n, page_size=ps, page_ids=i,
+                                                          page_counts=c, interpret=True, block_k=32))
+    out = f(q, k, v, lengths, jnp.asarray(ids), jnp.asarray(counts))
+    _check(out, q, k, v, lengths, jnp.float32, page_size=ps, page_ids=jnp.asarray(ids),
+           page_counts=jnp.asarray(counts))
+
+
+# --- bad inputs: one test per case -------------------------------------------------------------
+
+def _ok(B=2, Hq=4, Hkv=2, D=64, P=4, ps=16, dtype=jnp.float32):
+    S = P * ps
+    return dict(q=jnp.zeros((B, Hq, D), dtype), k=jnp.zeros((B, Hkv, S, D), dtype),
+                v=jnp.zeros((B, Hkv, S, D), dtype), lengths=jnp.full((B,), S, jnp.int32), page_size=ps)
+
+
+def _call(**kw):
+    a = _ok()
+    a.update(kw)
+    return decode_attention(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("lengths"), interpret=True, **a)
+
+
+def test_error_kv_shape_mismatch():
+    with pytest.raises(ValueError, match="v shape"):
+        _call(v=jnp.zeros((2, 2, 32, 64)))
+
+
+def test_error_batch_mismatch():
+    with pytest.raises(ValueError, match="batch"):
+        _call(q=jnp.zeros((3, 4, 64)))
+
+
+def test_error_dtype_mismatch():
+    with pytest.raises(ValueError, match="dtype"):
+        _call(q=jnp.zeros((2, 4, 64), jnp.bfloat16))
+
+
+def test_error_heads_not_multiple():
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        _call(q=jnp.zeros((2, 3, 64)))
+
+
+def test_error_head_dim_not_pow2():
+    with pytest.raises(ValueError, match="head_dim"):
+        _call(q=jnp.zeros((2, 4, 48)), k=jnp.zeros((2, 2, 64, 48)), v=jnp.zeros((2, 2, 64, 48)))
+
+
+def test_error_cache_not_whole_pages():
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        _call(page_size=128)
+
+
+def test_error_page_size_not_pow2():
+    with pytest.raises(ValueError, match="power of two"):
+        _call(page_size=48)
+
+
+def test_error_lengths_out_of_range():
+    with pytest.raises(ValueError, match="lengths"):
+        _call(lengths=jnp.asarray([65, 3], jnp.int32))
+
+
+def test_error_lengths_float():
+    with pytest.raises(ValueError, match="integer"):
+        _call(lengths=jnp.asarray([6.0, 3.0]))
+
+
+def test_error_page_id_out_of_range():
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 4\)"):
+        _call(page_ids=jnp.asarray(np.full((2, 2, 2), 4), jnp.int32))
+
+
+def test_error_page_id_negative():
+    with pytest.raises(ValueError, match="ids must lie"):
+        _call(page_ids=jnp.asarray(np.full((2, 2, 1), -1), jnp.int32))
+
+
+def test_error_counts_exceed_list():
+    with pytest.raises(ValueError, match="counts must lie"):
+        _call(page_ids=jnp.zeros((2, 2, 2), jnp.int32), page_counts=jnp.full((2, 2), 3, jnp.int32))
+
+
+def test_error_duplicate_pages():
+    ids = jnp.asarray(np.tile([1, 2, 1], (2, 2, 1)), jnp.int32)
+    with pytest.raises(ValueError, match="duplicate"):
+        _call(page_ids=ids)
+
+
+def test_junk_past_count_is_ignored():
+    ids = jnp.asarray(np.tile([1, 1, 99], (2, 2, 1)), jnp.int32)  # junk after count 1
+    out = _call(page_ids=ids, page_counts=jnp.ones((2, 2), jnp.int32))
+    assert np.isfinite(np.asarray(out)).all()
+
+
+def test_error_counts_without_ids():
+    with pytest.raises(ValueError, match="without page_ids"):
+        _call(page_counts=jnp.ones((2, 2), jnp.int32))
+
+
+def test_error_page_ids_shape():
+    with pytest.raises(ValueError, match="page_ids must be"):
+        _call(page_ids=jnp.zeros((2, 3, 2), jnp.int32))
+
+
+def test_error_bias_shape():
+    with pytest.raises(ValueError, match="bias must be"):
+        _call(bias=jnp.zeros((2, 2, 63)))
+
+
+def test_shape_errors_still_raised_under_jit():
+    a = _ok()
+    with pytest.raises(ValueError, match="page_ids must be"):
+        jax.jit(lambda i: decode_attention(a["q"], a["k"], a["v"], a["lengths"], page_size=16,
+                                           page_ids=i, interpret=True))(jnp.zeros((2, 3, 2), jnp.int32))
