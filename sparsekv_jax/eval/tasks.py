@@ -1,0 +1,162 @@
+"""Common task and sample types of the evaluation harness, and prompt helpers shared by suites.
+
+Every evaluation prompt is split in two: ``context`` (everything up to and including the long
+document, chat-template prefix included) and ``question`` (the query, the chat template's
+closing tokens and any answer prefix), with ``prompt == context + question``. A question-agnostic
+KV-compression policy can prefill and compress ``context`` alone and then append ``question``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sparsekv_jax.eval import metrics as _metrics
+
+__all__ = ["Sample", "Task", "count_tokens", "render_prompt", "score_samples"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One evaluation task of a suite.
+
+    Attributes:
+        name: task name, e.g. ``"niah_single_1"`` or ``"hotpotqa"``.
+        suite: ``"ruler"`` or ``"longbench"``.
+        metric: metric name from :data:`sparsekv_jax.eval.metrics.METRICS`.
+        max_new_tokens: generation budget the suite uses for this task.
+        first_line_only: score only the first line of the prediction (LongBench few-shot tasks).
+        description: one line on what the task tests.
+    """
+
+    name: str
+    suite: str
+    metric: str
+    max_new_tokens: int
+    first_line_only: bool = False
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One prompt with its gold answers.
+
+    Attributes:
+        task: task name.
+        index: position of the sample within its generated / loaded set.
+        context: text before the question (chat prefix + instructions + long document).
+        question: the query part; ``context + question`` is the full prompt.
+        answers: gold strings.
+        metric: metric name (see :mod:`sparsekv_jax.eval.metrics`).
+        depths: for needle tasks, where each inserted needle sits, as the fraction of the
+            haystack text before it (0 = start, 1 = end), in insertion order; empty otherwise.
+        num_tokens: prompt length in tokens, when it was measured with a tokenizer.
+        max_new_tokens: generation budget of the task.
+        all_classes: label set for classification metrics.
+        first_line_only: score only the first line of a prediction.
+        sample_id: identifier from the source data, if any.
+        meta: task-specific extras (e.g. haystack type, char spans of needles in ``prompt``).
+    """
+
+    task: str
+    index: int
+    context: str
+    question: str
+    answers: tuple[str, ...]
+    metric: str
+    depths: tuple[float, ...] = ()
+    num_tokens: int | None = None
+    max_new_tokens: int | None = None
+    all_classes: tuple[str, ...] | None = None
+    first_line_only: bool = False
+    sample_id: str | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def prompt(self) -> str:
+        """The full prompt text, ``context + question``."""
+        return self.context + self.question
+
+    @property
+    def depth(self) -> float | None:
+        """Depth of the single needle, or ``None`` when there is not exactly one."""
+        return self.depths[0] if len(self.depths) == 1 else None
+
+    def score(self, prediction: str) -> float:
+        """Score a model's prediction for this sample, in ``[0, 1]``."""
+        return _metrics.score(
+            self.metric,
+            prediction,
+            self.answers,
+            all_classes=self.all_classes,
+            first_line_only=self.first_line_only,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly dict of all fields plus ``prompt``."""
+        d = asdict(self)
+        d["meta"] = dict(self.meta)
+        d["prompt"] = self.prompt
+        return d
+
+
+def count_tokens(tokenizer: Any, text: str, *, chat: bool) -> int:
+    """Number of tokens the model sees for ``text``.
+
+    A chat-templated prompt already holds its special tokens (BOS included where the template
+    has one), so it is tokenized with ``add_special_tokens=False``; a plain prompt gets the
+    tokenizer's usual special tokens.
+    """
+    return len(tokenizer(text, add_special_tokens=not chat)["input_ids"])
+
+
+def render_prompt(
+    tokenizer: Any,
+    context_text: str,
+    question_text: str,
+    *,
+    chat: bool,
+    answer_prefix: str = "",
+    system_prompt: str | None = None,
+) -> tuple[str, str]:
+    """Wrap a user message ``context_text + question_text`` and split the result.
+
+    With ``chat`` the message goes through ``tokenizer.apply_chat_template`` (one user turn,
+    generation prompt added) and ``answer_prefix`` (leading whitespace removed) follows the
+    assistant header; without, the prompt is the raw text followed by ``answer_prefix`` as is
+    (RULER's ``base`` template). Returns ``(context, question)`` where ``context`` ends right
+    after ``context_text`` inside the rendered prompt.
+    """
+    user = context_text + question_text
+    if not chat:
+        return context_text, question_text + answer_prefix
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("chat=True but the tokenizer has no chat template")
+    messages: list[dict[str, str]] = []
+    if system_prompt is not None:
+        messages.append({"role": "system", "content": system_prompt})
+    messages.append({"role": "user", "content": user})
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    rendered = rendered + answer_prefix.lstrip()
+    at = rendered.rfind(user)
+    if at >= 0:
+        cut = at + len(context_text)
+    else:
+        # The template altered the message (e.g. stripped it): cut before the question text.
+        q = question_text.strip()
+        at = rendered.rfind(q) if q else -1
+        if at < 0:
+            raise ValueError("could not locate the question inside the chat-templated prompt")
+        cut = at
+    return rendered[:cut], rendered[cut:]
+
+
+def score_samples(samples: Sequence[Sample], predictions: Sequence[str]) -> dict[str, float]:
+    """Per-task score (``round(100 * mean, 2)``, as RULER and LongBench report) of aligned predictions."""
+    if len(samples) != len(predictions):
+        raise ValueError(f"{len(samples)} samples but {len(predictions)} predictions")
+    per_task: dict[str, list[float]] = {}
+    for s, p in zip(samples, predictions, strict=True):
+        per_task.setdefault(s.task, []).append(s.score(p))
+    return {task: _metrics.aggregate(scores) for task, scores in sorted(per_task.items())}
