@@ -75,10 +75,15 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
 
 
 def page_mask(page_ids: jax.Array, page_counts: jax.Array, num_pages: int) -> jax.Array:
-    """``[B, Hkv, P_sel]`` page lists (first ``count`` valid) → ``[B, Hkv, num_pages]`` bool."""
+    """``[..., P_sel]`` page lists (first ``count`` valid) → ``[..., num_pages]`` bool (a scatter,
+    so memory stays O(P), not O(P_sel · P))."""
     sel = jnp.arange(page_ids.shape[-1]) < page_counts[..., None]
-    onehot = jax.nn.one_hot(jnp.where(sel, page_ids, num_pages), num_pages + 1, dtype=jnp.bool_)
-    return onehot.any(-2)[..., :num_pages]
+    ids = jnp.where(sel, page_ids, num_pages)  # unused entries land in a spill column
+    lead = page_ids.shape[:-1]
+    flat = ids.reshape(-1, ids.shape[-1])
+    rows = jnp.arange(flat.shape[0])[:, None]
+    mask = jnp.zeros((flat.shape[0], num_pages + 1), jnp.bool_).at[rows, flat].set(True)
+    return mask[:, :num_pages].reshape(*lead, num_pages)
 
 
 def block_mask(block_ids: jax.Array, block_counts: jax.Array, num_blocks: int, block_size: int) -> jax.Array:

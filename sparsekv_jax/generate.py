@@ -192,7 +192,7 @@ def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Ar
     if compressed is not None:
         cache = policy.compress(cache, observations, compressed)
     stored = cache.length.astype(jnp.float32) / lengths.astype(jnp.float32)
-    state = policy.decode_init(cache)
+    state = policy.decode_init(cache, observations)
     stops = jnp.asarray(stop_tokens if stop_tokens else (-2,), jnp.int32)
 
     key, sub = jax.random.split(key)
@@ -318,6 +318,7 @@ def generate(params: Params, policy: Policy | None = None, tokens: Any = None, *
     if prefill_chunk is not None:
         capacity = max(capacity, pages_for(tokens.shape[1], prefill_chunk) * prefill_chunk)
     policy.validate(tokens.shape[1], max_new_tokens, page_size)
+    policy = policy.bind(tokens.shape[1])
     if stop_tokens is None:
         stop_tokens = params.config.eos_token_ids
     key = jax.random.key(seed) if isinstance(seed, int) else seed

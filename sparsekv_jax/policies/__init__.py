@@ -1,0 +1,20 @@
+"""KV selection policies: one file per method, composed with `Pipeline`.
+
+See `base.Policy` for the stages and `spec` for naming policies on the command line.
+"""
+
+from sparsekv_jax.policies.base import Dense, FullKV, Policy
+from sparsekv_jax.policies.h2o import H2O
+from sparsekv_jax.policies.pipeline import Pipeline
+from sparsekv_jax.policies.quest import Quest
+from sparsekv_jax.policies.snapkv import SnapKV
+from sparsekv_jax.policies.spec import parse_policies, parse_policy, register
+from sparsekv_jax.policies.streaming_llm import StreamingLLM
+
+for _name, _factory in (("fullkv", FullKV), ("dense", Dense), ("streamingllm", StreamingLLM),
+                        ("streaming_llm", StreamingLLM), ("snapkv", SnapKV), ("h2o", H2O), ("quest", Quest),
+                        ("pipeline", Pipeline)):
+    register(_name, _factory)
+
+__all__ = ["Dense", "FullKV", "H2O", "Pipeline", "Policy", "Quest", "SnapKV", "StreamingLLM", "parse_policies",
+           "parse_policy", "register"]

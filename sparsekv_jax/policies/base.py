@@ -44,6 +44,10 @@ class Policy:
     def validate(self, prompt_len: int, max_new_tokens: int, page_size: int) -> None:
         """Raise ``ValueError`` for settings that cannot work with these sizes (before jit)."""
 
+    def bind(self, prompt_len: int) -> Policy:
+        """This policy with sizes that depend on the prompt fixed as static fields (before jit)."""
+        return self
+
     # -- prefill -----------------------------------------------------------------------
     def prefill_pattern(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
                         layer_index: jax.Array) -> Any:
@@ -64,7 +68,9 @@ class Policy:
         return cache
 
     # -- decode --------------------------------------------------------------------------
-    def decode_init(self, cache: KVCache) -> tuple[Any, Any]:
+    def decode_init(self, cache: KVCache, observations: Any) -> tuple[Any, Any]:
+        """``(layer_state, shared_state)`` for the decode loop; ``observations`` are this policy's
+        prefill observations when it also ran ``compress`` (else ``None``)."""
         return None, None
 
     def decode_write(self, kv: LayerKV, length: jax.Array, layer_state: Any) -> tuple[jax.Array, jax.Array]:

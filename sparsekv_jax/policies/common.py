@@ -1,0 +1,153 @@
+"""Mechanics every policy shares: budgets, forced slots (sinks, recent window), compaction of the
+cache to the kept entries, page top-k. Written once here; policies only score.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from sparsekv_jax.cache import KVCache, LayerKV, pages_for, summarize_pages
+
+KEEP = 1e30  # score that forces an entry to be kept (finite: sorts above everything else)
+
+
+def check_budget(budget: float | int, field: str = "budget") -> None:
+    """A budget is a fraction in (0, 1] of the context or a positive token count."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"{field}={budget!r} must be a fraction in (0, 1] or a token count >= 1")
+    if isinstance(budget, float) and not 0.0 < budget <= 1.0:
+        raise ValueError(f"{field}={budget} must be a fraction in (0, 1] or an integer token count")
+    if isinstance(budget, int) and budget < 1:
+        raise ValueError(f"{field}={budget} must be a token count >= 1 (or a fraction in (0, 1])")
+
+
+def budget_tokens(budget: float | int, context: int) -> int:
+    """Tokens kept for a prompt of ``context`` tokens: ``floor(f * T)`` (at least 1) or the count,
+    never more than the context. (floor matches kvpress' ``int(T * (1 - ratio))``.)"""
+    if isinstance(budget, float):
+        return max(1, min(context, int(math.floor(budget * context + 1e-9))))
+    return min(budget, context)
+
+
+def row_budgets(budget: float | int, lengths: jax.Array) -> jax.Array:
+    """Per-row kept counts ``[B]`` for right-padded rows of different lengths (traceable)."""
+    if isinstance(budget, float):
+        n = jnp.floor(budget * lengths.astype(jnp.float32) + 1e-6).astype(jnp.int32)
+        return jnp.clip(n, 1, lengths)
+    return jnp.minimum(jnp.int32(budget), lengths)
+
+
+def check_sinks_window(budget: float | int, sinks: int, window: int, context: int | None = None) -> None:
+    """Sinks and the recent window are counted inside the budget: they must fit."""
+    if sinks < 0:
+        raise ValueError(f"sinks={sinks} must be >= 0")
+    if window < 0:
+        raise ValueError(f"window={window} must be >= 0")
+    if isinstance(budget, int) and sinks + window > budget:
+        raise ValueError(f"sinks={sinks} + window={window} = {sinks + window} is larger than budget={budget}")
+    if context is not None and isinstance(budget, float):
+        n = budget_tokens(budget, context)
+        if sinks + window > n and n < context:
+            raise ValueError(f"sinks={sinks} + window={window} = {sinks + window} is larger than budget={budget} "
+                             f"of a {context}-token prompt ({n} tokens)")
+
+
+def force_sinks_and_window(scores: jax.Array, length: jax.Array, sinks: int, window: int | jax.Array) -> jax.Array:
+    """Raise the scores of the first ``sinks`` and last ``window`` used slots above any score.
+
+    ``scores`` ``[..., B, H, S]``; ``length`` ``[B]``; ``window`` an int or ``[B]``. When a row's
+    budget is smaller than sinks + window, sinks win, then the most recent tokens.
+    """
+    S = scores.shape[-1]
+    slot = jnp.arange(S)
+    ln = length[:, None, None]
+    win = jnp.asarray(window).reshape(-1, 1, 1)
+    in_window = (slot >= ln - win) & (slot < ln)
+    # distinct forced scores in fp32: 2·KEEP for sinks, KEEP·(1 + slot/S) for the window
+    forced = jnp.where(slot < sinks, 2.0 * KEEP, KEEP * (1.0 + slot / S))
+    return jnp.where((slot < sinks) | in_window, forced.astype(scores.dtype), scores)
+
+
+def keep_slots(scores: jax.Array, length: jax.Array, keep: jax.Array, k_static: int) -> tuple[jax.Array, jax.Array]:
+    """Top ``keep[b]`` used slots by score, as ascending slot indices.
+
+    ``scores`` ``[..., B, H, S]``. Returns ``(slots [..., B, H, k_static], valid [..., B, H, k_static])``:
+    the kept slots sorted ascending (so RoPE positions stay in order), padded with ``S`` where a
+    row keeps fewer than ``k_static``.
+    """
+    S = scores.shape[-1]
+    used = jnp.arange(S) < length[:, None, None]
+    scores = jnp.where(used, scores.astype(jnp.float32), -jnp.inf)
+    _, top = jax.lax.top_k(scores, k_static)
+    chosen = jnp.arange(k_static) < keep[:, None, None]
+    slots = jnp.sort(jnp.where(chosen, top, S), axis=-1)
+    return slots, slots < S
+
+
+def compact(cache: KVCache, scores: jax.Array, keep: jax.Array, capacity: int) -> KVCache:
+    """A new, smaller cache holding, per (layer, row, KV head), the ``keep[b]`` best-scored slots.
+
+    ``scores`` ``[L, B, H, S]`` (higher = keep); ``keep`` ``[B]``; ``capacity`` the new cache's
+    size in tokens (rounded up to pages; must be >= max kept + the tokens still to decode).
+    Entries keep their RoPE positions; ``next_position`` is unchanged, so decoding continues at
+    the uncompressed length. Page summaries are recomputed.
+    """
+    L, B, H, S = scores.shape
+    k_static = min(S, capacity)
+    slots, valid = keep_slots(scores, cache.length, keep, k_static)  # [L, B, H, K]
+    idx = jnp.minimum(slots, S - 1)
+    new_S = pages_for(capacity, cache.page_size) * cache.page_size
+
+    def take(x: jax.Array, fill) -> jax.Array:
+        g = jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 4)), axis=3)
+        vmask = valid.reshape(valid.shape + (1,) * (x.ndim - 4))
+        g = jnp.where(vmask, g, jnp.asarray(fill, x.dtype))
+        pad = [(0, 0)] * x.ndim
+        pad[3] = (0, new_S - k_static)
+        return jnp.pad(g, pad, constant_values=fill)
+
+    old = cache.layers
+    n_pages = new_S // cache.page_size
+    zeros = jnp.zeros((L, B, H, n_pages, old.k.shape[-1]), jnp.float32)
+    layers = LayerKV(k=take(old.k, 0), v=take(old.v, 0), positions=take(old.positions, -1),
+                     bias=take(old.bias, 0), page_sum=zeros, page_min=zeros, page_max=zeros)
+    layers = summarize_pages(layers, keep, cache.page_size)
+    return KVCache(layers=layers, length=keep.astype(jnp.int32), next_position=cache.next_position,
+                   page_size=cache.page_size)
+
+
+def top_pages(page_scores: jax.Array, used_pages: jax.Array, k: int,
+              forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Top-``k`` pages per (row, KV head) among the pages in use.
+
+    ``page_scores`` ``[B, H, P]``; ``used_pages`` ``[B]``; ``forced`` ``[B, H, P]`` bool pages
+    always selected. Returns ``(page_ids [B, H, k], counts [B, H])`` (ids past ``count`` unused).
+    """
+    P = page_scores.shape[-1]
+    k = min(k, P)
+    page = jnp.arange(P)
+    in_use = page < used_pages[:, None, None]
+    s = page_scores.astype(jnp.float32)
+    if forced is not None:
+        s = jnp.where(forced, KEEP + page, s)
+    s = jnp.where(in_use, s, -jnp.inf)
+    _, ids = jax.lax.top_k(s, k)
+    counts = jnp.broadcast_to(jnp.minimum(used_pages, k)[:, None], ids.shape[:2]).astype(jnp.int32)
+    return ids.astype(jnp.int32), counts
+
+
+def grouped_mean(x: jax.Array, num_kv_heads: int, axis: int = 1) -> jax.Array:
+    """Average query-head scores over each GQA group: ``[B, Hq, ...]`` → ``[B, Hkv, ...]``."""
+    shape = x.shape
+    g = shape[axis] // num_kv_heads
+    return x.reshape(*shape[:axis], num_kv_heads, g, *shape[axis + 1:]).mean(axis + 1)
+
+
+def prompt_scores_to_slots(observations: jax.Array, capacity: int) -> jax.Array:
+    """``[L, B, H, T]`` per-prompt-token scores → ``[L, B, H, S]`` slot scores (after prefill,
+    slot = position); slots past the prompt get ``-inf``."""
+    T = observations.shape[-1]
+    return jnp.pad(observations, ((0, 0),) * 3 + ((0, capacity - T),), constant_values=-jnp.inf)

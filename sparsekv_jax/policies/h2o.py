@@ -1,0 +1,123 @@
+"""H2O (Zhang et al., 2023): heavy hitters + recent tokens, with running eviction.
+
+Score of a KV entry = the attention mass it has received, summed over queries (the paper's
+accumulated attention score; summed, not normalised by how many queries could see it, as in
+the paper), summed over the query heads of its GQA group. After prefill the cache keeps the
+``recent`` most recent tokens plus the heaviest hitters, ``budget`` in all (paper: half and
+half). During decode the cache stays at that size: each new token overwrites the entry with the
+lowest accumulated score outside the recent window, and every step's attention adds to the
+scores. The prefill mass is computed blockwise over query blocks (O(block · T) memory, no T×T).
+When the budget covers the whole prompt the policy is exact dense: no compression, no eviction.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from sparsekv_jax.cache import KVCache, LayerKV
+from sparsekv_jax.policies.base import Policy
+from sparsekv_jax.policies.common import (budget_tokens, check_budget, compact, force_sinks_and_window,
+                                          prompt_scores_to_slots, row_budgets)
+
+
+def attention_mass(q: jax.Array, k: jax.Array, lengths: jax.Array, block: int = 256) -> jax.Array:
+    """Attention mass each key receives from all valid causal queries: ``[B, Hkv, T]`` fp32.
+
+    ``q`` ``[B, T, Hq, D]``, ``k`` ``[B, T, Hkv, D]``. Query blocks are scanned so that only a
+    ``[block, T]`` slab of scores exists at a time.
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    n = -(-T // block)
+    qp = jnp.pad(q, ((0, 0), (0, n * block - T), (0, 0), (0, 0)))
+    qb = qp.reshape(B, n, block, Hkv, Hq // Hkv, D).transpose(1, 0, 2, 3, 4, 5)
+    t = jnp.arange(T)
+
+    def step(acc, xs):
+        qblk, i = xs
+        qpos = i * block + jnp.arange(block)  # [block]
+        s = jnp.einsum("bqhgd,bthd->bhgqt", qblk, k, preferred_element_type=jnp.float32) / jnp.sqrt(D)
+        ok = (t[None, :] <= qpos[:, None])[None] & (qpos[None, :, None] < lengths[:, None, None])  # [B, q, T]
+        s = jnp.where(ok[:, None, None], s, -jnp.inf)
+        p = jnp.where(ok[:, None, None], jax.nn.softmax(s, axis=-1), 0.0)
+        return acc + p.sum((2, 3)), None
+
+    acc, _ = jax.lax.scan(step, jnp.zeros((B, Hkv, T), jnp.float32), (qb, jnp.arange(n)))
+    return acc
+
+
+@struct.dataclass
+class H2O(Policy):
+    """Heavy-hitter oracle.
+
+    Args:
+      budget: fraction of the prompt or token count: the cache size kept during decode too.
+      recent_ratio: share of the budget reserved for the most recent tokens (paper: 0.5).
+      evict_during_decode: keep the cache at ``budget`` while decoding (the paper's algorithm);
+        ``False`` appends decoded tokens after prefill compression instead.
+    """
+
+    budget: float | int = struct.field(pytree_node=False, default=0.25)
+    recent_ratio: float = struct.field(pytree_node=False, default=0.5)
+    evict_during_decode: bool = struct.field(pytree_node=False, default=True)
+
+    def __post_init__(self) -> None:
+        check_budget(self.budget)
+        if not 0.0 <= self.recent_ratio <= 1.0:
+            raise ValueError(f"recent_ratio={self.recent_ratio} must be in [0, 1]")
+
+    @property
+    def needs_decode_probs(self) -> bool:
+        return self.evict_during_decode
+
+    def _recent(self, kept: jax.Array) -> jax.Array:
+        return jnp.floor(self.recent_ratio * kept).astype(jnp.int32)
+
+    def observe(self, q, k, v, lengths, layer_index) -> jax.Array:
+        return attention_mass(q, k, lengths)
+
+    def compressed_capacity(self, prompt_len: int, max_new_tokens: int) -> int | None:
+        kept = budget_tokens(self.budget, prompt_len)
+        if kept >= prompt_len:
+            return None
+        return kept if self.evict_during_decode else kept + max_new_tokens
+
+    def compress(self, cache: KVCache, observations: Any, capacity: int) -> KVCache:
+        keep = row_budgets(self.budget, cache.length)
+        scores = prompt_scores_to_slots(observations, cache.capacity)
+        scores = force_sinks_and_window(scores, cache.length, 0, self._recent(keep))
+        return compact(cache, scores, keep, capacity)
+
+    # -- running eviction -----------------------------------------------------------------
+    def decode_init(self, cache: KVCache, observations: Any) -> tuple[Any, Any]:
+        if not self.evict_during_decode or observations is None:
+            return None, None
+        # scores of the entries the compressed cache kept, found by their original position
+        pos = jnp.maximum(cache.layers.positions, 0)
+        scores = jnp.take_along_axis(observations, jnp.minimum(pos, observations.shape[-1] - 1), axis=-1)
+        return jnp.where(cache.layers.positions >= 0, scores, 0.0), None
+
+    def decode_write(self, kv: LayerKV, length: jax.Array, layer_state: Any) -> tuple[jax.Array, jax.Array]:
+        if layer_state is None:
+            return length, length + 1
+        capacity = kv.k.shape[2]
+        newest = jnp.max(kv.positions, axis=(1, 2))  # [B] position of the last token written
+        protected = kv.positions > (newest - self._recent(jnp.minimum(length, capacity)))[:, None, None]
+        s = jnp.where(protected | (kv.positions < 0), jnp.inf, layer_state)
+        victim = jnp.argmin(s, axis=-1).astype(jnp.int32)  # [B, H]
+        full = (length >= capacity)[:, None]
+        slot = jnp.where(full, victim, length[:, None])
+        return slot, jnp.minimum(length + 1, capacity)
+
+    def decode_observe(self, layer_state: Any, probs: jax.Array, kv: LayerKV) -> Any:
+        if layer_state is None:
+            return None
+        B, Hq, S = probs.shape
+        Hkv = kv.k.shape[1]
+        # the slot written this step (the newest position) starts its score afresh
+        fresh = kv.positions == kv.positions.max(axis=-1, keepdims=True)
+        return jnp.where(fresh, 0.0, layer_state) + probs.reshape(B, Hkv, Hq // Hkv, S).sum(2)
