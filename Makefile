@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean peer-venv
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,17 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check sparsekv_jax tests
 
-test: $(STAMP) lint
+test: $(STAMP) $(PEER)/.installed lint
 	$(BIN)/python -m pytest -q --durations=15 tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# kvpress (the peer the baselines are cross-checked against) needs transformers < 5.3: its own venv.
+PEER := .venv-kvpress
+$(PEER)/.installed:
+	$(PYTHON) -m venv $(PEER)
+	$(PEER)/bin/python -m pip install -q "torch==2.13.0" "transformers==5.2.0" "tokenizers==0.22.2" "kvpress==0.5.5" gguf
+	touch $(PEER)/.installed
+
+peer-venv: $(PEER)/.installed

@@ -1,0 +1,75 @@
+"""Cross-check with a peer: kvpress (NVIDIA, PyTorch) on the same SmolLM2 GGUF.
+
+kvpress 0.5.5 needs transformers < 5.3, so it runs in its own environment, `.venv-kvpress`
+(`make peer-venv`: kvpress 0.5.5, transformers 5.2.0, tokenizers 0.22.2, torch 2.13.0 CPU), via
+`tests/peer/kvpress_kept.py`; this test compares what each side keeps. Settings matched to
+kvpress' presses: StreamingLLMPress(n_sink=4) and SnapKVPress(window_size=64, kernel_size=5,
+avg pooling) at compression_ratio 0.75 (keep int(T * 0.25) entries).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparsekv_jax.cache import init_cache
+from sparsekv_jax.generate import prefill
+from sparsekv_jax.models.embedded import embedded_gguf_path
+from sparsekv_jax.policies import SnapKV, StreamingLLM
+
+ROOT = Path(__file__).resolve().parents[1]
+PEER_PY = Path(os.environ.get("SPARSEKV_KVPRESS_PYTHON", ROOT / ".venv-kvpress" / "bin" / "python"))
+WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext2" / "wiki.test.raw"
+T = 1024
+
+
+@pytest.fixture(scope="module")
+def peer_run(smol, tmp_path_factory):
+    if not PEER_PY.exists():
+        pytest.fail(f"kvpress peer environment missing at {PEER_PY}: run `make peer-venv`")
+    cache_dir, params, tokenizer, _ = smol
+    text = WIKITEXT.read_text()
+    start = int(np.random.default_rng().integers(0, len(text) - 30 * T))
+    ids = np.asarray([tokenizer(text[start: start + 30 * T])["input_ids"][:T]])
+    tmp = tmp_path_factory.mktemp("kvpress")
+    np.save(tmp / "ids.npy", ids)
+    gguf = embedded_gguf_path(cache_dir=cache_dir)
+    res = subprocess.run([str(PEER_PY), str(ROOT / "tests" / "peer" / "kvpress_kept.py"), str(gguf),
+                          str(tmp / "ids.npy"), str(tmp / "out.npz"), "snapkv:0.75", "streamingllm:0.75"],
+                         capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    peer = np.load(tmp / "out.npz")
+    assert str(peer["transformers"]) == "5.2.0"
+    return params, ids, peer
+
+
+def _ours(params, ids, policy) -> np.ndarray:
+    cache = init_cache(params.config, 1, T, page_size=16, dtype=jnp.float32)
+    lengths = jnp.asarray([T], jnp.int32)
+    _, cache, obs, _ = prefill(params, policy, jnp.asarray(ids, jnp.int32), lengths, cache)
+    kept = int(T * 0.25)
+    comp = policy.compress(cache, obs, kept)
+    return np.asarray(comp.layers.positions)[:, 0, :, :kept]
+
+
+def test_streaming_llm_keeps_exactly_kvpress_indices(peer_run):
+    params, ids, peer = peer_run
+    ours = _ours(params, ids, StreamingLLM(budget=int(T * 0.25), sinks=4))
+    np.testing.assert_array_equal(ours, peer["kept_streamingllm"])
+
+
+def test_snapkv_agrees_with_kvpress(peer_run):
+    params, ids, peer = peer_run
+    ours = _ours(params, ids, SnapKV(budget=int(T * 0.25), window=64, kernel_size=5, pooling="avg"))
+    theirs = peer["kept_snapkv"]
+    L, H, n = theirs.shape
+    agree = sum(len(set(ours[l, h].tolist()) & set(theirs[l, h].tolist())) for l in range(L) for h in range(H))
+    fraction = agree / (L * H * n)
+    print(f"SnapKV agreement with kvpress: {fraction:.4f} of (layer, head, position) entries", file=sys.stderr)
+    assert fraction >= 0.95
