@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+PEER   := .venv-kvpress
 
 .PHONY: demo test lint install clean peer-venv
 
@@ -27,10 +28,9 @@ test: $(STAMP) $(PEER)/.installed lint
 	$(BIN)/python -m pytest -q --durations=15 tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(PEER) build *.egg-info
 
 # kvpress (the peer the baselines are cross-checked against) needs transformers < 5.3: its own venv.
-PEER := .venv-kvpress
 $(PEER)/.installed:
 	$(PYTHON) -m venv $(PEER)
 	$(PEER)/bin/python -m pip install -q "torch==2.13.0" "transformers==5.2.0" "tokenizers==0.22.2" "kvpress==0.5.5" gguf

@@ -265,3 +265,8 @@ def test_shape_errors_still_raised_under_jit():
     with pytest.raises(ValueError, match="page_ids must be"):
         jax.jit(lambda i: decode_attention(a["q"], a["k"], a["v"], a["lengths"], page_size=16,
                                            page_ids=i, interpret=True))(jnp.zeros((2, 3, 2), jnp.int32))
+
+
+def test_error_nonpositive_scale():
+    with pytest.raises(ValueError, match="scale"):
+        _call(scale=0.0)

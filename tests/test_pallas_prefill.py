@@ -250,3 +250,8 @@ def test_error_bad_tile():
 def test_error_bad_window():
     with pytest.raises(ValueError, match="sliding_window"):
         _call(sliding_window=0)
+
+
+def test_error_nonpositive_scale():
+    with pytest.raises(ValueError, match="scale"):
+        _call(scale=-0.1)
