@@ -148,11 +148,47 @@ def prefill(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Arra
     return logits, cache, observations, block_fraction
 
 
-def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array, state: tuple[Any, Any]):
+def extend(params: Params, cache: KVCache, tokens: jax.Array, lengths: jax.Array):
+    """Append a right-padded chunk ``tokens`` ``[B, Tq]`` (``lengths`` ``[B]`` valid) to a filled cache.
+
+    Each row's chunk goes to slots ``length[b] ..`` at positions ``next_position[b] ..`` and
+    attends to every entry the cache holds (dense): this is how a question is read after the
+    context was compressed without it (question-agnostic compression). Returns
+    ``(logits [B, V] at each row's last chunk token, cache)``.
+    """
+    cfg = params.config
+    B, Tq = tokens.shape
+    S = cache.capacity
+    offs = jnp.arange(Tq, dtype=jnp.int32)
+    slots = cache.length[:, None] + offs  # [B, Tq]
+    positions = cache.next_position[:, None] + offs
+    written = jnp.where(offs[None, :] < lengths[:, None], positions, -1)  # padding is never a key
+    new_length = cache.length + lengths
+    slot_ok = (jnp.arange(S)[None, :] < new_length[:, None])[:, None, None, :]  # [B, 1, 1, S]
+    rows = jnp.arange(B)[:, None]
+
+    def attend(q, k, v, kv, idx):
+        kv = kv.replace(k=kv.k.at[rows, :, slots].set(k.astype(kv.k.dtype), mode="drop"),
+                        v=kv.v.at[rows, :, slots].set(v.astype(kv.v.dtype), mode="drop"),
+                        positions=kv.positions.at[rows, :, slots].set(written[:, :, None], mode="drop"))
+        out = attention.cached_attention(_transpose_heads(q), kv.k, kv.v, positions, kv.positions, slot_ok,
+                                         bias=kv.bias, sliding_window=cfg.sliding_window)
+        return _transpose_heads(out), kv, None
+
+    hidden, layers, _ = forward(params, tokens, positions, cache.layers, attend)
+    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    layers = summarize_pages(layers, new_length, cache.page_size)
+    cache = cache.replace(layers=layers, length=new_length, next_position=cache.next_position + lengths)
+    return logits_from_hidden(params, last), cache
+
+
+def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array, state: tuple[Any, Any],
+                *, collect_attention: bool = False):
     """Feed one token per row ``[B]``.
 
     ``state`` is the policy's ``(layer_state, shared_state)``. Returns
-    ``(logits [B, V], cache, state, pages_read [B])`` (fraction of in-use pages read, layer mean).
+    ``(logits [B, V], cache, state, pages_read [B])`` (fraction of in-use pages read, layer mean);
+    with ``collect_attention`` also the attention outputs of every layer ``[L, B, Hq, D]``.
     """
     cfg = params.config
     ps = cache.page_size
@@ -171,28 +207,49 @@ def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array
             lstate = policy.decode_observe(lstate, probs, kv)
         else:
             out, pages = res
-        return out[:, None], (kv, lstate), (pages, new_length)
+        return out[:, None], (kv, lstate), (pages, new_length, out if collect_attention else None)
 
-    hidden, (layers, layer_state), (pages, new_length) = forward(
+    hidden, (layers, layer_state), (pages, new_length, outs) = forward(
         params, token[:, None], pos[:, None], (cache.layers, layer_state), attend)
     logits = logits_from_hidden(params, hidden[:, 0])
     cache = cache.replace(layers=layers, length=new_length[0], next_position=pos + 1)
     shared_state = policy.decode_update(shared_state, cache, logits)
+    if collect_attention:
+        return logits, cache, (layer_state, shared_state), pages.mean(0), outs
     return logits, cache, (layer_state, shared_state), pages.mean(0)
 
 
-def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Array, key: jax.Array, *,
-              max_new_tokens: int, sampling: Sampling, stop_tokens: tuple[int, ...], page_size: int,
-              prefill_chunk: int | None, capacity: int) -> GenerateOutput:
+def prepare(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Array, suffix: jax.Array | None,
+            suffix_lengths: jax.Array | None, *, extra_tokens: int, page_size: int, prefill_chunk: int | None,
+            capacity: int):
+    """Prefill, compress, read the suffix (if any) and set up the decode state.
+
+    ``extra_tokens`` is how many tokens the cache must still take after this (decode steps).
+    Returns ``(logits [B, V], cache, state, stats)``.
+    """
     B, T = tokens.shape
     cache = init_cache(params.config, B, capacity, page_size=page_size, dtype=params.dtype)
     logits, cache, observations, block_fraction = prefill(params, policy, tokens, lengths, cache,
                                                           chunk=prefill_chunk)
-    compressed = policy.compressed_capacity(T, max_new_tokens)
+    tq = 0 if suffix is None else suffix.shape[1]
+    compressed = policy.compressed_capacity(T, extra_tokens + tq)
     if compressed is not None:
         cache = policy.compress(cache, observations, compressed)
     stored = cache.length.astype(jnp.float32) / lengths.astype(jnp.float32)
+    if suffix is not None:
+        logits, cache = extend(params, cache, suffix, suffix_lengths)
     state = policy.decode_init(cache, observations)
+    return logits, cache, state, {"kv_stored_fraction": stored, "prefill_block_fraction": block_fraction}
+
+
+def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Array, suffix: jax.Array | None,
+              suffix_lengths: jax.Array | None, key: jax.Array, *, max_new_tokens: int, sampling: Sampling,
+              stop_tokens: tuple[int, ...], page_size: int, prefill_chunk: int | None,
+              capacity: int) -> GenerateOutput:
+    B, T = tokens.shape
+    logits, cache, state, pre_stats = prepare(params, policy, tokens, lengths, suffix, suffix_lengths,
+                                              extra_tokens=max_new_tokens, page_size=page_size,
+                                              prefill_chunk=prefill_chunk, capacity=capacity)
     stops = jnp.asarray(stop_tokens if stop_tokens else (-2,), jnp.int32)
 
     key, sub = jax.random.split(key)
@@ -221,9 +278,8 @@ def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Ar
     num_generated = jnp.sum(out != PAD_TOKEN, axis=1)
     steps = jnp.maximum(num_generated - 1, 1).astype(jnp.float32)
     stats = {
-        "kv_stored_fraction": stored,  # entries kept after compression / prompt length
+        **pre_stats,  # kv_stored_fraction: entries kept / prompt; prefill_block_fraction: blocks computed
         "kv_read_fraction": read / steps,  # mean over steps of pages read / pages in use
-        "prefill_block_fraction": block_fraction,  # attention blocks computed / causal blocks
         "cache_bytes": cache.nbytes(),
         "cache_capacity": cache.capacity,
     }
@@ -283,10 +339,47 @@ def validate_prompt(params: Params, tokens: Any, lengths: Any, max_new_tokens: i
     return jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32), capacity
 
 
+def _validate_suffix(params: Params, suffix: Any, suffix_lengths: Any, batch: int):
+    if suffix is None:
+        if suffix_lengths is not None:
+            raise ValueError("suffix_lengths given without suffix")
+        return None, None
+    suffix, suffix_lengths, _ = validate_prompt(params, suffix, suffix_lengths, 1, None)
+    if suffix.shape[0] != batch:
+        raise ValueError(f"suffix has batch {suffix.shape[0]}, tokens has batch {batch}")
+    return suffix, suffix_lengths
+
+
+def _setup(params: Params, policy: Policy | None, tokens: Any, lengths: Any, suffix: Any, suffix_lengths: Any,
+           extra_tokens: int, page_size: int, prefill_chunk: int | None, capacity: int | None):
+    """Everything checked and sized before jit (shared by `generate` and `teacher_force`)."""
+    if tokens is None:
+        raise ValueError("tokens is required")
+    policy = Dense() if policy is None else policy
+    if not isinstance(policy, Policy):
+        raise ValueError(f"policy must be a Policy, got {type(policy).__name__}")
+    if not hasattr(tokens, "shape"):
+        tokens = np.asarray(tokens)
+    batch = tokens.shape[0] if tokens.ndim == 2 else 1
+    suffix, suffix_lengths = _validate_suffix(params, suffix, suffix_lengths, batch)
+    tq = 0 if suffix is None else suffix.shape[1]
+    tokens, lengths, capacity = validate_prompt(params, tokens, lengths, extra_tokens + tq, capacity)
+    if page_size <= 0 or page_size & (page_size - 1):
+        raise ValueError(f"page_size={page_size} must be a positive power of two")
+    if prefill_chunk is not None and prefill_chunk <= 0:
+        raise ValueError(f"prefill_chunk={prefill_chunk} must be positive or None")
+    capacity = pages_for(capacity, page_size) * page_size
+    if prefill_chunk is not None:
+        capacity = max(capacity, pages_for(tokens.shape[1], prefill_chunk) * prefill_chunk)
+    policy.validate(tokens.shape[1], extra_tokens, page_size)
+    return policy.bind(tokens.shape[1]), tokens, lengths, suffix, suffix_lengths, capacity
+
+
 def generate(params: Params, policy: Policy | None = None, tokens: Any = None, *, lengths: Any = None,
              max_new_tokens: int = 64, sampling: Sampling = GREEDY, seed: int | jax.Array = 0,
              stop_tokens: tuple[int, ...] | None = None, page_size: int = 16,
-             prefill_chunk: int | None = None, capacity: int | None = None) -> GenerateOutput:
+             prefill_chunk: int | None = None, capacity: int | None = None, suffix: Any = None,
+             suffix_lengths: Any = None) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` per row with ``policy`` choosing the KV entries used.
 
     Args:
@@ -300,31 +393,62 @@ def generate(params: Params, policy: Policy | None = None, tokens: Any = None, *
       stop_tokens: ids that end a row (default: the model's EOS ids).
       page_size: KV cache page size in tokens.
       prefill_chunk: process the prompt in chunks of this many tokens (``None``: one pass).
-      capacity: cache capacity in tokens (default: ``T + max_new_tokens``).
+      capacity: cache capacity in tokens (default: what the prompt and generation need).
+      suffix: ``[B, Tq]`` right-padded tokens read *after* compression (e.g. the question, for
+        question-agnostic compression: the policy compresses ``tokens`` without seeing it).
+      suffix_lengths: ``[B]`` true suffix lengths.
 
     All checks on the inputs happen here, before tracing, with errors naming the bad value.
     """
-    if tokens is None:
-        raise ValueError("tokens is required")
-    policy = Dense() if policy is None else policy
-    if not isinstance(policy, Policy):
-        raise ValueError(f"policy must be a Policy, got {type(policy).__name__}")
-    tokens, lengths, capacity = validate_prompt(params, tokens, lengths, max_new_tokens, capacity)
-    if page_size <= 0 or page_size & (page_size - 1):
-        raise ValueError(f"page_size={page_size} must be a positive power of two")
-    if prefill_chunk is not None and prefill_chunk <= 0:
-        raise ValueError(f"prefill_chunk={prefill_chunk} must be positive or None")
-    capacity = pages_for(capacity, page_size) * page_size
-    if prefill_chunk is not None:
-        capacity = max(capacity, pages_for(tokens.shape[1], prefill_chunk) * prefill_chunk)
-    policy.validate(tokens.shape[1], max_new_tokens, page_size)
-    policy = policy.bind(tokens.shape[1])
+    policy, tokens, lengths, suffix, suffix_lengths, capacity = _setup(
+        params, policy, tokens, lengths, suffix, suffix_lengths, max_new_tokens, page_size, prefill_chunk, capacity)
     if stop_tokens is None:
         stop_tokens = params.config.eos_token_ids
     key = jax.random.key(seed) if isinstance(seed, int) else seed
-    return _generate_jit(params, policy, tokens, lengths, key, max_new_tokens=max_new_tokens,
-                         sampling=sampling, stop_tokens=tuple(int(t) for t in stop_tokens),
-                         page_size=page_size, prefill_chunk=prefill_chunk, capacity=capacity)
+    return _generate_jit(params, policy, tokens, lengths, suffix, suffix_lengths, key,
+                         max_new_tokens=max_new_tokens, sampling=sampling,
+                         stop_tokens=tuple(int(t) for t in stop_tokens), page_size=page_size,
+                         prefill_chunk=prefill_chunk, capacity=capacity)
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "prefill_chunk", "capacity", "collect_attention"))
+def _teacher_force(params, policy, tokens, lengths, suffix, suffix_lengths, forced, *, page_size, prefill_chunk,
+                   capacity, collect_attention):
+    N = forced.shape[1]
+    logits, cache, state, _ = prepare(params, policy, tokens, lengths, suffix, suffix_lengths, extra_tokens=N,
+                                      page_size=page_size, prefill_chunk=prefill_chunk, capacity=capacity)
+
+    def step(carry, token):
+        cache, state = carry
+        res = decode_step(params, policy, cache, token, state, collect_attention=collect_attention)
+        logits, cache, state = res[:3]
+        return (cache, state), (logits, res[4] if collect_attention else None)
+
+    _, (rest, outs) = jax.lax.scan(step, (cache, state), forced[:, :-1].T)
+    all_logits = jnp.concatenate([logits[:, None], jnp.swapaxes(rest, 0, 1)], axis=1)
+    return all_logits, outs
+
+
+def teacher_force(params: Params, policy: Policy | None, tokens: Any, forced: Any, *, lengths: Any = None,
+                  suffix: Any = None, suffix_lengths: Any = None, page_size: int = 16,
+                  prefill_chunk: int | None = None, collect_attention: bool = False):
+    """Logits of ``policy`` along a given continuation ``forced`` ``[B, N]`` (teacher forcing).
+
+    Returns ``logits [B, N, V]`` where ``logits[:, i]`` predicts ``forced[:, i]`` (``i = 0`` from
+    the prompt), and with ``collect_attention`` the attention outputs of every layer at each
+    decode step, ``[N - 1, L, B, Hq, D]``. Used by the fidelity metrics to compare a policy with
+    full attention on the same tokens.
+    """
+    forced = np.asarray(forced) if not hasattr(forced, "shape") else forced
+    if forced.ndim != 2 or forced.shape[1] < 1:
+        raise ValueError(f"forced must be [B, N] with N >= 1, got shape {tuple(forced.shape)}")
+    policy, tokens, lengths, suffix, suffix_lengths, capacity = _setup(
+        params, policy, tokens, lengths, suffix, suffix_lengths, forced.shape[1], page_size, prefill_chunk, None)
+    if forced.shape[0] != tokens.shape[0]:
+        raise ValueError(f"forced has batch {forced.shape[0]}, tokens has batch {tokens.shape[0]}")
+    return _teacher_force(params, policy, tokens, lengths, suffix, suffix_lengths, jnp.asarray(forced, jnp.int32),
+                          page_size=page_size, prefill_chunk=prefill_chunk, capacity=capacity,
+                          collect_attention=collect_attention)
 
 
 @functools.partial(jax.jit, static_argnames=("page_size",))

@@ -150,3 +150,30 @@ def test_init_cache_rejects_bad_sizes():
         init_cache(CFG, 1, 16, page_size=3)
     with pytest.raises(ValueError, match="capacity=0"):
         init_cache(CFG, 1, 0)
+
+
+def test_suffix_after_dense_prefill_equals_one_prompt(params):
+    rng = np.random.default_rng()
+    ctx = rng.integers(1, CFG.vocab_size, (2, 30))
+    q = rng.integers(1, CFG.vocab_size, (2, 7))
+    lengths, qlen = [30, 19], [7, 3]
+    out = generate(params, None, ctx, lengths=np.array(lengths), suffix=q, suffix_lengths=np.array(qlen),
+                   max_new_tokens=6, stop_tokens=(), page_size=8)
+    for b in range(2):
+        whole = np.concatenate([ctx[b, : lengths[b]], q[b, : qlen[b]]])[None]
+        alone = generate(params, None, whole, max_new_tokens=6, stop_tokens=(), page_size=8)
+        assert out.sequences()[b] == alone.sequences()[0]
+
+
+def test_teacher_force_dense_equals_full_forward(params):
+    from sparsekv_jax.generate import teacher_force
+
+    rng = np.random.default_rng()
+    prompt = rng.integers(1, CFG.vocab_size, (1, 20))
+    forced = rng.integers(1, CFG.vocab_size, (1, 8))
+    logits, outs = teacher_force(params, None, prompt, forced, collect_attention=True)
+    ref = np.asarray(full_logits(params, np.concatenate([prompt, forced[:, :-1]], axis=1)))[:, 19:]
+    np.testing.assert_allclose(np.asarray(logits), ref, atol=1e-4, rtol=1e-4)
+    assert outs.shape == (7, CFG.num_layers, 1, CFG.num_heads, CFG.head_dim)
+    with pytest.raises(ValueError, match=r"forced must be \[B, N\]"):
+        teacher_force(params, None, prompt, np.zeros((1, 0), np.int32))

@@ -20,8 +20,14 @@ from flax import struct
 
 from sparsekv_jax.cache import KVCache, LayerKV
 from sparsekv_jax.policies.base import Policy
-from sparsekv_jax.policies.common import (budget_tokens, check_budget, compact, force_sinks_and_window,
-                                          prompt_scores_to_slots, row_budgets)
+from sparsekv_jax.policies.common import (
+    budget_tokens,
+    check_budget,
+    compact,
+    force_sinks_and_window,
+    prompt_scores_to_slots,
+    row_budgets,
+)
 
 
 def attention_mass(q: jax.Array, k: jax.Array, lengths: jax.Array, block: int = 256) -> jax.Array:
@@ -97,9 +103,10 @@ class H2O(Policy):
         if not self.evict_during_decode or observations is None:
             return None, None
         # scores of the entries the compressed cache kept, found by their original position
-        pos = jnp.maximum(cache.layers.positions, 0)
-        scores = jnp.take_along_axis(observations, jnp.minimum(pos, observations.shape[-1] - 1), axis=-1)
-        return jnp.where(cache.layers.positions >= 0, scores, 0.0), None
+        pos = cache.layers.positions
+        T = observations.shape[-1]
+        scores = jnp.take_along_axis(observations, jnp.clip(pos, 0, T - 1), axis=-1)
+        return jnp.where((pos >= 0) & (pos < T), scores, 0.0), None  # suffix tokens start at 0
 
     def decode_write(self, kv: LayerKV, length: jax.Array, layer_state: Any) -> tuple[jax.Array, jax.Array]:
         if layer_state is None:

@@ -36,7 +36,7 @@ class Pipeline(Policy):
     @property
     def name(self) -> str:
         parts = [f"{k}={p.name}" for k, p in (("prefill", self.prefill), ("compress", self.compress_with),
-                                              ("decode", self.decode)) if not type(p) is Dense]
+                                              ("decode", self.decode)) if type(p) is not Dense]
         return "Pipeline(" + ", ".join(parts) + ")"
 
     @property

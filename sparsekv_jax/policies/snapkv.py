@@ -18,8 +18,15 @@ from flax import struct
 
 from sparsekv_jax.cache import KVCache
 from sparsekv_jax.policies.base import Policy
-from sparsekv_jax.policies.common import (budget_tokens, check_budget, check_sinks_window, compact,
-                                          force_sinks_and_window, prompt_scores_to_slots, row_budgets)
+from sparsekv_jax.policies.common import (
+    budget_tokens,
+    check_budget,
+    check_sinks_window,
+    compact,
+    force_sinks_and_window,
+    prompt_scores_to_slots,
+    row_budgets,
+)
 
 
 def window_attention_scores(q: jax.Array, k: jax.Array, lengths: jax.Array, window: int) -> jax.Array:

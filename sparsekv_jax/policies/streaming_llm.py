@@ -10,14 +10,19 @@ from __future__ import annotations
 
 from typing import Any
 
-
 import jax.numpy as jnp
 from flax import struct
 
 from sparsekv_jax.cache import KVCache
 from sparsekv_jax.policies.base import Policy
-from sparsekv_jax.policies.common import (budget_tokens, check_budget, check_sinks_window, compact,
-                                          force_sinks_and_window, row_budgets)
+from sparsekv_jax.policies.common import (
+    budget_tokens,
+    check_budget,
+    check_sinks_window,
+    compact,
+    force_sinks_and_window,
+    row_budgets,
+)
 
 
 @struct.dataclass
