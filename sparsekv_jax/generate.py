@@ -242,16 +242,14 @@ def prepare(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Arra
     return logits, cache, state, {"kv_stored_fraction": stored, "prefill_block_fraction": block_fraction}
 
 
-def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Array, suffix: jax.Array | None,
-              suffix_lengths: jax.Array | None, key: jax.Array, *, max_new_tokens: int, sampling: Sampling,
-              stop_tokens: tuple[int, ...], page_size: int, prefill_chunk: int | None,
-              capacity: int) -> GenerateOutput:
-    B, T = tokens.shape
-    logits, cache, state, pre_stats = prepare(params, policy, tokens, lengths, suffix, suffix_lengths,
-                                              extra_tokens=max_new_tokens, page_size=page_size,
-                                              prefill_chunk=prefill_chunk, capacity=capacity)
-    stops = jnp.asarray(stop_tokens if stop_tokens else (-2,), jnp.int32)
+def decode_loop(params: Params, policy: Policy, logits: jax.Array, cache: KVCache, state: Any, key: jax.Array, *,
+                max_new_tokens: int, sampling: Sampling, stop_tokens: tuple[int, ...]):
+    """Sample the first token from ``logits`` then decode until every row stopped.
 
+    Returns ``(tokens [B, max_new_tokens], num_generated [B], cache, kv_read_fraction [B])``.
+    """
+    B = logits.shape[0]
+    stops = jnp.asarray(stop_tokens if stop_tokens else (-2,), jnp.int32)
     key, sub = jax.random.split(key)
     first = sample(logits, sub, sampling)
     out = jnp.full((B, max_new_tokens), PAD_TOKEN, jnp.int32).at[:, 0].set(first)
@@ -277,9 +275,22 @@ def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Ar
     _, cache, _, _, out, _, _, read = jax.lax.while_loop(cond, body, init)
     num_generated = jnp.sum(out != PAD_TOKEN, axis=1)
     steps = jnp.maximum(num_generated - 1, 1).astype(jnp.float32)
+    return out, num_generated, cache, read / steps
+
+
+def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Array, suffix: jax.Array | None,
+              suffix_lengths: jax.Array | None, key: jax.Array, *, max_new_tokens: int, sampling: Sampling,
+              stop_tokens: tuple[int, ...], page_size: int, prefill_chunk: int | None,
+              capacity: int) -> GenerateOutput:
+    logits, cache, state, pre_stats = prepare(params, policy, tokens, lengths, suffix, suffix_lengths,
+                                              extra_tokens=max_new_tokens, page_size=page_size,
+                                              prefill_chunk=prefill_chunk, capacity=capacity)
+    out, num_generated, cache, read = decode_loop(params, policy, logits, cache, state, key,
+                                                  max_new_tokens=max_new_tokens, sampling=sampling,
+                                                  stop_tokens=stop_tokens)
     stats = {
         **pre_stats,  # kv_stored_fraction: entries kept / prompt; prefill_block_fraction: blocks computed
-        "kv_read_fraction": read / steps,  # mean over steps of pages read / pages in use
+        "kv_read_fraction": read,  # mean over steps of pages read / pages in use
         "cache_bytes": cache.nbytes(),
         "cache_capacity": cache.capacity,
     }
