@@ -13,6 +13,10 @@ import jax.numpy as jnp
 
 NEG_INF = -1e30  # finite: a fully masked row gives zeros, never NaN
 
+# Decode implementation: "auto" = the Pallas kernel on the GPU and the jnp reference elsewhere;
+# "pallas" / "jnp" force one (benchmarks compare them; tests force "pallas" in interpret mode).
+DECODE_IMPL = "auto"
+
 
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
@@ -126,12 +130,19 @@ def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size
     valid = jnp.arange(S)[None, None, :] < length[:, None, None]  # [B, 1, S]
     if selection is None:
         read = jnp.ones((B,), jnp.float32)
-    else:
-        page_ids, counts = selection
-        pm = page_mask(page_ids, counts, n_pages)  # [B, Hkv, P]
+    else:  # page lists hold distinct in-use pages, so the count is what is read
+        read = jnp.minimum(selection[1], used_pages[:, None]).sum(1) / (Hkv * jnp.maximum(used_pages, 1))
+    impl = DECODE_IMPL if DECODE_IMPL != "auto" else ("pallas" if on_gpu() else "jnp")
+    if impl == "pallas" and not return_probs and sliding_window is None:
+        from sparsekv_jax.pallas.decode import decode_attention
+
+        ids, counts = (None, None) if selection is None else selection
+        out = decode_attention(q, kv.k, kv.v, length, page_size=page_size, page_ids=ids, page_counts=counts,
+                               bias=kv.bias, interpret=not on_gpu())
+        return out, read.astype(jnp.float32)
+    if selection is not None:
+        pm = page_mask(selection[0], selection[1], n_pages)  # [B, Hkv, P]
         valid = valid & jnp.repeat(pm, page_size, axis=-1)
-        read = (pm & (jnp.arange(n_pages) < used_pages[:, None, None])).sum((1, 2)) / (
-            Hkv * jnp.maximum(used_pages, 1))
     valid = jnp.broadcast_to(valid, (B, Hkv, S))[:, :, None, :]
     res = cached_attention(q[:, :, None], kv.k, kv.v, q_position[:, None], kv.positions, valid, bias=kv.bias,
                            sliding_window=sliding_window, return_weights=return_probs)

@@ -1,10 +1,17 @@
-"""Dense end-to-end baseline: prefill tokens/s, decode ms/token, peak device memory.
+"""End-to-end speed: prefill tokens/s, decode ms/token and memory, per policy.
 
-Random bf16 weights of real model shapes (SmolLM2-135M, Llama-3.1-8B). Every measurement
-point runs in its own subprocess so the device's peak-memory counter belongs to that point.
+Random bf16 weights of real model shapes (SmolLM2-135M, Llama-3.1-8B): speed does not depend on
+the weights' values. Each model's points run in one process (weights built once); each point is
+compiled ahead of time, so its memory is read from XLA's memory analysis (arguments + outputs +
+temporaries of the compiled step, an upper bound of what it holds at once) and its time is the
+median of ``--iters`` runs after a warm-up.
 
-    python -m sparsekv_jax.bench.e2e --out bench_e2e.json            # the full sweep
-    python -m sparsekv_jax.bench.e2e --models smollm2 --contexts 4096 --batches 1
+Decode points start from a cache already holding the context (random K/V), sized as the policy
+leaves it after compression (e.g. SnapKV at 25% holds 25% of the context plus the decoded tokens),
+and time ``--decode-steps`` steps of `decode_step` in one `lax.fori_loop`.
+
+    python -m sparsekv_jax.bench.e2e --out e2e.json
+    python -m sparsekv_jax.bench.e2e --models llama3.1-8b --policies "fullkv, quest(0.25)" --contexts 8k
 """
 
 from __future__ import annotations
@@ -19,28 +26,63 @@ import time
 MODELS = {"smollm2": "smollm2_135m_config", "llama3.1-8b": "llama31_8b_config"}
 
 
-def _timed(fn, *args, warmup: int = 2, iters: int = 10) -> list[float]:
+def _tokens(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        out.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
+    return out
+
+
+def _median_time(fn, *args, iters: int) -> float:
     import jax
 
-    for _ in range(warmup):
-        jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))  # warm-up
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
-    return times
+    return statistics.median(times)
 
 
-def _peak_bytes() -> int | None:
+def _memory(compiled) -> int | None:
+    try:
+        m = compiled.memory_analysis()
+        return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+                   - getattr(m, "alias_size_in_bytes", 0))
+    except Exception:  # not every backend reports it
+        return None
+
+
+def _decode_cache(cfg, policy, context: int, batch: int, steps: int, key):
+    """A cache holding ``context`` tokens as ``policy`` leaves it after prefill (+ room for steps)."""
     import jax
+    import jax.numpy as jnp
 
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+    from sparsekv_jax.cache import init_cache, summarize_pages
+
+    cap = policy.compressed_capacity(context, steps)
+    kept = context if cap is None else cap - steps
+    capacity = context + steps if cap is None else cap
+    cache = init_cache(cfg, batch, capacity, page_size=16, dtype=jnp.bfloat16)
+    k1, k2, k3 = jax.random.split(key, 3)
+    L, B, H, S, D = cache.layers.k.shape
+    used = jnp.arange(S) < kept
+    positions = jnp.where(used, jnp.arange(S) * max(1, context // kept), -1).astype(jnp.int32)
+    layers = cache.layers.replace(
+        k=jax.random.normal(k1, cache.layers.k.shape, jnp.bfloat16),
+        v=jax.random.normal(k2, cache.layers.v.shape, jnp.bfloat16),
+        positions=jnp.broadcast_to(positions, cache.layers.positions.shape))
+    length = jnp.full((batch,), kept, jnp.int32)
+    layers = summarize_pages(layers, length, 16)
+    cache = cache.replace(layers=layers, length=length, next_position=jnp.full((batch,), context, jnp.int32))
+    observations = jax.random.uniform(k3, (L, B, H, context), jnp.float32)
+    return cache, observations
 
 
-def run_point(model: str, kind: str, context: int, batch: int, decode_steps: int, iters: int) -> dict:
-    """One measurement in this process: ``kind`` is ``prefill`` or ``decode``."""
+def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int], batches: list[int],
+              policy_spec: str, steps: int, iters: int) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
@@ -48,112 +90,116 @@ def run_point(model: str, kind: str, context: int, batch: int, decode_steps: int
     from sparsekv_jax.generate import decode_step, prefill
     from sparsekv_jax.models import config as mc
     from sparsekv_jax.models.params import random_params
-    from sparsekv_jax.policies.base import Dense
+    from sparsekv_jax.policies import Dense, parse_policies
 
     cfg = getattr(mc, MODELS[model])()
     params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
-    policy = Dense()
-    tokens = jax.random.randint(jax.random.key(1), (batch, context), 0, cfg.vocab_size)
-    lengths = jnp.full((batch,), context, jnp.int32)
-    row = {"model": model, "kind": kind, "context": context, "batch": batch,
-           "device": jax.devices()[0].device_kind, "jax": jax.__version__}
-    if kind == "prefill":
-        @jax.jit
-        def run(params, tokens):
-            cache = init_cache(cfg, batch, context, page_size=16, dtype=jnp.bfloat16)
-            logits, cache, _, _ = prefill(params, policy, tokens, lengths, cache)
-            return logits, cache.length
+    base = {"model": model, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    rows = []
 
-        times = _timed(run, params, tokens, iters=iters)
-        med = statistics.median(times)
-        row.update(ms=med * 1e3, tokens_per_s=batch * context / med)
-    else:
-        # a cache filled with random K/V (what prefill would leave), then `decode_steps` steps
-        capacity = context + decode_steps
+    def record(row):
+        rows.append({**base, **row})
+        print(json.dumps(rows[-1]), flush=True)
 
-        @jax.jit
-        def fill(key):
-            cache = init_cache(cfg, batch, capacity, page_size=16, dtype=jnp.bfloat16)
-            k1, k2 = jax.random.split(key)
-            layers = cache.layers.replace(
-                k=jax.random.normal(k1, cache.layers.k.shape, jnp.bfloat16),
-                v=jax.random.normal(k2, cache.layers.v.shape, jnp.bfloat16),
-                positions=jnp.broadcast_to(jnp.arange(cache.capacity, dtype=jnp.int32),
-                                          cache.layers.positions.shape))
-            ctx = jnp.full((batch,), context, jnp.int32)
-            return cache.replace(layers=layers, length=ctx, next_position=ctx)
+    for T in prefill_contexts:
+        try:
+            tokens = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.vocab_size)
+            lengths = jnp.full((1,), T, jnp.int32)
 
-        cache = fill(jax.random.key(2))
+            def run(params, tokens, T=T, lengths=lengths):
+                cache = init_cache(cfg, 1, T, page_size=16, dtype=jnp.bfloat16)
+                logits, cache, _, _ = prefill(params, Dense(), tokens, lengths, cache)
+                return logits, cache.length
 
-        @jax.jit
-        def run(params, cache, token):
-            def body(i, carry):
-                cache, token = carry
-                logits, cache, _, _ = decode_step(params, policy, cache, token, (None, None))
-                return cache, jnp.argmax(logits, -1).astype(jnp.int32)
-            return jax.lax.fori_loop(0, decode_steps, body, (cache, token))[1]
+            compiled = jax.jit(run).lower(params, tokens).compile()
+            sec = _median_time(compiled, params, tokens, iters=iters)
+            record({"kind": "prefill", "policy": "Dense", "context": T, "batch": 1, "ms": sec * 1e3,
+                    "tokens_per_s": T / sec, "memory_bytes": _memory(compiled)})
+        except Exception as e:  # noqa: BLE001 - report the point and go on
+            record({"kind": "prefill", "policy": "Dense", "context": T, "batch": 1, "error": _why(e)})
 
-        token = tokens[:, -1].astype(jnp.int32)
-        times = _timed(run, params, cache, token, warmup=1, iters=iters)
-        med = statistics.median(times)
-        row.update(ms_per_token=med * 1e3 / decode_steps, tokens_per_s=batch * decode_steps / med)
-    row["peak_bytes"] = _peak_bytes()
-    return row
+    for policy in parse_policies(policy_spec):
+        for T in decode_contexts:
+            for B in batches:
+                pol = policy.bind(T)
+                try:
+                    cache, obs = _decode_cache(cfg, pol, T, B, steps, jax.random.key(2))
+                    state = pol.decode_init(cache, obs)
+                    token = jnp.ones((B,), jnp.int32)
+
+                    def run(params, cache, state, token, pol=pol):
+                        def body(i, carry):
+                            cache, state, token = carry
+                            logits, cache, state, _ = decode_step(params, pol, cache, token, state)
+                            return cache, state, jnp.argmax(logits, -1).astype(jnp.int32)
+                        return jax.lax.fori_loop(0, steps, body, (cache, state, token))[2]
+
+                    compiled = jax.jit(run).lower(params, cache, state, token).compile()
+                    sec = _median_time(compiled, params, cache, state, token, iters=iters)
+                    record({"kind": "decode", "policy": pol.name, "spec": repr(policy), "context": T, "batch": B,
+                            "ms_per_token": sec * 1e3 / steps, "tokens_per_s": B * steps / sec,
+                            "cache_bytes": cache.nbytes(), "kv_bytes": cache.kv_nbytes(),
+                            "memory_bytes": _memory(compiled)})
+                    del cache, state, obs
+                except Exception as e:  # noqa: BLE001
+                    record({"kind": "decode", "policy": pol.name, "context": T, "batch": B, "error": _why(e)})
+    return rows
+
+
+def _why(e: Exception) -> str:
+    text = str(e)
+    if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
+        return "does not fit in device memory"
+    return f"{type(e).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m sparsekv_jax.bench.e2e", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="smollm2,llama3.1-8b", help="comma list of " + ", ".join(MODELS))
-    p.add_argument("--prefill-contexts", default="4096,32768", help="prefill prompt lengths")
-    p.add_argument("--decode-contexts", default="4096,32768", help="decode context lengths")
-    p.add_argument("--batches", default="1,32", help="decode batch sizes (prefill runs batch 1)")
-    p.add_argument("--decode-steps", type=int, default=32, help="decode steps timed per run")
-    p.add_argument("--iters", type=int, default=10, help="timed repetitions (median reported)")
-    p.add_argument("--timeout", type=int, default=240, help="seconds per point")
+    p.add_argument("--prefill-contexts", default="4k,32k", help="prefill prompt lengths (batch 1)")
+    p.add_argument("--contexts", default="8k,32k", help="decode context lengths")
+    p.add_argument("--batches", default="1,32", help="decode batch sizes")
+    p.add_argument("--policies", default="fullkv", help="policy spec for decode points (see `sparsekv eval --help`)")
+    p.add_argument("--decode-steps", type=int, default=32, help="decode steps per timed run")
+    p.add_argument("--iters", type=int, default=5, help="timed repetitions (median reported)")
     p.add_argument("--out", help="write the rows as JSON here")
-    p.add_argument("--point", help=argparse.SUPPRESS)  # internal: one point in this process
+    p.add_argument("--one-model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.point:
-        model, kind, ctx, batch = args.point.split(":")
-        print(json.dumps(run_point(model, kind, int(ctx), int(batch), args.decode_steps, args.iters)))
+    pre, ctx, bat = _tokens(args.prefill_contexts), _tokens(args.contexts), _tokens(args.batches)
+    if args.one_model:
+        rows = run_model(args.one_model, pre, ctx, bat, args.policies, args.decode_steps, args.iters)
+        print("ROWS " + json.dumps(rows))
         return 0
-    points = []
+    rows = []
     for model in args.models.split(","):
         if model not in MODELS:
             p.error(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
-        points += [(model, "prefill", int(c), 1) for c in args.prefill_contexts.split(",")]
-        points += [(model, "decode", int(c), int(b)) for c in args.decode_contexts.split(",")
-                   for b in args.batches.split(",")]
-    rows = []
-    for model, kind, ctx, batch in points:
-        cmd = [sys.executable, "-m", "sparsekv_jax.bench.e2e", "--point", f"{model}:{kind}:{ctx}:{batch}",
-               "--decode-steps", str(args.decode_steps), "--iters", str(args.iters)]
-        try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-            if res.returncode == 0:
-                rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
-            else:
-                err = [line for line in res.stderr.strip().splitlines()
-                       if line.strip() and not line.startswith(("For simplicity", "-----", " "))]
-                oom = any("RESOURCE_EXHAUSTED" in line or "out of memory" in line.lower() for line in err)
-                rows.append({"model": model, "kind": kind, "context": ctx, "batch": batch,
-                             "error": "does not fit in device memory" if oom else (err[-1] if err else "failed")})
-        except subprocess.TimeoutExpired:
-            rows.append({"model": model, "kind": kind, "context": ctx, "batch": batch, "error": "timeout"})
-        print(json.dumps(rows[-1]), flush=True)
+        cmd = [sys.executable, "-m", "sparsekv_jax.bench.e2e", "--one-model", model, "--prefill-contexts",
+               args.prefill_contexts, "--contexts", args.contexts, "--batches", args.batches, "--policies",
+               args.policies, "--decode-steps", str(args.decode_steps), "--iters", str(args.iters)]
+        res = subprocess.run(cmd, capture_output=True, text=True)  # one process per model: clean device memory
+        lines = [line for line in res.stdout.splitlines() if line.startswith("ROWS ")]
+        if lines:
+            rows += json.loads(lines[-1][5:])
+        else:
+            print(res.stdout[-2000:], res.stderr[-4000:], file=sys.stderr)
+            rows.append({"model": model, "error": "process failed"})
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=2)
-    print(f"\n{'model':<12}{'kind':<8}{'context':>8}{'batch':>6}{'ms':>10}{'ms/tok':>9}{'tok/s':>12}{'peak GiB':>10}")
+    print(f"\n{'model':<12}{'kind':<8}{'policy':<14}{'ctx':>7}{'B':>4}{'ms':>9}{'ms/tok':>8}{'tok/s':>11}"
+          f"{'cache GiB':>10}{'mem GiB':>9}")
     for r in rows:
+        head = f"{r.get('model', ''):<12}{r.get('kind', ''):<8}{r.get('policy', ''):<14}{r.get('context', 0):>7}" \
+               f"{r.get('batch', 0):>4}"
         if "error" in r:
-            print(f"{r['model']:<12}{r['kind']:<8}{r['context']:>8}{r['batch']:>6}   {r['error']}")
+            print(f"{head}   {r['error']}")
             continue
-        peak = r.get("peak_bytes")
-        print(f"{r['model']:<12}{r['kind']:<8}{r['context']:>8}{r['batch']:>6}"
-              f"{r.get('ms', float('nan')):>10.1f}{r.get('ms_per_token', float('nan')):>9.2f}"
-              f"{r['tokens_per_s']:>12,.0f}{(peak or 0) / 2**30:>10.2f}")
+        gib = 2.0**30
+        mem = (r["memory_bytes"] or 0) / gib
+        print(f"{head}{r.get('ms', float('nan')):>9.1f}{r.get('ms_per_token', float('nan')):>8.2f}"
+              f"{r['tokens_per_s']:>11,.0f}{r.get('cache_bytes', 0) / gib:>10.2f}{mem:>9.2f}")
     return 0
 
 

@@ -1,0 +1,21 @@
+"""Pallas kernels (Triton backend), each beside its jnp reference.
+
+* `decode_attention` -- GQA decode over a per-(row, kv head) subset of cache pages, split-K
+  with a log-sum-exp combine, optional per-slot bias. Dense decode = all pages.
+* `prefill_attention` -- causal GQA flash attention over a list of KV blocks per query
+  block. Dense prefill = all causal blocks.
+
+Arguments are validated at the Python boundary (`validation`); value checks run only on
+concrete arrays, so calls from inside ``jit`` skip them.
+"""
+
+from sparsekv_jax.pallas.decode import decode_attention, decode_attention_reference
+from sparsekv_jax.pallas.prefill import dense_block_lists, prefill_attention, prefill_attention_reference
+
+__all__ = [
+    "decode_attention",
+    "decode_attention_reference",
+    "dense_block_lists",
+    "prefill_attention",
+    "prefill_attention_reference",
+]
