@@ -117,17 +117,22 @@ def write_chunk(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, start: jax.Arra
 
 
 def summarize_pages(kv: LayerKV, length: jax.Array, page_size: int) -> LayerKV:
-    """Recompute page sum/min/max from the keys in slots ``< length`` (any leading axes)."""
-    *lead, S, D = kv.k.shape
+    """Recompute page sum/min/max from the keys in slots ``< length`` (one layer or stacked layers).
+
+    Stacked layers are summarised one at a time (`lax.map`) and min/max are taken in the storage
+    dtype (exact), so no fp32 copy of the whole cache is ever materialised.
+    """
+    if kv.k.ndim == 5:
+        return jax.lax.map(lambda layer: summarize_pages(layer, length, page_size), kv)
+    B, H, S, D = kv.k.shape
     P = S // page_size
-    valid = _slot_valid(length, kv.k.shape[:-1])
-    kf = kv.k.astype(jnp.float32).reshape(*lead, P, page_size, D)
-    vm = valid.reshape(*lead, P, page_size, 1)
-    big = jnp.finfo(jnp.float32).max
-    page_sum = jnp.where(vm, kf, 0.0).sum(-2)
-    page_min = jnp.where(vm, kf, big).min(-2)
-    page_max = jnp.where(vm, kf, -big).max(-2)
-    has_any = vm.any(-2)
+    valid = _slot_valid(length, (B, H, S)).reshape(B, H, P, page_size, 1)
+    k = kv.k.reshape(B, H, P, page_size, D)
+    big = jnp.asarray(jnp.finfo(k.dtype).max, k.dtype)
+    page_sum = jnp.where(valid, k, 0).sum(-2, dtype=jnp.float32)
+    page_min = jnp.where(valid, k, big).min(-2).astype(jnp.float32)
+    page_max = jnp.where(valid, k, -big).max(-2).astype(jnp.float32)
+    has_any = valid.any(-2)
     return kv.replace(page_sum=page_sum, page_min=jnp.where(has_any, page_min, 0.0),
                       page_max=jnp.where(has_any, page_max, 0.0))
 

@@ -113,6 +113,64 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    """``sparsekv eval``: run `sparsekv_jax.eval.runner.run_eval` and print the summary table."""
+    import jax.numpy as jnp
+
+    from sparsekv_jax.eval import report, runner
+
+    try:
+        runner.policy_specs(args.policies)  # fail fast, before the model loads
+    except ValueError as e:
+        print(f"sparsekv eval: error: bad --policies: {e}", file=sys.stderr)
+        return 2
+    try:
+        lengths = runner.parse_lengths(args.lengths)
+    except ValueError as e:
+        print(f"sparsekv eval: error: bad --lengths: {e}", file=sys.stderr)
+        return 2
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    try:
+        summary = runner.run_eval(
+            model=args.model, suite=args.suite, tasks=tasks, lengths=lengths, policies=args.policies, n=args.n,
+            seed=args.seed, out_dir=args.out, question=args.question, batch_size=args.batch_size,
+            fidelity=args.fidelity, progress=not args.quiet, dtype=dtype, pad_multiple=args.pad_multiple)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"sparsekv eval: error: {e}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        print(report.markdown_table(summary))
+        print(f"[results in {Path(args.out) / 'results.jsonl'}; summary.md, summary.json and plots in {args.out}]",
+              file=sys.stderr)
+    return 0
+
+
+EVAL_EPILOG = """\
+policy grammar (--policies):
+  SPEC  := ITEM ("," ITEM)*          ITEM := NAME | NAME "(" [ARG ("," ARG)*] ")"
+  ARG   := VALUE | KEY "=" VALUE     (positional arguments first, as in Python)
+  VALUE := number | 'string' | True | False | None | ITEM
+  names: fullkv (= dense), streamingllm, snapkv, h2o, quest, pipeline (case-insensitive).
+  A float budget is a fraction of the context, an int a token count:
+    "fullkv, snapkv(budget=0.1), streamingllm(0.25, sinks=4), quest(2048),
+     pipeline(compress=snapkv(0.25), decode=quest(0.25))"
+  fullkv is added when missing: the "% of full kept" column is relative to it.
+
+question placement (--question):
+  agnostic  the policy compresses the context first, the question is read afterwards (default)
+  aware     the whole prompt (question included) is prefilled before compression
+
+output (--out DIR): results.jsonl (one line per task, length, policy and sample; a rerun skips
+finished lines), summary.json, summary.md, score_vs_budget.png, score_vs_length.png.
+
+examples:
+  sparsekv eval --suite ruler --tasks niah_single_1,vt --lengths 2k,4k \\
+      --policies "fullkv, snapkv(budget=0.1), quest(0.1)" --n 20 --out runs/ruler
+  sparsekv eval --suite longbench --policies "snapkv(0.2)" --question aware --fidelity --out runs/lb
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sparsekv", description="Long-context LLM inference with pluggable KV selection policies.")
@@ -144,13 +202,43 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="storage dtype")
     i.add_argument("--json", action="store_true", help="print JSON")
     i.set_defaults(func=cmd_info)
+
+    e = sub.add_parser("eval", help="evaluate KV policies on RULER / LongBench",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EVAL_EPILOG,
+                       description="Run each policy on a benchmark suite with batched greedy generation, "
+                                   "score the answers, and write results, tables and plots.")
+    e.add_argument("--model", default="smollm2", help="'smollm2' (default), a HF model directory or a .gguf file")
+    e.add_argument("--suite", default="ruler", metavar="ruler|longbench|PATH",
+                   help="'ruler' (generated), 'longbench' (../shared/data/longbench_mini), or a directory / "
+                        ".jsonl of LongBench-format or RULER-format (input/outputs) records")
+    e.add_argument("--tasks", default=None, metavar="T1,T2",
+                   help="comma-separated task names (default: all of the suite)")
+    e.add_argument("--lengths", default=None, metavar="L1,L2",
+                   help="RULER prompt lengths / LongBench truncation lengths in tokens, 'k' = 1024 "
+                        "(e.g. 2k,4k,8k; default: 4k for RULER, the model's limit for LongBench)")
+    e.add_argument("--policies", default="fullkv", metavar="SPEC",
+                   help="comma-separated policies (grammar below; default: fullkv)")
+    e.add_argument("--n", type=int, default=10, help="samples per task and length (default 10)")
+    e.add_argument("--seed", type=int, default=0, help="seed of the generated RULER samples")
+    e.add_argument("--out", default="eval_out", metavar="DIR", help="output directory (default eval_out)")
+    e.add_argument("--question", choices=("agnostic", "aware"), default="agnostic",
+                   help="compress before (agnostic, default) or after (aware) the question is read")
+    e.add_argument("--batch-size", type=int, default=4, metavar="B", help="rows per generate call (default 4)")
+    e.add_argument("--pad-multiple", type=int, default=64, metavar="M",
+                   help="right-pad prompts to a multiple of M tokens: larger M, fewer distinct shapes to compile "
+                        "(default 64; e.g. 1024 on the GPU)")
+    e.add_argument("--fidelity", action="store_true",
+                   help="also measure KL, top-1 agreement and attention-output error against full attention")
+    e.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")
+    e.add_argument("-q", "--quiet", action="store_true", help="no progress bar or table")
+    e.set_defaults(func=cmd_eval)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("max_new_tokens", "context", "batch"):
+    for name in ("max_new_tokens", "context", "batch", "n", "batch_size", "pad_multiple"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args.func(args)

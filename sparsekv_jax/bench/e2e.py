@@ -94,7 +94,10 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
 
     cfg = getattr(mc, MODELS[model])()
     params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
-    base = {"model": model, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    from sparsekv_jax.models import transformer
+
+    base = {"model": model, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "unroll": transformer.SCAN_UNROLL}
     rows = []
 
     def record(row):
@@ -163,10 +166,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default="fullkv", help="policy spec for decode points (see `sparsekv eval --help`)")
     p.add_argument("--decode-steps", type=int, default=32, help="decode steps per timed run")
     p.add_argument("--iters", type=int, default=5, help="timed repetitions (median reported)")
+    p.add_argument("--unroll", type=int, default=1, help="unroll factor of the layer scan (1 = rolled)")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--one-model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     pre, ctx, bat = _tokens(args.prefill_contexts), _tokens(args.contexts), _tokens(args.batches)
+    from sparsekv_jax.models import transformer
+
+    transformer.SCAN_UNROLL = args.unroll
     if args.one_model:
         rows = run_model(args.one_model, pre, ctx, bat, args.policies, args.decode_steps, args.iters)
         print("ROWS " + json.dumps(rows))
@@ -177,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
         cmd = [sys.executable, "-m", "sparsekv_jax.bench.e2e", "--one-model", model, "--prefill-contexts",
                args.prefill_contexts, "--contexts", args.contexts, "--batches", args.batches, "--policies",
-               args.policies, "--decode-steps", str(args.decode_steps), "--iters", str(args.iters)]
+               args.policies, "--decode-steps", str(args.decode_steps), "--iters", str(args.iters),
+               "--unroll", str(args.unroll)]
         res = subprocess.run(cmd, capture_output=True, text=True)  # one process per model: clean device memory
         lines = [line for line in res.stdout.splitlines() if line.startswith("ROWS ")]
         if lines:

@@ -19,6 +19,10 @@ from sparsekv_jax.models.rope import apply_rope, inverse_frequencies
 
 # attend(q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D], layer_cache, layer_index)
 #   -> (out [B,T,Hq,D], new_layer_cache, extras pytree)
+# Unroll factor of the layer scan (1 = rolled). A benchmark knob: on the GPU a rolled scan slices
+# each layer's weights out of the stacked arrays every step; unrolling lets XLA use static slices.
+SCAN_UNROLL = 1
+
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any, Any]]
 
 
@@ -87,5 +91,5 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, layer_cache
         return x, (kv, extras)
 
     idx = jnp.arange(cfg.num_layers)
-    x, (new_caches, extras) = jax.lax.scan(layer, x, (params.layers, layer_caches, idx))
+    x, (new_caches, extras) = jax.lax.scan(layer, x, (params.layers, layer_caches, idx), unroll=SCAN_UNROLL)
     return x, new_caches, extras
