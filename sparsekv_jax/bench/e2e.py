@@ -28,7 +28,7 @@ MODELS = {"smollm2": "smollm2_135m_config", "llama3.1-8b": "llama31_8b_config"}
 
 def _tokens(text: str) -> list[int]:
     out = []
-    for part in text.split(","):
+    for part in filter(None, text.split(",")):
         part = part.strip().lower()
         out.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
     return out

@@ -449,14 +449,14 @@ def _inputs(items: list[_Item], question: str, max_positions: int, pad_multiple:
             fill_to: int) -> dict[str, Any]:
     """``generate`` keyword arguments for a batch, padded to ``fill_to`` rows."""
     rows = items + [items[-1]] * (fill_to - len(items))
-    new = max(it.max_new_tokens for it in items)
+    new = _bucket(max(it.max_new_tokens for it in items))
     if question == "aware":
         seqs = [it.context_ids + it.question_ids for it in rows]
         width = _round_width(max(map(len, seqs)), pad_multiple, max_positions - new)
         tokens, lengths = _pad(seqs, width)
         return {"tokens": tokens, "lengths": lengths, "suffix": None, "suffix_lengths": None}
     ctx = [it.context_ids for it in rows]
-    qwidth = _round_width(max(len(it.question_ids) for it in rows), 16, max_positions - new - max(map(len, ctx)))
+    qwidth = _round_width(max(len(it.question_ids) for it in rows), 64, max_positions - new - max(map(len, ctx)))
     width = _round_width(max(map(len, ctx)), pad_multiple, max_positions - new - qwidth)
     tokens, lengths = _pad(ctx, width)
     suffix, suffix_lengths = _pad([it.question_ids for it in rows], qwidth)
