@@ -291,8 +291,6 @@ def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Ar
     stats = {
         **pre_stats,  # kv_stored_fraction: entries kept / prompt; prefill_block_fraction: blocks computed
         "kv_read_fraction": read,  # mean over steps of pages read / pages in use
-        "cache_bytes": cache.nbytes(),
-        "cache_capacity": cache.capacity,
     }
     return GenerateOutput(tokens=out, num_generated=num_generated, cache=cache, stats=stats)
 
@@ -416,10 +414,14 @@ def generate(params: Params, policy: Policy | None = None, tokens: Any = None, *
     if stop_tokens is None:
         stop_tokens = params.config.eos_token_ids
     key = jax.random.key(seed) if isinstance(seed, int) else seed
-    return _generate_jit(params, policy, tokens, lengths, suffix, suffix_lengths, key,
-                         max_new_tokens=max_new_tokens, sampling=sampling,
-                         stop_tokens=tuple(int(t) for t in stop_tokens), page_size=page_size,
-                         prefill_chunk=prefill_chunk, capacity=capacity)
+    out = _generate_jit(params, policy, tokens, lengths, suffix, suffix_lengths, key,
+                        max_new_tokens=max_new_tokens, sampling=sampling,
+                        stop_tokens=tuple(int(t) for t in stop_tokens), page_size=page_size,
+                        prefill_chunk=prefill_chunk, capacity=capacity)
+    # sizes are static: Python ints here (inside jit they would overflow int32 past 2 GiB)
+    out.stats["cache_bytes"] = out.cache.nbytes()
+    out.stats["cache_capacity"] = out.cache.capacity
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "prefill_chunk", "capacity", "collect_attention"))

@@ -350,7 +350,9 @@ def _build_groups(suite: str, tasks: Sequence[str] | None, lengths: Sequence[int
         groups = []
         for task in names:
             for length in lengths or [4096]:
-                budget = max_positions - ruler.RULER_TASKS[task].max_new_tokens
+                # room for the answer at its bucketed decode length (see `_bucket`) and a few tokens
+                # of slack: context and question are tokenized apart, which can add a token or two
+                budget = max_positions - _bucket(ruler.RULER_TASKS[task].max_new_tokens) - 8
                 target = length
                 if length > budget:
                     warnings.warn(f"{task}@{format_length(length)}: prompt + {ruler.RULER_TASKS[task].max_new_tokens} "
@@ -390,7 +392,7 @@ def _longbench_groups(path: Path, tasks: Sequence[str] | None, lengths: Sequence
     groups = []
     for task, samples in data.items():
         max_gen = longbench.DATASET2MAXGEN.get(task, 128)
-        limit = max_positions - max_gen - 64  # room for the chat template and the answer
+        limit = max_positions - _bucket(max_gen) - 64  # room for the chat template and the answer
         for length in lengths or [None]:
             max_tokens = limit if length is None else min(length, limit)
             groups.append(_Group(task, length, [longbench.prepare(s, tokenizer, max_tokens=max_tokens, chat=True)
