@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from sparsekv_jax import cli
@@ -194,3 +195,26 @@ def test_eval_longbench_path(smol_load, tmp_path):
     assert len(recs) == 2 and {r["metric"] for r in recs} == {"count"}
     assert all(r["prompt_tokens"] <= 512 + 64 for r in recs)
     assert all(r["suite"] == "longbench" and r["column"] == "passage_count@512" for r in recs)
+
+
+def test_batches_never_pad_past_the_model_positions():
+    """A long context and a long question from different rows must not share a batch."""
+    from types import SimpleNamespace
+
+    from sparsekv_jax.eval.runner import _batches, _bucket, _inputs, _Item
+
+    rng = np.random.default_rng()
+    items = []
+    for i in range(12):
+        ctx, q = int(rng.integers(100, 900)), int(rng.integers(5, 200))
+        items.append(_Item(None, SimpleNamespace(index=i), [1] * ctx, [1] * q, int(rng.integers(8, 70))))
+    max_positions = 1000
+    items = [it for it in items if it.num_tokens + _bucket(it.max_new_tokens) <= max_positions]
+    seen = 0
+    for batch in _batches(items, 4, max_positions):
+        assert 1 <= len(batch) <= 4
+        kw = _inputs(batch, "agnostic", max_positions, 64, len(batch))
+        assert kw["tokens"].shape[1] + kw["suffix"].shape[1] + _bucket(max(it.max_new_tokens for it in batch)) \
+            <= max_positions
+        seen += len(batch)
+    assert seen == len(items)

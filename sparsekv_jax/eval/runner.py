@@ -352,7 +352,7 @@ def _build_groups(suite: str, tasks: Sequence[str] | None, lengths: Sequence[int
             for length in lengths or [4096]:
                 # room for the answer at its bucketed decode length (see `_bucket`) and a few tokens
                 # of slack: context and question are tokenized apart, which can add a token or two
-                budget = max_positions - _bucket(ruler.RULER_TASKS[task].max_new_tokens) - 8
+                budget = max_positions - _bucket(ruler.RULER_TASKS[task].max_new_tokens) - 64
                 target = length
                 if length > budget:
                     warnings.warn(f"{task}@{format_length(length)}: prompt + {ruler.RULER_TASKS[task].max_new_tokens} "
@@ -441,10 +441,23 @@ def _round_width(n: int, multiple: int, limit: int) -> int:
     return max(n, min(limit, -(-n // multiple) * multiple))
 
 
-def _batches(items: list[_Item], batch_size: int) -> Iterator[list[_Item]]:
+def _batches(items: list[_Item], batch_size: int, max_positions: int | None = None) -> Iterator[list[_Item]]:
+    """Rows of similar length, at most ``batch_size`` a batch, and never more than fit together:
+    in question-agnostic mode the longest context and the longest question of a batch (plus the
+    decode length) must fit in the model's positions even when they come from different rows."""
     items = sorted(items, key=lambda it: (it.num_tokens, it.sample.index))
-    for i in range(0, len(items), batch_size):
-        yield items[i:i + batch_size]
+    batch: list[_Item] = []
+    for it in items:
+        trial = batch + [it]
+        fits = max_positions is None or (
+            max(len(x.context_ids) for x in trial) + max(len(x.question_ids) for x in trial)
+            + _bucket(max(x.max_new_tokens for x in trial)) <= max_positions)
+        if batch and (len(batch) == batch_size or not fits):
+            yield batch
+            trial = [it]
+        batch = trial
+    if batch:
+        yield batch
 
 
 def _inputs(items: list[_Item], question: str, max_positions: int, pad_multiple: int,
@@ -604,7 +617,7 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
         for items in grouped:
             if not items:
                 continue
-            for batch in _batches(items, batch_size):
+            for batch in _batches(items, batch_size, cfg.max_position_embeddings):
                 fill = batch_size if len(items) > batch_size else len(batch)
                 kwargs = _inputs(batch, question, cfg.max_position_embeddings, pad_multiple, fill)
                 # one static decode length per bucket (fewer compiles); rows stop at EOS and each
