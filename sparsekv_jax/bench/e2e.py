@@ -70,9 +70,14 @@ def _decode_cache(cfg, policy, context: int, batch: int, steps: int, key):
     L, B, H, S, D = cache.layers.k.shape
     used = jnp.arange(S) < kept
     positions = jnp.where(used, jnp.arange(S) * max(1, context // kept), -1).astype(jnp.int32)
+    # one layer at a time: drawing the whole cache at once materialises 32-bit random bits of the
+    # cache's size (that, not decode, ran out of memory at B=32 on the H200)
+    def draw(key):
+        return jax.lax.map(lambda k: jax.random.normal(k, (B, H, S, D), jnp.bfloat16), jax.random.split(key, L))
+
     layers = cache.layers.replace(
-        k=jax.random.normal(k1, cache.layers.k.shape, jnp.bfloat16),
-        v=jax.random.normal(k2, cache.layers.v.shape, jnp.bfloat16),
+        k=draw(k1),
+        v=draw(k2),
         positions=jnp.broadcast_to(positions, cache.layers.positions.shape))
     length = jnp.full((batch,), kept, jnp.int32)
     layers = summarize_pages(layers, length, 16)
