@@ -40,3 +40,19 @@ def test_logits_and_greedy_match_transformers_gguf(smol):
                             attention_mask=torch.ones_like(torch.as_tensor(prompt)))[0, 128:].tolist()
     out = generate(params, None, prompt, max_new_tokens=32, stop_tokens=())
     assert out.sequences()[0] == hf
+
+
+def test_quest_at_quarter_budget_still_finds_the_needle(smol):
+    """Issue 4: SmolLM2 on a 4k-token single-needle prompt, Quest reading 25% of the pages."""
+    from sparsekv_jax.eval.ruler import generate_samples
+    from sparsekv_jax.policies import Quest
+
+    _, params, tokenizer, _ = smol
+    seed = int(np.random.default_rng().integers(0, 1000))
+    sample = generate_samples("niah_single_1", 4096, 1, seed, tokenizer, chat=True)[0]
+    ids = tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
+    stops = (2, tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    out = generate(params, Quest(budget=0.25), np.asarray([ids]), max_new_tokens=16, stop_tokens=stops)
+    answer = tokenizer.decode(out.sequences()[0], skip_special_tokens=True)
+    assert float(out.stats["kv_read_fraction"][0]) < 0.35  # it really read about a quarter
+    assert sample.score(answer) == 1.0, (seed, sample.answers, answer)
