@@ -16,6 +16,12 @@ NEG_INF = -1e30  # finite: a fully masked row gives zeros, never NaN
 # Decode implementation: "auto" = the Pallas kernel on the GPU and the jnp reference elsewhere;
 # "pallas" / "jnp" force one (benchmarks compare them; tests force "pallas" in interpret mode).
 DECODE_IMPL = "auto"
+# Block-sparse prefill: the same choice for the Pallas prefill kernel (dense prefill is cuDNN/XLA).
+PREFILL_IMPL = "auto"
+
+
+def _impl(choice: str) -> str:
+    return choice if choice != "auto" else ("pallas" if on_gpu() else "jnp")
 
 
 def on_gpu() -> bool:
@@ -106,6 +112,15 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, pattern, *,
         return dense_causal_attention(q, k, v, sliding_window=sliding_window)
     block_ids, block_counts, block_size = pattern
     B, T = q.shape[:2]
+    if _impl(PREFILL_IMPL) == "pallas":
+        from sparsekv_jax.pallas.prefill import prefill_attention
+
+        pad = -(-T // block_size) * block_size - T  # the kernel wants whole KV blocks; causality masks the pad
+        kp = jnp.pad(jnp.swapaxes(k, 1, 2), ((0, 0), (0, 0), (0, pad), (0, 0)))
+        vp = jnp.pad(jnp.swapaxes(v, 1, 2), ((0, 0), (0, 0), (0, pad), (0, 0)))
+        out = prefill_attention(jnp.swapaxes(q, 1, 2), kp, vp, block_size=block_size, block_ids=block_ids,
+                                block_counts=block_counts, sliding_window=sliding_window, interpret=not on_gpu())
+        return jnp.swapaxes(out, 1, 2)
     n_blocks = -(-T // block_size)
     mask = block_mask(block_ids, block_counts, n_blocks, block_size)[..., :T, :T]
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -132,8 +147,7 @@ def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size
         read = jnp.ones((B,), jnp.float32)
     else:  # page lists hold distinct in-use pages, so the count is what is read
         read = jnp.minimum(selection[1], used_pages[:, None]).sum(1) / (Hkv * jnp.maximum(used_pages, 1))
-    impl = DECODE_IMPL if DECODE_IMPL != "auto" else ("pallas" if on_gpu() else "jnp")
-    if impl == "pallas" and not return_probs and sliding_window is None:
+    if _impl(DECODE_IMPL) == "pallas" and not return_probs and sliding_window is None:
         from sparsekv_jax.pallas.decode import decode_attention
 
         ids, counts = (None, None) if selection is None else selection
