@@ -101,12 +101,12 @@ def prefill(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Arra
     if chunk is None or chunk >= T:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
-        def attend(q, k, v, kv, idx):
+        def attend(q, k, v, kv, idx, hidden):
             pattern = policy.prefill_pattern(q, k, v, lengths, idx)
             out = attention.prefill(q, k, v, pattern, sliding_window=window)
             kv = write_chunk(kv, _transpose_heads(k), _transpose_heads(v), 0, positions)
             fraction = jnp.float32(1.0) if pattern is None else attention.block_fraction(pattern, T)
-            return out, kv, (policy.observe(q, k, v, lengths, idx), fraction)
+            return out, kv, (policy.observe(q, k, v, lengths, idx, tokens=tokens, hidden=hidden), fraction)
 
         hidden, layers, (observations, fractions) = forward(params, tokens, positions, cache.layers, attend)
         block_fraction = fractions.mean()
@@ -125,7 +125,7 @@ def prefill(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Arra
             positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
             slot_ok = (jnp.arange(S) < start + chunk)[None, None, None, :]
 
-            def attend(q, k, v, kv, idx):
+            def attend(q, k, v, kv, idx, hidden):
                 kv = write_chunk(kv, _transpose_heads(k), _transpose_heads(v), start, positions)
                 out = attention.cached_attention(
                     _transpose_heads(q), kv.k, kv.v, positions, kv.positions, slot_ok,
@@ -167,7 +167,7 @@ def extend(params: Params, cache: KVCache, tokens: jax.Array, lengths: jax.Array
     slot_ok = (jnp.arange(S)[None, :] < new_length[:, None])[:, None, None, :]  # [B, 1, 1, S]
     rows = jnp.arange(B)[:, None]
 
-    def attend(q, k, v, kv, idx):
+    def attend(q, k, v, kv, idx, hidden):
         kv = kv.replace(k=kv.k.at[rows, :, slots].set(k.astype(kv.k.dtype), mode="drop"),
                         v=kv.v.at[rows, :, slots].set(v.astype(kv.v.dtype), mode="drop"),
                         positions=kv.positions.at[rows, :, slots].set(written[:, :, None], mode="drop"))
@@ -195,7 +195,7 @@ def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array
     pos = cache.next_position
     layer_state, shared_state = state
 
-    def attend(q, k, v, layer, idx):
+    def attend(q, k, v, layer, idx, hidden):
         kv, lstate = layer
         slot, new_length = policy.decode_write(kv, cache.length, lstate)
         kv = append_token(kv, k[:, 0], v[:, 0], slot, pos, new_length, ps)
@@ -470,7 +470,7 @@ def _full_logits(params: Params, tokens: jax.Array, page_size: int = 16) -> jax.
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
-    def attend(q, k, v, kv, idx):
+    def attend(q, k, v, kv, idx, hidden):
         return attention.dense_causal_attention(q, k, v, sliding_window=cfg.sliding_window), kv, None
 
     hidden, _, _ = forward(params, tokens, positions, jnp.zeros((cfg.num_layers,)), attend)

@@ -142,7 +142,8 @@ def test_bf16_params_close_to_fp32(params):
     tokens = np.random.default_rng().integers(1, CFG.vocab_size, (1, 12))
     ref = np.asarray(full_logits(params, tokens))
     low = np.asarray(full_logits(params.astype(jnp.bfloat16), tokens))
-    assert np.abs(low - ref).max() < 0.05 * np.abs(ref).max()
+    # bf16 keeps ~3 significant digits; the whole-tensor relative error stays at the percent level
+    assert np.linalg.norm(low - ref) / np.linalg.norm(ref) < 0.05
 
 
 def test_init_cache_rejects_bad_sizes():

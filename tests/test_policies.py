@@ -278,3 +278,25 @@ def test_spec_grammar():
     pols = parse_policies("fullkv, snapkv(budget=0.1), quest(2048), pipeline(compress=h2o(0.2), decode=quest(0.25))")
     assert [p.name for p in pols] == ["Dense", "SnapKV", "Quest", "Pipeline(compress=H2O, decode=Quest)"]
     assert pols[1].budget == 0.1 and pols[2].budget == 2048 and pols[3].decode.budget == 0.25
+
+
+def test_observe_sees_prompt_tokens_and_each_layers_input(tiny):
+    """Delimiter-based and hidden-state methods get token ids and layer inputs during prefill."""
+    from flax import struct
+
+    from sparsekv_jax.models.transformer import embed
+    from sparsekv_jax.policies.base import Policy
+
+    @struct.dataclass
+    class Recorder(Policy):
+        def observe(self, q, k, v, lengths, layer_index, *, tokens=None, hidden=None):
+            return tokens, hidden
+
+    rng = np.random.default_rng()
+    tokens = jnp.asarray(rng.integers(0, 89, (2, 24)), jnp.int32)
+    cache = init_cache(tiny.config, 2, 32, page_size=8, dtype=jnp.float32)
+    _, _, (toks, hidden), _ = prefill(tiny, Recorder(), tokens, jnp.asarray([24, 17], jnp.int32), cache)
+    assert toks.shape == (3, 2, 24) and (np.asarray(toks) == np.asarray(tokens)[None]).all()
+    assert hidden.shape == (3, 2, 24, tiny.config.hidden_size)
+    np.testing.assert_allclose(np.asarray(hidden[0]), np.asarray(embed(tiny, tokens)), rtol=1e-6)
+    assert not np.allclose(np.asarray(hidden[1]), np.asarray(hidden[0]))  # later layers see transformed states

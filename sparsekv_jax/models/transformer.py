@@ -17,8 +17,9 @@ import jax.numpy as jnp
 from sparsekv_jax.models.params import LayerParams, Params
 from sparsekv_jax.models.rope import apply_rope, inverse_frequencies
 
-# attend(q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D], layer_cache, layer_index)
-#   -> (out [B,T,Hq,D], new_layer_cache, extras pytree)
+# attend(q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D], layer_cache, layer_index, hidden [B,T,H])
+#   -> (out [B,T,Hq,D], new_layer_cache, extras pytree); `hidden` is the layer's input
+#   (policies that look at hidden states, e.g. BSER, observe it during prefill)
 # Unroll factor of the layer scan (1 = rolled). A benchmark knob: on the GPU a rolled scan slices
 # each layer's weights out of the stacked arrays every step; unrolling lets XLA use static slices.
 SCAN_UNROLL = 1
@@ -84,7 +85,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, layer_cache
     def layer(x, xs):
         lw, kv, idx = xs
         q, k, v = qkv_projection(params, lw, x, positions)
-        out, kv, extras = attend(q, k, v, kv, idx)
+        out, kv, extras = attend(q, k, v, kv, idx, x)
         B, T = out.shape[:2]
         x = x + out.reshape(B, T, cfg.num_heads * cfg.head_dim) @ lw.wo
         x = x + mlp(params, lw, x)

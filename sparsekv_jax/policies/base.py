@@ -54,9 +54,14 @@ class Policy:
         """``None`` (dense causal) or ``(block_ids [B,Hkv,nQ,K], counts [B,Hkv,nQ], block_size)``."""
         return None
 
-    def observe(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
-                layer_index: jax.Array) -> Any:
-        """Per-layer observation for ``compress``; ``q`` ``[B,T,Hq,D]``, ``k``/``v`` ``[B,T,Hkv,D]``."""
+    def observe(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, layer_index: jax.Array, *,
+                tokens: jax.Array | None = None, hidden: jax.Array | None = None) -> Any:
+        """Per-layer observation for ``compress`` (stacked over layers by the scan).
+
+        ``q`` ``[B,T,Hq,D]`` and ``k``/``v`` ``[B,T,Hkv,D]`` (RoPE applied), ``tokens`` ``[B,T]``
+        the prompt ids (delimiter-based methods), ``hidden`` ``[B,T,H]`` the layer's input
+        hidden states (hidden-state probes).
+        """
         return None
 
     # -- compress ------------------------------------------------------------------------

@@ -83,7 +83,7 @@ class H2O(Policy):
     def _recent(self, kept: jax.Array) -> jax.Array:
         return jnp.floor(self.recent_ratio * kept).astype(jnp.int32)
 
-    def observe(self, q, k, v, lengths, layer_index) -> jax.Array:
+    def observe(self, q, k, v, lengths, layer_index, **inputs) -> jax.Array:
         return attention_mass(q, k, lengths)
 
     def compressed_capacity(self, prompt_len: int, max_new_tokens: int) -> int | None:

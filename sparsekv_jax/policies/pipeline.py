@@ -54,8 +54,8 @@ class Pipeline(Policy):
     def prefill_pattern(self, q, k, v, lengths, layer_index):
         return self.prefill.prefill_pattern(q, k, v, lengths, layer_index)
 
-    def observe(self, q, k, v, lengths, layer_index):
-        return self.compress_with.observe(q, k, v, lengths, layer_index)
+    def observe(self, q, k, v, lengths, layer_index, **inputs):
+        return self.compress_with.observe(q, k, v, lengths, layer_index, **inputs)
 
     def compressed_capacity(self, prompt_len: int, max_new_tokens: int) -> int | None:
         return self.compress_with.compressed_capacity(prompt_len, max_new_tokens)

@@ -92,7 +92,7 @@ class SnapKV(Policy):
     def validate(self, prompt_len: int, max_new_tokens: int, page_size: int) -> None:
         check_sinks_window(self.budget, self.sinks, self.window, prompt_len)
 
-    def observe(self, q, k, v, lengths, layer_index) -> jax.Array:
+    def observe(self, q, k, v, lengths, layer_index, **inputs) -> jax.Array:
         scores = pool1d(window_attention_scores(q, k, lengths, self.window), self.kernel_size, self.pooling)
         B, Hq, T = scores.shape
         Hkv = k.shape[2]

@@ -44,7 +44,7 @@ class StreamingLLM(Policy):
     def validate(self, prompt_len: int, max_new_tokens: int, page_size: int) -> None:
         check_sinks_window(self.budget, self.sinks, 0, prompt_len)
 
-    def observe(self, q, k, v, lengths, layer_index) -> Any:
+    def observe(self, q, k, v, lengths, layer_index, **inputs) -> Any:
         return None
 
     def compressed_capacity(self, prompt_len: int, max_new_tokens: int) -> int | None:
