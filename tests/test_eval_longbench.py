@@ -17,7 +17,6 @@ if not MINI.is_dir():  # CI clones main next to shared/
 MINI_TASKS = ["2wikimqa", "gov_report", "hotpotqa", "lcc", "multifieldqa_en", "narrativeqa", "passage_count",
               "qasper", "samsum", "trec"]
 
-pytestmark = pytest.mark.skipif(not MINI.is_dir(), reason="shared/data/longbench_mini not present")
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ def _poison(x, mask):
     return jnp.where(mask[..., None], x, jnp.nan).astype(x.dtype)
 
 
-def _check(out, q, k, v, lengths, dtype, **kw):
+def _assert_matches_reference(out, q, k, v, lengths, dtype, **kw):
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     ref = decode_attention_reference(f32(q), f32(k), f32(v), lengths, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -70,7 +70,7 @@ def test_dense_matches_reference(rng, Hq, Hkv, D, ps, P, dtype):
     mask = selected_slot_mask(lengths, P * ps, Hkv, page_size=ps)
     k, v = _poison(k, mask), _poison(v, mask)
     out = decode_attention(q, k, v, lengths, page_size=ps, interpret=True, block_k=32)
-    _check(out, q, k, v, lengths, dtype, page_size=ps)
+    _assert_matches_reference(out, q, k, v, lengths, dtype, page_size=ps)
 
 
 SPARSE_CASES = [
@@ -91,7 +91,7 @@ def test_sparse_unsorted_ragged_matches_reference(rng, Hq, Hkv, D, ps, P, dtype)
     mask = selected_slot_mask(lengths, P * ps, Hkv, **kw)
     k, v = _poison(k, mask), _poison(v, mask)
     out = decode_attention(q, k, v, lengths, interpret=True, block_k=64, num_splits=2, **kw)
-    _check(out, q, k, v, lengths, dtype, **kw)
+    _assert_matches_reference(out, q, k, v, lengths, dtype, **kw)
     G = Hq // Hkv
     assert np.all(np.asarray(out, np.float32)[1, :G] == 0), "empty selection must give zeros"
 
@@ -105,7 +105,7 @@ def test_bias_and_scale(rng, dtype):
     kw = dict(page_size=ps, page_ids=jnp.asarray(ids), page_counts=jnp.asarray(counts), bias=bias,
               scale=0.3)
     out = decode_attention(q, k, v, lengths, interpret=True, block_k=32, **kw)
-    _check(out, q, k, v, lengths, dtype, **kw)
+    _assert_matches_reference(out, q, k, v, lengths, dtype, **kw)
 
 
 def test_full_selection_equals_dense(rng):
@@ -122,7 +122,7 @@ def test_full_selection_equals_dense(rng):
                               page_counts=jnp.asarray(counts), interpret=True, block_k=32, num_splits=3)
     dense = decode_attention(q, k, v, lengths, page_size=ps, interpret=True, block_k=64)
     assert rel_err(np.asarray(sparse), np.asarray(dense)) <= 1e-5
-    _check(sparse, q, k, v, lengths, jnp.float32, page_size=ps)
+    _assert_matches_reference(sparse, q, k, v, lengths, jnp.float32, page_size=ps)
 
 
 def test_all_empty_gives_zeros_not_nan(rng):
@@ -145,7 +145,7 @@ def test_pages_past_length_are_masked(rng):
     kw = dict(page_size=ps, page_ids=ids, page_counts=jnp.asarray([[3]], jnp.int32))
     mask = selected_slot_mask(lengths, P * ps, Hkv, **kw)
     out = decode_attention(q, _poison(k, mask), _poison(v, mask), lengths, interpret=True, block_k=16, **kw)
-    _check(out, q, k, v, lengths, jnp.float32, **kw)
+    _assert_matches_reference(out, q, k, v, lengths, jnp.float32, **kw)
 
 
 def test_under_jit_with_tracers(rng):
@@ -155,7 +155,7 @@ def test_under_jit_with_tracers(rng):
     f = jax.jit(lambda q, k, v, n, i, c: decode_attention(q, k, v, n, page_size=ps, page_ids=i,
                                                           page_counts=c, interpret=True, block_k=32))
     out = f(q, k, v, lengths, jnp.asarray(ids), jnp.asarray(counts))
-    _check(out, q, k, v, lengths, jnp.float32, page_size=ps, page_ids=jnp.asarray(ids),
+    _assert_matches_reference(out, q, k, v, lengths, jnp.float32, page_size=ps, page_ids=jnp.asarray(ids),
            page_counts=jnp.asarray(counts))
 
 

@@ -34,7 +34,7 @@ def _inputs(rng, B, Hq, Hkv, T, S, D, dtype, q_offset):
     return q, jnp.asarray(k, dtype), jnp.asarray(v, dtype)
 
 
-def _check(got, q, k, v, dtype, **kw):
+def _assert_matches_reference(got, q, k, v, dtype, **kw):
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     ref = prefill_attention_reference(f32(q), f32(k), f32(v), **kw)
     if kw.get("return_lse"):
@@ -68,7 +68,7 @@ def test_dense_matches_reference(rng, Hq, Hkv, D, bs, T, off, dtype):
     S = off + -(-T // bs) * bs + bs
     q, k, v = _inputs(rng, 2, Hq, Hkv, T, S, D, dtype, off)
     kw = dict(q_offset=off, block_size=bs, return_lse=True)
-    _check(prefill_attention(q, k, v, interpret=True, **kw), q, k, v, dtype, **kw)
+    _assert_matches_reference(prefill_attention(q, k, v, interpret=True, **kw), q, k, v, dtype, **kw)
 
 
 SPARSE_CASES = [
@@ -89,7 +89,7 @@ def test_sparse_unsorted_matches_reference(rng, Hq, Hkv, D, bs, T, off, dtype, d
     counts[0, 0, 0] = 0  # an empty list: those queries output zeros
     kw = dict(q_offset=off, block_size=bs, block_ids=jnp.asarray(ids), block_counts=jnp.asarray(counts),
               return_lse=True)
-    out = _check(prefill_attention(q, k, v, interpret=True, **kw), q, k, v, dtype, **kw)
+    out = _assert_matches_reference(prefill_attention(q, k, v, interpret=True, **kw), q, k, v, dtype, **kw)
     G = Hq // Hkv
     assert np.all(out[0, :G, : min(bs, T)] == 0)
 
@@ -107,7 +107,7 @@ def test_full_lists_equal_dense(rng):
                                block_counts=counts, interpret=True)
     dense = prefill_attention(q, k, v, q_offset=off, block_size=bs, interpret=True)
     assert rel_err(np.asarray(sparse), np.asarray(dense)) <= 1e-5
-    _check(sparse, q, k, v, jnp.float32, q_offset=off, block_size=bs)
+    _assert_matches_reference(sparse, q, k, v, jnp.float32, q_offset=off, block_size=bs)
 
 
 def test_chunked_prefill_matches_full(rng):
@@ -126,7 +126,7 @@ def test_traced_offset_under_jit(rng):
     off = 32
     q, k, v = _inputs(rng, B, Hq, Hkv, T, S, D, jnp.float32, off)
     f = jax.jit(lambda q, k, v, o: prefill_attention(q, k, v, q_offset=o, block_size=bs, interpret=True))
-    _check(f(q, k, v, jnp.int32(off)), q, k, v, jnp.float32, q_offset=off, block_size=bs)
+    _assert_matches_reference(f(q, k, v, jnp.int32(off)), q, k, v, jnp.float32, q_offset=off, block_size=bs)
 
 
 @pytest.mark.parametrize("sparse", [False, True])
@@ -140,7 +140,7 @@ def test_kv_lengths_ragged(rng, sparse):
     if sparse:
         ids, counts = random_block_lists(rng, B, Hkv, T, bs, 0, 3, diag="always")
         kw.update(block_ids=jnp.asarray(ids), block_counts=jnp.asarray(counts))
-    out = _check(prefill_attention(q, k, v, interpret=True, **kw), q, k, v, jnp.bfloat16, **kw)
+    out = _assert_matches_reference(prefill_attention(q, k, v, interpret=True, **kw), q, k, v, jnp.bfloat16, **kw)
     assert np.all(out[2] == 0)
 
 
@@ -148,7 +148,7 @@ def test_sliding_window(rng):
     B, Hq, Hkv, D, bs, T, off = 1, 4, 2, 64, 16, 48, 32
     q, k, v = _inputs(rng, B, Hq, Hkv, T, off + T, D, jnp.float32, off)
     kw = dict(q_offset=off, block_size=bs, sliding_window=20)
-    _check(prefill_attention(q, k, v, interpret=True, **kw), q, k, v, jnp.float32, **kw)
+    _assert_matches_reference(prefill_attention(q, k, v, interpret=True, **kw), q, k, v, jnp.float32, **kw)
 
 
 def test_sub_tiles(rng):
@@ -157,7 +157,7 @@ def test_sub_tiles(rng):
     q, k, v = _inputs(rng, B, Hq, Hkv, T, off + T, D, jnp.float32, off)
     ids, counts = random_block_lists(rng, B, Hkv, T, bs, off, 3)
     kw = dict(q_offset=off, block_size=bs, block_ids=jnp.asarray(ids), block_counts=jnp.asarray(counts))
-    _check(prefill_attention(q, k, v, interpret=True, block_q=32, block_k=16, **kw), q, k, v,
+    _assert_matches_reference(prefill_attention(q, k, v, interpret=True, block_q=32, block_k=16, **kw), q, k, v,
            jnp.float32, **kw)
 
 
