@@ -51,7 +51,11 @@ PAD_TOKEN = -1  # written after a row has stopped
 class GenerateOutput:
     """``tokens`` ``[B, max_new_tokens]`` (``PAD_TOKEN`` after a row stopped, the stop token
     included before it); ``num_generated`` ``[B]``; ``cache`` the final KV cache; ``stats``
-    what the policy did (fractions of full attention) and what the cache holds."""
+    what the policy did (fractions of full attention) and what the cache holds:
+    ``kv_stored_fraction`` [B] (entries kept / prompt length), ``kv_read_fraction`` [B] (pages
+    read / pages in use, mean over decode steps; NaN for a row that stopped at its first token),
+    ``prefill_block_fraction`` (blocks computed / causal blocks), ``cache_bytes``,
+    ``cache_capacity``."""
 
     tokens: jax.Array
     num_generated: jax.Array
@@ -275,8 +279,9 @@ def decode_loop(params: Params, policy: Policy, logits: jax.Array, cache: KVCach
     init = (jnp.int32(1), cache, first, done, out, key, state, zero)
     _, cache, _, _, out, _, _, read = jax.lax.while_loop(cond, body, init)
     num_generated = jnp.sum(out != PAD_TOKEN, axis=1)
-    steps = jnp.maximum(num_generated - 1, 1).astype(jnp.float32)
-    return out, num_generated, cache, read / steps
+    steps = (num_generated - 1).astype(jnp.float32)  # the first token comes from prefill
+    # a row that stopped at its first token read nothing while decoding: NaN, not 0 (means skip it)
+    return out, num_generated, cache, jnp.where(steps > 0, read / jnp.maximum(steps, 1.0), jnp.nan)
 
 
 def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Array, suffix: jax.Array | None,

@@ -251,6 +251,10 @@ def test_stats_report_fractions(tiny):
     assert float(quest.stats["kv_read_fraction"][0]) == pytest.approx(2 / 9, abs=0.03)
     dense = generate(tiny, None, tokens, max_new_tokens=4, stop_tokens=(), page_size=8)
     assert snap.stats["cache_bytes"] < dense.stats["cache_bytes"] / 2
+    assert float(dense.stats["kv_read_fraction"][0]) == 1.0
+    first = int(dense.tokens[0, 0])  # stopping at the first token: no decode step, nothing read
+    stopped = generate(tiny, None, tokens, max_new_tokens=4, stop_tokens=(first,), page_size=8)
+    assert int(stopped.num_generated[0]) == 1 and np.isnan(float(stopped.stats["kv_read_fraction"][0]))
 
 
 @pytest.mark.parametrize("make, match", [
