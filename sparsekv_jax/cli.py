@@ -51,10 +51,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from sparsekv_jax.generate import Sampling, generate
     from sparsekv_jax.models.embedded import load
+    from sparsekv_jax.policies import parse_policy
 
     text = _read_prompt(args)
     if not text.strip():
         raise SystemExit("sparsekv: error: the prompt is empty")
+    try:
+        policy = parse_policy(args.policy)
+    except ValueError as e:
+        raise SystemExit(f"sparsekv: error: bad --policy: {e}") from None
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     params, tokenizer = load(args.model, dtype=dtype, progress=not args.quiet)
@@ -66,7 +71,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         ids = tokenizer(text)["input_ids"]
     t0 = time.perf_counter()
-    out = generate(params, None, np.asarray([ids]), max_new_tokens=args.max_new_tokens, sampling=sampling,
+    out = generate(params, policy, np.asarray([ids]), max_new_tokens=args.max_new_tokens, sampling=sampling,
                    seed=args.seed)
     new = out.sequences()[0]
     elapsed = time.perf_counter() - t0
@@ -183,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-file", metavar="F", help="read the prompt from file F")
     g.add_argument("--model", default="smollm2", help="'smollm2' (default), a HF model directory or a .gguf file")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--policy", default="fullkv", metavar="SPEC",
+                   help="KV policy, e.g. 'snapkv(budget=0.25)' or 'pipeline(compress=snapkv(0.25), decode=quest(0.25))'"
+                        " (default: fullkv; grammar in `sparsekv eval --help`)")
     g.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="tokens to generate at most")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="keep the K most likely tokens (0 = off)")

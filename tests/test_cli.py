@@ -1,0 +1,72 @@
+"""The `sparsekv` command: help on every subcommand, `info` against transformers' own counts,
+`generate` reading its prompt from an argument, a file or stdin."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sparsekv_jax import cli
+
+COMMANDS = ["generate", "info", "eval"]
+
+
+@pytest.mark.parametrize("argv", [["--help"]] + [[c, "--help"] for c in COMMANDS])
+def test_help_on_every_command(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 0
+    assert "usage: sparsekv" in capsys.readouterr().out
+
+
+def test_info_of_a_model_directory_matches_transformers(hf_tiny_dir, capsys):
+    import transformers as tf
+
+    for family in ("llama", "qwen2", "qwen3"):
+        path = hf_tiny_dir(family)
+        assert cli.main(["info", "--model", path, "--context", "1000", "--batch", "3", "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        model = tf.AutoModelForCausalLM.from_pretrained(path)
+        assert info["parameters"] == model.num_parameters(), family
+        c = model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * 2  # K and V, bf16
+        assert info["kv_bytes_per_token"] == per_token
+        assert info["kv_cache_bytes"] == per_token * 1000 * 3
+
+
+def test_info_bad_input_exits_2():
+    with pytest.raises(SystemExit) as e:
+        cli.main(["info", "--batch", "0"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit, match="not one of"):
+        cli.main(["info", "--model", "no-such-model"])
+
+
+def test_generate_reads_argument_file_and_stdin(smol, tmp_path, monkeypatch, capsys):
+    cache_dir, _, _, _ = smol
+    monkeypatch.setenv("SPARSEKV_CACHE", str(cache_dir))
+    prompt = "The capital of France is"
+    outs = []
+    assert cli.main(["generate", prompt, "--max-new-tokens", "4", "-q"]) == 0
+    outs.append(capsys.readouterr().out)
+    f = tmp_path / "p.txt"
+    f.write_text(prompt)
+    assert cli.main(["generate", "--prompt-file", str(f), "--max-new-tokens", "4", "-q"]) == 0
+    outs.append(capsys.readouterr().out)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(prompt))
+    assert cli.main(["generate", "--max-new-tokens", "4", "-q"]) == 0
+    outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] == outs[2] and "Paris" in outs[0]
+    with pytest.raises(SystemExit, match="bad --policy"):
+        cli.main(["generate", prompt, "--policy", "snapkv(budget=2.0)", "-q"])
+
+
+def test_info_of_the_llama_preset_in_a_fresh_process():
+    res = subprocess.run([sys.executable, "-m", "sparsekv_jax.cli", "info", "--model", "llama3.1-8b"],
+                         capture_output=True, text=True)
+    assert res.returncode == 0 and "8,030,261,248" in res.stdout  # Llama-3.1-8B's published size
