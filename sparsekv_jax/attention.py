@@ -11,6 +11,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from sparsekv_jax.cache import layer_view
+
 NEG_INF = -1e30  # finite: a fully masked row gives zeros, never NaN
 
 # Decode implementation: "auto" = the Pallas kernel on the GPU and the jnp reference elsewhere;
@@ -131,15 +133,17 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, pattern, *,
 
 
 def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size: int, selection, *,
-           sliding_window: int | None = None, return_probs: bool = False):
+           sliding_window: int | None = None, return_probs: bool = False, layer: jax.Array | None = None):
     """One query per row ``[B, Hq, D]`` at RoPE ``q_position`` ``[B]`` against a layer's cache
     ``kv`` (`LayerKV`) whose first ``length`` slots are in use.
 
     ``selection`` is ``None`` (every page in use) or ``(page_ids [B, Hkv, P], counts [B, Hkv])``.
+    With ``layer``, ``kv`` is every layer's cache stacked ``[L, ...]`` and layer ``layer`` is read
+    (the kernel indexes the stack: no per-layer copy).
     Returns the output ``[B, Hq, D]``, per row the fraction of in-use pages read, and with
     ``return_probs`` the attention probabilities ``[B, Hq, S]``.
     """
-    B, Hkv, S, _ = kv.k.shape
+    B, Hkv, S, _ = kv.k.shape[-4:]
     n_pages = S // page_size
     used_pages = -(-length // page_size)  # [B]
     valid = jnp.arange(S)[None, None, :] < length[:, None, None]  # [B, 1, S]
@@ -152,8 +156,10 @@ def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size
 
         ids, counts = (None, None) if selection is None else selection
         out = decode_attention(q, kv.k, kv.v, length, page_size=page_size, page_ids=ids, page_counts=counts,
-                               bias=kv.bias, interpret=not on_gpu())
+                               bias=kv.bias, layer=layer, interpret=not on_gpu())
         return out, read.astype(jnp.float32)
+    if layer is not None:
+        kv = layer_view(kv, layer)
     if selection is not None:
         pm = page_mask(selection[0], selection[1], n_pages)  # [B, Hkv, P]
         valid = valid & jnp.repeat(pm, page_size, axis=-1)

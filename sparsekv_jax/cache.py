@@ -20,6 +20,8 @@ Capacity is fixed at creation: every shape is static.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -144,9 +146,13 @@ def _slot_valid(length: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def append_token(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slot: jax.Array,
-                 position: jax.Array, new_length: jax.Array, page_size: int) -> LayerKV:
-    """Write one token per row at ``slot`` (one layer) and refresh that page's summary.
+                 position: jax.Array, new_length: jax.Array, page_size: int,
+                 layer: jax.Array | None = None) -> LayerKV:
+    """Write one token per row at ``slot`` and refresh that page's summary.
 
+    ``kv`` is one layer's cache, or with ``layer`` (int scalar, may be traced) every layer's,
+    stacked ``[L, ...]``: then only that layer's token and page are written, in place (a decode
+    step that carries the whole cache through the layer scan copies nothing).
     ``k_new``/``v_new``: ``[B, Hkv, D]``; ``slot``: ``[B]`` (append) or ``[B, Hkv]`` (a slot per
     head, e.g. in-place eviction); ``position``: ``[B]``; ``new_length``: ``[B]`` slots in use
     after the write. The written page's sum/min/max are recomputed from its ``page_size`` keys,
@@ -156,20 +162,28 @@ def append_token(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slot: jax.Arra
     slot = jnp.broadcast_to(slot[:, None] if slot.ndim == 1 else slot, (B, H))
     rows = jnp.arange(B)[:, None]
     heads = jnp.arange(H)[None, :]
-    k = kv.k.at[rows, heads, slot].set(k_new.astype(kv.k.dtype))
-    v = kv.v.at[rows, heads, slot].set(v_new.astype(kv.v.dtype))
-    pos = kv.positions.at[rows, heads, slot].set(jnp.broadcast_to(position[:, None], (B, H)))
+    at = (rows, heads) if layer is None else (layer, rows, heads)
+    k = kv.k.at[(*at, slot)].set(k_new.astype(kv.k.dtype))
+    v = kv.v.at[(*at, slot)].set(v_new.astype(kv.v.dtype))
+    pos = kv.positions.at[(*at, slot)].set(jnp.broadcast_to(position[:, None], (B, H)))
     page = slot // page_size  # [B, H]
     in_page = page[..., None] * page_size + jnp.arange(page_size)  # [B, H, ps]
-    keys = jnp.take_along_axis(k, in_page[..., None], axis=2).astype(jnp.float32)  # [B, H, ps, D]
+    k_layer = k if layer is None else jax.lax.dynamic_index_in_dim(k, layer, keepdims=False)
+    keys = jnp.take_along_axis(k_layer, in_page[..., None], axis=2).astype(jnp.float32)  # [B, H, ps, D]
     valid = (in_page < new_length[:, None, None])[..., None]
     big = jnp.finfo(jnp.float32).max
     return kv.replace(
         k=k, v=v, positions=pos,
-        page_sum=kv.page_sum.at[rows, heads, page].set(jnp.where(valid, keys, 0.0).sum(-2)),
-        page_min=kv.page_min.at[rows, heads, page].set(jnp.where(valid, keys, big).min(-2)),
-        page_max=kv.page_max.at[rows, heads, page].set(jnp.where(valid, keys, -big).max(-2)),
+        page_sum=kv.page_sum.at[(*at, page)].set(jnp.where(valid, keys, 0.0).sum(-2)),
+        page_min=kv.page_min.at[(*at, page)].set(jnp.where(valid, keys, big).min(-2)),
+        page_max=kv.page_max.at[(*at, page)].set(jnp.where(valid, keys, -big).max(-2)),
     )
+
+
+def layer_view(tree: Any, layer: jax.Array) -> Any:
+    """Layer ``layer`` of a stacked cache (or any pytree with a leading ``[L]`` axis): slices
+    that XLA fuses into their readers."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), tree)
 
 
 def page_counts(length: jax.Array, num_pages: int, page_size: int) -> jax.Array:

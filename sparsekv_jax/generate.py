@@ -18,9 +18,17 @@ import numpy as np
 from flax import struct
 
 from sparsekv_jax import attention
-from sparsekv_jax.cache import KVCache, append_token, init_cache, pages_for, summarize_pages, write_chunk
+from sparsekv_jax.cache import (
+    KVCache,
+    append_token,
+    init_cache,
+    layer_view,
+    pages_for,
+    summarize_pages,
+    write_chunk,
+)
 from sparsekv_jax.models.params import Params
-from sparsekv_jax.models.transformer import forward, logits_from_hidden
+from sparsekv_jax.models.transformer import decode_unroll, forward, logits_from_hidden
 from sparsekv_jax.pallas.validation import is_concrete
 from sparsekv_jax.policies.base import Dense, Policy
 
@@ -187,6 +195,15 @@ def extend(params: Params, cache: KVCache, tokens: jax.Array, lengths: jax.Array
     return logits_from_hidden(params, last), cache
 
 
+# Carry the whole cache through the decode layer scan (in-place writes, the kernel indexes the
+# layer): "auto" = on the GPU. Forced True in tests, so the CPU runs the GPU's code path too.
+DECODE_CARRY: bool | str = "auto"
+
+
+def carry_cache() -> bool:
+    return attention.on_gpu() if DECODE_CARRY == "auto" else bool(DECODE_CARRY)
+
+
 def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array, state: tuple[Any, Any],
                 *, collect_attention: bool = False):
     """Feed one token per row ``[B]``.
@@ -200,22 +217,43 @@ def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array
     pos = cache.next_position
     layer_state, shared_state = state
 
+    # On the GPU the cache (and the policy's per-layer state, which can be as large, e.g. H2O's
+    # scores) rides the layer scan's carry: each layer writes its token in place and the kernel
+    # reads the layer from the stack. Scanned as xs/ys they would be copied whole at every step.
+    # XLA:CPU does not update the carried stack in place (decode ran 2x slower), so there the
+    # layers are scanned as xs/ys: the same code, with ``at=None`` meaning "one layer's arrays".
+    carry = carry_cache()
+
     def attend(q, k, v, layer, idx, hidden):
-        kv, lstate = layer
-        slot, new_length = policy.decode_write(kv, cache.length, lstate)
-        kv = append_token(kv, k[:, 0], v[:, 0], slot, pos, new_length, ps)
+        if carry:
+            _, (layers, lstate_all) = layer
+            lstate, at = layer_view(lstate_all, idx), idx
+        else:
+            (layers, lstate), at = layer, None
+        view = (lambda t: layer_view(t, idx)) if carry else (lambda t: t)
+        slot, new_length = policy.decode_write(view(layers), cache.length, lstate)
+        layers = append_token(layers, k[:, 0], v[:, 0], slot, pos, new_length, ps, layer=at)
+        kv = view(layers)
         selection = policy.decode_select(q[:, 0], kv, new_length, lstate, shared_state, idx, ps)
-        res = attention.decode(q[:, 0], pos, kv, new_length, ps, selection, sliding_window=cfg.sliding_window,
-                               return_probs=policy.needs_decode_probs)
+        res = attention.decode(q[:, 0], pos, layers, new_length, ps, selection, sliding_window=cfg.sliding_window,
+                               return_probs=policy.needs_decode_probs, layer=at)
         if policy.needs_decode_probs:
             out, pages, probs = res
             lstate = policy.decode_observe(lstate, probs, kv)
+            if carry:
+                lstate_all = jax.tree.map(lambda a, x: a.at[idx].set(x), lstate_all, lstate)
         else:
             out, pages = res
-        return out[:, None], (kv, lstate), (pages, new_length, out if collect_attention else None)
+        new = (None, (layers, lstate_all)) if carry else (layers, lstate)
+        return out[:, None], new, (pages, new_length, out if collect_attention else None)
 
-    hidden, (layers, layer_state), (pages, new_length, outs) = forward(
-        params, token[:, None], pos[:, None], (cache.layers, layer_state), attend)
+    if carry:
+        hidden, (_, (layers, layer_state)), (pages, new_length, outs) = forward(
+            params, token[:, None], pos[:, None], None, attend, carried=(cache.layers, layer_state),
+            unroll=decode_unroll())
+    else:
+        hidden, (layers, layer_state), (pages, new_length, outs) = forward(
+            params, token[:, None], pos[:, None], (cache.layers, layer_state), attend, unroll=decode_unroll())
     logits = logits_from_hidden(params, hidden[:, 0])
     cache = cache.replace(layers=layers, length=new_length[0], next_position=pos + 1)
     shared_state = policy.decode_update(shared_state, cache, logits)

@@ -9,10 +9,11 @@ import pytest
 from flax import struct
 
 from sparsekv_jax import attention
+from sparsekv_jax import generate as gen
 from sparsekv_jax.generate import generate
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
-from sparsekv_jax.policies import Dense, Quest, SnapKV
+from sparsekv_jax.policies import H2O, Dense, Quest, SnapKV
 from sparsekv_jax.policies.base import Policy
 
 CFG = ModelConfig(family="llama", vocab_size=71, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -46,26 +47,29 @@ def params():
     return random_params(CFG, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
 
 
-def _run(params, policy, tokens, lengths, decode, prefill):
-    old = attention.DECODE_IMPL, attention.PREFILL_IMPL
-    attention.DECODE_IMPL, attention.PREFILL_IMPL = decode, prefill
+def _run(params, policy, tokens, lengths, decode, prefill, carry=False):
+    old = attention.DECODE_IMPL, attention.PREFILL_IMPL, gen.DECODE_CARRY
+    attention.DECODE_IMPL, attention.PREFILL_IMPL, gen.DECODE_CARRY = decode, prefill, carry
     try:
         jax.clear_caches()  # the implementation is chosen at trace time
         return generate(params, policy, tokens, lengths=lengths, max_new_tokens=5, stop_tokens=(), page_size=16)
     finally:
-        attention.DECODE_IMPL, attention.PREFILL_IMPL = old
+        attention.DECODE_IMPL, attention.PREFILL_IMPL, gen.DECODE_CARRY = old
         jax.clear_caches()
 
 
 @pytest.mark.parametrize("policy", [Dense(), Quest(budget=32, dense_layers=0), SnapKV(budget=40, window=8),
+                                    H2O(budget=40),
                                     RandomBlocks(seed=int(np.random.default_rng().integers(1000)))],
-                         ids=["dense", "quest", "snapkv", "block-sparse-prefill"])
+                         ids=["dense", "quest", "snapkv", "h2o", "block-sparse-prefill"])
 def test_pallas_path_equals_jnp_path(params, policy):
+    """The GPU's configuration (Pallas kernels, the cache carried through the layer scan and read
+    by layer index) against the CPU's (jnp, the cache scanned layer by layer)."""
     rng = np.random.default_rng()
     tokens = rng.integers(0, CFG.vocab_size, (2, 70))
     lengths = np.array([70, 45])
-    ref = _run(params, policy, tokens, lengths, "jnp", "jnp")
-    got = _run(params, policy, tokens, lengths, "pallas", "pallas")
+    ref = _run(params, policy, tokens, lengths, "jnp", "jnp", carry=False)
+    got = _run(params, policy, tokens, lengths, "pallas", "pallas", carry=True)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
     np.testing.assert_allclose(np.asarray(got.cache.layers.k), np.asarray(ref.cache.layers.k), atol=2e-5)
 
@@ -78,3 +82,18 @@ def test_block_pattern_listing_every_causal_block_is_dense(params):
     assert float(full.stats["prefill_block_fraction"]) == pytest.approx(1.0)
     sparse = generate(params, RandomBlocks(), tokens, max_new_tokens=4, stop_tokens=())
     assert float(sparse.stats["prefill_block_fraction"]) < 1.0
+
+
+@pytest.mark.parametrize("policy", [Dense(), H2O(budget=40)], ids=["dense", "h2o"])
+def test_carried_cache_equals_scanned_cache(params, policy):
+    """Decode with the cache in the scan carry (in-place writes by layer index) gives the same
+    tokens, cache and policy state effects as scanning it layer by layer (jnp attention both)."""
+    rng = np.random.default_rng()
+    tokens = rng.integers(0, CFG.vocab_size, (2, 60))
+    lengths = np.array([60, 33])
+    ref = _run(params, policy, tokens, lengths, "jnp", "jnp", carry=False)
+    got = _run(params, policy, tokens, lengths, "jnp", "jnp", carry=True)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    for name in ("k", "v", "positions", "page_sum", "page_min", "page_max"):
+        np.testing.assert_allclose(np.asarray(getattr(got.cache.layers, name)),
+                                   np.asarray(getattr(ref.cache.layers, name)), atol=1e-5, err_msg=name)

@@ -96,6 +96,34 @@ def test_sparse_unsorted_ragged_matches_reference(rng, Hq, Hkv, D, ps, P, dtype)
     assert np.all(np.asarray(out, np.float32)[1, :G] == 0), "empty selection must give zeros"
 
 
+@pytest.mark.parametrize("sparse", [False, True])
+def test_stacked_layers_read_by_index(rng, sparse):
+    """``layer=`` reads one layer of a stacked [L, ...] cache (the decode scan's zero-copy path);
+    every other layer is NaN-poisoned, so reading the wrong one shows."""
+    L, B, Hq, Hkv, D, P, ps = 3, 2, 6, 2, 64, 5, 16
+    layer = int(rng.integers(L))
+    q, k1, v1, lengths = _inputs(rng, B, Hq, Hkv, D, P, ps, jnp.float32)
+    bias1 = jnp.asarray(rng.standard_normal((B, Hkv, P * ps)), jnp.float32)
+    kw = dict(page_size=ps)
+    if sparse:
+        ids, counts = random_page_lists(rng, np.asarray(lengths), Hkv, P, ps, list_len=P - 1)
+        kw.update(page_ids=jnp.asarray(ids), page_counts=jnp.asarray(counts))
+    mask = selected_slot_mask(lengths, P * ps, Hkv, **kw)
+    stack = lambda x: jnp.stack([x if i == layer else jnp.full_like(x, jnp.nan) for i in range(L)])  # noqa: E731
+    k, v, bias = stack(_poison(k1, mask)), stack(_poison(v1, mask)), stack(bias1)
+    out = jax.jit(lambda i: decode_attention(q, k, v, lengths, bias=bias, layer=i, interpret=True, block_k=32,
+                                             **kw))(jnp.int32(layer))
+    _assert_matches_reference(out, q, k1, v1, lengths, jnp.float32, bias=bias1, **kw)
+
+
+def test_error_layer_out_of_range(rng):
+    q, k, v, lengths = _inputs(rng, 1, 2, 2, 64, 2, 16, jnp.float32)
+    with pytest.raises(ValueError, match="layer=3"):
+        decode_attention(q, k[None], v[None], lengths, page_size=16, layer=3, interpret=True)
+    with pytest.raises(ValueError, match="stacked"):
+        decode_attention(q, k, v, lengths, page_size=16, layer=0, interpret=True)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_bias_and_scale(rng, dtype):
     B, Hq, Hkv, D, ps, P = 2, 8, 2, 64, 16, 6

@@ -46,6 +46,19 @@ def _median_time(fn, *args, iters: int) -> float:
     return statistics.median(times)
 
 
+def _median_time_carry(fn, params, carry, *, iters: int) -> tuple[float, tuple]:
+    """Like `_median_time` for a step whose carry is donated: each call consumes the last one's output."""
+    import jax
+
+    carry = jax.block_until_ready(fn(params, *carry))  # warm-up
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        carry = jax.block_until_ready(fn(params, *carry))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), carry
+
+
 def _memory(compiled) -> int | None:
     try:
         m = compiled.memory_analysis()
@@ -102,7 +115,7 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
     from sparsekv_jax.models import transformer
 
     base = {"model": model, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-            "unroll": transformer.SCAN_UNROLL}
+            "unroll": transformer.decode_unroll()}
     rows = []
 
     def record(row):
@@ -135,20 +148,27 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
                     state = pol.decode_init(cache, obs)
                     token = jnp.ones((B,), jnp.int32)
 
-                    def run(params, cache, state, token, pol=pol):
+                    start = (cache.length, cache.next_position)
+
+                    def run(params, cache, state, token, pol=pol, start=start):
+                        # every timed run decodes from the same length (the carry is fed back)
+                        cache = cache.replace(length=start[0], next_position=start[1])
+
                         def body(i, carry):
                             cache, state, token = carry
                             logits, cache, state, _ = decode_step(params, pol, cache, token, state)
                             return cache, state, jnp.argmax(logits, -1).astype(jnp.int32)
-                        return jax.lax.fori_loop(0, steps, body, (cache, state, token))[2]
+                        return jax.lax.fori_loop(0, steps, body, (cache, state, token))
 
-                    compiled = jax.jit(run).lower(params, cache, state, token).compile()
-                    sec = _median_time(compiled, params, cache, state, token, iters=iters)
+                    # the cache is donated and fed back, as in generation: one copy in memory
+                    compiled = jax.jit(run, donate_argnums=(1, 2)).lower(params, cache, state, token).compile()
+                    sizes = (cache.nbytes(), cache.kv_nbytes())
+                    sec, _ = _median_time_carry(compiled, params, (cache, state, token), iters=iters)
                     record({"kind": "decode", "policy": pol.name, "spec": repr(policy), "context": T, "batch": B,
                             "ms_per_token": sec * 1e3 / steps, "tokens_per_s": B * steps / sec,
-                            "cache_bytes": cache.nbytes(), "kv_bytes": cache.kv_nbytes(),
+                            "cache_bytes": sizes[0], "kv_bytes": sizes[1],
                             "memory_bytes": _memory(compiled)})
-                    del cache, state, obs
+                    del obs
                 except Exception as e:  # noqa: BLE001
                     record({"kind": "decode", "policy": pol.name, "context": T, "batch": B, "error": _why(e)})
     return rows
@@ -171,14 +191,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default="fullkv", help="policy spec for decode points (see `sparsekv eval --help`)")
     p.add_argument("--decode-steps", type=int, default=32, help="decode steps per timed run")
     p.add_argument("--iters", type=int, default=5, help="timed repetitions (median reported)")
-    p.add_argument("--unroll", type=int, default=1, help="unroll factor of the layer scan (1 = rolled)")
+    p.add_argument("--unroll", type=int, default=0,
+                   help="unroll factor of the decode layer scan (1 = rolled; default 0 = auto: fully unrolled on GPU)")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--one-model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     pre, ctx, bat = _tokens(args.prefill_contexts), _tokens(args.contexts), _tokens(args.batches)
     from sparsekv_jax.models import transformer
 
-    transformer.SCAN_UNROLL = args.unroll
+    if args.unroll:
+        transformer.DECODE_UNROLL = args.unroll
     if args.one_model:
         rows = run_model(args.one_model, pre, ctx, bat, args.policies, args.decode_steps, args.iters)
         print("ROWS " + json.dumps(rows))

@@ -20,9 +20,20 @@ from sparsekv_jax.models.rope import apply_rope, inverse_frequencies
 # attend(q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D], layer_cache, layer_index, hidden [B,T,H])
 #   -> (out [B,T,Hq,D], new_layer_cache, extras pytree); `hidden` is the layer's input
 #   (policies that look at hidden states, e.g. BSER, observe it during prefill)
-# Unroll factor of the layer scan (1 = rolled). A benchmark knob: on the GPU a rolled scan slices
-# each layer's weights out of the stacked arrays every step; unrolling lets XLA use static slices.
+# Unroll factor of the layer scan over many tokens (prefill; 1 = rolled).
 SCAN_UNROLL = 1
+# ... and over one token per row (decode). On the GPU a rolled scan copies each layer's weights out
+# of the stacked arrays before cuBLAS reads them (measured on an H100, Llama-3.1-8B shapes, B=1:
+# the weight matmuls of a step take 15.7 ms rolled, 6.5 ms fully unrolled = with separate arrays);
+# unrolled, the slices are static and the copies go. Prefill amortises that copy over thousands of
+# tokens, decode does not. "auto": fully unrolled on the GPU, rolled on the CPU (compile time).
+DECODE_UNROLL: int | bool | str = "auto"
+
+
+def decode_unroll() -> int | bool:
+    if DECODE_UNROLL != "auto":
+        return DECODE_UNROLL
+    return True if jax.default_backend() == "gpu" else 1
 
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any, Any]]
 
@@ -72,25 +83,39 @@ def mlp(params: Params, lw: LayerParams, x: jax.Array) -> jax.Array:
 
 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, layer_caches: Any,
-            attend: AttendFn, *, hidden_in: jax.Array | None = None):
+            attend: AttendFn, *, hidden_in: jax.Array | None = None, carried: Any = None,
+            unroll: int | bool | None = None):
     """Run all layers over ``tokens`` ``[B, T]`` at RoPE ``positions`` ``[B, T]``.
 
     ``layer_caches`` is any pytree with a leading ``[L]`` axis (scanned alongside the
     weights). Returns ``(hidden [B, T, H], new_layer_caches, extras)`` where ``extras`` is
     whatever ``attend`` returned per layer, stacked on a leading ``[L]`` axis.
+
+    ``carried`` (optional) is state that rides the scan *carry* instead: every layer sees all
+    of it and ``attend`` is called with ``(layer_cache, carried)`` and returns the pair
+    updated. Decode carries the whole KV cache this way and writes one token per layer in
+    place; scanning the cache as ``xs``/``ys`` instead would copy all of it every step. Then
+    the return is ``(hidden, (new_layer_caches, new_carried), extras)``.
     """
     cfg = params.config
     x = embed(params, tokens) if hidden_in is None else hidden_in
 
-    def layer(x, xs):
+    def layer(carry, xs):
+        x, state = carry
         lw, kv, idx = xs
         q, k, v = qkv_projection(params, lw, x, positions)
-        out, kv, extras = attend(q, k, v, kv, idx, x)
+        if carried is None:
+            out, kv, extras = attend(q, k, v, kv, idx, x)
+        else:
+            out, (kv, state), extras = attend(q, k, v, (kv, state), idx, x)
         B, T = out.shape[:2]
         x = x + out.reshape(B, T, cfg.num_heads * cfg.head_dim) @ lw.wo
         x = x + mlp(params, lw, x)
-        return x, (kv, extras)
+        return (x, state), (kv, extras)
 
     idx = jnp.arange(cfg.num_layers)
-    x, (new_caches, extras) = jax.lax.scan(layer, x, (params.layers, layer_caches, idx), unroll=SCAN_UNROLL)
-    return x, new_caches, extras
+    (x, state), (new_caches, extras) = jax.lax.scan(
+        layer, (x, carried), (params.layers, layer_caches, idx), unroll=SCAN_UNROLL if unroll is None else unroll)
+    if carried is None:
+        return x, new_caches, extras
+    return x, (new_caches, state), extras

@@ -48,7 +48,7 @@ from sparsekv_jax.pallas._common import (
     next_pow2,
     triton_params,
 )
-from sparsekv_jax.pallas.validation import check_decode_args
+from sparsekv_jax.pallas.validation import check_decode_args, is_concrete
 
 __all__ = ["decode_attention", "decode_attention_reference", "decode_plan"]
 
@@ -71,11 +71,15 @@ def decode_plan(num_listed_pages: int, page_size: int, batch: int, kv_heads: int
     return ppb, num_splits, blocks_per_split * ppb
 
 
-def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, page_size: int, ppb: int,
+def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool, page_size: int, ppb: int,
                    pages_per_split: int, qk_scale: float, f32_dot: bool, block_h: int) -> None:
     """One program = one (row b, kv head h, split s): online softmax over its chunk."""
     it = iter(refs)
     q_ref, k_ref, v_ref, len_ref = next(it), next(it), next(it), next(it)
+    # Stacked caches ([L, ...]): this program's block spans every layer and the layer is picked
+    # here, from a runtime index, so the caller never slices (copies) one layer out of the stack.
+    # It is a broadcasting int array, like the other indices (interpret mode needs all-array gathers).
+    layer = jnp.full((1, 1), next(it)[0], jnp.int32) if stacked else None
     cnt_ref = ids_ref = bias_ref = None
     if not dense:
         cnt_ref, ids_ref = next(it), next(it)
@@ -120,11 +124,13 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, page_size: int
         # Index with two broadcasting int arrays (not ``slot, :``): interpret mode only
         # discharges all-array gathers, and Triton sees the column iota as contiguous.
         rows = slot[:, None]
-        kt = plgpu.load(k_ref.at[rows, cols], mask=valid[:, None], other=0.0)
-        vt = plgpu.load(v_ref.at[rows, cols], mask=valid[:, None], other=0.0)
+        at = (layer, rows, cols) if stacked else (rows, cols)
+        kt = plgpu.load(k_ref.at[at], mask=valid[:, None], other=0.0)
+        vt = plgpu.load(v_ref.at[at], mask=valid[:, None], other=0.0)
         logits = plgpu.dot(q, kt, trans_b=True, precision=precision) * qk_scale  # [block_h, block_k], log2 units
         if bias_ref is not None:
-            bias = plgpu.load(bias_ref.at[slot], mask=valid, other=0.0).astype(jnp.float32)
+            at = (layer[0], slot) if stacked else (slot,)
+            bias = plgpu.load(bias_ref.at[at], mask=valid, other=0.0).astype(jnp.float32)
             logits = logits + (bias * LOG2E)[None, :]
         logits = jnp.where(valid[None, :], logits, -jnp.inf)
         m_next = jnp.maximum(m_prev, logits.max(axis=-1))
@@ -146,11 +152,13 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, page_size: int
 @functools.partial(jax.jit, static_argnames=(
     "page_size", "scale", "interpret", "block_k", "num_splits", "num_warps", "num_stages"))
 def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
-                 page_ids: jax.Array | None, page_counts: jax.Array | None, bias: jax.Array | None, *,
-                 page_size: int, scale: float, interpret: bool, block_k: int,
+                 page_ids: jax.Array | None, page_counts: jax.Array | None, bias: jax.Array | None,
+                 layer: jax.Array | None, *, page_size: int, scale: float, interpret: bool, block_k: int,
                  num_splits: int | None, num_warps: int, num_stages: int) -> jax.Array:
     B, Hq, D = q.shape
-    _, Hkv, S, _ = k.shape
+    Hkv, S = k.shape[-3], k.shape[-2]
+    stacked = layer is not None
+    L = k.shape[0] if stacked else None
     G = Hq // Hkv
     block_h = max(16, next_pow2(G))
     dense = page_ids is None
@@ -160,12 +168,14 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
     qg = q.reshape(B, Hkv, G, D)  # free: heads of a group are adjacent
     args = [qg, k, v, lengths.astype(jnp.int32)]
     full = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))  # noqa: E731
-    in_specs = [
-        full((B, Hkv, G, D)),
-        pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0)),
-        pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0)),
-        full((B,)),
-    ]
+    if stacked:  # the block holds this (row, head) of every layer; the kernel picks the layer
+        kv_spec = pl.BlockSpec((L, None, None, S, D), lambda b, h, s: (0, b, h, 0, 0))
+    else:
+        kv_spec = pl.BlockSpec((None, None, S, D), lambda b, h, s: (b, h, 0, 0))
+    in_specs = [full((B, Hkv, G, D)), kv_spec, kv_spec, full((B,))]
+    if stacked:
+        args.append(jnp.reshape(layer, (1,)).astype(jnp.int32))
+        in_specs.append(full((1,)))
     if not dense:
         K = page_ids.shape[-1]
         counts = (jnp.full((B, Hkv), K, jnp.int32) if page_counts is None
@@ -174,11 +184,12 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
         in_specs += [full((B, Hkv)), pl.BlockSpec((None, None, K), lambda b, h, s: (b, h, 0))]
     if bias is not None:
         args.append(bias.astype(jnp.float32))
-        in_specs.append(pl.BlockSpec((None, None, S), lambda b, h, s: (b, h, 0)))
+        in_specs.append(pl.BlockSpec((L, None, None, S), lambda b, h, s: (0, b, h, 0)) if stacked
+                        else pl.BlockSpec((None, None, S), lambda b, h, s: (b, h, 0)))
 
     num_stages = fit_stages(num_stages, 2 * ppb * page_size * D * q.dtype.itemsize)
     kernel = functools.partial(
-        _decode_kernel, dense=dense, has_bias=bias is not None, page_size=page_size, ppb=ppb,
+        _decode_kernel, dense=dense, has_bias=bias is not None, stacked=stacked, page_size=page_size, ppb=ppb,
         pages_per_split=pps, qk_scale=scale * LOG2E, f32_dot=q.dtype == jnp.float32, block_h=block_h)
     o, m, l = pl.pallas_call(
         kernel,
@@ -211,14 +222,16 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, page_size: int,
                      page_ids: jax.Array | None = None, page_counts: jax.Array | None = None,
-                     bias: jax.Array | None = None, scale: float | None = None, interpret: bool = False,
+                     bias: jax.Array | None = None, layer: int | jax.Array | None = None,
+                     scale: float | None = None, interpret: bool = False,
                      block_k: int = 128, num_splits: int | None = None, num_warps: int = 8,
                      num_stages: int = 3) -> jax.Array:
     """GQA decode attention over a per-(row, kv head) subset of cache pages.
 
     Args:
       q: ``[B, Hq, D]`` one query per row (bf16/f16/f32).
-      k, v: ``[B, Hkv, S, D]`` the cache, ``S = num_pages * page_size``; same dtype as q.
+      k, v: ``[B, Hkv, S, D]`` the cache, ``S = num_pages * page_size``; same dtype as q. With
+        ``layer``: ``[L, B, Hkv, S, D]``, every layer's cache (and bias ``[L, B, Hkv, S]``).
       lengths: ``[B]`` int, slots in use; slots ``>= lengths[b]`` are masked (a partial last
         page is fine).
       page_size: tokens per page (a power of two; 16/32/64/128 tested).
@@ -227,6 +240,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
       page_counts: ``[B, Hkv]`` int, valid entries of each list (default K). Entries past the
         count are ignored; a zero count yields a zero output for that (row, head group).
       bias: ``[B, Hkv, S]`` additive logit per slot (natural-log units), e.g. log cluster size.
+      layer: int scalar (may be traced): read this layer of stacked ``k``/``v``/``bias``. A layer
+        scan that carries the whole cache passes it here instead of slicing, so a decode step
+        copies nothing: the kernel reads the selected pages straight from the stacked cache.
       scale: logit scale, default ``1/sqrt(D)``.
       interpret: run the Pallas kernel in interpret mode (CPU tests).
       block_k: slots per inner tile (rounded to whole pages).
@@ -243,15 +259,34 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
       ValueError: on bad shapes/dtypes, and (for concrete arrays) ids out of range, counts
         beyond the list, duplicate ids, lengths out of range.
     """
-    check_decode_args(q, k, v, lengths, page_size=page_size, page_ids=page_ids,
-                      page_counts=page_counts, bias=bias)
+    if layer is not None:
+        _check_stacked(k, v, bias, layer)
+        k1, v1 = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k, v))
+        b1 = None if bias is None else jax.ShapeDtypeStruct(bias.shape[1:], bias.dtype)
+        check_decode_args(q, k1, v1, lengths, page_size=page_size, page_ids=page_ids, page_counts=page_counts,
+                          bias=b1)
+        layer = jnp.asarray(layer, jnp.int32)
+    else:
+        check_decode_args(q, k, v, lengths, page_size=page_size, page_ids=page_ids,
+                          page_counts=page_counts, bias=bias)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if not scale > 0:
         raise ValueError(f"scale={scale} must be positive")
-    return _decode_call(q, k, v, lengths, page_ids, page_counts, bias, page_size=page_size,
+    return _decode_call(q, k, v, lengths, page_ids, page_counts, bias, layer, page_size=page_size,
                         scale=float(scale), interpret=interpret, block_k=block_k,
                         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+
+
+def _check_stacked(k: jax.Array, v: jax.Array, bias: jax.Array | None, layer: int | jax.Array) -> None:
+    if k.ndim != 5 or v.shape != k.shape:
+        raise ValueError(f"with layer=, k and v must be stacked [L, B, Hkv, S, D], got {k.shape} and {v.shape}")
+    if bias is not None and bias.shape != k.shape[:-1]:
+        raise ValueError(f"with layer=, bias must be [L, B, Hkv, S]={list(k.shape[:-1])}, got {list(bias.shape)}")
+    if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.asarray(layer).dtype, jnp.integer):
+        raise ValueError(f"layer must be an int scalar, got {layer!r}")
+    if is_concrete(layer) and not 0 <= int(layer) < k.shape[0]:
+        raise ValueError(f"layer={int(layer)} out of range [0, {k.shape[0]})")
 
 
 def selected_slot_mask(lengths: jax.Array, S: int, Hkv: int, *, page_size: int,

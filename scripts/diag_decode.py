@@ -1,0 +1,107 @@
+"""Where does a decode step's time go? (diagnostic, Llama-3.1-8B shapes, random weights)
+
+Times: the full `decode_step` (B=1, 8k cache), the same layer scan with matmuls only, and a
+per-layer Python-unrolled matmul chain (weights as separate arrays); dumps optimized HLO.
+"""
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from sparsekv_jax.generate import decode_step
+from sparsekv_jax.models import config as mc
+from sparsekv_jax.models.params import random_params
+from sparsekv_jax.policies import Dense
+from sparsekv_jax.bench.e2e import _decode_cache
+
+
+def timeit(f, *a, n=20):
+    jax.block_until_ready(f(*a))
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter(); jax.block_until_ready(f(*a)); ts.append(time.perf_counter() - t)
+    ts.sort()
+    return ts[len(ts) // 2] * 1e3
+
+
+out = sys.argv[1]
+cfg = mc.llama31_8b_config()
+params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
+steps = 8
+cache, obs = _decode_cache(cfg, Dense(), 8192, 1, steps, jax.random.key(2))
+tok = jnp.ones((1,), jnp.int32)
+
+
+def run(params, cache, token):
+    def body(i, c):
+        cache, token = c
+        logits, cache, _, _ = decode_step(params, Dense(), cache, token, (None, None))
+        return cache, jnp.argmax(logits, -1).astype(jnp.int32)
+    return jax.lax.fori_loop(0, steps, body, (cache, token))
+
+
+if os.environ.get("SKIP_DECODE"):
+    run = None
+f = jax.jit(run, donate_argnums=(1,)) if run else None
+if f is not None:
+    comp = f.lower(params, cache, tok).compile()
+    open(os.path.join(out, "decode_hlo.txt"), "w").write(comp.as_text())
+    res = comp(params, cache, tok)
+    jax.block_until_ready(res)
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        res = comp(params, res[0], res[1])
+        jax.block_until_ready(res)
+        ts.append(time.perf_counter() - t)
+    ts.sort()
+    print(f"decode_step B=1 8k: {ts[5] * 1e3 / steps:.2f} ms/token")
+del cache
+
+
+def mm_scan(params, x):
+    def layer(x, lw):
+        h = x @ lw.wq
+        h2 = x @ lw.wk + x @ lw.wv
+        x = x + (h[:, : cfg.hidden_size]) @ lw.wo[: cfg.hidden_size] * 0 + h2.sum() * 0
+        g = jax.nn.silu(x @ lw.w_gate) * (x @ lw.w_up)
+        return x + g @ lw.w_down, None
+    return jax.lax.scan(layer, x, params.layers)[0]
+
+
+x = jax.random.normal(jax.random.key(3), (1, cfg.hidden_size), jnp.bfloat16)
+print(f"matmul-only scan (rolled): {timeit(jax.jit(mm_scan), params, x):.2f} ms")
+
+
+def mm_unrolled(params, x):
+    def layer(x, lw):
+        h = x @ lw.wq
+        h2 = x @ lw.wk + x @ lw.wv
+        x = x + (h[:, : cfg.hidden_size]) @ lw.wo[: cfg.hidden_size] * 0 + h2.sum() * 0
+        g = jax.nn.silu(x @ lw.w_gate) * (x @ lw.w_up)
+        return x + g @ lw.w_down, None
+    return jax.lax.scan(layer, x, params.layers, unroll=True)[0]
+
+
+print(f"matmul-only scan (unrolled): {timeit(jax.jit(mm_unrolled), params, x):.2f} ms")
+x32 = jax.random.normal(jax.random.key(3), (32, cfg.hidden_size), jnp.bfloat16)
+print(f"B=32 matmul-only scan (rolled): {timeit(jax.jit(mm_scan), params, x32):.2f} ms")
+layers = [jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(cfg.num_layers)]
+
+
+def mm_list(layers, x):
+    for lw in layers:
+        h = x @ lw.wq
+        h2 = x @ lw.wk + x @ lw.wv
+        x = x + (h[:, : cfg.hidden_size]) @ lw.wo[: cfg.hidden_size] * 0 + h2.sum() * 0
+        g = jax.nn.silu(x @ lw.w_gate) * (x @ lw.w_up)
+        x = x + g @ lw.w_down
+    return x
+
+
+print(f"matmul-only, separate arrays: {timeit(jax.jit(mm_list), layers, x):.2f} ms")
+print(f"B=32 matmul-only, separate arrays: {timeit(jax.jit(mm_list), layers, x32):.2f} ms")
+nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params.layers))
+print(f"layer weights {nbytes / 1e9:.2f} GB")
