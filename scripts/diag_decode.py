@@ -10,18 +10,20 @@ import time
 import jax
 import jax.numpy as jnp
 
+from sparsekv_jax.bench.e2e import _decode_cache
 from sparsekv_jax.generate import decode_step
 from sparsekv_jax.models import config as mc
 from sparsekv_jax.models.params import random_params
 from sparsekv_jax.policies import Dense
-from sparsekv_jax.bench.e2e import _decode_cache
 
 
 def timeit(f, *a, n=20):
     jax.block_until_ready(f(*a))
     ts = []
     for _ in range(n):
-        t = time.perf_counter(); jax.block_until_ready(f(*a)); ts.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        jax.block_until_ready(f(*a))
+        ts.append(time.perf_counter() - t)
     ts.sort()
     return ts[len(ts) // 2] * 1e3
 
