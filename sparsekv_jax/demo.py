@@ -33,7 +33,7 @@ def _timed_generate(params, policy, tokens, max_new_tokens: int, stop_tokens: tu
     key = jax.random.key(0)
     dec = dec.lower(params, pol, logits, cache, state, key).compile()
     t0 = time.perf_counter()
-    out, n, _, read = jax.block_until_ready(dec(params, pol, logits, cache, state, key))
+    out, n, _, read, _ = jax.block_until_ready(dec(params, pol, logits, cache, state, key))
     decode_s = time.perf_counter() - t0
     return np.asarray(out[0, : int(n[0])]).tolist(), {**stats, "kv_read_fraction": read}, prefill_s, decode_s
 

@@ -289,37 +289,56 @@ def decode_loop(params: Params, policy: Policy, logits: jax.Array, cache: KVCach
                 max_new_tokens: int, sampling: Sampling, stop_tokens: tuple[int, ...]):
     """Sample the first token from ``logits`` then decode until every row stopped.
 
-    Returns ``(tokens [B, max_new_tokens], num_generated [B], cache, kv_read_fraction [B])``.
+    Each row keeps its own output count, so a policy may take back a row's last tokens
+    (`Policy.decode_rewind`, CHESS's backtracking): they are dropped from the output and the cache
+    and generated again; the loop then runs up to ``policy.max_rewind_tokens`` extra steps.
+    Returns ``(tokens [B, max_new_tokens], num_generated [B], cache, kv_read_fraction [B],
+    policy stats)``.
     """
     B = logits.shape[0]
+    rows = jnp.arange(B)
+    cols = jnp.arange(max_new_tokens)
     stops = jnp.asarray(stop_tokens if stop_tokens else (-2,), jnp.int32)
     key, sub = jax.random.split(key)
     first = sample(logits, sub, sampling)
     out = jnp.full((B, max_new_tokens), PAD_TOKEN, jnp.int32).at[:, 0].set(first)
-    done = jnp.isin(first, stops)
+    done = jnp.isin(first, stops) | (max_new_tokens <= 1)
     zero = jnp.zeros((B,), jnp.float32)
+    max_steps = max_new_tokens - 1 + policy.max_rewind_tokens
 
     def cond(carry):
-        step, _, _, done, _, _, _, _ = carry
-        return (step < max_new_tokens) & ~jnp.all(done)
+        step, done = carry[0], carry[3]
+        return (step < max_steps) & ~jnp.all(done)
 
     def body(carry):
-        step, cache, token, done, out, key, state, read = carry
-        logits, cache, state, pages = decode_step(params, policy, cache, token, state)
+        step, cache, n, done, out, key, state, read, steps = carry
+        logits, cache, state, pages = decode_step(params, policy, cache, out[rows, n - 1], state)
         key, sub = jax.random.split(key)
         nxt = sample(logits, sub, sampling)
-        nxt = jnp.where(done, PAD_TOKEN, nxt)
-        out = out.at[:, step].set(nxt)
-        read = read + jnp.where(done, 0.0, pages)
-        done = done | jnp.isin(nxt, stops)
-        return step + 1, cache, jnp.where(done, token, nxt), done, out, key, state, read
+        active = ~done
+        out = out.at[rows, jnp.where(active, n, max_new_tokens)].set(nxt, mode="drop")
+        read = read + jnp.where(active, pages, 0.0)
+        steps = steps + active
+        n = n + active
+        stopped = active & jnp.isin(nxt, stops)
+        rewind = policy.decode_rewind(state[1])
+        if rewind is not None:
+            # take back `rewind` tokens of active rows; a stopped row stays put (its cache does not
+            # grow while the others run on, so extra steps never overflow the capacity)
+            back = jnp.where(active, rewind, 1).astype(jnp.int32)
+            n = n - jnp.where(active, rewind, 0)
+            out = jnp.where((cols[None] >= n[:, None]) & (rewind > 0)[:, None] & active[:, None], PAD_TOKEN, out)
+            cache = cache.replace(length=cache.length - back, next_position=cache.next_position - back)
+            stopped = stopped & (rewind == 0)
+        done = done | stopped | (n >= max_new_tokens)
+        return step + 1, cache, n, done, out, key, state, read, steps
 
-    init = (jnp.int32(1), cache, first, done, out, key, state, zero)
-    _, cache, _, _, out, _, _, read = jax.lax.while_loop(cond, body, init)
+    init = (jnp.int32(0), cache, jnp.ones((B,), jnp.int32), done, out, key, state, zero, zero)
+    _, cache, _, _, out, _, state, read, steps = jax.lax.while_loop(cond, body, init)
     num_generated = jnp.sum(out != PAD_TOKEN, axis=1)
-    steps = (num_generated - 1).astype(jnp.float32)  # the first token comes from prefill
     # a row that stopped at its first token read nothing while decoding: NaN, not 0 (means skip it)
-    return out, num_generated, cache, jnp.where(steps > 0, read / jnp.maximum(steps, 1.0), jnp.nan)
+    read_fraction = jnp.where(steps > 0, read / jnp.maximum(steps, 1.0), jnp.nan)
+    return out, num_generated, cache, read_fraction, policy.decode_stats(state[1])
 
 
 def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Array, suffix: jax.Array | None,
@@ -329,12 +348,13 @@ def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Ar
     logits, cache, state, pre_stats = prepare(params, policy, tokens, lengths, suffix, suffix_lengths,
                                               extra_tokens=max_new_tokens, page_size=page_size,
                                               prefill_chunk=prefill_chunk, capacity=capacity)
-    out, num_generated, cache, read = decode_loop(params, policy, logits, cache, state, key,
-                                                  max_new_tokens=max_new_tokens, sampling=sampling,
-                                                  stop_tokens=stop_tokens)
+    out, num_generated, cache, read, policy_stats = decode_loop(
+        params, policy, logits, cache, state, key, max_new_tokens=max_new_tokens, sampling=sampling,
+        stop_tokens=stop_tokens)
     stats = {
         **pre_stats,  # kv_stored_fraction: entries kept / prompt; prefill_block_fraction: blocks computed
         "kv_read_fraction": read,  # mean over steps of pages read / pages in use
+        **policy_stats,  # e.g. CHESS's reselections / backtracks per row
     }
     return GenerateOutput(tokens=out, num_generated=num_generated, cache=cache, stats=stats)
 

@@ -13,7 +13,7 @@ from sparsekv_jax import generate as gen
 from sparsekv_jax.generate import generate
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
-from sparsekv_jax.policies import H2O, Dense, Quest, SnapKV
+from sparsekv_jax.policies import CHESS, H2O, Dense, Quest, SnapKV
 from sparsekv_jax.policies.base import Policy
 
 CFG = ModelConfig(family="llama", vocab_size=71, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -59,9 +59,9 @@ def _run(params, policy, tokens, lengths, decode, prefill, carry=False):
 
 
 @pytest.mark.parametrize("policy", [Dense(), Quest(budget=32, dense_layers=0), SnapKV(budget=40, window=8),
-                                    H2O(budget=40),
+                                    H2O(budget=40), CHESS.aggressive(chunk_pages=1, grid_chunks=2),
                                     RandomBlocks(seed=int(np.random.default_rng().integers(1000)))],
-                         ids=["dense", "quest", "snapkv", "h2o", "block-sparse-prefill"])
+                         ids=["dense", "quest", "snapkv", "h2o", "chess", "block-sparse-prefill"])
 def test_pallas_path_equals_jnp_path(params, policy):
     """The GPU's configuration (Pallas kernels, the cache carried through the layer scan and read
     by layer index) against the CPU's (jnp, the cache scanned layer by layer)."""

@@ -12,7 +12,8 @@ learned or calibrated state are leaves. The stages (DESIGN.md, "The policy stage
   ``[L]`` axis and rides the layer scan. Each step, inside each layer: ``decode_write`` picks the
   slot the new token goes to (append, or overwrite an evicted entry), ``decode_select`` the pages
   read, ``decode_observe`` sees the step's attention probabilities (only if
-  ``needs_decode_probs``). After the step ``decode_update`` sees the logits.
+  ``needs_decode_probs``). After the step ``decode_update`` sees the logits; it may ask the loop to
+  take back the last tokens of a row (``decode_rewind``: CHESS's backtracking).
 
 Every method receives static sizes as Python ints and arrays as traced values: no host syncs.
 """
@@ -93,6 +94,20 @@ class Policy:
 
     def decode_update(self, shared_state: Any, cache: KVCache, logits: jax.Array) -> Any:
         return shared_state
+
+    @property
+    def max_rewind_tokens(self) -> int:
+        """Most tokens a row may take back over a generation (backtracking; 0 = never)."""
+        return 0
+
+    def decode_rewind(self, shared_state: Any) -> jax.Array | None:
+        """``[B]`` int: tokens each row takes back after this step (decided in ``decode_update``):
+        the generation loop drops them from the output and the cache and generates them again."""
+        return None
+
+    def decode_stats(self, shared_state: Any) -> dict[str, jax.Array]:
+        """Per-row counters the policy reports at the end of generation (e.g. re-selections)."""
+        return {}
 
 
 @struct.dataclass

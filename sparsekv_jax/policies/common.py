@@ -139,6 +139,13 @@ def top_pages(page_scores: jax.Array, used_pages: jax.Array, k: int,
     return ids.astype(jnp.int32), counts
 
 
+def pages_to_list(mask: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``[..., P]`` bool page mask → ``(ids [..., k], counts [...])``: the marked pages in ascending
+    order first (at most ``k`` of them), then unmarked ones the kernel ignores (past the count)."""
+    ids = jnp.argsort(~mask, axis=-1, stable=True)[..., :k]
+    return ids.astype(jnp.int32), jnp.minimum(mask.sum(-1), k).astype(jnp.int32)
+
+
 def grouped_mean(x: jax.Array, num_kv_heads: int, axis: int = 1) -> jax.Array:
     """Average query-head scores over each GQA group: ``[B, Hq, ...]`` → ``[B, Hkv, ...]``."""
     shape = x.shape

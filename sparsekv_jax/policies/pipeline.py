@@ -78,3 +78,13 @@ class Pipeline(Policy):
 
     def decode_update(self, shared_state, cache, logits):
         return self.decode.decode_update(shared_state, cache, logits)
+
+    @property
+    def max_rewind_tokens(self) -> int:
+        return self.decode.max_rewind_tokens
+
+    def decode_rewind(self, shared_state):
+        return self.decode.decode_rewind(shared_state)
+
+    def decode_stats(self, shared_state):
+        return self.decode.decode_stats(shared_state)

@@ -1,0 +1,344 @@
+"""CHESS (context-aware hierarchical efficient semantic selection): which pages each decode step reads.
+
+The paper (``../shared/papers/004_*``), as implemented here:
+
+* **Page vectors.** A page of ``page_size`` tokens (paper: 32) is represented by the mean of its
+  keys, flattened over every layer and KV head (Eq. 1): the cache's page sums, kept incrementally
+  on append. Chunks are ``chunk_pages`` pages, grids ``grid_chunks`` chunks; their vectors are
+  the means of their children's (Eq. 2).
+* **Anchor and scores.** The anchor is the mean page vector of the recent window (Eq. 3); a unit's
+  score is ``anchor · vector`` (Eq. 4). Scores are linear in the vectors, so a chunk's score *is*
+  the mean of its pages' scores and a grid's the mean of its chunks': one contraction of the
+  anchor with every page sum gives all three levels (the paper's single GEMM over the coalesced
+  hierarchy, Algorithm 1 lines 2-4), without building chunk/grid vectors.
+* **Coarse to fine** (Algorithm 1): keep the top ``ρ_g`` of the grids, then the top ``ρ_c`` of the
+  chunks inside kept grids, then the top ``ρ_p`` of the pages inside kept chunks — counts are
+  ``ceil(ρ · available)``, so the semantic set is ``≈ ρ_g·ρ_c·ρ_p`` of the context (the paper's
+  73% / 40% / 1%). Vectorised with masks and ranks: no data-dependent control flow.
+* **Union** with ``sink_pages`` attention-sink pages and the ``window_pages`` most recent pages.
+  The page-sparse decode kernel reads exactly those pages of the cache: zero copy, nothing is
+  evicted (CHESS saves reads, not memory — as in the paper).
+* **Reconstruction.** The selection is kept across steps. After every ``page_size`` generated
+  tokens, the mean entropy and the varentropy of that page's next-token distributions are
+  compared with thresholds (from ``sparsekv calibrate``: the 99th percentiles on a calibration
+  set); above either, the selection is rebuilt from the current anchor and, with ``regenerate``,
+  the page is thrown away and generated again with the new selection (backtracking, at most
+  ``max_backtracks`` times per sequence). ``trigger="interval"`` instead rebuilds every
+  ``interval`` pages (the paper's fixed-window comparison, Appendix C; no backtracking).
+
+Choices where the paper is silent (shown in ``scripts/chess_ablation.py`` / docs/RESULTS.md):
+
+* ``chunk_pages=4`` and ``grid_chunks=8`` (a chunk = 128 tokens, a grid = 1024 tokens at page 32):
+  at 4k-8k contexts that leaves 4-8 grids, enough for the grid level to prune anything.
+* ``sink_pages=1`` (the first 32 tokens hold the usual 4 sink tokens) and ``window_pages=2`` (the
+  partial page being written plus the last full one, i.e. 33-64 recent tokens, the question's tail
+  at the first step). Sink and window pages are read anyway, so they are not candidates for the
+  semantic set (scoring them would spend the budget on pages already read); they do count in the
+  chunk/grid means, whose vectors describe content. The window *at the time of a rebuild* belongs
+  to the rebuilt context and stays read until the next rebuild, while the live window moves on
+  with generation (otherwise the question's last pages would drop out after 64 generated tokens).
+* Varentropy is the variance over the page's tokens of the per-token entropy (the paper's
+  ``Var(H)_p``, "temporal instability"), not the per-token variance of the surprisal.
+* Without a calibration file the thresholds are infinite: the first selection (made right after
+  the prompt) is never rebuilt.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from sparsekv_jax.cache import KVCache, LayerKV, page_counts
+from sparsekv_jax.policies.base import Policy, Selection
+from sparsekv_jax.policies.common import pages_to_list
+
+PRESETS = {"conservative": (0.9, 0.9, 0.9), "moderate": (0.8, 0.7, 0.7), "aggressive": (0.5, 0.2, 0.1)}
+TRIGGERS = ("uncertainty", "interval")
+CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "calibration")
+
+
+def _ceil_count(ratio: float, n: jax.Array) -> jax.Array:
+    # 0.7 * 10 is 7.000000000000001 in floating point: the epsilon keeps ceil from taking 8
+    return jnp.ceil(ratio * n.astype(jnp.float32) - 1e-4).astype(jnp.int32)
+
+
+def top_fraction(scores: jax.Array, available: jax.Array, ratio: float) -> jax.Array:
+    """``[B, N]`` bool: the ``ceil(ratio · #available)`` best-scored available units of each row."""
+    k = _ceil_count(ratio, available.sum(-1))
+    order = jnp.argsort(jnp.where(available, -scores, jnp.inf), axis=-1, stable=True)
+    rank = jnp.argsort(order, axis=-1, stable=True)  # position of each unit in the ranking
+    return available & (rank < k[:, None])
+
+
+def hierarchical_select(page_scores: jax.Array, in_use: jax.Array, candidate: jax.Array,
+                        ratios: tuple[float, float, float], chunk_pages: int, grid_chunks: int) -> jax.Array:
+    """Algorithm 1: ``[B, P]`` bool mask of the pages kept by grid → chunk → page selection.
+
+    ``page_scores`` ``[B, P]`` anchor · page vector; ``in_use`` pages holding tokens (their scores
+    make up the chunk/grid means); ``candidate`` pages that may be selected.
+    """
+    B, P = page_scores.shape
+    per_grid = chunk_pages * grid_chunks
+    pad = -P % per_grid
+    s, used, cand = (jnp.pad(x, ((0, 0), (0, pad))) for x in (page_scores.astype(jnp.float32), in_use, candidate))
+    C, G = (P + pad) // chunk_pages, (P + pad) // per_grid
+    rho_g, rho_c, rho_p = ratios
+
+    def mean_of_children(x, present, n):  # [B, M*n] → [B, M] means over present children
+        cnt = present.reshape(B, -1, n).sum(-1)
+        return jnp.where(present, x, 0.0).reshape(B, -1, n).sum(-1) / jnp.maximum(cnt, 1), cnt > 0
+
+    s_chunk, chunk_used = mean_of_children(s, used, chunk_pages)
+    s_grid, _ = mean_of_children(s_chunk, chunk_used, grid_chunks)
+    cand_chunk = cand.reshape(B, C, chunk_pages).any(-1)
+    cand_grid = cand_chunk.reshape(B, G, grid_chunks).any(-1)
+    keep_grid = top_fraction(s_grid, cand_grid, rho_g)
+    keep_chunk = top_fraction(s_chunk, cand_chunk & jnp.repeat(keep_grid, grid_chunks, axis=1), rho_c)
+    keep_page = top_fraction(s, cand & jnp.repeat(keep_chunk, chunk_pages, axis=1), rho_p)
+    return keep_page[:, :P]
+
+
+def max_selected(num_pages: int, ratios: tuple[float, float, float], chunk_pages: int, grid_chunks: int) -> int:
+    """Static upper bound of `hierarchical_select`'s kept pages for ``num_pages`` pages."""
+    rho_g, rho_c, rho_p = ratios
+    grids = -(-num_pages // (chunk_pages * grid_chunks))
+    k_g = math.ceil(rho_g * grids - 1e-4)
+    k_c = math.ceil(rho_c * min(k_g * grid_chunks, -(-num_pages // chunk_pages)) - 1e-4)
+    return min(num_pages, math.ceil(rho_p * min(k_c * chunk_pages, num_pages) - 1e-4))
+
+
+def entropy_stats(logits: jax.Array) -> jax.Array:
+    """Entropy (nats) of the next-token distribution ``softmax(logits)``, ``[B, V]`` → ``[B]``."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -(jnp.exp(logp) * logp).sum(-1)
+
+
+@struct.dataclass
+class CHESS(Policy):
+    """CHESS decode-time page selection with uncertainty-triggered reconstruction.
+
+    Args:
+      ratios: ``(ρ_g, ρ_c, ρ_p)`` or a preset name: ``conservative`` (0.9, 0.9, 0.9), ``moderate``
+        (0.8, 0.7, 0.7), ``aggressive`` (0.5, 0.2, 0.1).
+      page_size: CHESS page in tokens (paper: 32); a multiple of the cache's page size.
+      chunk_pages, grid_chunks: hierarchy fan-outs (paper: not given; 4 and 8, see module doc).
+      sink_pages, window_pages: pages always read at the start and at the end (1 and 2).
+      trigger: ``"uncertainty"`` (the paper) or ``"interval"`` (rebuild every ``interval`` pages).
+      interval: pages between rebuilds for ``trigger="interval"`` (paper's comparison: 6).
+      regenerate: on an uncertainty trigger, regenerate the page with the new selection.
+      max_backtracks: regenerations allowed per sequence.
+      entropy_threshold, varentropy_threshold: trigger thresholds (leaves; ``inf`` = never).
+    """
+
+    ratios: tuple[float, float, float] = struct.field(pytree_node=False, default=PRESETS["moderate"])
+    page_size: int = struct.field(pytree_node=False, default=32)
+    chunk_pages: int = struct.field(pytree_node=False, default=4)
+    grid_chunks: int = struct.field(pytree_node=False, default=8)
+    sink_pages: int = struct.field(pytree_node=False, default=1)
+    window_pages: int = struct.field(pytree_node=False, default=2)
+    trigger: str = struct.field(pytree_node=False, default="uncertainty")
+    interval: int = struct.field(pytree_node=False, default=6)
+    regenerate: bool = struct.field(pytree_node=False, default=True)
+    max_backtracks: int = struct.field(pytree_node=False, default=2)
+    entropy_threshold: Any = float("inf")
+    varentropy_threshold: Any = float("inf")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ratios, str):
+            if self.ratios not in PRESETS:
+                raise ValueError(f"ratios={self.ratios!r}: unknown preset; choose from {', '.join(PRESETS)}")
+            object.__setattr__(self, "ratios", PRESETS[self.ratios])
+        ratios = tuple(float(r) for r in self.ratios) if isinstance(self.ratios, (tuple, list)) else None
+        if ratios is None or len(ratios) != 3 or not all(0.0 < r <= 1.0 for r in ratios):
+            raise ValueError(f"ratios={self.ratios!r} must be three fractions in (0, 1] (ρ_g, ρ_c, ρ_p)")
+        object.__setattr__(self, "ratios", ratios)
+        for name in ("page_size", "chunk_pages", "grid_chunks", "interval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size={self.page_size} must be a power of two")
+        for name in ("sink_pages", "window_pages", "max_backtracks"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an int >= 0")
+        if self.window_pages < 1:
+            raise ValueError(f"window_pages={self.window_pages} must be >= 1 (the anchor is the window's mean)")
+        if self.trigger not in TRIGGERS:
+            raise ValueError(f"trigger={self.trigger!r} must be one of {TRIGGERS}")
+        for name in ("entropy_threshold", "varentropy_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, (int, float)) and not value >= 0:
+                raise ValueError(f"{name}={value} must be >= 0")
+
+    # -- construction helpers ------------------------------------------------------------
+    @classmethod
+    def preset(cls, name: str, **kwargs: Any) -> CHESS:
+        return cls(ratios=name, **kwargs)
+
+    @classmethod
+    def conservative(cls, **kwargs: Any) -> CHESS:
+        return cls(ratios="conservative", **kwargs)
+
+    @classmethod
+    def moderate(cls, **kwargs: Any) -> CHESS:
+        return cls(ratios="moderate", **kwargs)
+
+    @classmethod
+    def aggressive(cls, **kwargs: Any) -> CHESS:
+        return cls(ratios="aggressive", **kwargs)
+
+    @classmethod
+    def from_spec(cls, ratios: str | tuple = "moderate", calibration: str | None = None, **kwargs: Any) -> CHESS:
+        """``chess('aggressive', calibration='smollm2')`` in policy specs: thresholds from a
+        `sparsekv calibrate` JSON file (a path, or the name of one shipped in ``calibration/``)."""
+        if calibration is not None:
+            kwargs = {**load_thresholds(calibration), **kwargs}
+        return cls(ratios=ratios, **kwargs)
+
+    @property
+    def name(self) -> str:
+        names = {v: k for k, v in PRESETS.items()}
+        return f"CHESS-{names.get(self.ratios, '-'.join(map(str, self.ratios)))}"
+
+    def validate(self, prompt_len: int, max_new_tokens: int, page_size: int) -> None:
+        if self.page_size % page_size:
+            raise ValueError(f"CHESS page_size={self.page_size} is not a multiple of the cache page_size={page_size}")
+
+    @property
+    def max_rewind_tokens(self) -> int:
+        regenerates = self.trigger == "uncertainty" and self.regenerate
+        return self.max_backtracks * self.page_size if regenerates else 0
+
+    @property
+    def exact(self) -> bool:
+        return self.ratios == (1.0, 1.0, 1.0)
+
+    # -- selection -----------------------------------------------------------------------
+    def _page_scores(self, cache: KVCache, anchor_end: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Scores ``[B, P]`` of CHESS pages against the anchor of the window ending at slot
+        ``anchor_end`` ``[B]``, and the pages in use ``[B, P]``."""
+        page_sum = cache.layers.page_sum  # [L, B, H, Pc, D] fp32 sums of keys per cache page
+        L, B, H, Pc, D = page_sum.shape
+        m = self.page_size // cache.page_size
+        P = -(-Pc // m)  # the last CHESS page may stand past the cache's end: pad per-page values, not sums
+        pad = ((0, 0), (0, P * m - Pc))
+        tokens = jnp.pad(page_counts(anchor_end, Pc, cache.page_size), pad).reshape(B, P, m).sum(-1)  # [B, P]
+        page = jnp.arange(P)
+        last = (anchor_end - 1) // self.page_size
+        in_window = (page[None] <= last[:, None]) & (page[None] > last[:, None] - self.window_pages)
+        in_window &= tokens > 0
+        # anchor = mean of the window's page vectors; a page vector = its key sum / its tokens
+        w = jnp.where(in_window, 1.0 / jnp.maximum(tokens, 1), 0.0) / jnp.maximum(in_window.sum(-1, keepdims=True), 1)
+        w_cache = jnp.repeat(w, m, axis=1)[:, :Pc]  # [B, Pc] weight of each cache page's sum
+        anchor = jnp.einsum("lbhpd,bp->lbhd", page_sum, w_cache)
+        # one contraction with every page sum: the scores of all pages (chunks, grids = their means)
+        dots = jnp.pad(jnp.einsum("lbhpd,lbhd->bp", page_sum, anchor), pad).reshape(B, P, m).sum(-1)
+        return dots / jnp.maximum(tokens, 1), tokens > 0
+
+    def select_pages(self, cache: KVCache, anchor_end: jax.Array) -> jax.Array:
+        """``[B, P]`` the context rebuilt for the window ending at ``anchor_end``: the semantic
+        selection plus that moment's sink and window pages (they stay read until the next rebuild,
+        so e.g. the question's pages do not drop out once generation moves the window on)."""
+        scores, in_use = self._page_scores(cache, anchor_end)
+        forced = self._forced(anchor_end, in_use.shape[1])
+        semantic = hierarchical_select(scores, in_use, in_use & ~forced, self.ratios, self.chunk_pages,
+                                       self.grid_chunks)
+        return semantic | forced
+
+    def _forced(self, length: jax.Array, P: int) -> jax.Array:
+        """``[B, P]`` sink and window pages for a cache of ``length`` slots."""
+        page = jnp.arange(P)[None]
+        used = -(-length // self.page_size)[:, None]
+        return (page < jnp.minimum(self.sink_pages, used)) | ((page >= used - self.window_pages) & (page < used))
+
+    def _page_list(self, selected: jax.Array, length: jax.Array, cache: KVCache) -> tuple[jax.Array, jax.Array]:
+        """Cache-page lists ``[B, H, K]`` and counts ``[B, H]`` for a step at ``length`` slots."""
+        B, P = selected.shape
+        H, Pc = cache.layers.k.shape[2], cache.num_pages
+        m = self.page_size // cache.page_size
+        read = selected | self._forced(length, P)
+        K = min(P, max_selected(P, self.ratios, self.chunk_pages, self.grid_chunks)
+                + self.sink_pages + 2 * self.window_pages)  # the rebuild's window + the current one
+        ids, counts = pages_to_list(read, K)
+        if m > 1:  # CHESS pages → the cache's pages (ascending, so pages past the cache's end come last)
+            ids = (ids[..., None] * m + jnp.arange(m)).reshape(B, K * m)
+            counts = ((jnp.arange(K * m) < counts[:, None] * m) & (ids < Pc)).sum(-1)
+            ids = jnp.minimum(ids, Pc - 1)
+        return (jnp.broadcast_to(ids[:, None], (B, H, ids.shape[-1])).astype(jnp.int32),
+                jnp.broadcast_to(counts[:, None], (B, H)).astype(jnp.int32))
+
+    # -- decode stages -------------------------------------------------------------------
+    def decode_init(self, cache: KVCache, observations: Any) -> tuple[Any, Any]:
+        B = cache.batch
+        selected = self.select_pages(cache, cache.length)
+        ids, counts = self._page_list(selected, cache.length + 1, cache)
+        zf, zi = jnp.zeros((B,), jnp.float32), jnp.zeros((B,), jnp.int32)
+        shared = {"selected": selected, "ids": ids, "counts": counts, "ent_sum": zf, "ent_sq": zf, "in_page": zi,
+                  "pages": zi, "reselections": zi, "backtracks": zi, "rewind": zi}
+        return None, shared
+
+    def decode_select(self, q: jax.Array, kv: LayerKV, length: jax.Array, layer_state: Any, shared_state: Any,
+                      layer_index: jax.Array, page_size: int) -> Selection:
+        if self.exact:
+            return None
+        return shared_state["ids"], shared_state["counts"]
+
+    def decode_update(self, shared_state: Any, cache: KVCache, logits: jax.Array) -> Any:
+        st = dict(shared_state)
+        h = entropy_stats(logits)
+        st["ent_sum"] = st["ent_sum"] + h
+        st["ent_sq"] = st["ent_sq"] + h * h
+        st["in_page"] = st["in_page"] + 1
+        page_done = st["in_page"] >= self.page_size
+        st["pages"] = st["pages"] + page_done
+        n = jnp.maximum(st["in_page"], 1).astype(jnp.float32)
+        mean = st["ent_sum"] / n
+        varent = jnp.maximum(st["ent_sq"] / n - mean * mean, 0.0)
+        if self.trigger == "uncertainty":
+            fire = page_done & ((mean > self.entropy_threshold) | (varent > self.varentropy_threshold))
+            back = fire & (st["backtracks"] < self.max_backtracks) if self.regenerate else jnp.zeros_like(fire)
+        else:
+            fire = page_done & (st["pages"] % self.interval == 0)
+            back = jnp.zeros_like(fire)
+        rewind = jnp.where(back, self.page_size, 0).astype(jnp.int32)
+        length = cache.length - rewind  # what the cache holds once the page is taken back
+        # rebuild only when some row fired: the selection reads every page summary
+        selected = jax.lax.cond(fire.any(), lambda: self.select_pages(cache, length), lambda: st["selected"])
+        st["selected"] = jnp.where(fire[:, None], selected, st["selected"])
+        st["reselections"] = st["reselections"] + fire
+        st["backtracks"] = st["backtracks"] + back
+        st["rewind"] = rewind
+        for key in ("ent_sum", "ent_sq", "in_page"):
+            st[key] = jnp.where(page_done, jnp.zeros_like(st[key]), st[key])
+        st["ids"], st["counts"] = self._page_list(st["selected"], length + 1, cache)
+        return st
+
+    def decode_rewind(self, shared_state: Any) -> jax.Array | None:
+        return shared_state["rewind"] if self.max_rewind_tokens else None
+
+    def decode_stats(self, shared_state: Any) -> dict[str, jax.Array]:
+        return {"reselections": shared_state["reselections"], "backtracks": shared_state["backtracks"]}
+
+
+def load_thresholds(calibration: str) -> dict[str, float]:
+    """``{"entropy_threshold", "varentropy_threshold"}`` from a `sparsekv calibrate` JSON file."""
+    path = calibration
+    if not os.path.exists(path):
+        shipped = os.path.join(CALIBRATION_DIR, f"{calibration}.json")
+        if not os.path.exists(shipped):
+            raise ValueError(f"calibration={calibration!r}: no such file, and no shipped calibration of that name")
+        path = shipped
+    with open(path) as f:
+        data = json.load(f)
+    try:
+        return {"entropy_threshold": float(data["entropy_threshold"]),
+                "varentropy_threshold": float(data["varentropy_threshold"])}
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"calibration file {path} lacks entropy_threshold/varentropy_threshold: {e}") from None

@@ -1,0 +1,248 @@
+"""CHESS: hierarchical selection against a brute-force loop, sinks/window, exactness at ratios 1,
+uncertainty triggers and backtracking, the fixed-interval variant, calibration files, bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import struct
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparsekv_jax.cache import init_cache, summarize_pages
+from sparsekv_jax.generate import generate, teacher_force
+from sparsekv_jax.models.config import ModelConfig
+from sparsekv_jax.models.params import random_params
+from sparsekv_jax.policies import CHESS, Dense, parse_policy
+from sparsekv_jax.policies.chess import PRESETS, hierarchical_select, max_selected
+
+CFG = ModelConfig(family="llama", vocab_size=71, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=16, intermediate_size=48, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(CFG, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
+
+
+def brute_force_select(scores, in_use, candidate, ratios, Nc, Ng):
+    """Algorithm 1 with explicit loops over grids, chunks and pages (one row)."""
+    P = len(scores)
+    rho_g, rho_c, rho_p = ratios
+    chunks = [list(range(c, min(c + Nc, P))) for c in range(0, P, Nc)]
+    grids = [list(range(g, min(g + Ng, len(chunks)))) for g in range(0, len(chunks), Ng)]
+    chunk_score = {}
+    for ci, pages in enumerate(chunks):
+        used = [scores[p] for p in pages if in_use[p]]
+        chunk_score[ci] = sum(used) / len(used) if used else 0.0
+    grid_score = {}
+    for gi, cs in enumerate(grids):
+        used = [chunk_score[c] for c in cs if any(in_use[p] for p in chunks[c])]
+        grid_score[gi] = sum(used) / len(used) if used else 0.0
+
+    def top(units, score):
+        k = math.ceil(ratio_of[0] * len(units) - 1e-4)
+        return set(sorted(units, key=lambda u: (-score[u], u))[:k])
+
+    ratio_of = [rho_g]
+    g_avail = [g for g, cs in enumerate(grids) if any(candidate[p] for c in cs for p in chunks[c])]
+    kept_g = top(g_avail, grid_score)
+    ratio_of = [rho_c]
+    c_avail = [c for g in kept_g for c in grids[g] if any(candidate[p] for p in chunks[c])]
+    kept_c = top(c_avail, chunk_score)
+    ratio_of = [rho_p]
+    p_avail = [p for c in kept_c for p in chunks[c] if candidate[p]]
+    kept_p = top(p_avail, {p: scores[p] for p in range(P)})
+    return np.array([p in kept_p for p in range(P)])
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), P=st.integers(1, 70), Nc=st.integers(1, 5), Ng=st.integers(1, 4),
+       preset=st.sampled_from(sorted(PRESETS) + ["random"]))
+def test_hierarchy_equals_brute_force(seed, P, Nc, Ng, preset):
+    rng = np.random.default_rng(seed)
+    ratios = tuple(rng.uniform(0.05, 1.0, 3)) if preset == "random" else PRESETS[preset]
+    B = 3
+    # distinct scores: ties would make the order a matter of convention
+    scores = rng.permutation(B * P).reshape(B, P).astype(np.float32) + rng.uniform(0, 0.5, (B, P))
+    used_pages = rng.integers(1, P + 1, B)
+    in_use = np.arange(P)[None] < used_pages[:, None]
+    candidate = in_use & (rng.uniform(size=(B, P)) < 0.8)
+    got = np.asarray(hierarchical_select(jnp.asarray(scores), jnp.asarray(in_use), jnp.asarray(candidate),
+                                         ratios, Nc, Ng))
+    for b in range(B):
+        want = brute_force_select(scores[b], in_use[b], candidate[b], ratios, Nc, Ng)
+        np.testing.assert_array_equal(got[b], want, err_msg=f"row {b}")
+        assert got[b].sum() <= max_selected(P, ratios, Nc, Ng)
+
+
+def _filled_cache(rng, B, S, lengths, page_size=16):
+    cache = init_cache(CFG, B, S, page_size=page_size, dtype=jnp.float32)
+    k = jnp.asarray(rng.standard_normal(cache.layers.k.shape), jnp.float32)
+    layers = summarize_pages(cache.layers.replace(k=k), jnp.asarray(lengths), page_size)
+    return cache.replace(layers=layers, length=jnp.asarray(lengths, jnp.int32))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), preset=st.sampled_from(sorted(PRESETS)), sinks=st.integers(0, 2),
+       window=st.integers(1, 3), chess_page=st.sampled_from([16, 32]))
+def test_sinks_and_window_always_read(seed, preset, sinks, window, chess_page):
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 500, 3)
+    cache = _filled_cache(rng, 3, 512, lengths)
+    pol = CHESS(ratios=preset, page_size=chess_page, sink_pages=sinks, window_pages=window, chunk_pages=2,
+                grid_chunks=2)
+    _, shared = pol.decode_init(cache, None)
+    ids, counts = np.asarray(shared["ids"]), np.asarray(shared["counts"])
+    m = chess_page // 16
+    for b, length in enumerate(lengths + 1):  # the list is for the next step's length
+        read = set(ids[b, 0, : counts[b, 0]].tolist())
+        assert len(read) == counts[b, 0], "duplicate pages"
+        used = -(-length // chess_page)
+        must = set(range(min(sinks, used))) | set(range(max(0, used - window), used))
+        for p in must:
+            assert set(range(p * m, (p + 1) * m)) <= read, f"row {b}: forced CHESS page {p} not read"
+        assert all(p < -(-512 // 16) for p in read)
+        np.testing.assert_array_equal(ids[b, 0], ids[b, 1])  # one selection for every head
+
+
+def test_ratios_one_select_every_page_and_equal_dense(params):
+    rng = np.random.default_rng()
+    lengths = rng.integers(100, 400, 2)
+    cache = _filled_cache(rng, 2, 512, lengths)
+    pol = CHESS(ratios=(1.0, 1.0, 1.0))
+    selected = np.asarray(pol.select_pages(cache, cache.length))
+    used = np.arange(selected.shape[1])[None] < -(-lengths[:, None] // 32)
+    np.testing.assert_array_equal(selected, used)
+    # and end to end, through the sparse-list path (not the `exact` shortcut)
+    tokens = rng.integers(0, CFG.vocab_size, (2, 300))
+    lens = np.array([300, 211])
+    ref = teacher_force(params, Dense(), tokens, tokens[:, :40], lengths=lens)
+    got = teacher_force(params, _ListPathCHESS(ratios=(1.0, 1.0, 1.0)), tokens, tokens[:, :40], lengths=lens)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(ref[0]), atol=1e-5)
+
+
+@struct.dataclass
+class _ListPathCHESS(CHESS):
+    """CHESS without the dense shortcut for ratios (1, 1, 1)."""
+
+    @property
+    def exact(self) -> bool:
+        return False
+
+
+@struct.dataclass
+class _StableCHESS(CHESS):
+    """Re-selection returns the first selection again (anchor fixed at the prompt's end)."""
+
+    def select_pages(self, cache, anchor_end):
+        return super().select_pages(cache, jnp.minimum(anchor_end, self.prompt_end))
+
+    prompt_end: int = struct.field(pytree_node=False, default=0)
+
+
+def _gen(params, policy, tokens, lengths, n=100):
+    return generate(params, policy, tokens, lengths=lengths, max_new_tokens=n, stop_tokens=(), page_size=16)
+
+
+def test_trigger_at_zero_thresholds_and_never_at_infinity(params):
+    rng = np.random.default_rng()
+    tokens, lengths = rng.integers(0, CFG.vocab_size, (2, 300)), np.array([300, 256])
+    never = _gen(params, CHESS.aggressive(page_size=16, regenerate=False), tokens, lengths)
+    always = _gen(params, CHESS.aggressive(page_size=16, regenerate=False, entropy_threshold=0.0,
+                                           varentropy_threshold=0.0), tokens, lengths)
+    assert np.all(np.asarray(never.stats["reselections"]) == 0)
+    # 99 decode steps, a page of 16 generated tokens each: 6 pages complete per row
+    np.testing.assert_array_equal(np.asarray(always.stats["reselections"]), [6, 6])
+    assert np.all(np.asarray(always.stats["backtracks"]) == 0)
+
+
+def test_backtracking_reproduces_output_when_selection_unchanged(params):
+    rng = np.random.default_rng()
+    tokens, lengths = rng.integers(0, CFG.vocab_size, (2, 300)), np.array([300, 300])
+    kw = dict(ratios="aggressive", page_size=16, chunk_pages=2, grid_chunks=2, prompt_end=300)
+    calm = _gen(params, _StableCHESS(**kw), tokens, lengths)
+    shaky = _gen(params, _StableCHESS(**kw, entropy_threshold=0.0, max_backtracks=3), tokens, lengths)
+    np.testing.assert_array_equal(np.asarray(shaky.stats["backtracks"]), [3, 3])
+    np.testing.assert_array_equal(np.asarray(shaky.tokens), np.asarray(calm.tokens))
+    assert np.all(np.asarray(shaky.num_generated) == 100)
+    # the regenerated pages went through the cache again: it ends where the calm run's ends
+    np.testing.assert_array_equal(np.asarray(shaky.cache.length), np.asarray(calm.cache.length))
+    np.testing.assert_allclose(np.asarray(shaky.cache.layers.k), np.asarray(calm.cache.layers.k), atol=1e-5)
+
+
+def test_regeneration_changes_the_page_when_selection_changes(params):
+    """With a real re-selection (anchor moves) a backtracked page is generated under new pages:
+    the loop stays consistent (full length, no padding holes) whatever it produces."""
+    rng = np.random.default_rng()
+    tokens, lengths = rng.integers(0, CFG.vocab_size, (3, 300)), np.array([300, 170, 260])
+    out = _gen(params, CHESS.aggressive(page_size=16, chunk_pages=2, grid_chunks=2, entropy_threshold=0.0), tokens,
+               lengths, n=70)
+    toks = np.asarray(out.tokens)
+    assert np.all(np.asarray(out.num_generated) == 70) and np.all(toks >= 0)
+    np.testing.assert_array_equal(np.asarray(out.stats["backtracks"]), [2, 2, 2])
+    np.testing.assert_array_equal(np.asarray(out.cache.length), lengths + 69)
+
+
+def test_batch_rows_independent(params):
+    rng = np.random.default_rng()
+    tokens, lengths = rng.integers(0, CFG.vocab_size, (2, 300)), np.array([300, 190])
+    pol = CHESS.aggressive(page_size=16, chunk_pages=2, grid_chunks=2, entropy_threshold=2.0)
+    both = _gen(params, pol, tokens, lengths, n=60)
+    for b in range(2):
+        one = _gen(params, pol, tokens[b:b + 1, : lengths[b]], None, n=60)
+        np.testing.assert_array_equal(np.asarray(one.tokens[0]), np.asarray(both.tokens[b]))
+        assert int(one.stats["backtracks"][0]) == int(both.stats["backtracks"][b])
+
+
+def test_interval_trigger_counts(params):
+    rng = np.random.default_rng()
+    tokens = rng.integers(0, CFG.vocab_size, (1, 200))
+    out = _gen(params, CHESS.moderate(page_size=16, trigger="interval", interval=2), tokens, None, n=100)
+    assert int(out.stats["reselections"][0]) == (99 // 16) // 2
+    assert int(out.stats["backtracks"][0]) == 0
+
+
+def test_presets_and_spec(tmp_path):
+    assert CHESS.aggressive().ratios == (0.5, 0.2, 0.1)
+    assert CHESS.conservative().ratios == (0.9, 0.9, 0.9)
+    assert CHESS().ratios == CHESS.moderate().ratios == (0.8, 0.7, 0.7)
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"entropy_threshold": 1.5, "varentropy_threshold": 0.25}))
+    pol = parse_policy(f"chess('aggressive', calibration='{path}')")
+    assert pol.ratios == (0.5, 0.2, 0.1)
+    assert pol.entropy_threshold == 1.5 and pol.varentropy_threshold == 0.25
+    assert pol.name == "CHESS-aggressive"
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(ratios="bold"), "ratios='bold'"),
+    (dict(ratios=(0.5, 0.0, 1.0)), "ratios="),
+    (dict(ratios=(0.5, 1.2, 1.0)), "ratios="),
+    (dict(ratios=(0.5, 0.5)), "ratios="),
+    (dict(page_size=24), "page_size=24"),
+    (dict(chunk_pages=0), "chunk_pages=0"),
+    (dict(window_pages=0), "window_pages=0"),
+    (dict(sink_pages=-1), "sink_pages=-1"),
+    (dict(trigger="sometimes"), "trigger='sometimes'"),
+    (dict(entropy_threshold=-1.0), "entropy_threshold=-1.0"),
+])
+def test_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        CHESS(**kwargs)
+
+
+def test_bad_calibration_and_page_size(params, tmp_path):
+    with pytest.raises(ValueError, match="calibration='nope'"):
+        parse_policy("chess(calibration='nope')")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(ValueError, match="entropy_threshold"):
+        parse_policy(f"chess(calibration='{bad}')")
+    with pytest.raises(ValueError, match="CHESS page_size=16 is not a multiple of the cache page_size=32"):
+        generate(params, CHESS(page_size=16), np.zeros((1, 40), np.int32), max_new_tokens=2, page_size=32)
