@@ -151,12 +151,51 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    """``sparsekv calibrate``: CHESS thresholds (`sparsekv_jax.eval.calibrate`)."""
+    import jax.numpy as jnp
+
+    from sparsekv_jax.eval import calibrate
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+    try:
+        from sparsekv_jax.eval.runner import parse_length
+
+        length = parse_length(args.length)
+        result = calibrate.calibrate(
+            model=args.model, suite=args.suite, data=args.data, tasks=tasks, length=length, n=args.n, seed=args.seed,
+            page_size=args.page_size, percentile=args.percentile, max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size, out=args.out, plot=args.plot, progress=not args.quiet,
+            dtype={"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype])
+    except (ValueError, FileNotFoundError) as e:
+        print(f"sparsekv calibrate: error: {e}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        print(f"entropy_threshold {result['entropy_threshold']:.4f}  varentropy_threshold "
+              f"{result['varentropy_threshold']:.4f}  ({result['pages']} pages of {result['page_size']} tokens, "
+              f"p{result['percentile']:g}) -> {args.out}")
+    return 0
+
+
+CALIBRATE_EPILOG = """\
+The thresholds are the PERCENTILE-th percentiles, over every complete page of PAGE_SIZE tokens
+generated with full attention, of the page's mean entropy and of its varentropy (variance of the
+per-token entropy). Use them with:  --policies "chess('moderate', calibration='OUT.json')"
+
+examples:
+  sparsekv calibrate --out chess_smollm2.json --plot chess_smollm2.png
+  sparsekv calibrate --suite longbench --tasks gov_report,samsum --length 4k --n 8 --out cal.json
+"""
+
+
 EVAL_EPILOG = """\
 policy grammar (--policies):
   SPEC  := ITEM ("," ITEM)*          ITEM := NAME | NAME "(" [ARG ("," ARG)*] ")"
   ARG   := VALUE | KEY "=" VALUE     (positional arguments first, as in Python)
   VALUE := number | 'string' | True | False | None | ITEM
-  names: fullkv (= dense), streamingllm, snapkv, h2o, quest, pipeline (case-insensitive).
+  names: fullkv (= dense), streamingllm, snapkv, h2o, quest, stem, chess, pipeline
+  (case-insensitive); chess takes a preset (conservative | moderate | aggressive) and
+  calibration='FILE.json' from `sparsekv calibrate` (or 'smollm2', shipped).
   A float budget is a fraction of the context, an int a token count:
     "fullkv, snapkv(budget=0.1), streamingllm(0.25, sinks=4), quest(2048),
      pipeline(compress=snapkv(0.25), decode=quest(0.25))"
@@ -240,6 +279,29 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")
     e.add_argument("-q", "--quiet", action="store_true", help="no progress bar or table")
     e.set_defaults(func=cmd_eval)
+
+    c = sub.add_parser("calibrate", help="CHESS uncertainty thresholds from a calibration set",
+                       description="Measure the mean entropy and varentropy of every page of tokens generated "
+                                   "with full attention and write their percentiles (CHESS's trigger thresholds).",
+                       epilog=CALIBRATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("--model", default="smollm2", help="'smollm2' (default), a HF model directory or a .gguf file")
+    c.add_argument("--suite", default="wikitext", metavar="wikitext|FILE|ruler|longbench|PATH",
+                   help="plain text to summarise ('wikitext' = ../shared/data/wikitext2, or a text FILE), or an "
+                        "eval suite whose prompts are used (default wikitext)")
+    c.add_argument("--data", default=None, metavar="FILE", help="text file for --suite wikitext")
+    c.add_argument("--tasks", default=None, metavar="T1,T2", help="tasks of an eval suite")
+    c.add_argument("--length", default="2k", metavar="L", help="prompt length in tokens, 'k' = 1024 (default 2k)")
+    c.add_argument("--n", type=int, default=32, help="prompts (default 32)")
+    c.add_argument("--seed", type=int, default=1234, help="passage / sample seed (default 1234)")
+    c.add_argument("--page-size", type=int, default=32, help="CHESS page size in tokens (default 32)")
+    c.add_argument("--percentile", type=float, default=99.0, help="threshold percentile (default 99, the paper's)")
+    c.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="tokens generated per prompt")
+    c.add_argument("--batch-size", type=int, default=4, metavar="B", help="rows per generate call (default 4)")
+    c.add_argument("--out", default="chess_calibration.json", metavar="FILE", help="thresholds JSON to write")
+    c.add_argument("--plot", default=None, metavar="PNG", help="also plot the page density and thresholds")
+    c.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")
+    c.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary line")
+    c.set_defaults(func=cmd_calibrate)
     return parser
 
 

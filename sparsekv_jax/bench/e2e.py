@@ -68,7 +68,7 @@ def _memory(compiled) -> int | None:
         return None
 
 
-def _decode_cache(cfg, policy, context: int, batch: int, steps: int, key):
+def _decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_size: int = 16):
     """A cache holding ``context`` tokens as ``policy`` leaves it after prefill (+ room for steps)."""
     import jax
     import jax.numpy as jnp
@@ -78,7 +78,7 @@ def _decode_cache(cfg, policy, context: int, batch: int, steps: int, key):
     cap = policy.compressed_capacity(context, steps)
     kept = context if cap is None else cap - steps
     capacity = context + steps if cap is None else cap
-    cache = init_cache(cfg, batch, capacity, page_size=16, dtype=jnp.bfloat16)
+    cache = init_cache(cfg, batch, capacity, page_size=page_size, dtype=jnp.bfloat16)
     k1, k2, k3 = jax.random.split(key, 3)
     L, B, H, S, D = cache.layers.k.shape
     used = jnp.arange(S) < kept
@@ -93,14 +93,14 @@ def _decode_cache(cfg, policy, context: int, batch: int, steps: int, key):
         v=draw(k2),
         positions=jnp.broadcast_to(positions, cache.layers.positions.shape))
     length = jnp.full((batch,), kept, jnp.int32)
-    layers = summarize_pages(layers, length, 16)
+    layers = summarize_pages(layers, length, page_size)
     cache = cache.replace(layers=layers, length=length, next_position=jnp.full((batch,), context, jnp.int32))
     observations = jax.random.uniform(k3, (L, B, H, context), jnp.float32)
     return cache, observations
 
 
 def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int], batches: list[int],
-              policy_spec: str, steps: int, iters: int) -> list[dict]:
+              policy_spec: str, steps: int, iters: int, prefill_spec: str = "fullkv") -> list[dict]:
     import jax
     import jax.numpy as jnp
 
@@ -108,7 +108,7 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
     from sparsekv_jax.generate import decode_step, prefill
     from sparsekv_jax.models import config as mc
     from sparsekv_jax.models.params import random_params
-    from sparsekv_jax.policies import Dense, parse_policies
+    from sparsekv_jax.policies import parse_policies
 
     cfg = getattr(mc, MODELS[model])()
     params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
@@ -122,22 +122,26 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
         rows.append({**base, **row})
         print(json.dumps(rows[-1]), flush=True)
 
-    for T in prefill_contexts:
-        try:
-            tokens = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.vocab_size)
-            lengths = jnp.full((1,), T, jnp.int32)
+    for prefill_policy in parse_policies(prefill_spec):
+        for T in prefill_contexts:
+            pol = prefill_policy.bind(T)
+            try:
+                tokens = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.vocab_size)
+                lengths = jnp.full((1,), T, jnp.int32)
 
-            def run(params, tokens, T=T, lengths=lengths):
-                cache = init_cache(cfg, 1, T, page_size=16, dtype=jnp.bfloat16)
-                logits, cache, _, _ = prefill(params, Dense(), tokens, lengths, cache)
-                return logits, cache.length
+                def run(params, tokens, T=T, lengths=lengths, pol=pol):
+                    cache = init_cache(cfg, 1, T, page_size=16, dtype=jnp.bfloat16)
+                    logits, cache, _, fraction = prefill(params, pol, tokens, lengths, cache)
+                    return logits, cache.length, fraction
 
-            compiled = jax.jit(run).lower(params, tokens).compile()
-            sec = _median_time(compiled, params, tokens, iters=iters)
-            record({"kind": "prefill", "policy": "Dense", "context": T, "batch": 1, "ms": sec * 1e3,
-                    "tokens_per_s": T / sec, "memory_bytes": _memory(compiled)})
-        except Exception as e:  # noqa: BLE001 - report the point and go on
-            record({"kind": "prefill", "policy": "Dense", "context": T, "batch": 1, "error": _why(e)})
+                compiled = jax.jit(run).lower(params, tokens).compile()
+                sec = _median_time(compiled, params, tokens, iters=iters)
+                fraction = float(compiled(params, tokens)[2])
+                record({"kind": "prefill", "policy": pol.name, "spec": repr(prefill_policy), "context": T,
+                        "batch": 1, "ms": sec * 1e3, "tokens_per_s": T / sec, "prefill_block_fraction": fraction,
+                        "memory_bytes": _memory(compiled)})
+            except Exception as e:  # noqa: BLE001 - report the point and go on
+                record({"kind": "prefill", "policy": pol.name, "context": T, "batch": 1, "error": _why(e)})
 
     for policy in parse_policies(policy_spec):
         for T in decode_contexts:
@@ -189,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", default="8k,32k", help="decode context lengths")
     p.add_argument("--batches", default="1,32", help="decode batch sizes")
     p.add_argument("--policies", default="fullkv", help="policy spec for decode points (see `sparsekv eval --help`)")
+    p.add_argument("--prefill-policies", default="fullkv", help="policy spec for prefill points (e.g. 'fullkv, stem')")
     p.add_argument("--decode-steps", type=int, default=32, help="decode steps per timed run")
     p.add_argument("--iters", type=int, default=5, help="timed repetitions (median reported)")
     p.add_argument("--unroll", type=int, default=0,
@@ -202,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.unroll:
         transformer.DECODE_UNROLL = args.unroll
     if args.one_model:
-        rows = run_model(args.one_model, pre, ctx, bat, args.policies, args.decode_steps, args.iters)
+        rows = run_model(args.one_model, pre, ctx, bat, args.policies, args.decode_steps, args.iters,
+                         args.prefill_policies)
         print("ROWS " + json.dumps(rows))
         return 0
     rows = []
@@ -212,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "sparsekv_jax.bench.e2e", "--one-model", model, "--prefill-contexts",
                args.prefill_contexts, "--contexts", args.contexts, "--batches", args.batches, "--policies",
                args.policies, "--decode-steps", str(args.decode_steps), "--iters", str(args.iters),
-               "--unroll", str(args.unroll)]
+               "--unroll", str(args.unroll), "--prefill-policies", args.prefill_policies]
         res = subprocess.run(cmd, capture_output=True, text=True)  # one process per model: clean device memory
         lines = [line for line in res.stdout.splitlines() if line.startswith("ROWS ")]
         if lines:

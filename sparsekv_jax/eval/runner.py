@@ -70,6 +70,7 @@ __all__ = [
 
 DEFAULT_LONGBENCH_PATH = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "longbench_mini"
 QUESTION_MODES = ("agnostic", "aware")
+POLICY_COUNTERS = ("reselections", "backtracks")  # per-row counters policies report (CHESS)
 
 # Where the question starts in RULER inputs (RULER's task templates), tried in order, last occurrence.
 RULER_QUESTION_MARKERS: tuple[str, ...] = (
@@ -634,6 +635,10 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
                     if not pending and not (_is_dense(spec.policy) and fidelity and others_pending):
                         continue
                     t0 = time.perf_counter()
+                    # a backtracking policy (CHESS) may rewrite earlier tokens when a page completes
+                    # past the task's limit: it decodes exactly the limit, no bucket
+                    new = (max(it.max_new_tokens for it in batch) if spec.policy.max_rewind_tokens
+                           else _bucket(max(it.max_new_tokens for it in batch)))
                     res = generate(params, spec.policy, kwargs["tokens"], lengths=kwargs["lengths"],
                                    max_new_tokens=new, stop_tokens=stop, page_size=page_size,
                                    suffix=kwargs["suffix"], suffix_lengths=kwargs["suffix_lengths"])
@@ -683,6 +688,8 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
                                 "kv_read_fraction": _floats(stats["kv_read_fraction"], i),
                                 "prefill_block_fraction": _floats(stats["prefill_block_fraction"], i),
                                 "cache_bytes": int(np.asarray(stats["cache_bytes"]).reshape(-1)[0]),
+                                **{k: int(np.asarray(stats[k]).reshape(-1)[i]) for k in POLICY_COUNTERS
+                                   if k in stats},
                             },
                             "timing": {
                                 "batch_seconds": seconds, "batch_rows": int(kwargs["tokens"].shape[0]),

@@ -279,9 +279,11 @@ class CHESS(Policy):
         B = cache.batch
         selected = self.select_pages(cache, cache.length)
         ids, counts = self._page_list(selected, cache.length + 1, cache)
-        zf, zi = jnp.zeros((B,), jnp.float32), jnp.zeros((B,), jnp.int32)
-        shared = {"selected": selected, "ids": ids, "counts": counts, "ent_sum": zf, "ent_sq": zf, "in_page": zi,
-                  "pages": zi, "reselections": zi, "backtracks": zi, "rewind": zi}
+        # distinct buffers (a donated state may not hold one array twice)
+        shared = {"selected": selected, "ids": ids, "counts": counts,
+                  **{k: jnp.zeros((B,), jnp.float32) for k in ("ent_sum", "ent_sq")},
+                  **{k: jnp.zeros((B,), jnp.int32) for k in ("in_page", "pages", "reselections", "backtracks",
+                                                             "rewind")}}
         return None, shared
 
     def decode_select(self, q: jax.Array, kv: LayerKV, length: jax.Array, layer_state: Any, shared_state: Any,

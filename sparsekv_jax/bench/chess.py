@@ -1,0 +1,193 @@
+"""CHESS speed against full attention (random bf16 weights of a real model's shapes).
+
+Three measurements, each after a warm-up, median of ``--iters`` timed runs:
+
+1. **Throughput** at a ``--context`` prompt and the largest batch whose cache fits next to the
+   weights (both policies read the same cache: CHESS evicts nothing). ``--steps`` decode steps of
+   `decode_step` run in one `lax.fori_loop` with the cache donated and fed back.
+2. **Latency over a long generation**: from a ``--context`` prompt, ``--gen`` tokens at
+   ``--latency-batch``, timed in chunks of ``--chunk`` steps; CHESS rebuilds its selection every
+   ``--interval`` pages (the paper's average: ~10 pages between rebuilds).
+3. **Selection cost**: one rebuild (anchor, scores of every page, grid → chunk → page masks, page
+   list) and the per-step page-list refresh, each timed alone, as a share of a CHESS step.
+
+    python -m sparsekv_jax.bench.chess --context 32k --gen 6k --out chess.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from sparsekv_jax.bench.e2e import MODELS, _decode_cache, _median_time, _median_time_carry, _tokens
+
+
+def _weights_bytes(params) -> int:
+    import jax
+
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def largest_batch(cfg, params, context: int, steps: int, page_size: int, limit: int = 64) -> int:
+    """Rows whose cache (K/V, positions, bias, page summaries) fits in device memory next to the
+    weights, with 8% + 3 GiB kept free for activations and the compiler."""
+    import jax
+    import jax.numpy as jnp
+
+    from sparsekv_jax.cache import init_cache
+
+    shapes = jax.eval_shape(lambda: init_cache(cfg, 1, context + steps, page_size=page_size, dtype=jnp.bfloat16))
+    per_row = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    stats = jax.devices()[0].memory_stats() or {}
+    total = stats.get("bytes_limit", 16 * 2**30)
+    free = total * 0.92 - _weights_bytes(params) - 3 * 2**30
+    return max(1, min(limit, int(free // per_row)))
+
+
+def _decode_fn(params, policy, steps: int, start=None):
+    """Jitted ``steps`` decode steps (cache and state donated); with ``start = (length,
+    next_position)`` every call decodes from there again, else from where the last one ended."""
+    import jax
+    import jax.numpy as jnp
+
+    from sparsekv_jax.generate import decode_step
+
+    def run(params, cache, state, token):
+        if start is not None:
+            cache = cache.replace(length=start[0], next_position=start[1])
+
+        def body(i, carry):
+            cache, state, token = carry
+            logits, cache, state, _ = decode_step(params, policy, cache, token, state)
+            return cache, state, jnp.argmax(logits, -1).astype(jnp.int32)
+
+        return jax.lax.fori_loop(0, steps, body, (cache, state, token))
+
+    return jax.jit(run, donate_argnums=(1, 2))
+
+
+def throughput(cfg, params, policies, context: int, batch: int, steps: int, iters: int, page_size: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    rows = []
+    for pol in policies:
+        pol = pol.bind(context)
+        cache, _ = _decode_cache(cfg, pol, context, batch, steps, jax.random.key(2), page_size=page_size)
+        state = pol.decode_init(cache, None)
+        token = jnp.ones((batch,), jnp.int32)
+        fn = _decode_fn(params, pol, steps, (cache.length, cache.next_position))
+        sec, carry = _median_time_carry(fn, params, (cache, state, token), iters=iters)
+        rows.append({"kind": "throughput", "policy": pol.name, "context": context, "batch": batch,
+                     "ms_per_step": sec * 1e3 / steps, "tokens_per_s": batch * steps / sec,
+                     "cache_bytes": carry[0].nbytes()})
+        del cache, state, carry
+    return rows
+
+
+def selection_cost(cfg, policy, context: int, batch: int, iters: int, page_size: int) -> dict:
+    import jax
+
+    pol = policy.bind(context)
+    cache, _ = _decode_cache(cfg, pol, context, batch, 1, jax.random.key(3), page_size=page_size)
+    rebuild = jax.jit(lambda c: pol._page_list(pol.select_pages(c, c.length), c.length + 1, c))
+    selected = pol.select_pages(cache, cache.length)
+    refresh = jax.jit(lambda c, s: pol._page_list(s, c.length + 1, c))
+    out = {"kind": "selection", "policy": pol.name, "context": context, "batch": batch,
+           "rebuild_ms": _median_time(rebuild, cache, iters=iters) * 1e3,
+           "page_list_ms": _median_time(refresh, cache, selected, iters=iters) * 1e3}
+    del cache
+    return out
+
+
+def latency(cfg, params, policies, context: int, gen: int, chunk: int, batch: int, page_size: int) -> list[dict]:
+    """ms/token of each chunk of ``chunk`` steps over ``gen`` generated tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    rows = []
+    for pol in policies:
+        pol = pol.bind(context)
+        cache, _ = _decode_cache(cfg, pol, context, batch, gen, jax.random.key(4), page_size=page_size)
+        state = pol.decode_init(cache, None)
+        token = jnp.ones((batch,), jnp.int32)
+
+        fn = _decode_fn(params, pol, chunk)
+        # warm-up on a throwaway copy: compile, and do not advance the real cache
+        jax.block_until_ready(fn(params, *jax.tree.map(jnp.copy, (cache, state, token))))
+        carry = (cache, state, token)
+        per_chunk = []
+        for _ in range(gen // chunk):
+            t0 = time.perf_counter()
+            carry = jax.block_until_ready(fn(params, *carry))
+            per_chunk.append((time.perf_counter() - t0) * 1e3 / chunk)
+        rows.append({"kind": "latency", "policy": pol.name, "context": context, "batch": batch, "chunk": chunk,
+                     "ms_per_token": per_chunk, "mean": statistics.mean(per_chunk),
+                     "spread": (max(per_chunk) - min(per_chunk)) / statistics.mean(per_chunk)})
+        del cache, state, carry
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sparsekv_jax.bench.chess", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama3.1-8b", choices=sorted(MODELS), help="model shapes")
+    p.add_argument("--context", default="32k", help="prompt tokens already in the cache (default 32k)")
+    p.add_argument("--batch", type=int, default=0, help="throughput batch (default 0: the largest that fits)")
+    p.add_argument("--steps", type=int, default=32, help="decode steps per timed run (default 32)")
+    p.add_argument("--iters", type=int, default=5, help="timed repetitions (default 5)")
+    p.add_argument("--preset", default="aggressive", help="CHESS preset (default aggressive)")
+    p.add_argument("--page-size", type=int, default=32, help="cache and CHESS page size (default 32)")
+    p.add_argument("--gen", default="6k", help="generated tokens of the latency run (default 6k; 0 = skip)")
+    p.add_argument("--chunk", type=int, default=256, help="steps per latency sample (default 256)")
+    p.add_argument("--latency-batch", type=int, default=1, help="batch of the latency run (default 1)")
+    p.add_argument("--interval", type=int, default=10, help="pages between rebuilds in the latency run (default 10)")
+    p.add_argument("--out", help="write the rows as JSON here")
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from sparsekv_jax.models import config as mc
+    from sparsekv_jax.models.params import random_params
+    from sparsekv_jax.policies import CHESS, Dense
+
+    cfg = getattr(mc, MODELS[args.model])()
+    params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
+    context, gen = _tokens(args.context)[0], _tokens(args.gen)[0] if args.gen != "0" else 0
+    ps = args.page_size
+    batch = args.batch or largest_batch(cfg, params, context, args.steps, ps)
+    chess = CHESS.preset(args.preset, page_size=ps)
+    base = {"model": args.model, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    rows = [{**base, **r}
+            for r in throughput(cfg, params, [Dense(), chess], context, batch, args.steps, args.iters, ps)]
+    rows.append({**base, **selection_cost(cfg, chess, context, batch, args.iters, ps)})
+    if gen:
+        periodic = CHESS.preset(args.preset, page_size=ps, trigger="interval", interval=args.interval)
+        rows += [{**base, **r} for r in latency(cfg, params, [periodic, Dense()], context, gen, args.chunk,
+                                                args.latency_batch, ps)]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=2)
+    thr = {r["policy"]: r for r in rows if r["kind"] == "throughput"}
+    sel = next(r for r in rows if r["kind"] == "selection")
+    dense, sparse = thr["Dense"], thr[chess.name]
+    print(f"\nthroughput  {args.model} ctx {context} B {batch}: FullKV {dense['ms_per_step']:.2f} ms/step "
+          f"({dense['tokens_per_s']:,.0f} tok/s), {chess.name} {sparse['ms_per_step']:.2f} ms/step "
+          f"({sparse['tokens_per_s']:,.0f} tok/s) -> {sparse['tokens_per_s'] / dense['tokens_per_s']:.2f}x")
+    print(f"selection   rebuild {sel['rebuild_ms']:.3f} ms = {sel['rebuild_ms'] / sparse['ms_per_step']:.1%} of a step "
+          f"({sel['rebuild_ms'] / sparse['ms_per_step'] / (args.interval * ps):.2%} amortised over {args.interval} "
+          f"pages); per-step page list {sel['page_list_ms']:.3f} ms = "
+          f"{sel['page_list_ms'] / sparse['ms_per_step']:.1%}")
+    for r in rows:
+        if r["kind"] == "latency":
+            lat = r["ms_per_token"]
+            print(f"latency     {r['policy']:<18} B {r['batch']}: first {lat[0]:.2f}, last {lat[-1]:.2f}, "
+                  f"min {min(lat):.2f}, max {max(lat):.2f} ms/token (spread {r['spread']:.1%} of the mean)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,188 @@
+"""`sparsekv calibrate`: CHESS's uncertainty thresholds from a calibration set.
+
+CHESS rebuilds its page selection when the next-token distributions over the last page of
+generated tokens are too uncertain. The paper sets the two thresholds — mean entropy and
+varentropy of a page — at the 99th percentile of their distribution over the pages generated
+with full attention on a calibration set (its Figure 4). This module does exactly that:
+
+1. prompts from a calibration set: a plain-text file (passages of ``length`` tokens cut at seeded
+   offsets, each followed by a request to summarise it — long answers, so many complete pages),
+   or any `sparsekv eval` suite (``ruler``, ``longbench``, a PATH);
+2. greedy generation with full attention, then the same tokens teacher-forced to get the
+   logits of every decode step;
+3. per complete page of ``page_size`` generated tokens (the steps CHESS sees: tokens 1.., the
+   first comes from the prompt): mean entropy and varentropy (the variance of the per-token
+   entropy over the page, as in `sparsekv_jax.policies.chess`);
+4. the ``percentile``-th percentiles → JSON (`CHESS.from_spec(calibration=...)` loads it) and a
+   density plot of the pages with the thresholds.
+
+Keep the calibration text apart from what you evaluate on (the default is WikiText-2, not RULER
+or LongBench).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SUMMARY_REQUEST = "\n\nSummarize the text above in a few paragraphs."
+# WikiText-2's test split, next to the checkout like the LongBench sample (see the eval runner)
+DEFAULT_TEXT = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "wikitext2" / "wiki.test.raw"
+
+
+def page_statistics(entropy: np.ndarray, num_steps: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Mean entropy and varentropy of every complete page.
+
+    ``entropy`` ``[B, N]``: entropy of the distribution at decode step ``i`` (column 0 = the prompt's
+    distribution, not part of any page); ``num_steps`` ``[B]``: valid columns per row. Page ``j``
+    of a row is columns ``1 + j·page_size .. (j+1)·page_size``; only complete pages count.
+    """
+    means, variances = [], []
+    for row, n in zip(entropy, num_steps, strict=True):
+        for start in range(1, int(n) - page_size + 1, page_size):
+            page = row[start:start + page_size].astype(np.float64)
+            means.append(page.mean())
+            variances.append(page.var())
+    return np.asarray(means), np.asarray(variances)
+
+
+def text_prompts(path: str | os.PathLike[str], tokenizer: Any, length: int, n: int, seed: int) -> list[list[int]]:
+    """``n`` chat prompts, each a passage of ``length`` tokens of the text file at a seeded offset
+    followed by `SUMMARY_REQUEST`."""
+    text = Path(path).read_text(encoding="utf-8")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) < length + 1:
+        raise ValueError(f"{path} holds {len(ids)} tokens, fewer than one passage of length={length}")
+    rng = np.random.default_rng(seed)
+    starts = rng.choice(len(ids) - length, size=n, replace=n > len(ids) - length)
+    prompts = []
+    for s in starts:
+        passage = tokenizer.decode(ids[s:s + length])
+        messages = [{"role": "user", "content": passage + SUMMARY_REQUEST}]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompts.append(list(tokenizer(rendered, add_special_tokens=False)["input_ids"]))
+    return prompts
+
+
+def suite_prompts(suite: str, tokenizer: Any, cfg: Any, tasks: list[str] | None, length: int, n: int,
+                  seed: int, cache_dir: str | None) -> list[list[int]]:
+    """Whole prompts (context + question) of a `sparsekv eval` suite."""
+    from sparsekv_jax.eval import runner
+
+    _, groups = runner._build_groups(suite, tasks, [length], n, seed, tokenizer, cfg.max_position_embeddings,
+                                     cache_dir, None)
+    prompts = []
+    for g in groups:
+        for s in g.samples:
+            ctx, q = runner._encode(tokenizer, s)
+            prompts.append(ctx + q)
+    return prompts
+
+
+def calibrate(model: Any = "smollm2", suite: str = "wikitext", *, data: str | None = None,
+              tasks: list[str] | None = None, length: int = 2048, n: int = 32, seed: int = 1234,
+              page_size: int = 32, percentile: float = 99.0, max_new_tokens: int = 256, batch_size: int = 4,
+              out: str | os.PathLike[str] = "chess_calibration.json", plot: str | os.PathLike[str] | None = None,
+              progress: bool = True, dtype: Any = None, cache_dir: str | None = None) -> dict[str, Any]:
+    """Measure the page statistics and write the thresholds (see the module docstring).
+
+    ``suite``: ``"wikitext"`` (plain text from ``data``, by default the shared WikiText-2 test
+    split), another text file path, or a `sparsekv eval` suite. Returns the JSON written to ``out``.
+    """
+    import jax
+    import jax.numpy as jnp
+    from tqdm.auto import tqdm
+
+    from sparsekv_jax.generate import generate, teacher_force
+    from sparsekv_jax.models.embedded import load
+    from sparsekv_jax.policies import Dense
+    from sparsekv_jax.policies.chess import entropy_stats
+
+    if not 0 < percentile < 100:
+        raise ValueError(f"percentile={percentile} must be in (0, 100)")
+    if page_size < 2 or max_new_tokens <= page_size:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must exceed page_size={page_size} (>= 2): "
+                         "no page would ever complete")
+    if isinstance(model, tuple):
+        params, tokenizer = model
+    else:
+        params, tokenizer = load(model, dtype=jnp.float32 if dtype is None else dtype, progress=progress,
+                                 cache_dir=cache_dir)
+    cfg = params.config
+    text_path = data if suite == "wikitext" else (suite if Path(suite).is_file() else None)
+    if suite == "wikitext" and text_path is None:
+        text_path = str(DEFAULT_TEXT)
+    if text_path is not None:
+        if not Path(text_path).is_file():
+            raise FileNotFoundError(f"calibration text {text_path} not found (give it with --data)")
+        prompts = text_prompts(text_path, tokenizer, length, n, seed)
+    else:
+        prompts = suite_prompts(suite, tokenizer, cfg, tasks, length, n, seed, cache_dir)
+    width = max(map(len, prompts))
+    if width + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(f"prompts of {width} tokens + max_new_tokens={max_new_tokens} exceed the model's "
+                         f"{cfg.max_position_embeddings} positions")
+    stop = tuple(sorted({*cfg.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
+                                               else [])}))
+    entropies, steps = [], []
+    batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
+    for batch in tqdm(batches, disable=not progress, desc="calibrate", unit="batch"):
+        rows = batch + [batch[-1]] * (batch_size - len(batch))  # one shape: one compile
+        tokens = np.zeros((batch_size, width), np.int32)
+        for i, r in enumerate(rows):
+            tokens[i, : len(r)] = r
+        lengths = np.asarray([len(r) for r in rows], np.int32)
+        res = generate(params, Dense(), tokens, lengths=lengths, max_new_tokens=max_new_tokens, stop_tokens=stop)
+        forced = np.asarray(res.tokens).clip(min=0)  # padding after a stop: any id, its logits are unused
+        logits, _ = teacher_force(params, Dense(), tokens, forced, lengths=lengths)
+        ent = np.asarray(jax.jit(entropy_stats)(logits.reshape(-1, logits.shape[-1]))).reshape(forced.shape)
+        entropies.append(ent[: len(batch)])
+        # every distribution CHESS sees: one per decode step, the step producing the stop included
+        steps.append(np.asarray(res.num_generated)[: len(batch)])
+    mean_h, var_h = page_statistics(np.concatenate(entropies), np.concatenate(steps), page_size)
+    if len(mean_h) == 0:
+        raise ValueError("no complete page of generated tokens: raise max_new_tokens or use longer answers")
+    result = {
+        "entropy_threshold": float(np.percentile(mean_h, percentile)),
+        "varentropy_threshold": float(np.percentile(var_h, percentile)),
+        "percentile": percentile, "page_size": page_size, "pages": int(len(mean_h)), "samples": len(prompts),
+        "model": model if isinstance(model, str) else "custom", "suite": suite,
+        "data": None if text_path is None else os.path.basename(text_path), "length": length,
+        "max_new_tokens": max_new_tokens, "seed": seed,
+        "mean_entropy": {"median": float(np.median(mean_h)), "max": float(mean_h.max())},
+        "varentropy": {"median": float(np.median(var_h)), "max": float(var_h.max())},
+        "date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
+    }
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    if plot is not None:
+        plot_pages(mean_h, var_h, result, plot)
+    return result
+
+
+def plot_pages(mean_h: np.ndarray, var_h: np.ndarray, result: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Density of (mean entropy, varentropy) over pages with the thresholds (the paper's Figure 4)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 4.2))
+    hb = ax.hexbin(mean_h, var_h, gridsize=30, mincnt=1, cmap="viridis", bins="log")
+    fig.colorbar(hb, ax=ax, label="pages (log)")
+    te, tv = result["entropy_threshold"], result["varentropy_threshold"]
+    ax.axvline(te, ls="--", c="k", lw=1)
+    ax.axhline(tv, ls="--", c="k", lw=1)
+    ax.fill_between([te, max(te, mean_h.max()) * 1.05], tv, max(tv, var_h.max()) * 1.05, color="r", alpha=0.12)
+    ax.set_xlabel("mean entropy of a page (nats)")
+    ax.set_ylabel("varentropy of a page")
+    ax.set_title(f"{result['pages']} pages of {result['page_size']} tokens; "
+                 f"p{result['percentile']:g} thresholds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

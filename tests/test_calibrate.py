@@ -1,0 +1,53 @@
+"""`sparsekv calibrate`: page statistics against a hand computation, entropy against its definition,
+and an end-to-end run on SmolLM2 whose JSON CHESS loads."""
+
+from __future__ import annotations
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+
+from sparsekv_jax.eval.calibrate import calibrate, page_statistics
+from sparsekv_jax.policies import parse_policy
+from sparsekv_jax.policies.chess import entropy_stats
+
+
+def test_entropy_matches_definition():
+    rng = np.random.default_rng()
+    logits = rng.standard_normal((3, 50)) * 3
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    want = -(p * np.log(p)).sum(1)
+    np.testing.assert_allclose(np.asarray(entropy_stats(jnp.asarray(logits))), want, rtol=1e-5)
+    uniform = np.asarray(entropy_stats(jnp.zeros((1, 64))))
+    np.testing.assert_allclose(uniform, [np.log(64)], rtol=1e-6)
+
+
+def test_page_statistics_by_hand():
+    rng = np.random.default_rng()
+    ent = rng.uniform(0, 5, (2, 20))
+    means, variances = page_statistics(ent, np.array([20, 9]), page_size=4)
+    # row 0: columns 1-4, 5-8, 9-12, 13-16 (17-19 incomplete); row 1: 1-4, 5-8 (valid columns 0..8)
+    pages = [ent[0, 1:5], ent[0, 5:9], ent[0, 9:13], ent[0, 13:17], ent[1, 1:5], ent[1, 5:9]]
+    np.testing.assert_allclose(means, [p.mean() for p in pages])
+    np.testing.assert_allclose(variances, [p.var() for p in pages])
+    none = page_statistics(ent, np.array([4, 0]), page_size=4)
+    assert none[0].size == 0
+
+
+def test_calibrate_end_to_end_smollm2(smol, tmp_path):
+    _, params, tokenizer, _ = smol
+    text = tmp_path / "text.txt"
+    # real text: the package's own docs are not in any eval set
+    text.write_text(open(__file__.replace("tests/test_calibrate.py", "README.md")).read() * 3)
+    out, plot = tmp_path / "cal.json", tmp_path / "cal.png"
+    res = calibrate((params, tokenizer), suite=str(text), length=200, n=2, max_new_tokens=72, batch_size=2,
+                    page_size=16, out=out, plot=plot, progress=False)
+    saved = json.loads(out.read_text())
+    assert saved == res and res["pages"] >= 2 and res["samples"] == 2
+    assert res["mean_entropy"]["median"] <= res["entropy_threshold"] <= res["mean_entropy"]["max"]
+    assert res["varentropy"]["median"] <= res["varentropy_threshold"] <= res["varentropy"]["max"]
+    assert plot.stat().st_size > 1000
+    pol = parse_policy(f"chess('moderate', calibration='{out}')")
+    assert float(pol.entropy_threshold) == res["entropy_threshold"]
