@@ -9,12 +9,13 @@ from sparsekv_jax.policies.pipeline import Pipeline
 from sparsekv_jax.policies.quest import Quest
 from sparsekv_jax.policies.snapkv import SnapKV
 from sparsekv_jax.policies.spec import parse_policies, parse_policy, register
+from sparsekv_jax.policies.stem import Stem
 from sparsekv_jax.policies.streaming_llm import StreamingLLM
 
 for _name, _factory in (("fullkv", FullKV), ("dense", Dense), ("streamingllm", StreamingLLM),
                         ("streaming_llm", StreamingLLM), ("snapkv", SnapKV), ("h2o", H2O), ("quest", Quest),
-                        ("pipeline", Pipeline)):
+                        ("pipeline", Pipeline), ("stem", Stem)):
     register(_name, _factory)
 
-__all__ = ["Dense", "FullKV", "H2O", "Pipeline", "Policy", "Quest", "SnapKV", "StreamingLLM", "parse_policies",
-           "parse_policy", "register"]
+__all__ = ["Dense", "FullKV", "H2O", "Pipeline", "Policy", "Quest", "SnapKV", "Stem", "StreamingLLM",
+           "parse_policies", "parse_policy", "register"]

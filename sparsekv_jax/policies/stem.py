@@ -1,0 +1,279 @@
+"""Stem (Niu et al., 2026): block-sparse prefill with a position-decaying budget and an
+output-aware block metric. Decode stays dense (compose with `Pipeline` for a sparse decode).
+
+Per layer, from the RoPE'd ``q``/``k``/``v`` of the prompt (paper Algorithm 1):
+
+1. **Block metric** (OAM, Eq. 7). Queries and keys are cut into blocks of ``block_size``. The
+   routing term of (query block ``I``, key block ``J``) is XAttention's anti-diagonal estimate
+   of the attention mass, in log units: inside every ``stride x stride`` tile of ``QK^T`` only
+   the anti-diagonal is summed (one matmul over ``[T/stride, stride*D]`` reshapes), each strided
+   query row takes a softmax over its causal tiles' mean logits ``q.k / (sqrt(D))``, the
+   probabilities are summed over the key block and averaged over the query block's rows, and the
+   log is taken: ``log P(J | I)``. Then ``metric = log P(J | I) + beta * max(0, log ||V||_J)``
+   with ``log ||V||_J`` the max over the key block's tokens (per KV head): Eq. 6's
+   ``log(P_ij ||V_j||)`` at block level, with Eq. 7's ``beta`` and truncation. Why log-mass and
+   not the block's mean logit (what "Q-bar K-bar^T" in Algorithm 1 reads like): on SmolLM2 at 2k
+   with the same budget the mean logit picked blocks that gave 2.8x the final-token KL of the
+   mass estimate (0.155 vs 0.056; exact block masses: 0.019), and the log of a probability is
+   what Eq. 6 adds ``log ||V||`` to. Tiles after the diagonal are masked at tile level (the
+   diagonal tile counts whole: a few future logits that touch only the diagonal block, which is
+   always kept). Query rows past a row's length are left out of the average.
+2. **Budget** (TPD, Eq. 3, at block granularity): query block ``i = 1..N`` (``N`` = the row's
+   own block count, not the padded width) gets ``k(i) = ceil(k_start - k_start (1 - mu) i / N)``
+   key blocks, with ``k_start = max(k_start_ratio * N, min_blocks)``. ``schedule="uniform"`` is
+   the paper's ablation baseline at equal total budget: ``k_uni = (1 + mu) / 2 * k_start``
+   (``0.85 k_start`` for ``mu = 0.7``) for every block.
+3. **Selection**, per KV head on the GQA group's mean metric (the kernel reads one list per KV
+   head): ``sink_blocks`` initial and ``local_blocks`` most recent blocks (the diagonal among
+   them) are always listed and *count inside* ``k(i)``; the rest of the list is the top-scored
+   causal blocks. Count of query block ``i`` (0-based) = ``min(max(k(i+1), forced), i + 1)``.
+   Query blocks past a row's length (padding) list only their forced blocks.
+
+Paper defaults (section 3.1) and the choices made where it is vague or aimed at 8B models:
+
+* ``mu = 0.7``, ``beta = 0.2``, 4 initial + 4 local blocks: as the paper.
+* ``k_start_ratio=None``: 0.2 for rows up to 16k tokens, 0.1 beyond (the paper: 0.2 for 8k-16k,
+  0.1 beyond 16k; it says nothing below 8k, where the minimum budget takes over).
+* ``block_size = 64`` (paper: 128). SmolLM2-class models (head_dim 64) at 4k-8k prompts have
+  only 32-64 blocks of 128; halving the block halves what a forced or picked block costs, so the
+  same token budget is spent more precisely. ``Stem(block_size=128, min_blocks=54)`` is the
+  paper's configuration.
+* ``min_blocks = 32`` (2048 tokens at block 64). The paper enforces "a minimum total budget of
+  54 blocks" (6912 tokens at block 128), which makes its 4k-8k runs almost dense. We keep the
+  floor on ``k_start`` but scale it down so 4k-8k prompts are really sparse while the budget
+  stays generous where a small model is most fragile: prompts up to ``0.7 * 32 * 64 ~ 1.4k``
+  tokens are exactly dense, a 4k prompt computes ~66% of the causal blocks, 8k ~37%, 16k ~31%.
+  (The quality target: >= 99% of dense RULER at 4k and 8k on SmolLM2-135M; see
+  ``scripts/stem_ablation.py`` for the per-layer and logit errors behind the choice.)
+* ``stride = 8``: XAttention's default anti-diagonal stride.
+* When every row of a prompt width is covered by its budget (short prompts under the minimum)
+  ``prefill_pattern`` returns ``None``: the dense (cuDNN) path, exactly `FullKV`'s prefill.
+
+The list width ``K`` comes from the padded width ``T = q.shape[1]``, static inside the trace, so
+Stem needs no ``bind``. The anti-diagonal matmul runs over chunks of query blocks
+(`lax.map`), so its ``[T/stride]^2`` tile scores are never materialised at once for long prompts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from sparsekv_jax.policies.base import Policy
+from sparsekv_jax.policies.common import KEEP
+
+LONG_CONTEXT = 16384  # tokens: above this the automatic k_start ratio drops from 0.2 to 0.1 (paper 3.1)
+_EPS = 1e-9  # ceil(x - eps): float64 rounding never adds a block (exact decimal settings are >= 1e-8 apart)
+_TILE_ELEMENTS = 1 << 26  # anti-diagonal tile scores per lax.map step (256 MiB of float32)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_pow2(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and not x & (x - 1)
+
+
+def budget_table(n_blocks: int, block_size: int, *, k_start_ratio: float | None, mu: float, min_blocks: int,
+                 schedule: str) -> np.ndarray:
+    """``k(i)`` of Eq. 3 for every row size: ``[n_blocks + 1, n_blocks]`` int32, row ``N`` = a prompt of
+    ``N`` blocks, column ``i - 1`` = its query block ``i`` (columns past ``N`` continue the formula).
+
+    Built on the host in float64 (exact for decimal settings: ``ceil`` of a value that lies a hair
+    above an integer must not drop a block, which float32 on the device cannot promise for large
+    ``N``) and gathered by each row's block count inside the trace. The automatic ratio depends
+    on the length only through ``N``: ``block_size`` divides ``LONG_CONTEXT``.
+    """
+    N = np.arange(n_blocks + 1, dtype=np.float64)[:, None]
+    if k_start_ratio is None:
+        ratio = np.where(N * block_size > LONG_CONTEXT, 0.1, 0.2)
+    else:
+        ratio = float(k_start_ratio)
+    k_start = np.maximum(ratio * N, float(min_blocks))
+    i = np.arange(1, n_blocks + 1, dtype=np.float64)[None, :]
+    if schedule == "uniform":
+        k = np.broadcast_to((1.0 + mu) / 2.0 * k_start, (n_blocks + 1, n_blocks))
+    else:
+        k = k_start - k_start * (1.0 - mu) / np.maximum(N, 1.0) * i
+    return np.ceil(k - _EPS).astype(np.int32)
+
+
+def antidiagonal_routing(q: jax.Array, k: jax.Array, lengths: jax.Array, block_size: int, stride: int) -> jax.Array:
+    """Log attention mass of each key block for each query block (XAttention's estimate): ``[B, Hq, nQ, nK]`` fp32.
+
+    ``q`` ``[B, T, Hq, D]``, ``k`` ``[B, T, Hkv, D]``; ``T`` is zero-padded to whole blocks. Row
+    ``a`` of the query reshape holds queries ``a*S + S-1 .. a*S`` (reversed), row ``b`` of the key
+    reshape keys ``b*S .. b*S + S-1``, each concatenated along features, so their dot product is
+    the anti-diagonal sum of tile ``(a, b)``; divided by ``S sqrt(D)`` it is the tile's mean logit.
+    Each strided query row takes a softmax over its causal tiles (``b <= a``), the probabilities
+    are summed per key block and averaged over the query block's rows that hold a query of the
+    row (right padding is left out), and the log is taken: ``log P(block J | query block I)``.
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    n = -(-T // block_size)
+    pad = ((0, 0), (0, n * block_size - T), (0, 0), (0, 0))
+    q, k = jnp.pad(q, pad), jnp.pad(k, pad)
+    t, m = block_size // stride, n * block_size // stride  # tiles per block side, per sequence side
+    qs = q.reshape(B, n, t, stride, Hkv, Hq // Hkv, D)[:, :, :, ::-1]
+    qs = qs.transpose(1, 0, 4, 5, 2, 3, 6).reshape(n, B, Hkv, Hq // Hkv, t, stride * D)
+    ks = k.reshape(B, m, stride, Hkv, D).transpose(0, 3, 1, 2, 4).reshape(B, Hkv, m, stride * D)
+    scale = 1.0 / (stride * math.sqrt(D))
+    rows_in = (jnp.arange(m) * stride < lengths[:, None]).reshape(B, n, t).transpose(1, 0, 2)  # [nQ, B, t]
+
+    def one_block(args: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+        qb, i, inside = args  # [B, Hkv, G, t, S*D], query block index, [B, t]
+        s = jnp.einsum("bhgrf,bhnf->bhgrn", qb, ks, preferred_element_type=jnp.float32) * scale
+        causal = jnp.arange(m)[None, :] <= (i * t + jnp.arange(t))[:, None]
+        p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)  # every row has tile 0: no NaN
+        p = jnp.where(inside[:, None, None, :, None], p, 0.0)
+        mass = p.reshape(B, Hkv, -1, t, n, t).sum((3, 5)) / jnp.maximum(inside.sum(-1), 1)[:, None, None, None]
+        return jnp.log(mass + 1e-30)  # [B, Hkv, G, nK]; finite for causal blocks
+
+    per_block = B * Hq * t * m
+    routing = jax.lax.map(one_block, (qs, jnp.arange(n), rows_in),
+                          batch_size=max(1, min(n, _TILE_ELEMENTS // per_block)))  # [nQ, B, Hkv, G, nK]
+    return routing.transpose(1, 2, 3, 0, 4).reshape(B, Hq, n, n)
+
+
+def value_magnitude(v: jax.Array, lengths: jax.Array, block_size: int) -> jax.Array:
+    """Max over each key block's tokens (those inside the row) of ``log ||v||``: ``[B, Hkv, nK]`` fp32
+    (``-inf`` for blocks with no token of the row)."""
+    B, T, Hkv, _ = v.shape
+    n = -(-T // block_size)
+    log_norm = 0.5 * jnp.log(jnp.sum(jnp.square(v.astype(jnp.float32)), -1))  # [B, T, Hkv]
+    inside = (jnp.arange(T)[None, :] < lengths[:, None])[..., None]
+    log_norm = jnp.where(inside, log_norm, -jnp.inf)
+    log_norm = jnp.pad(log_norm, ((0, 0), (0, n * block_size - T), (0, 0)), constant_values=-jnp.inf)
+    return log_norm.reshape(B, n, block_size, Hkv).max(2).transpose(0, 2, 1)
+
+
+def select_blocks(metric: jax.Array, budget: jax.Array, lengths: jax.Array, block_size: int, sink_blocks: int,
+                  local_blocks: int, width: int) -> tuple[jax.Array, jax.Array]:
+    """Block lists from a ``[B, Hkv, nQ, nK]`` metric and ``[B, nQ]`` budgets ``k(i)``.
+
+    Forced (sink and local) blocks rank first, then causal blocks by metric, future blocks never.
+    Returns ``(block_ids [B, Hkv, nQ, width], block_counts [B, Hkv, nQ])`` int32.
+    """
+    B, Hkv, n, _ = metric.shape
+    qi = jnp.arange(n)[:, None]
+    kj = jnp.arange(n)[None, :]
+    causal = kj <= qi
+    forced = causal & ((kj < sink_blocks) | (kj > qi - local_blocks))
+    scores = jnp.where(forced, KEEP, jnp.where(causal, jnp.maximum(metric, -KEEP), -jnp.inf))
+    _, ids = jax.lax.top_k(scores, width)
+    n_forced = jnp.minimum(jnp.arange(n) + 1, sink_blocks + local_blocks)  # [nQ]
+    counts = jnp.minimum(jnp.maximum(budget, n_forced), jnp.arange(n) + 1)
+    inside = jnp.arange(n)[None, :] < (-(-lengths // block_size))[:, None]  # [B, nQ]
+    counts = jnp.minimum(jnp.where(inside, counts, n_forced), width)
+    return ids.astype(jnp.int32), jnp.broadcast_to(counts[:, None], (B, Hkv, n)).astype(jnp.int32)
+
+
+@struct.dataclass
+class Stem(Policy):
+    """Stem block-sparse prefill (dense decode).
+
+    Args:
+      block_size: query/key block in tokens (paper: 128; default 64, see the module docstring).
+      k_start_ratio: ``k_start`` as a fraction of the row's blocks; ``None`` = 0.2 up to 16k
+        tokens, 0.1 beyond (paper). Values > 1 are allowed (``>= 1 / mu`` is dense).
+      mu: ``k_end / k_start`` (paper: 0.7).
+      beta: weight of the value-magnitude term (paper: 0.2; 0 = routing only, the paper's SAM).
+      sink_blocks, local_blocks: initial / most recent blocks always computed (paper: 4 and 4;
+        the local ones include the diagonal, so at least 1).
+      min_blocks: floor on ``k_start`` in blocks (paper: 54 blocks of 128; default 32 of 64).
+      schedule: ``"decay"`` (TPD, Eq. 3) or ``"uniform"`` (``k_uni = (1 + mu) / 2 * k_start``).
+      stride: anti-diagonal stride of the routing estimate (XAttention: 8); divides block_size.
+      gqa: how the query heads of a GQA group combine their routing: ``"mean"`` or ``"max"``.
+    """
+
+    block_size: int = struct.field(pytree_node=False, default=64)
+    k_start_ratio: float | None = struct.field(pytree_node=False, default=None)
+    mu: float = struct.field(pytree_node=False, default=0.7)
+    beta: float = struct.field(pytree_node=False, default=0.2)
+    sink_blocks: int = struct.field(pytree_node=False, default=4)
+    local_blocks: int = struct.field(pytree_node=False, default=4)
+    min_blocks: int = struct.field(pytree_node=False, default=32)
+    schedule: str = struct.field(pytree_node=False, default="decay")
+    stride: int = struct.field(pytree_node=False, default=8)
+    gqa: str = struct.field(pytree_node=False, default="mean")
+
+    def __post_init__(self) -> None:
+        if not _is_pow2(self.block_size) or not 16 <= self.block_size <= 4096:
+            raise ValueError(f"block_size={self.block_size!r} must be a power of two in [16, 4096] (the prefill "
+                             "kernel's granularity)")
+        if self.k_start_ratio is not None and not (_is_number(self.k_start_ratio) and self.k_start_ratio > 0):
+            raise ValueError(f"k_start_ratio={self.k_start_ratio!r} must be a positive number or None (automatic)")
+        if not (_is_number(self.mu) and 0 < self.mu <= 1):
+            raise ValueError(f"mu={self.mu!r} must lie in (0, 1]")
+        if not (_is_number(self.beta) and self.beta >= 0):
+            raise ValueError(f"beta={self.beta!r} must be a number >= 0")
+        for name in ("sink_blocks", "min_blocks"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise ValueError(f"{name}={value!r} must be an integer >= 0")
+        if not (isinstance(self.local_blocks, int) and not isinstance(self.local_blocks, bool)
+                and self.local_blocks >= 1):
+            raise ValueError(f"local_blocks={self.local_blocks!r} must be an integer >= 1 (it includes the diagonal)")
+        if self.schedule not in ("decay", "uniform"):
+            raise ValueError(f"schedule={self.schedule!r} must be 'decay' or 'uniform'")
+        if not _is_pow2(self.stride) or self.stride > self.block_size:
+            raise ValueError(f"stride={self.stride!r} must be a power of two <= block_size={self.block_size}")
+        if self.gqa not in ("mean", "max"):
+            raise ValueError(f"gqa={self.gqa!r} must be 'mean' or 'max'")
+
+    def table(self, n_blocks: int) -> np.ndarray:
+        """`budget_table` of this policy (host, static)."""
+        return budget_table(n_blocks, self.block_size, k_start_ratio=self.k_start_ratio, mu=self.mu,
+                            min_blocks=self.min_blocks, schedule=self.schedule)
+
+    def schedule_for(self, lengths: Any, n_blocks: int, xp: Any = jnp) -> Any:
+        """``k(i)`` ``[B, n_blocks]`` for query blocks ``i = 1..n_blocks`` of rows of ``lengths`` tokens
+        (``xp``: ``jnp`` for traced lengths, ``np`` on the host)."""
+        rows = xp.clip((xp.asarray(lengths) + self.block_size - 1) // self.block_size, 0, n_blocks)
+        return xp.asarray(self.table(n_blocks))[rows]
+
+    def list_width(self, T: int) -> int:
+        """Static list width ``K`` for a padded prompt width ``T``: the largest count any row can get."""
+        n = -(-T // self.block_size)
+        peak = int(self.table(n)[:, 0].max())  # k(i) of a row peaks at its first block
+        return max(1, min(n, max(peak, self.sink_blocks + self.local_blocks)))
+
+    def is_dense(self, T: int) -> bool:
+        """Whether every row of a padded width ``T`` computes every causal block (static).
+
+        A row of ``N`` blocks is dense iff its last block is: ``k(i)`` falls while ``i`` grows.
+        """
+        n = -(-T // self.block_size)
+        N = np.arange(1, n + 1)
+        last = np.maximum(self.table(n)[N, N - 1], self.sink_blocks + self.local_blocks)
+        return bool((last >= N).all())
+
+    def block_metric(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array) -> jax.Array:
+        """OAM (Eq. 7) per KV head: ``[B, Hkv, nQ, nK]`` fp32 (future blocks not masked)."""
+        B, _, Hq, _ = q.shape
+        Hkv = k.shape[2]
+        routing = antidiagonal_routing(q, k, lengths, self.block_size, self.stride)
+        routing = routing.reshape(B, Hkv, Hq // Hkv, *routing.shape[2:])
+        routing = routing.mean(2) if self.gqa == "mean" else routing.max(2)
+        if self.beta == 0:  # routing only (SAM): V never read
+            return routing
+        magnitude = value_magnitude(v, lengths, self.block_size)  # [B, Hkv, nK]
+        return routing + self.beta * jnp.maximum(magnitude, 0.0)[:, :, None, :]
+
+    def prefill_pattern(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
+                        layer_index: jax.Array) -> Any:
+        T = q.shape[1]
+        if self.is_dense(T):
+            return None
+        n = -(-T // self.block_size)
+        budget = self.schedule_for(lengths, n)
+        ids, counts = select_blocks(self.block_metric(q, k, v, lengths), budget, lengths, self.block_size,
+                                    self.sink_blocks, self.local_blocks, self.list_width(T))
+        return ids, counts, self.block_size

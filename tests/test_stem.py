@@ -1,0 +1,290 @@
+"""Stem prefill: Eq. 3 budgets, valid block lists, the OAM metric against a brute-force reference,
+exactness when the budget covers everything, the Pallas path, bad settings, the ablation script."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from fractions import Fraction
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparsekv_jax import attention
+from sparsekv_jax.cache import init_cache
+from sparsekv_jax.generate import generate, prefill
+from sparsekv_jax.models.config import ModelConfig
+from sparsekv_jax.models.params import random_params
+from sparsekv_jax.pallas.validation import check_index_lists
+from sparsekv_jax.policies import Dense, Pipeline, Quest, Stem, parse_policies, parse_policy
+from sparsekv_jax.policies.stem import select_blocks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _qkv(rng: np.random.Generator, B: int, T: int, Hq: int, Hkv: int, D: int = 16):
+    """Random q/k/v with peaked attention (q scaled up) and value norms spread around 1."""
+    q = rng.normal(size=(B, T, Hq, D)) * 2.0
+    k = rng.normal(size=(B, T, Hkv, D))
+    v = rng.normal(size=(B, T, Hkv, D)) * np.exp(rng.normal(size=(B, T, Hkv, 1)))
+    return (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+
+
+def eq3(length: int, block_size: int, ratio: float | None, mu: float, min_blocks: int, schedule: str) -> list[int]:
+    """Paper Eq. 3 at block granularity in exact rational arithmetic (independent of stem.py)."""
+    N = -(-length // block_size)
+    r = Fraction(str(ratio)) if ratio is not None else Fraction(1, 10 if length > 16384 else 5)
+    mu = Fraction(str(mu))
+    k_start = max(r * N, Fraction(min_blocks))
+    if schedule == "uniform":
+        return [math.ceil((1 + mu) / 2 * k_start)] * N
+    return [math.ceil(k_start - k_start * (1 - mu) / N * i) for i in range(1, N + 1)]
+
+
+@pytest.mark.parametrize("block_size, ratio, mu, min_blocks, schedule", [
+    (64, None, 0.7, 32, "decay"), (128, None, 0.7, 54, "decay"), (128, None, 0.7, 0, "decay"),
+    (64, 0.15, 0.5, 8, "decay"), (16, 0.3, 0.9, 3, "decay"), (64, None, 0.7, 32, "uniform"),
+    (128, 0.2, 0.6, 0, "uniform"),
+])
+def test_schedule_is_eq3(block_size, ratio, mu, min_blocks, schedule):
+    rng = np.random.default_rng()
+    top = 1024 * block_size  # up to 128k tokens at block 128 (the table is [n+1, n])
+    lengths = np.concatenate([[1, 4096, 8192, 16384, 16385, 32768], rng.integers(1, top, 9), [top]])
+    lengths = np.minimum(lengths, top).astype(np.int32)
+    pol = Stem(block_size=block_size, k_start_ratio=ratio, mu=mu, min_blocks=min_blocks, schedule=schedule)
+    n = -(-int(lengths.max()) // block_size)
+    traced = np.asarray(jax.jit(lambda ln: pol.schedule_for(ln, n))(jnp.asarray(lengths)))
+    static = pol.schedule_for(lengths, n, np)
+    for b, length in enumerate(lengths):
+        ref = eq3(int(length), block_size, ratio, mu, min_blocks, schedule)
+        np.testing.assert_array_equal(traced[b, :len(ref)], ref, err_msg=f"length {length}")
+        np.testing.assert_array_equal(static[b, :len(ref)], ref, err_msg=f"length {length} (numpy)")
+
+
+def test_uniform_is_085_kstart_at_equal_total_budget():
+    pol = Stem(block_size=128, k_start_ratio=0.1, min_blocks=0)  # 64k tokens: 512 blocks, k_start 51.2
+    uni = pol.replace(schedule="uniform")
+    lengths = np.array([65536])
+    k_dec, k_uni = pol.schedule_for(lengths, 512, np)[0], uni.schedule_for(lengths, 512, np)[0]
+    assert (k_uni == math.ceil(0.85 * 51.2)).all() and k_dec[0] == 52 and k_dec[-1] == math.ceil(0.7 * 51.2)
+    i = np.arange(1, 513)
+    total_dec, total_uni = np.minimum(k_dec, i).sum(), np.minimum(k_uni, i).sum()
+    assert abs(total_dec - total_uni) / total_uni < 0.03
+
+
+def _expected_counts(pol: Stem, length: int, n: int) -> np.ndarray:
+    k = pol.schedule_for(np.array([length]), n, np)[0]
+    forced = np.minimum(np.arange(n) + 1, pol.sink_blocks + pol.local_blocks)
+    counts = np.minimum(np.maximum(k, forced), np.arange(n) + 1)
+    return np.where(np.arange(n) < -(-length // pol.block_size), counts, forced)
+
+
+@pytest.mark.parametrize("hq, hkv", [(4, 4), (6, 2), (8, 2)])
+def test_lists_are_causal_distinct_forced_and_top_scored(hq, hkv):
+    rng = np.random.default_rng()
+    T = int(rng.integers(330, 400))
+    lengths = np.array([T, int(rng.integers(180, T)), int(rng.integers(20, 120))], np.int32)
+    q, k, v = _qkv(rng, 3, T, hq, hkv)
+    pol = Stem(block_size=16, stride=4, k_start_ratio=0.4, min_blocks=10, sink_blocks=2, local_blocks=3,
+               gqa=str(rng.choice(["mean", "max"])))
+    ln = jnp.asarray(lengths)
+    ids, counts, bs = jax.jit(pol.prefill_pattern)(q, k, v, ln, jnp.int32(0))
+    ids, counts = np.asarray(ids), np.asarray(counts)
+    metric = np.asarray(pol.block_metric(q, k, v, ln))
+    n = -(-T // 16)
+    assert bs == 16 and ids.shape == (3, hkv, n, pol.list_width(T)) and counts.shape == (3, hkv, n)
+    check_index_lists(ids, counts, upper=n, name="stem", causal_limit=np.arange(n))
+    assert (counts < np.arange(n) + 1).any(), "the pattern must be sparse somewhere"
+    for b in range(3):
+        np.testing.assert_array_equal(counts[b], np.broadcast_to(_expected_counts(pol, lengths[b], n), (hkv, n)))
+        for h in range(hkv):
+            for i in range(n):
+                chosen = set(ids[b, h, i, :counts[b, h, i]].tolist())
+                assert len(chosen) == counts[b, h, i] <= i + 1
+                assert max(chosen) <= i
+                forced = {j for j in range(i + 1) if j < 2 or j > i - 3}
+                assert forced <= chosen, (b, h, i)
+                free = sorted(chosen - forced)
+                rest = [j for j in range(i + 1) if j not in chosen]
+                if free and rest:  # the free picks are the top-scored causal blocks
+                    assert metric[b, h, i, free].min() >= metric[b, h, i, rest].max()
+
+
+def _metric_reference(q, k, v, lengths, block_size, stride, beta, gqa):
+    """Brute force: per strided query row, softmax over its causal tiles' anti-diagonal mean logits;
+    mass per key block averaged over the block's rows that hold a real query; log; + beta * magnitude."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    B, T, Hq, D = q.shape
+    Hkv, G = k.shape[2], Hq // k.shape[2]
+    n = -(-T // block_size)
+    m, t = n * block_size // stride, block_size // stride
+    out = np.zeros((B, Hkv, n, n))
+    for b in range(B):
+        for h in range(Hkv):
+            per_head = []
+            for g in range(G):
+                mass = np.zeros((n, n))
+                rows = np.zeros(n)
+                for a in range(m):
+                    if a * stride >= lengths[b]:
+                        continue
+                    logits = np.zeros(a + 1)
+                    for c in range(a + 1):
+                        for s in range(stride):
+                            qi, kj = a * stride + stride - 1 - s, c * stride + s
+                            if qi < T and kj < T:
+                                logits[c] += q[b, qi, h * G + g] @ k[b, kj, h]
+                    p = np.exp(logits / (stride * math.sqrt(D)) - (logits / (stride * math.sqrt(D))).max())
+                    p /= p.sum()
+                    for c in range(a + 1):
+                        mass[a // t, c // t] += p[c]
+                    rows[a // t] += 1
+                per_head.append(np.log(mass / np.maximum(rows, 1)[:, None] + 1e-30))
+            route = np.mean(per_head, 0) if gqa == "mean" else np.max(per_head, 0)
+            mag = np.full(n, -np.inf)
+            for j in range(min(T, lengths[b])):
+                mag[j // block_size] = max(mag[j // block_size], np.log(np.linalg.norm(v[b, j, h])))
+            out[b, h] = route + beta * np.maximum(mag, 0.0)[None, :]
+    return out
+
+
+@pytest.mark.parametrize("gqa", ["mean", "max"])
+def test_oam_metric_matches_bruteforce(gqa):
+    rng = np.random.default_rng()
+    T = int(rng.integers(70, 100))
+    lengths = np.array([T, int(rng.integers(20, T))])
+    q, k, v = _qkv(rng, 2, T, 6, 2)
+    pol = Stem(block_size=16, stride=4, beta=0.2, gqa=gqa)
+    got = np.asarray(pol.block_metric(q, k, v, jnp.asarray(lengths)))
+    ref = _metric_reference(q, k, v, lengths, 16, 4, 0.2, gqa)
+    n = ref.shape[-1]
+    for b in range(2):
+        live = np.tril(np.ones((n, n), bool)) & (np.arange(n) < -(-lengths[b] // 16))[:, None]
+        np.testing.assert_allclose(got[b][:, live], ref[b][:, live], rtol=1e-4, atol=1e-4)
+    # beta = 0: routing only, V never read
+    sam = pol.replace(beta=0.0)
+    a = np.asarray(sam.block_metric(q, k, v, jnp.asarray(lengths)))
+    b_ = np.asarray(sam.block_metric(q, k, v * 1e3 + 5.0, jnp.asarray(lengths)))
+    np.testing.assert_array_equal(a, b_)
+    assert not np.allclose(np.asarray(pol.block_metric(q, k, v * 1e3, jnp.asarray(lengths))), got)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig(family="llama", vocab_size=89, hidden_size=48, num_layers=2, num_heads=6, num_kv_heads=2,
+                      head_dim=16, intermediate_size=64, max_position_embeddings=512)
+    return random_params(cfg, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
+
+
+def _prefill_logits(params, policy, tokens, lengths):
+    cache = init_cache(params.config, tokens.shape[0], tokens.shape[1], page_size=8, dtype=jnp.float32)
+    logits, cache, _, fraction = prefill(params, policy, jnp.asarray(tokens), jnp.asarray(lengths), cache)
+    return np.asarray(logits), cache, float(fraction)
+
+
+def test_budget_covering_every_block_is_fullkv(tiny):
+    rng = np.random.default_rng()
+    tokens = rng.integers(0, 89, (2, 200)).astype(np.int32)
+    lengths = np.array([200, 131], np.int32)
+    stem = Stem(block_size=16, stride=4, min_blocks=18)  # last of 13 blocks: ceil(0.7 * 18) = 13
+    assert stem.is_dense(200) and not stem.replace(min_blocks=17).is_dense(200)
+    ref, ref_cache, _ = _prefill_logits(tiny, Dense(), tokens, lengths)
+    got, got_cache, fraction = _prefill_logits(tiny, stem, tokens, lengths)
+    np.testing.assert_array_equal(got, ref)
+    np.testing.assert_array_equal(np.asarray(got_cache.layers.k), np.asarray(ref_cache.layers.k))
+    assert fraction == 1.0
+    a = generate(tiny, stem, tokens, lengths=lengths, max_new_tokens=5, stop_tokens=(), page_size=8)
+    b = generate(tiny, None, tokens, lengths=lengths, max_new_tokens=5, stop_tokens=(), page_size=8)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+
+
+def test_covering_lists_equal_dense_attention_and_short_rows_stay_exact(tiny):
+    rng = np.random.default_rng()
+    T = 200
+    q, k, v = _qkv(rng, 2, T, 6, 2)
+    lengths = jnp.asarray([T, 77])
+    n = -(-T // 16)
+    metric = jnp.asarray(rng.normal(size=(2, 2, n, n)), jnp.float32)
+    ids, counts = select_blocks(metric, jnp.full((2, n), n + 5), lengths, 16, 4, 4, n)
+    for b, length in enumerate([T, 77]):
+        rows = -(-length // 16)
+        np.testing.assert_array_equal(np.asarray(counts[b, :, :rows]), np.broadcast_to(np.arange(rows) + 1, (2, rows)))
+        for i in range(rows):
+            assert sorted(np.asarray(ids[b, 0, i, :i + 1]).tolist()) == list(range(i + 1))
+    out = attention.prefill(q, k, v, (ids, counts, 16))
+    dense = attention.dense_causal_attention(q, k, v)
+    np.testing.assert_allclose(np.asarray(out[0]), np.asarray(dense[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(out[1, :77]), np.asarray(dense[1, :77]), rtol=1e-5, atol=1e-5)
+
+    # a batch whose long row is sparse: the short row (<= 8 blocks: all forced) is still exact
+    tokens = rng.integers(0, 89, (2, 240)).astype(np.int32)
+    stem = Stem(block_size=16, stride=4, min_blocks=2, k_start_ratio=0.2)
+    both, _, fraction = _prefill_logits(tiny, stem, tokens, np.array([240, 100], np.int32))
+    alone, _, _ = _prefill_logits(tiny, Dense(), tokens[1:, :100], np.array([100], np.int32))
+    assert fraction < 0.8
+    np.testing.assert_allclose(both[1], alone[0], rtol=1e-4, atol=1e-4)
+    sparse_first = _prefill_logits(tiny, Dense(), tokens[:1], np.array([240], np.int32))[0]
+    assert not np.allclose(both[0], sparse_first[0], atol=1e-4), "the long row is really sparse"
+
+
+def test_pallas_kernel_interpret_matches_jnp(monkeypatch):
+    rng = np.random.default_rng()
+    T = 72  # not a multiple of the block: the kernel pads KV, the lists stay valid
+    q, k, v = _qkv(rng, 1, T, 4, 2)
+    pol = Stem(block_size=16, stride=4, sink_blocks=1, local_blocks=1, min_blocks=2, k_start_ratio=0.4)
+    pattern = pol.prefill_pattern(q, k, v, jnp.asarray([T]), jnp.int32(0))
+    assert (np.asarray(pattern[1]) < np.arange(5) + 1).any()
+    monkeypatch.setattr(attention, "PREFILL_IMPL", "jnp")
+    ref = attention.prefill(q, k, v, pattern)
+    monkeypatch.setattr(attention, "PREFILL_IMPL", "pallas")
+    got = attention.prefill(q, k, v, pattern)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
+    assert not np.allclose(np.asarray(ref), np.asarray(attention.dense_causal_attention(q, k, v)), atol=1e-3)
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: Stem(block_size=48), "block_size=48"), (lambda: Stem(block_size=8), "block_size=8"),
+    (lambda: Stem(k_start_ratio=0.0), "k_start_ratio=0.0"), (lambda: Stem(k_start_ratio=True), "k_start_ratio=True"),
+    (lambda: Stem(mu=0.0), "mu=0.0"), (lambda: Stem(mu=1.5), "mu=1.5"), (lambda: Stem(beta=-0.1), "beta=-0.1"),
+    (lambda: Stem(beta=float("nan")), "beta=nan"), (lambda: Stem(sink_blocks=-1), "sink_blocks=-1"),
+    (lambda: Stem(local_blocks=0), "local_blocks=0"), (lambda: Stem(min_blocks=2.5), "min_blocks=2.5"),
+    (lambda: Stem(schedule="linear"), "schedule='linear'"), (lambda: Stem(stride=3), "stride=3"),
+    (lambda: Stem(block_size=16, stride=32), "stride=32"), (lambda: Stem(gqa="sum"), "gqa='sum'"),
+    (lambda: parse_policy("stem(colour=1)"), "colour"),
+])
+def test_bad_settings_raise(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_spec_and_pipeline(tiny):
+    a, b = parse_policies("stem, stem(k_start_ratio=0.1, block_size=128)")
+    assert a == Stem() and b.k_start_ratio == 0.1 and b.block_size == 128
+    pol = Pipeline(prefill=Stem(block_size=16, stride=4, min_blocks=2),
+                   decode=Quest(budget=64, page_size=8, dense_layers=0))
+    tokens = np.random.default_rng().integers(0, 89, (1, 300)).astype(np.int32)
+    out = generate(tiny, pol, tokens, max_new_tokens=3, stop_tokens=(), page_size=8)
+    assert float(out.stats["prefill_block_fraction"]) < 0.7 and float(out.stats["kv_read_fraction"][0]) < 1.0
+
+
+def test_ablation_script_core(tiny, tmp_path):
+    spec = importlib.util.spec_from_file_location("stem_ablation", ROOT / "scripts" / "stem_ablation.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rng = np.random.default_rng()
+    prompts = [rng.integers(0, 89, 300).tolist(), rng.integers(0, 89, 260).tolist()]
+    policies = {"sparse": Stem(block_size=16, stride=4, min_blocks=2),
+                "covering": Stem(block_size=16, stride=4, min_blocks=40)}
+    out = mod.ablate(tiny, prompts, policies, last=16, progress=False)
+    assert out["covering"]["mean_layer_mse"] == 0 and out["covering"]["logit_mse"] == 0
+    assert out["covering"]["block_fraction"] == 1 and out["covering"]["top1"] == 1
+    s = out["sparse"]
+    assert len(s["layer_mse"]) == 2 and s["mean_layer_mse"] > 0 and s["logit_mse"] > 0 and s["block_fraction"] < 0.8
+    assert s["layer_mse"][0] == pytest.approx(s["layer_mse_local"][0])  # layer 0 sees the same input
+    table = mod.markdown(out)
+    assert table.count("\n") == 3 and "| sparse |" in table
+    assert set(mod.configs(block_size=16)) == {"Uniform + SAM", "TPD + SAM", "Uniform + OAM", "TPD + OAM (Stem)",
+                                               "TPD + OAM, GQA max"}
