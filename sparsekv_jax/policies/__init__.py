@@ -4,6 +4,7 @@ See `base.Policy` for the stages and `spec` for naming policies on the command l
 """
 
 from sparsekv_jax.policies.base import Dense, FullKV, Policy
+from sparsekv_jax.policies.chess import CHESS
 from sparsekv_jax.policies.h2o import H2O
 from sparsekv_jax.policies.pipeline import Pipeline
 from sparsekv_jax.policies.quest import Quest
@@ -14,8 +15,8 @@ from sparsekv_jax.policies.streaming_llm import StreamingLLM
 
 for _name, _factory in (("fullkv", FullKV), ("dense", Dense), ("streamingllm", StreamingLLM),
                         ("streaming_llm", StreamingLLM), ("snapkv", SnapKV), ("h2o", H2O), ("quest", Quest),
-                        ("pipeline", Pipeline), ("stem", Stem)):
+                        ("pipeline", Pipeline), ("stem", Stem), ("chess", CHESS.from_spec)):
     register(_name, _factory)
 
-__all__ = ["Dense", "FullKV", "H2O", "Pipeline", "Policy", "Quest", "SnapKV", "Stem", "StreamingLLM",
+__all__ = ["CHESS", "Dense", "FullKV", "H2O", "Pipeline", "Policy", "Quest", "SnapKV", "Stem", "StreamingLLM",
            "parse_policies", "parse_policy", "register"]
