@@ -218,3 +218,17 @@ def test_batches_never_pad_past_the_model_positions():
             <= max_positions
         seen += len(batch)
     assert seen == len(items)
+
+
+def test_eval_records_chess_counters_and_runs_stem(smol_load, tmp_path):
+    out = tmp_path / "lb"
+    chess = "chess('aggressive', entropy_threshold=0.0, varentropy_threshold=0.0)"
+    assert cli.main(["eval", "--suite", "longbench", "--tasks", "samsum", "--lengths", "512",
+                     "--policies", f"{chess}, stem", "--n", "1", "--out", str(out), "-q"]) == 0
+    recs = {r["policy"]: r for r in _lines(out / "results.jsonl")}
+    assert set(recs) == {"fullkv", chess, "stem"}
+    c = recs[chess]
+    assert c["generated_tokens"] <= 128  # exactly samsum's limit, no bucket, despite backtracking
+    # thresholds 0: every complete page of 32 generated tokens triggers a rebuild
+    assert c["stats"]["reselections"] >= (c["generated_tokens"] - 1) // 32
+    assert "reselections" not in recs["stem"]["stats"]
