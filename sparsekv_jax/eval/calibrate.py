@@ -157,6 +157,9 @@ def calibrate(model: Any = "smollm2", suite: str = "wikitext", *, data: str | No
         "mean_entropy": {"median": float(np.median(mean_h)), "max": float(mean_h.max())},
         "varentropy": {"median": float(np.median(var_h)), "max": float(var_h.max())},
         "date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind,
+        "trigger_rate": float(np.mean((mean_h > np.percentile(mean_h, percentile))
+                                      | (var_h > np.percentile(var_h, percentile)))),
+        "page_stats": [[round(float(a), 5), round(float(b), 5)] for a, b in zip(mean_h, var_h, strict=True)],
     }
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(json.dumps(result, indent=2) + "\n")
@@ -178,11 +181,16 @@ def plot_pages(mean_h: np.ndarray, var_h: np.ndarray, result: dict[str, Any], pa
     te, tv = result["entropy_threshold"], result["varentropy_threshold"]
     ax.axvline(te, ls="--", c="k", lw=1)
     ax.axhline(tv, ls="--", c="k", lw=1)
-    ax.fill_between([te, max(te, mean_h.max()) * 1.05], tv, max(tv, var_h.max()) * 1.05, color="r", alpha=0.12)
+    x_hi, y_hi = max(te, mean_h.max()) * 1.05, max(tv, var_h.max()) * 1.05
+    # a page triggers when either statistic is above its threshold: shade the union
+    ax.fill_between([te, x_hi], 0, y_hi, color="r", alpha=0.12, lw=0)
+    ax.fill_between([0, te], tv, y_hi, color="r", alpha=0.12, lw=0)
+    ax.set_xlim(0, x_hi)
+    ax.set_ylim(0, y_hi)
     ax.set_xlabel("mean entropy of a page (nats)")
     ax.set_ylabel("varentropy of a page")
-    ax.set_title(f"{result['pages']} pages of {result['page_size']} tokens; "
-                 f"p{result['percentile']:g} thresholds")
+    ax.set_title(f"{result['pages']} pages of {result['page_size']} tokens, p{result['percentile']:g} thresholds\n"
+                 f"shaded: a rebuild triggers ({result['trigger_rate']:.1%} of pages)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
