@@ -33,19 +33,21 @@ def _qkv(rng: np.random.Generator, B: int, T: int, Hq: int, Hkv: int, D: int = 1
     return (jnp.asarray(x, jnp.float32) for x in (q, k, v))
 
 
-def eq3(length: int, block_size: int, ratio: float | None, mu: float, min_blocks: int, schedule: str) -> list[int]:
+def eq3(length: int, block_size: int, ratio: float | None, mu: float, min_blocks: int | None,
+        schedule: str) -> list[int]:
     """Paper Eq. 3 at block granularity in exact rational arithmetic (independent of stem.py)."""
     N = -(-length // block_size)
     r = Fraction(str(ratio)) if ratio is not None else Fraction(1, 10 if length > 16384 else 5)
     mu = Fraction(str(mu))
-    k_start = max(r * N, Fraction(min_blocks))
+    k_start = max(r * N, Fraction(6912 // block_size if min_blocks is None else min_blocks))
     if schedule == "uniform":
         return [math.ceil((1 + mu) / 2 * k_start)] * N
     return [math.ceil(k_start - k_start * (1 - mu) / N * i) for i in range(1, N + 1)]
 
 
 @pytest.mark.parametrize("block_size, ratio, mu, min_blocks, schedule", [
-    (64, None, 0.7, 32, "decay"), (128, None, 0.7, 54, "decay"), (128, None, 0.7, 0, "decay"),
+    (64, None, 0.7, None, "decay"), (128, None, 0.7, None, "decay"), (64, None, 0.7, 32, "decay"),
+    (128, None, 0.7, 0, "decay"),
     (64, 0.15, 0.5, 8, "decay"), (16, 0.3, 0.9, 3, "decay"), (64, None, 0.7, 32, "uniform"),
     (128, 0.2, 0.6, 0, "uniform"),
 ])
@@ -62,6 +64,14 @@ def test_schedule_is_eq3(block_size, ratio, mu, min_blocks, schedule):
         ref = eq3(int(length), block_size, ratio, mu, min_blocks, schedule)
         np.testing.assert_array_equal(traced[b, :len(ref)], ref, err_msg=f"length {length}")
         np.testing.assert_array_equal(static[b, :len(ref)], ref, err_msg=f"length {length} (numpy)")
+
+
+def test_default_floor_is_the_papers_6912_tokens():
+    assert Stem().floor_blocks == 108 and Stem(block_size=128).floor_blocks == 54
+    assert Stem(min_blocks=7).floor_blocks == 7
+    # dense up to 76 blocks (ceil(0.7 * 108) = 76), sparse beyond
+    assert Stem().is_dense(76 * 64) and not Stem().is_dense(76 * 64 + 1) and not Stem().is_dense(8192)
+    assert Stem().list_width(8192) == 108 and Stem(min_blocks=32).list_width(8192) == 32
 
 
 def test_uniform_is_085_kstart_at_equal_total_budget():
@@ -287,4 +297,4 @@ def test_ablation_script_core(tiny, tmp_path):
     table = mod.markdown(out)
     assert table.count("\n") == 3 and "| sparse |" in table
     assert set(mod.configs(block_size=16)) == {"Uniform + SAM", "TPD + SAM", "Uniform + OAM", "TPD + OAM (Stem)",
-                                               "TPD + OAM, GQA max"}
+                                               "TPD + OAM, GQA mean"}

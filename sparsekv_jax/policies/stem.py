@@ -7,7 +7,7 @@ Per layer, from the RoPE'd ``q``/``k``/``v`` of the prompt (paper Algorithm 1):
    routing term of (query block ``I``, key block ``J``) is XAttention's anti-diagonal estimate
    of the attention mass, in log units: inside every ``stride x stride`` tile of ``QK^T`` only
    the anti-diagonal is summed (one matmul over ``[T/stride, stride*D]`` reshapes), each strided
-   query row takes a softmax over its causal tiles' mean logits ``q.k / (sqrt(D))``, the
+   query row takes a softmax over its causal tiles' mean logits ``q.k / sqrt(D)``, the
    probabilities are summed over the key block and averaged over the query block's rows, and the
    log is taken: ``log P(J | I)``. Then ``metric = log P(J | I) + beta * max(0, log ||V||_J)``
    with ``log ||V||_J`` the max over the key block's tokens (per KV head): Eq. 6's
@@ -20,33 +20,40 @@ Per layer, from the RoPE'd ``q``/``k``/``v`` of the prompt (paper Algorithm 1):
    always kept). Query rows past a row's length are left out of the average.
 2. **Budget** (TPD, Eq. 3, at block granularity): query block ``i = 1..N`` (``N`` = the row's
    own block count, not the padded width) gets ``k(i) = ceil(k_start - k_start (1 - mu) i / N)``
-   key blocks, with ``k_start = max(k_start_ratio * N, min_blocks)``. ``schedule="uniform"`` is
-   the paper's ablation baseline at equal total budget: ``k_uni = (1 + mu) / 2 * k_start``
-   (``0.85 k_start`` for ``mu = 0.7``) for every block.
-3. **Selection**, per KV head on the GQA group's mean metric (the kernel reads one list per KV
-   head): ``sink_blocks`` initial and ``local_blocks`` most recent blocks (the diagonal among
-   them) are always listed and *count inside* ``k(i)``; the rest of the list is the top-scored
-   causal blocks. Count of query block ``i`` (0-based) = ``min(max(k(i+1), forced), i + 1)``.
-   Query blocks past a row's length (padding) list only their forced blocks.
+   key blocks, with ``k_start = max(k_start_ratio * N, floor)``. ``schedule="uniform"`` is the
+   paper's ablation baseline: ``k_uni = (1 + mu) / 2 * k_start`` (``0.85 k_start``) for every
+   block -- equal total budget only where ``k_start << N`` (the causal triangle cuts the decay's
+   large early budgets more), so compare block fractions too.
+3. **Selection** per KV head (the kernel reads one list per KV head), on the max over the GQA
+   group's query heads of the routing term (``gqa="max"``; ``"mean"`` also offered): a block
+   that any head of the group needs is ranked by that head. ``sink_blocks`` initial and
+   ``local_blocks`` most recent blocks (the diagonal among them) are always listed and *count
+   inside* ``k(i)``; the rest of the list is the top-scored causal blocks. Count of query block
+   ``i`` (0-based) = ``min(max(k(i+1), forced), i + 1)``. Query blocks past a row's length
+   (right padding) list only their forced blocks.
 
-Paper defaults (section 3.1) and the choices made where it is vague or aimed at 8B models:
+Paper defaults (section 3.1) and the choices made where it is vague or aimed at 8B models. The
+numbers: SmolLM2-135M, RULER question-agnostic (`sparsekv eval`, seed 0), bf16, one H100:
 
-* ``mu = 0.7``, ``beta = 0.2``, 4 initial + 4 local blocks: as the paper.
-* ``k_start_ratio=None``: 0.2 for rows up to 16k tokens, 0.1 beyond (the paper: 0.2 for 8k-16k,
-  0.1 beyond 16k; it says nothing below 8k, where the minimum budget takes over).
-* ``block_size = 64`` (paper: 128). SmolLM2-class models (head_dim 64) at 4k-8k prompts have
-  only 32-64 blocks of 128; halving the block halves what a forced or picked block costs, so the
-  same token budget is spent more precisely. ``Stem(block_size=128, min_blocks=54)`` is the
-  paper's configuration.
-* ``min_blocks = 32`` (2048 tokens at block 64). The paper enforces "a minimum total budget of
-  54 blocks" (6912 tokens at block 128), which makes its 4k-8k runs almost dense. We keep the
-  floor on ``k_start`` but scale it down so 4k-8k prompts are really sparse while the budget
-  stays generous where a small model is most fragile: prompts up to ``0.7 * 32 * 64 ~ 1.4k``
-  tokens are exactly dense, a 4k prompt computes ~66% of the causal blocks, 8k ~37%, 16k ~31%.
-  (The quality target: >= 99% of dense RULER at 4k and 8k on SmolLM2-135M; see
-  ``scripts/stem_ablation.py`` for the per-layer and logit errors behind the choice.)
-* ``stride = 8``: XAttention's default anti-diagonal stride.
-* When every row of a prompt width is covered by its budget (short prompts under the minimum)
+* ``mu = 0.7``, ``beta = 0.2``, 4 initial + 4 local blocks, ``stride = 8`` (XAttention's): as
+  the paper. ``k_start_ratio=None``: 0.2 up to 16k tokens, 0.1 beyond (paper: 0.2 for 8k-16k,
+  0.1 beyond 16k; nothing below 8k, where the floor takes over).
+* ``min_blocks=None``: the floor is the paper's "minimum total budget of 54 blocks" kept in
+  *tokens* (6912), i.e. 108 blocks of 64 (``Stem(block_size=128)`` gets the paper's 54). So
+  prompts up to ~4.8k tokens are exactly dense, 8k computes 87% of the causal blocks, 16k 56%,
+  32k 32%. Sparser floors were tried because the target is >= 99% of dense RULER at 4k and 8k:
+  a 2048-token floor (64% of the blocks at 4k, 37% at 8k) kept 100.7% at 4k but 80% at 8k;
+  4096 tokens (64% at 8k) 82% (GQA mean) / 92% (max); 5120 tokens 92%; 6912 tokens 97% (n=10
+  per task) and 100.1% at n=25 (21.82 vs 21.79). A 135M model at its 8k window loses RULER
+  points under any real prefill sparsity, so the default is the paper's floor and
+  ``stem(min_blocks=32)`` the sparser setting.
+* ``gqa="max"`` (the paper, written for per-head selection, does not say): same budget, 8k,
+  4096-token floor: 92% vs 82% of dense RULER for the group mean; logit KL against dense 0.20
+  vs 0.25 (2048-token floor, ``scripts/stem_ablation.py``).
+* ``block_size = 64`` (paper: 128): at a 2048-token floor and 8k, blocks of 128 / 64 / 32 gave a
+  last-128-token KL against dense of 0.25 / 0.21 / 0.17 (3 prompts): finer blocks spend the
+  same tokens more precisely; 64 keeps the kernel's tiles efficient for head_dim 64.
+* When every row of a prompt width is covered by its budget (short prompts under the floor)
   ``prefill_pattern`` returns ``None``: the dense (cuDNN) path, exactly `FullKV`'s prefill.
 
 The list width ``K`` comes from the padded width ``T = q.shape[1]``, static inside the trace, so
@@ -56,6 +63,7 @@ Stem needs no ``bind``. The anti-diagonal matmul runs over chunks of query block
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -68,6 +76,7 @@ from sparsekv_jax.policies.base import Policy
 from sparsekv_jax.policies.common import KEEP
 
 LONG_CONTEXT = 16384  # tokens: above this the automatic k_start ratio drops from 0.2 to 0.1 (paper 3.1)
+PAPER_MIN_TOKENS = 54 * 128  # the paper's minimum budget: 54 blocks of 128 (3.1), the default floor in tokens
 _EPS = 1e-9  # ceil(x - eps): float64 rounding never adds a block (exact decimal settings are >= 1e-8 apart)
 _TILE_ELEMENTS = 1 << 26  # anti-diagonal tile scores per lax.map step (256 MiB of float32)
 
@@ -80,6 +89,7 @@ def _is_pow2(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1 and not x & (x - 1)
 
 
+@functools.lru_cache(maxsize=32)
 def budget_table(n_blocks: int, block_size: int, *, k_start_ratio: float | None, mu: float, min_blocks: int,
                  schedule: str) -> np.ndarray:
     """``k(i)`` of Eq. 3 for every row size: ``[n_blocks + 1, n_blocks]`` int32, row ``N`` = a prompt of
@@ -88,7 +98,8 @@ def budget_table(n_blocks: int, block_size: int, *, k_start_ratio: float | None,
     Built on the host in float64 (exact for decimal settings: ``ceil`` of a value that lies a hair
     above an integer must not drop a block, which float32 on the device cannot promise for large
     ``N``) and gathered by each row's block count inside the trace. The automatic ratio depends
-    on the length only through ``N``: ``block_size`` divides ``LONG_CONTEXT``.
+    on the length only through ``N``: ``block_size`` divides ``LONG_CONTEXT``. Cached (read-only):
+    every layer's trace and the static checks ask for the same table.
     """
     N = np.arange(n_blocks + 1, dtype=np.float64)[:, None]
     if k_start_ratio is None:
@@ -101,7 +112,9 @@ def budget_table(n_blocks: int, block_size: int, *, k_start_ratio: float | None,
         k = np.broadcast_to((1.0 + mu) / 2.0 * k_start, (n_blocks + 1, n_blocks))
     else:
         k = k_start - k_start * (1.0 - mu) / np.maximum(N, 1.0) * i
-    return np.ceil(k - _EPS).astype(np.int32)
+    table = np.ceil(k - _EPS).astype(np.int32)
+    table.flags.writeable = False
+    return table
 
 
 def antidiagonal_routing(q: jax.Array, k: jax.Array, lengths: jax.Array, block_size: int, stride: int) -> jax.Array:
@@ -187,10 +200,11 @@ class Stem(Policy):
       beta: weight of the value-magnitude term (paper: 0.2; 0 = routing only, the paper's SAM).
       sink_blocks, local_blocks: initial / most recent blocks always computed (paper: 4 and 4;
         the local ones include the diagonal, so at least 1).
-      min_blocks: floor on ``k_start`` in blocks (paper: 54 blocks of 128; default 32 of 64).
+      min_blocks: floor on ``k_start`` in blocks; ``None`` = the paper's 54 blocks of 128 (6912
+        tokens) in blocks of ``block_size``.
       schedule: ``"decay"`` (TPD, Eq. 3) or ``"uniform"`` (``k_uni = (1 + mu) / 2 * k_start``).
       stride: anti-diagonal stride of the routing estimate (XAttention: 8); divides block_size.
-      gqa: how the query heads of a GQA group combine their routing: ``"mean"`` or ``"max"``.
+      gqa: how the query heads of a GQA group combine their routing: ``"max"`` or ``"mean"``.
     """
 
     block_size: int = struct.field(pytree_node=False, default=64)
@@ -199,10 +213,10 @@ class Stem(Policy):
     beta: float = struct.field(pytree_node=False, default=0.2)
     sink_blocks: int = struct.field(pytree_node=False, default=4)
     local_blocks: int = struct.field(pytree_node=False, default=4)
-    min_blocks: int = struct.field(pytree_node=False, default=32)
+    min_blocks: int | None = struct.field(pytree_node=False, default=None)
     schedule: str = struct.field(pytree_node=False, default="decay")
     stride: int = struct.field(pytree_node=False, default=8)
-    gqa: str = struct.field(pytree_node=False, default="mean")
+    gqa: str = struct.field(pytree_node=False, default="max")
 
     def __post_init__(self) -> None:
         if not _is_pow2(self.block_size) or not 16 <= self.block_size <= 4096:
@@ -216,8 +230,9 @@ class Stem(Policy):
             raise ValueError(f"beta={self.beta!r} must be a number >= 0")
         for name in ("sink_blocks", "min_blocks"):
             value = getattr(self, name)
-            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-                raise ValueError(f"{name}={value!r} must be an integer >= 0")
+            if (name == "sink_blocks" or value is not None) and not (
+                    isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+                raise ValueError(f"{name}={value!r} must be an integer >= 0" + (" or None" * (name == "min_blocks")))
         if not (isinstance(self.local_blocks, int) and not isinstance(self.local_blocks, bool)
                 and self.local_blocks >= 1):
             raise ValueError(f"local_blocks={self.local_blocks!r} must be an integer >= 1 (it includes the diagonal)")
@@ -228,10 +243,15 @@ class Stem(Policy):
         if self.gqa not in ("mean", "max"):
             raise ValueError(f"gqa={self.gqa!r} must be 'mean' or 'max'")
 
+    @property
+    def floor_blocks(self) -> int:
+        """The floor on ``k_start`` in blocks: ``min_blocks``, or the paper's 6912 tokens in blocks."""
+        return PAPER_MIN_TOKENS // self.block_size if self.min_blocks is None else self.min_blocks
+
     def table(self, n_blocks: int) -> np.ndarray:
         """`budget_table` of this policy (host, static)."""
         return budget_table(n_blocks, self.block_size, k_start_ratio=self.k_start_ratio, mu=self.mu,
-                            min_blocks=self.min_blocks, schedule=self.schedule)
+                            min_blocks=self.floor_blocks, schedule=self.schedule)
 
     def schedule_for(self, lengths: Any, n_blocks: int, xp: Any = jnp) -> Any:
         """``k(i)`` ``[B, n_blocks]`` for query blocks ``i = 1..n_blocks`` of rows of ``lengths`` tokens
