@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-steps", type=int, default=32, help="decode steps per timed run")
     p.add_argument("--iters", type=int, default=5, help="timed repetitions (median reported)")
     p.add_argument("--unroll", type=int, default=0,
-                   help="unroll factor of the decode layer scan (1 = rolled; default 0 = auto: fully unrolled on GPU)")
+                   help="unroll factor of the decode layer scan (default 0 = the library's default, rolled)")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--one-model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -22,18 +22,18 @@ from sparsekv_jax.models.rope import apply_rope, inverse_frequencies
 #   (policies that look at hidden states, e.g. BSER, observe it during prefill)
 # Unroll factor of the layer scan over many tokens (prefill; 1 = rolled).
 SCAN_UNROLL = 1
-# ... and over one token per row (decode). On the GPU a rolled scan copies each layer's weights out
-# of the stacked arrays before cuBLAS reads them (measured on an H100, Llama-3.1-8B shapes, B=1:
-# the weight matmuls of a step take 15.7 ms rolled, 6.5 ms fully unrolled = with separate arrays);
-# unrolled, the slices are static and the copies go. Prefill amortises that copy over thousands of
-# tokens, decode does not. "auto": fully unrolled on the GPU, rolled on the CPU (compile time).
+# ... and over one token per row (decode). A benchmark knob, rolled by default. Measured on an
+# H100 (Llama-3.1-8B shapes, B=1, 8k): a rolled layer scan copies each layer's weights out of the
+# stacked arrays before cuBLAS reads them (the matmuls alone: 15.7 ms rolled, 6.5 ms unrolled
+# outside a loop); but inside the decode `while_loop` full unrolling did *not* remove the copies
+# (19.05 ms/token unrolled vs 16.57 rolled, and +11 GiB of temporaries), so it is not the default.
+# "auto" = rolled everywhere for now; see docs/BENCHMARKS.md ("Decode: where the time goes").
 DECODE_UNROLL: int | bool | str = "auto"
 
 
 def decode_unroll() -> int | bool:
-    if DECODE_UNROLL != "auto":
-        return DECODE_UNROLL
-    return True if jax.default_backend() == "gpu" else 1
+    return 1 if DECODE_UNROLL == "auto" else DECODE_UNROLL
+
 
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any, Any]]
 
