@@ -30,20 +30,38 @@ def _weights_bytes(params) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
 
 
-def largest_batch(cfg, params, context: int, steps: int, page_size: int, limit: int = 64) -> int:
-    """Rows whose cache (K/V, positions, bias, page summaries) fits in device memory next to the
-    weights, with 8% + 3 GiB kept free for activations and the compiler."""
+def largest_batch(cfg, params, policies, context: int, steps: int, page_size: int, limit: int = 64) -> int:
+    """The largest batch whose compiled decode step fits every policy in device memory.
+
+    Starts from what the cache alone allows next to the weights and steps down until XLA's memory
+    analysis of the compiled step (arguments + outputs + temporaries, cache donated) fits in 95% of
+    the device: the step's temporaries are not known otherwise (a first estimate from the cache
+    alone ran out of memory on an 80 GB H100).
+    """
     import jax
     import jax.numpy as jnp
 
+    from sparsekv_jax.bench.e2e import _memory
     from sparsekv_jax.cache import init_cache
 
     shapes = jax.eval_shape(lambda: init_cache(cfg, 1, context + steps, page_size=page_size, dtype=jnp.bfloat16))
     per_row = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-    stats = jax.devices()[0].memory_stats() or {}
-    total = stats.get("bytes_limit", 16 * 2**30)
-    free = total * 0.92 - _weights_bytes(params) - 3 * 2**30
-    return max(1, min(limit, int(free // per_row)))
+    total = (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 16 * 2**30)
+    batch = max(1, min(limit, int((total * 0.95 - _weights_bytes(params)) // per_row)))
+    while batch > 1:
+        need = 0
+        for policy in policies:
+            pol = policy.bind(context)
+            cache = jax.eval_shape(lambda b=batch, p=pol: _decode_cache(cfg, p, context, b, steps, jax.random.key(0),
+                                                                       page_size=page_size)[0])
+            state = jax.eval_shape(lambda c, p=pol: p.decode_init(c, None), cache)
+            token = jax.ShapeDtypeStruct((batch,), jnp.int32)
+            compiled = _decode_fn(params, pol, steps).lower(params, cache, state, token).compile()
+            need = max(need, _memory(compiled) or 0)
+        if need <= total * 0.95:
+            return batch
+        batch = min(batch - 1, int(batch * total * 0.95 / need)) if need else batch - 1
+    return 1
 
 
 def _decode_fn(params, policy, steps: int, start=None):
@@ -158,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
     context, gen = _tokens(args.context)[0], _tokens(args.gen)[0] if args.gen != "0" else 0
     ps = args.page_size
-    batch = args.batch or largest_batch(cfg, params, context, args.steps, ps)
     chess = CHESS.preset(args.preset, page_size=ps)
+    batch = args.batch or largest_batch(cfg, params, [Dense(), chess], context, args.steps, ps)
     base = {"model": args.model, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
     rows = [{**base, **r}
             for r in throughput(cfg, params, [Dense(), chess], context, batch, args.steps, args.iters, ps)]
