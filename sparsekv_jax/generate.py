@@ -27,6 +27,7 @@ from sparsekv_jax.cache import (
     summarize_pages,
     write_chunk,
 )
+from sparsekv_jax.models import transformer
 from sparsekv_jax.models.params import Params
 from sparsekv_jax.models.transformer import decode_unroll, forward, logits_from_hidden
 from sparsekv_jax.pallas.validation import is_concrete
@@ -250,10 +251,11 @@ def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array
     if carry:
         hidden, (_, (layers, layer_state)), (pages, new_length, outs) = forward(
             params, token[:, None], pos[:, None], None, attend, carried=(cache.layers, layer_state),
-            unroll=decode_unroll())
+            unroll=decode_unroll(), weights_by_index=transformer.DECODE_MATMUL == "pallas")
     else:
         hidden, (layers, layer_state), (pages, new_length, outs) = forward(
-            params, token[:, None], pos[:, None], (cache.layers, layer_state), attend, unroll=decode_unroll())
+            params, token[:, None], pos[:, None], (cache.layers, layer_state), attend, unroll=decode_unroll(),
+            weights_by_index=transformer.DECODE_MATMUL == "pallas")
     logits = logits_from_hidden(params, hidden[:, 0])
     cache = cache.replace(layers=layers, length=new_length[0], next_position=pos + 1)
     shared_state = policy.decode_update(shared_state, cache, logits)

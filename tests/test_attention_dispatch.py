@@ -97,3 +97,29 @@ def test_carried_cache_equals_scanned_cache(params, policy):
     for name in ("k", "v", "positions", "page_sum", "page_min", "page_max"):
         np.testing.assert_allclose(np.asarray(getattr(got.cache.layers, name)),
                                    np.asarray(getattr(ref.cache.layers, name)), atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("carry", [False, True], ids=["scanned-cache", "carried-cache"])
+def test_decode_weights_read_by_layer_index_equal_sliced(params, carry, monkeypatch):
+    """The Pallas layer-indexed matmul path (weights read from the stack, interpret mode) gives
+    the tokens and cache of the default path (the scan's slice of the weights)."""
+    from sparsekv_jax.models import transformer
+    from sparsekv_jax.pallas import matmul
+
+    calls = []
+    real = matmul.layer_matmul
+    monkeypatch.setattr(matmul, "layer_matmul", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
+
+    rng = np.random.default_rng()
+    tokens = rng.integers(0, CFG.vocab_size, (2, 40))
+    lengths = np.array([40, 23])
+    ref = _run(params, Dense(), tokens, lengths, "jnp", "jnp", carry=carry)
+    old = transformer.DECODE_MATMUL
+    transformer.DECODE_MATMUL = "pallas"
+    try:
+        got = _run(params, Dense(), tokens, lengths, "jnp", "jnp", carry=carry)
+    finally:
+        transformer.DECODE_MATMUL = old
+    assert len(calls) == 7, calls  # q, k, v, o, gate, up, down: traced once in the layer scan
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    np.testing.assert_allclose(np.asarray(got.cache.layers.k), np.asarray(ref.cache.layers.k), atol=2e-5)

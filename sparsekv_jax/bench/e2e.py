@@ -115,7 +115,7 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
     from sparsekv_jax.models import transformer
 
     base = {"model": model, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-            "unroll": transformer.decode_unroll()}
+            "unroll": transformer.decode_unroll(), "decode_matmul": transformer.DECODE_MATMUL}
     rows = []
 
     def record(row):
@@ -198,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=5, help="timed repetitions (median reported)")
     p.add_argument("--unroll", type=int, default=0,
                    help="unroll factor of the decode layer scan (default 0 = the library's default, rolled)")
+    p.add_argument("--decode-matmul", choices=("xla", "pallas"), default="xla",
+                   help="decode matmuls: cuBLAS on the scan's weight slice (xla, default) or the Pallas kernel "
+                        "reading the stacked weights by layer index")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--one-model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -206,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.unroll:
         transformer.DECODE_UNROLL = args.unroll
+    transformer.DECODE_MATMUL = args.decode_matmul
     if args.one_model:
         rows = run_model(args.one_model, pre, ctx, bat, args.policies, args.decode_steps, args.iters,
                          args.prefill_policies)
@@ -218,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [sys.executable, "-m", "sparsekv_jax.bench.e2e", "--one-model", model, "--prefill-contexts",
                args.prefill_contexts, "--contexts", args.contexts, "--batches", args.batches, "--policies",
                args.policies, "--decode-steps", str(args.decode_steps), "--iters", str(args.iters),
-               "--unroll", str(args.unroll), "--prefill-policies", args.prefill_policies]
+               "--unroll", str(args.unroll), "--prefill-policies", args.prefill_policies,
+               "--decode-matmul", args.decode_matmul]
         res = subprocess.run(cmd, capture_output=True, text=True)  # one process per model: clean device memory
         lines = [line for line in res.stdout.splitlines() if line.startswith("ROWS ")]
         if lines:

@@ -35,6 +35,12 @@ def decode_unroll() -> int | bool:
     return 1 if DECODE_UNROLL == "auto" else DECODE_UNROLL
 
 
+# Decode matmuls: "xla" (cuBLAS on a slice of the stacked weights, which XLA copies out first) or
+# "pallas" (`sparsekv_jax.pallas.matmul.layer_matmul` reads the layer's tiles from the stack: no
+# copy). "xla" stays the default until the kernel is measured on a GPU (docs/BENCHMARKS.md).
+DECODE_MATMUL = "xla"
+
+
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any, Any]]
 
 
@@ -57,14 +63,35 @@ def logits_from_hidden(params: Params, hidden: jax.Array) -> jax.Array:
     return jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)
 
 
-def qkv_projection(params: Params, lw: LayerParams, x: jax.Array, positions: jax.Array):
+MatMul = Callable[[jax.Array, str], jax.Array]  # (activations [..., K], weight name) -> [..., N]
+
+
+def slice_matmul(lw: LayerParams) -> MatMul:
+    """Matmuls against the layer's own weight arrays (what the layer scan hands each layer)."""
+    return lambda h, name: h @ getattr(lw, name)
+
+
+def stacked_matmul(params: Params, layer: jax.Array) -> MatMul:
+    """Matmuls that read layer ``layer`` of the stacked weights in the Pallas kernel (no slice)."""
+    from sparsekv_jax.pallas.matmul import layer_matmul
+
+    def mm(h: jax.Array, name: str) -> jax.Array:
+        w = getattr(params.layers, name)
+        out = layer_matmul(h.reshape(-1, h.shape[-1]), w, layer, interpret=jax.default_backend() != "gpu")
+        return out.reshape(*h.shape[:-1], w.shape[-1])
+
+    return mm
+
+
+def qkv_projection(params: Params, lw: LayerParams, x: jax.Array, positions: jax.Array, mm: MatMul | None = None):
     """Normed input → RoPE'd q ``[B,T,Hq,D]``, k ``[B,T,Hkv,D]`` and v for one layer."""
     cfg = params.config
     B, T, _ = x.shape
+    mm = slice_matmul(lw) if mm is None else mm
     h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
-    q = h @ lw.wq
-    k = h @ lw.wk
-    v = h @ lw.wv
+    q = mm(h, "wq")
+    k = mm(h, "wk")
+    v = mm(h, "wv")
     if lw.bq is not None:
         q, k, v = q + lw.bq, k + lw.bk, v + lw.bv
     q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
@@ -77,14 +104,15 @@ def qkv_projection(params: Params, lw: LayerParams, x: jax.Array, positions: jax
     return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
 
 
-def mlp(params: Params, lw: LayerParams, x: jax.Array) -> jax.Array:
+def mlp(params: Params, lw: LayerParams, x: jax.Array, mm: MatMul | None = None) -> jax.Array:
+    mm = slice_matmul(lw) if mm is None else mm
     h = rms_norm(x, lw.mlp_norm, params.config.rms_norm_eps)
-    return (jax.nn.silu(h @ lw.w_gate) * (h @ lw.w_up)) @ lw.w_down
+    return mm(jax.nn.silu(mm(h, "w_gate")) * mm(h, "w_up"), "w_down")
 
 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, layer_caches: Any,
             attend: AttendFn, *, hidden_in: jax.Array | None = None, carried: Any = None,
-            unroll: int | bool | None = None):
+            unroll: int | bool | None = None, weights_by_index: bool = False):
     """Run all layers over ``tokens`` ``[B, T]`` at RoPE ``positions`` ``[B, T]``.
 
     ``layer_caches`` is any pytree with a leading ``[L]`` axis (scanned alongside the
@@ -96,6 +124,10 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, layer_cache
     updated. Decode carries the whole KV cache this way and writes one token per layer in
     place; scanning the cache as ``xs``/``ys`` instead would copy all of it every step. Then
     the return is ``(hidden, (new_layer_caches, new_carried), extras)``.
+
+    ``unroll``: the scan's unroll factor (default `SCAN_UNROLL`). ``weights_by_index``: the
+    matmuls read each layer's weights from the stacked arrays by layer index (`stacked_matmul`)
+    instead of the scan's slice of them.
     """
     cfg = params.config
     x = embed(params, tokens) if hidden_in is None else hidden_in
@@ -103,14 +135,15 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, layer_cache
     def layer(carry, xs):
         x, state = carry
         lw, kv, idx = xs
-        q, k, v = qkv_projection(params, lw, x, positions)
+        mm = stacked_matmul(params, idx) if weights_by_index else slice_matmul(lw)
+        q, k, v = qkv_projection(params, lw, x, positions, mm)
         if carried is None:
             out, kv, extras = attend(q, k, v, kv, idx, x)
         else:
             out, (kv, state), extras = attend(q, k, v, (kv, state), idx, x)
         B, T = out.shape[:2]
-        x = x + out.reshape(B, T, cfg.num_heads * cfg.head_dim) @ lw.wo
-        x = x + mlp(params, lw, x)
+        x = x + mm(out.reshape(B, T, cfg.num_heads * cfg.head_dim), "wo")
+        x = x + mlp(params, lw, x, mm)
         return (x, state), (kv, extras)
 
     idx = jnp.arange(cfg.num_layers)
