@@ -277,7 +277,7 @@ def prepare(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Arra
     logits, cache, observations, block_fraction = prefill(params, policy, tokens, lengths, cache,
                                                           chunk=prefill_chunk)
     tq = 0 if suffix is None else suffix.shape[1]
-    compressed = policy.compressed_capacity(T, extra_tokens + tq)
+    compressed = policy.compressed_capacity(T, extra_tokens + tq, suffix_tokens=tq)
     if compressed is not None:
         cache = policy.compress(cache, observations, compressed)
     stored = cache.length.astype(jnp.float32) / lengths.astype(jnp.float32)

@@ -219,15 +219,30 @@ def test_h2o_running_eviction_keeps_cache_size_and_recent(tiny):
                    page_size=8)
     cache = out.cache
     assert cache.capacity == 24  # 20 rounded up to pages: memory stays at the budget while decoding
-    np.testing.assert_array_equal(np.asarray(cache.length), [min(24, 20 + 11)] * 2)
+    # each row stays at its budget (not at the page-rounded capacity)
+    np.testing.assert_array_equal(np.asarray(cache.length), [20, 20])
     pos = np.asarray(cache.layers.positions)
     for b, n in enumerate([60, 44]):
         last = n + 11 - 1  # position of the newest token fed back
         for l in range(3):
             for h in range(2):
                 kept = set(pos[l, b, h].tolist()) - {-1}
-                assert len(kept) == 24
+                assert len(kept) == 20
                 assert set(range(last - 9, last + 1)) <= kept  # recent half of the budget survives
+
+
+def test_h2o_keeps_a_question_read_after_compression(tiny):
+    """Question-agnostic: the suffix read after compression is stored whole (the cache has room for
+    it) and the running eviction then keeps the cache at budget + suffix."""
+    rng = np.random.default_rng()
+    tokens, suffix = rng.integers(0, 89, (2, 60)), rng.integers(0, 89, (2, 13))
+    out = generate(tiny, H2O(budget=20), tokens, lengths=np.array([60, 44]), suffix=suffix,
+                   suffix_lengths=np.array([13, 9]), max_new_tokens=1, stop_tokens=(), page_size=8)
+    pos = np.asarray(out.cache.layers.positions)
+    for b, (n, q) in enumerate([(60, 13), (44, 9)]):
+        assert int(out.cache.length[b]) == 20 + q
+        for l in range(3):
+            assert set(range(n, n + q)) <= set(pos[l, b, 0].tolist()), f"row {b} lost question tokens"
 
 
 def test_rows_are_compressed_independently(tiny):

@@ -66,8 +66,13 @@ class Policy:
         return None
 
     # -- compress ------------------------------------------------------------------------
-    def compressed_capacity(self, prompt_len: int, max_new_tokens: int) -> int | None:
-        """Tokens the compressed cache holds, or ``None`` to keep the prefill cache."""
+    def compressed_capacity(self, prompt_len: int, max_new_tokens: int, suffix_tokens: int = 0) -> int | None:
+        """Tokens the compressed cache holds, or ``None`` to keep the prefill cache.
+
+        ``max_new_tokens`` counts every token still to be written after compression (the suffix,
+        e.g. a question read after the context was compressed, included); ``suffix_tokens`` is
+        the suffix's share of it.
+        """
         return None
 
     def compress(self, cache: KVCache, observations: Any, capacity: int) -> KVCache:

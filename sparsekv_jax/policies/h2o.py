@@ -86,11 +86,13 @@ class H2O(Policy):
     def observe(self, q, k, v, lengths, layer_index, **inputs) -> jax.Array:
         return attention_mass(q, k, lengths)
 
-    def compressed_capacity(self, prompt_len: int, max_new_tokens: int) -> int | None:
+    def compressed_capacity(self, prompt_len: int, max_new_tokens: int, suffix_tokens: int = 0) -> int | None:
         kept = budget_tokens(self.budget, prompt_len)
         if kept >= prompt_len:
             return None
-        return kept if self.evict_during_decode else kept + max_new_tokens
+        # evicting: room for the kept entries and a suffix read after compression (the question,
+        # question-agnostic); decoding then stays at that size
+        return kept + suffix_tokens if self.evict_during_decode else kept + max_new_tokens
 
     def compress(self, cache: KVCache, observations: Any, capacity: int) -> KVCache:
         keep = row_budgets(self.budget, cache.length)
@@ -102,23 +104,29 @@ class H2O(Policy):
     def decode_init(self, cache: KVCache, observations: Any) -> tuple[Any, Any]:
         if not self.evict_during_decode or observations is None:
             return None, None
+        T = observations.shape[-1]
+        if budget_tokens(self.budget, T) >= T:  # the budget covers the prompt: exact dense, no eviction
+            return None, None
         # scores of the entries the compressed cache kept, found by their original position
         pos = cache.layers.positions
-        T = observations.shape[-1]
         scores = jnp.take_along_axis(observations, jnp.clip(pos, 0, T - 1), axis=-1)
-        return jnp.where((pos >= 0) & (pos < T), scores, 0.0), None  # suffix tokens start at 0
+        scores = jnp.where((pos >= 0) & (pos < T), scores, 0.0)  # suffix tokens start at 0
+        # each row stays at its own size (its budget + its suffix), not at the batch's capacity:
+        # a short row in a batch evicts exactly as it would alone
+        size = jnp.broadcast_to(cache.length, pos.shape[:2])  # [L, B]
+        return {"scores": scores, "size": size}, None
 
     def decode_write(self, kv: LayerKV, length: jax.Array, layer_state: Any) -> tuple[jax.Array, jax.Array]:
         if layer_state is None:
             return length, length + 1
-        capacity = kv.k.shape[2]
+        size = jnp.minimum(layer_state["size"], kv.k.shape[2])  # [B]
         newest = jnp.max(kv.positions, axis=(1, 2))  # [B] position of the last token written
-        protected = kv.positions > (newest - self._recent(jnp.minimum(length, capacity)))[:, None, None]
-        s = jnp.where(protected | (kv.positions < 0), jnp.inf, layer_state)
+        protected = kv.positions > (newest - self._recent(jnp.minimum(length, size)))[:, None, None]
+        s = jnp.where(protected | (kv.positions < 0), jnp.inf, layer_state["scores"])
         victim = jnp.argmin(s, axis=-1).astype(jnp.int32)  # [B, H]
-        full = (length >= capacity)[:, None]
+        full = (length >= size)[:, None]
         slot = jnp.where(full, victim, length[:, None])
-        return slot, jnp.minimum(length + 1, capacity)
+        return slot, jnp.minimum(length + 1, size)
 
     def decode_observe(self, layer_state: Any, probs: jax.Array, kv: LayerKV) -> Any:
         if layer_state is None:
@@ -127,4 +135,5 @@ class H2O(Policy):
         Hkv = kv.k.shape[1]
         # the slot written this step (the newest position) starts its score afresh
         fresh = kv.positions == kv.positions.max(axis=-1, keepdims=True)
-        return jnp.where(fresh, 0.0, layer_state) + probs.reshape(B, Hkv, Hq // Hkv, S).sum(2)
+        scores = jnp.where(fresh, 0.0, layer_state["scores"]) + probs.reshape(B, Hkv, Hq // Hkv, S).sum(2)
+        return {**layer_state, "scores": scores}

@@ -57,8 +57,8 @@ class Pipeline(Policy):
     def observe(self, q, k, v, lengths, layer_index, **inputs):
         return self.compress_with.observe(q, k, v, lengths, layer_index, **inputs)
 
-    def compressed_capacity(self, prompt_len: int, max_new_tokens: int) -> int | None:
-        return self.compress_with.compressed_capacity(prompt_len, max_new_tokens)
+    def compressed_capacity(self, prompt_len: int, max_new_tokens: int, suffix_tokens: int = 0) -> int | None:
+        return self.compress_with.compressed_capacity(prompt_len, max_new_tokens, suffix_tokens)
 
     def compress(self, cache: KVCache, observations: Any, capacity: int) -> KVCache:
         return self.compress_with.compress(cache, observations, capacity)

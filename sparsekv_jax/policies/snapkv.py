@@ -98,7 +98,7 @@ class SnapKV(Policy):
         Hkv = k.shape[2]
         return scores.reshape(B, Hkv, Hq // Hkv, T).mean(2)  # [B, Hkv, T]
 
-    def compressed_capacity(self, prompt_len: int, max_new_tokens: int) -> int | None:
+    def compressed_capacity(self, prompt_len: int, max_new_tokens: int, suffix_tokens: int = 0) -> int | None:
         kept = budget_tokens(self.budget, prompt_len)
         return None if kept >= prompt_len else kept + max_new_tokens
 

@@ -47,7 +47,7 @@ class StreamingLLM(Policy):
     def observe(self, q, k, v, lengths, layer_index, **inputs) -> Any:
         return None
 
-    def compressed_capacity(self, prompt_len: int, max_new_tokens: int) -> int | None:
+    def compressed_capacity(self, prompt_len: int, max_new_tokens: int, suffix_tokens: int = 0) -> int | None:
         kept = budget_tokens(self.budget, prompt_len)
         return None if kept >= prompt_len else kept + max_new_tokens
 
