@@ -10,8 +10,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from sparsekv_jax.bench.e2e import _decode_cache
-from sparsekv_jax.generate import decode_step
+from sparsekv_jax.bench.e2e import _decode_cache, _median_time_carry, decode_fn
 from sparsekv_jax.models import config as mc
 from sparsekv_jax.models.params import random_params
 from sparsekv_jax.policies import Dense
@@ -36,58 +35,30 @@ cache, obs = _decode_cache(cfg, Dense(), 8192, 1, steps, jax.random.key(2))
 tok = jnp.ones((1,), jnp.int32)
 
 
-def run(params, cache, token):
-    def body(i, c):
-        cache, token = c
-        logits, cache, _, _ = decode_step(params, Dense(), cache, token, (None, None))
-        return cache, jnp.argmax(logits, -1).astype(jnp.int32)
-    return jax.lax.fori_loop(0, steps, body, (cache, token))
-
-
-if os.environ.get("SKIP_DECODE"):
-    run = None
-f = jax.jit(run, donate_argnums=(1,)) if run else None
-if f is not None:
-    comp = f.lower(params, cache, tok).compile()
+if not os.environ.get("SKIP_DECODE"):
+    state = (None, None)
+    comp = decode_fn(params, Dense(), steps, start=(cache.length, cache.next_position)).lower(
+        params, cache, state, tok).compile()
     open(os.path.join(out, "decode_hlo.txt"), "w").write(comp.as_text())
-    res = comp(params, cache, tok)
-    jax.block_until_ready(res)
-    ts = []
-    for _ in range(10):
-        t = time.perf_counter()
-        res = comp(params, res[0], res[1])
-        jax.block_until_ready(res)
-        ts.append(time.perf_counter() - t)
-    ts.sort()
-    print(f"decode_step B=1 8k: {ts[5] * 1e3 / steps:.2f} ms/token")
+    sec, _ = _median_time_carry(comp, params, (cache, state, tok), iters=10)
+    print(f"decode_step B=1 8k: {sec * 1e3 / steps:.2f} ms/token")
 del cache
 
 
-def mm_scan(params, x):
+def mm_scan(params, x, unroll=1):
     def layer(x, lw):
         h = x @ lw.wq
         h2 = x @ lw.wk + x @ lw.wv
         x = x + (h[:, : cfg.hidden_size]) @ lw.wo[: cfg.hidden_size] * 0 + h2.sum() * 0
         g = jax.nn.silu(x @ lw.w_gate) * (x @ lw.w_up)
         return x + g @ lw.w_down, None
-    return jax.lax.scan(layer, x, params.layers)[0]
+    return jax.lax.scan(layer, x, params.layers, unroll=unroll)[0]
 
 
 x = jax.random.normal(jax.random.key(3), (1, cfg.hidden_size), jnp.bfloat16)
 print(f"matmul-only scan (rolled): {timeit(jax.jit(mm_scan), params, x):.2f} ms")
-
-
-def mm_unrolled(params, x):
-    def layer(x, lw):
-        h = x @ lw.wq
-        h2 = x @ lw.wk + x @ lw.wv
-        x = x + (h[:, : cfg.hidden_size]) @ lw.wo[: cfg.hidden_size] * 0 + h2.sum() * 0
-        g = jax.nn.silu(x @ lw.w_gate) * (x @ lw.w_up)
-        return x + g @ lw.w_down, None
-    return jax.lax.scan(layer, x, params.layers, unroll=True)[0]
-
-
-print(f"matmul-only scan (unrolled): {timeit(jax.jit(mm_unrolled), params, x):.2f} ms")
+unrolled = jax.jit(lambda p, x: mm_scan(p, x, unroll=True))
+print(f"matmul-only scan (unrolled): {timeit(unrolled, params, x):.2f} ms")
 x32 = jax.random.normal(jax.random.key(3), (32, cfg.hidden_size), jnp.bfloat16)
 print(f"B=32 matmul-only scan (rolled): {timeit(jax.jit(mm_scan), params, x32):.2f} ms")
 layers = [jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(cfg.num_layers)]

@@ -21,7 +21,7 @@ import json
 import statistics
 import time
 
-from sparsekv_jax.bench.e2e import MODELS, _decode_cache, _median_time, _median_time_carry, _tokens
+from sparsekv_jax.bench.e2e import MODELS, _decode_cache, _median_time, _median_time_carry, _tokens, decode_fn
 
 
 def _weights_bytes(params) -> int:
@@ -56,7 +56,7 @@ def largest_batch(cfg, params, policies, context: int, steps: int, page_size: in
                                                                        page_size=page_size)[0])
             state = jax.eval_shape(lambda c, p=pol: p.decode_init(c, None), cache)
             token = jax.ShapeDtypeStruct((batch,), jnp.int32)
-            compiled = _decode_fn(params, pol, steps).lower(params, cache, state, token).compile()
+            compiled = decode_fn(params, pol, steps).lower(params, cache, state, token).compile()
             need = max(need, _memory(compiled) or 0)
         if need <= total * 0.95:
             return batch
@@ -64,39 +64,22 @@ def largest_batch(cfg, params, policies, context: int, steps: int, page_size: in
     return 1
 
 
-def _decode_fn(params, policy, steps: int, start=None):
-    """Jitted ``steps`` decode steps (cache and state donated); with ``start = (length,
-    next_position)`` every call decodes from there again, else from where the last one ended."""
+def _start(cfg, pol, context: int, batch: int, steps: int, seed: int, page_size: int):
+    """A random cache holding ``context`` tokens (room for ``steps`` more), the policy's decode
+    state on it and a first token."""
     import jax
     import jax.numpy as jnp
 
-    from sparsekv_jax.generate import decode_step
-
-    def run(params, cache, state, token):
-        if start is not None:
-            cache = cache.replace(length=start[0], next_position=start[1])
-
-        def body(i, carry):
-            cache, state, token = carry
-            logits, cache, state, _ = decode_step(params, policy, cache, token, state)
-            return cache, state, jnp.argmax(logits, -1).astype(jnp.int32)
-
-        return jax.lax.fori_loop(0, steps, body, (cache, state, token))
-
-    return jax.jit(run, donate_argnums=(1, 2))
+    cache, _ = _decode_cache(cfg, pol, context, batch, steps, jax.random.key(seed), page_size=page_size)
+    return cache, pol.decode_init(cache, None), jnp.ones((batch,), jnp.int32)
 
 
 def throughput(cfg, params, policies, context: int, batch: int, steps: int, iters: int, page_size: int) -> list[dict]:
-    import jax
-    import jax.numpy as jnp
-
     rows = []
     for pol in policies:
         pol = pol.bind(context)
-        cache, _ = _decode_cache(cfg, pol, context, batch, steps, jax.random.key(2), page_size=page_size)
-        state = pol.decode_init(cache, None)
-        token = jnp.ones((batch,), jnp.int32)
-        fn = _decode_fn(params, pol, steps, (cache.length, cache.next_position))
+        cache, state, token = _start(cfg, pol, context, batch, steps, 2, page_size)
+        fn = decode_fn(params, pol, steps, start=(cache.length, cache.next_position))
         sec, carry = _median_time_carry(fn, params, (cache, state, token), iters=iters)
         rows.append({"kind": "throughput", "policy": pol.name, "context": context, "batch": batch,
                      "ms_per_step": sec * 1e3 / steps, "tokens_per_s": batch * steps / sec,
@@ -128,11 +111,8 @@ def latency(cfg, params, policies, context: int, gen: int, chunk: int, batch: in
     rows = []
     for pol in policies:
         pol = pol.bind(context)
-        cache, _ = _decode_cache(cfg, pol, context, batch, gen, jax.random.key(4), page_size=page_size)
-        state = pol.decode_init(cache, None)
-        token = jnp.ones((batch,), jnp.int32)
-
-        fn = _decode_fn(params, pol, chunk)
+        cache, state, token = _start(cfg, pol, context, batch, gen, 4, page_size)
+        fn = decode_fn(params, pol, chunk)
         # warm-up on a throwaway copy: compile, and do not advance the real cache
         jax.block_until_ready(fn(params, *jax.tree.map(jnp.copy, (cache, state, token))))
         carry = (cache, state, token)

@@ -99,13 +99,36 @@ def _decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_s
     return cache, observations
 
 
+def decode_fn(params, policy, steps: int, start=None):
+    """Jitted ``steps`` greedy decode steps, cache and policy state donated and returned (feed them
+    back). With ``start = (length, next_position)`` every call decodes from there again, else from
+    where the last call ended."""
+    import jax
+    import jax.numpy as jnp
+
+    from sparsekv_jax.generate import decode_step
+
+    def run(params, cache, state, token):
+        if start is not None:
+            cache = cache.replace(length=start[0], next_position=start[1])
+
+        def body(i, carry):
+            cache, state, token = carry
+            logits, cache, state, _ = decode_step(params, policy, cache, token, state)
+            return cache, state, jnp.argmax(logits, -1).astype(jnp.int32)
+
+        return jax.lax.fori_loop(0, steps, body, (cache, state, token))
+
+    return jax.jit(run, donate_argnums=(1, 2))
+
+
 def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int], batches: list[int],
               policy_spec: str, steps: int, iters: int, prefill_spec: str = "fullkv") -> list[dict]:
     import jax
     import jax.numpy as jnp
 
     from sparsekv_jax.cache import init_cache
-    from sparsekv_jax.generate import decode_step, prefill
+    from sparsekv_jax.generate import prefill
     from sparsekv_jax.models import config as mc
     from sparsekv_jax.models.params import random_params
     from sparsekv_jax.policies import parse_policies
@@ -152,20 +175,9 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
                     state = pol.decode_init(cache, obs)
                     token = jnp.ones((B,), jnp.int32)
 
-                    start = (cache.length, cache.next_position)
-
-                    def run(params, cache, state, token, pol=pol, start=start):
-                        # every timed run decodes from the same length (the carry is fed back)
-                        cache = cache.replace(length=start[0], next_position=start[1])
-
-                        def body(i, carry):
-                            cache, state, token = carry
-                            logits, cache, state, _ = decode_step(params, pol, cache, token, state)
-                            return cache, state, jnp.argmax(logits, -1).astype(jnp.int32)
-                        return jax.lax.fori_loop(0, steps, body, (cache, state, token))
-
                     # the cache is donated and fed back, as in generation: one copy in memory
-                    compiled = jax.jit(run, donate_argnums=(1, 2)).lower(params, cache, state, token).compile()
+                    fn = decode_fn(params, pol, steps, start=(cache.length, cache.next_position))
+                    compiled = fn.lower(params, cache, state, token).compile()
                     sizes = (cache.nbytes(), cache.kv_nbytes())
                     sec, _ = _median_time_carry(compiled, params, (cache, state, token), iters=iters)
                     record({"kind": "decode", "policy": pol.name, "spec": repr(policy), "context": T, "batch": B,
