@@ -246,3 +246,22 @@ def test_bad_calibration_and_page_size(params, tmp_path):
         parse_policy(f"chess(calibration='{bad}')")
     with pytest.raises(ValueError, match="CHESS page_size=16 is not a multiple of the cache page_size=32"):
         generate(params, CHESS(page_size=16), np.zeros((1, 40), np.int32), max_new_tokens=2, page_size=32)
+
+
+def test_scores_ignore_keys_past_the_anchor_end():
+    """A rebuild for regeneration scores the cache as it will be once the page is taken back: keys
+    past ``anchor_end`` (still in the cache, counted by their page's sum) must not count."""
+    rng = np.random.default_rng()
+    lengths = np.array([300, 211])
+    back = np.array([21, 16])  # not page-aligned for row 0
+    cache = _filled_cache(rng, 2, 320, lengths)
+    end = jnp.asarray(lengths - back)
+    # the reference: the same cache with the taken-back keys really gone
+    gone = jnp.arange(320)[None, :, None, None] >= end[:, None, None, None]  # [B, S, 1, 1]
+    k = jnp.where(jnp.swapaxes(gone, 1, 2)[None], 0.0, cache.layers.k)
+    trimmed = cache.replace(layers=summarize_pages(cache.layers.replace(k=k), end, 16))
+    pol = CHESS(page_size=32)
+    got, used = pol._page_scores(cache, end)
+    want, used2 = pol._page_scores(trimmed, end)
+    np.testing.assert_array_equal(np.asarray(used), np.asarray(used2))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)

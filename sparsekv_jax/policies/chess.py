@@ -229,17 +229,34 @@ class CHESS(Policy):
         m = self.page_size // cache.page_size
         P = -(-Pc // m)  # the last CHESS page may stand past the cache's end: pad per-page values, not sums
         pad = ((0, 0), (0, P * m - Pc))
-        tokens = jnp.pad(page_counts(anchor_end, Pc, cache.page_size), pad).reshape(B, P, m).sum(-1)  # [B, P]
+        live_tokens = page_counts(anchor_end, Pc, cache.page_size)  # [B, Pc] slots before anchor_end
+        tokens = jnp.pad(live_tokens, pad).reshape(B, P, m).sum(-1)  # [B, P]
         page = jnp.arange(P)
         last = (anchor_end - 1) // self.page_size
         in_window = (page[None] <= last[:, None]) & (page[None] > last[:, None] - self.window_pages)
         in_window &= tokens > 0
         # anchor = mean of the window's page vectors; a page vector = its key sum / its tokens
         w = jnp.where(in_window, 1.0 / jnp.maximum(tokens, 1), 0.0) / jnp.maximum(in_window.sum(-1, keepdims=True), 1)
-        w_cache = jnp.repeat(w, m, axis=1)[:, :Pc]  # [B, Pc] weight of each cache page's sum
+        # Keys past anchor_end may still sit in the cache (a page being taken back for
+        # regeneration): cache pages wholly past it are left out, and the sum of the page holding
+        # slot anchor_end - 1 loses its stale keys. Scores are linear in the sums, so the
+        # correction is applied to the anchor and to that page's dot.
+        live = live_tokens > 0  # [B, Pc]
+        w_cache = jnp.repeat(w, m, axis=1)[:, :Pc] * live  # [B, Pc] weight of each cache page's sum
+        cps = cache.page_size
+        edge = jnp.maximum(anchor_end - 1, 0) // cps  # [B]
+        slots = edge[:, None] * cps + jnp.arange(cps)  # [B, cps]
+        keys = jnp.take_along_axis(cache.layers.k, slots[None, :, None, :, None], axis=3)  # [L, B, H, cps, D]
+        # keys at or past the cache's length were never summed (their slots may hold garbage)
+        stale = ((slots >= anchor_end[:, None]) & (slots < cache.length[:, None]))[None, :, None, :, None]
+        extra = jnp.where(stale, keys.astype(jnp.float32), 0.0).sum(3)  # [L, B, H, D]
+        at_edge = jnp.arange(Pc)[None] == edge[:, None]  # [B, Pc]
         anchor = jnp.einsum("lbhpd,bp->lbhd", page_sum, w_cache)
+        anchor = anchor - extra * (w_cache * at_edge).sum(-1)[None, :, None, None]
         # one contraction with every page sum: the scores of all pages (chunks, grids = their means)
-        dots = jnp.pad(jnp.einsum("lbhpd,lbhd->bp", page_sum, anchor), pad).reshape(B, P, m).sum(-1)
+        dots = jnp.einsum("lbhpd,lbhd->bp", page_sum, anchor)
+        dots = jnp.where(live, dots - at_edge * jnp.einsum("lbhd,lbhd->b", extra, anchor)[:, None], 0.0)
+        dots = jnp.pad(dots, pad).reshape(B, P, m).sum(-1)
         return dots / jnp.maximum(tokens, 1), tokens > 0
 
     def select_pages(self, cache: KVCache, anchor_end: jax.Array) -> jax.Array:
