@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -10,6 +11,18 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_code():
+    """Drop every compiled executable after each test module.
+
+    XLA:CPU maps a few memory regions per compiled executable and never unmaps them while the
+    executable is cached: the whole suite in one process passed the kernel's ``vm.max_map_count``
+    (65,530 regions; ~20k after 60 tests) and the next compilation segfaulted inside XLA."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,

@@ -114,6 +114,13 @@ def test_load_ruler_dir_layouts(tmp_path):
 
 
 def test_eval_ruler_end_to_end_and_resume(smol_load, tmp_path, monkeypatch):
+    # keep one compiled program alive at a time: the cache-dropping path runs and changes nothing
+    import jax
+
+    cleared = []
+    real_clear = jax.clear_caches
+    monkeypatch.setattr(runner, "MAX_LIVE_PROGRAMS", 1)
+    monkeypatch.setattr(jax, "clear_caches", lambda: (cleared.append(1), real_clear()))
     out = tmp_path / "run"
     argv = ["eval", "--model", "smollm2", "--suite", "ruler", "--tasks", "niah_single_1,vt", "--lengths", "1k",
             "--policies", "streamingllm(budget=64)", "--n", "1", "--batch-size", "2", "--out", str(out), "-q"]
@@ -129,6 +136,7 @@ def test_eval_ruler_end_to_end_and_resume(smol_load, tmp_path, monkeypatch):
         assert 0 < r["stats"]["kv_stored_fraction"] <= 1 and r["timing"]["batch_seconds"] > 0
     by = {(r["task"], r["policy"]): r for r in recs}
     assert by[("niah_single_1", "fullkv")]["score"] == 1.0  # SmolLM2 finds a 1k needle with full attention
+    assert len(cleared) >= 1
     assert by[("niah_single_1", "streamingllm(budget=64)")]["stats"]["kv_stored_fraction"] < 0.1
     summary = json.loads((out / "summary.json").read_text())
     assert summary["columns"] == ["niah_single_1@1k", "vt@1k"]

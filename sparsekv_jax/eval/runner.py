@@ -87,6 +87,9 @@ RULER_QUESTION_MARKERS: tuple[str, ...] = (
 # lengths and policies
 # ----------------------------------------------------------------------------------------------
 
+# distinct compiled generate programs kept alive by one eval run before the caches are dropped
+MAX_LIVE_PROGRAMS = 48
+
 
 def parse_length(text: str | int) -> int:
     """``"4k"`` → 4096, ``"1.5k"`` → 1536, ``"2000"`` → 2000 (``k`` = 1024)."""
@@ -639,6 +642,15 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
                     # past the task's limit: it decodes exactly the limit, no bucket
                     new = (max(it.max_new_tokens for it in batch) if spec.policy.max_rewind_tokens
                            else _bucket(max(it.max_new_tokens for it in batch)))
+                    shape_key = (spec.key, kwargs["tokens"].shape, None if kwargs["suffix"] is None
+                                 else kwargs["suffix"].shape, new)
+                    first_call = shape_key not in compiled
+                    if first_call and len(compiled) >= MAX_LIVE_PROGRAMS:
+                        # XLA keeps every compiled program (and, on CPU, its code mappings: a long
+                        # run would reach the kernel's vm.max_map_count and crash): start afresh
+                        jax.clear_caches()
+                        compiled.clear()
+                    compiled.add(shape_key)
                     res = generate(params, spec.policy, kwargs["tokens"], lengths=kwargs["lengths"],
                                    max_new_tokens=new, stop_tokens=stop, page_size=page_size,
                                    suffix=kwargs["suffix"], suffix_lengths=kwargs["suffix_lengths"])
@@ -646,10 +658,6 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
                     num = np.asarray(res.num_generated)
                     stats = jax.tree.map(np.asarray, res.stats)
                     seconds = time.perf_counter() - t0
-                    shape_key = (spec.key, kwargs["tokens"].shape, None if kwargs["suffix"] is None
-                                 else kwargs["suffix"].shape, new)
-                    first_call = shape_key not in compiled
-                    compiled.add(shape_key)
                     if _is_dense(spec.policy):
                         dense_answer = (toks, num)
                     fids: list[dict[str, Any]] | None = None
