@@ -1,68 +1,107 @@
-"""Where does CHESS rank the needle's page? (diagnostic, SmolLM2, one RULER niah_single_1 prompt)
+"""Where does CHESS rank the needle's page? (diagnostic, SmolLM2, RULER niah_single_1 prompts)
 
-Prints the answers of full attention and of CHESS presets, then the rank of the page holding the
-needle under four page-vector variants: the paper's (mean of the stored, post-RoPE keys), the
-same centred (mean page vector subtracted), and both on keys un-rotated to position 0 (pre-RoPE).
+For each prompt (the question read after the context, as `sparsekv eval` does), builds the cache
+once and asks the policy itself (`CHESS._page_scores` / `select_pages`) how it ranks the page that
+holds the needle, for the four page-vector variants: the paper's (mean of the stored, post-RoPE
+keys), centred, pre-RoPE (keys rotated back to position 0), and pre-RoPE + centred. With
+``--answers`` it also generates each variant's answer at the given presets.
 
-    python scripts/chess_needle_ranks.py --length 1024 --seed 0
+    python scripts/chess_needle_ranks.py --length 4096 --seeds 0,1,2,3 --answers moderate,aggressive \
+        --out docs/results/chess_needle_ranks_4k.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from sparsekv_jax import load
 from sparsekv_jax.eval import ruler, runner
 from sparsekv_jax.generate import _setup, generate, prepare
-from sparsekv_jax.models.rope import apply_rope, inverse_frequencies
 from sparsekv_jax.policies import CHESS, Dense
+
+VARIANTS = {"post-RoPE (paper)": {}, "post-RoPE, centred": {"centred": True},
+            "pre-RoPE": {"keys": "pre_rope"}, "pre-RoPE, centred": {"keys": "pre_rope", "centred": True}}
+
+
+def needle_page(tok, ctx: list[int], answer: str, page_size: int) -> int:
+    needle = tok(" " + answer, add_special_tokens=False)["input_ids"]
+    at = [i for i in range(len(ctx) - len(needle) + 1) if list(ctx[i:i + len(needle)]) == needle]
+    if not at:
+        raise ValueError(f"needle {answer!r} not found in the context's tokens")
+    return at[0] // page_size
+
+
+def prompt_cache(params, policy, ctx: list[int], q: list[int]):
+    """The cache as the first decode step sees it (context prefilled, question read)."""
+    pol, tokens, lengths, suffix, suffix_lengths, cap = _setup(params, policy, np.array([ctx]), None,
+                                                               np.array([q]), None, 12, 16, None, None)
+    _, cache, _, _ = jax.jit(lambda: prepare(params, pol, tokens, lengths, suffix, suffix_lengths, extra_tokens=12,
+                                             page_size=16, prefill_chunk=None, capacity=cap))()
+    return cache
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--length", type=int, default=1024)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--seeds", default="0,1,2,3", help="comma-separated sample seeds")
+    ap.add_argument("--answers", default="", help="comma-separated presets to generate answers with")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
     params, tok = load(args.model, progress=False)
-    s = ruler.generate_samples("niah_single_1", args.length, 1, args.seed, tok, chat=True)[0]
-    ctx, q = runner._encode(tok, s)
-    stop = tuple(params.config.eos_token_ids)
-    print("answer", s.answers)
-    for name, pol in (("full", Dense()), ("conservative", CHESS.conservative()), ("moderate", CHESS.moderate()),
-                      ("aggressive", CHESS.aggressive())):
-        out = generate(params, pol, np.array([ctx]), suffix=np.array([q]), max_new_tokens=12, stop_tokens=stop)
-        print(f"{name:>12}: {tok.decode(out.sequences()[0])!r}  KV read {float(out.stats['kv_read_fraction'][0]):.2f}")
-
-    pol = CHESS.moderate()
-    p2, t2, l2, s2, sl2, cap = _setup(params, pol, np.array([ctx]), None, np.array([q]), None, 12, 16, None, None)
-    _, cache, _, _ = jax.jit(lambda: prepare(params, p2, t2, l2, s2, sl2, extra_tokens=12, page_size=16,
-                                             prefill_chunk=None, capacity=cap))()
-    needle = tok(" " + s.answers[0], add_special_tokens=False)["input_ids"]
-    at = [i for i in range(len(ctx) - len(needle)) if list(ctx[i:i + len(needle)]) == needle]
-    page_of_needle = at[0] // pol.page_size
-    k = jnp.swapaxes(cache.layers.k[:, 0].astype(jnp.float32), 1, 2)  # [L, S, H, D]
-    pos = cache.layers.positions[:, 0, 0, :]  # [L, S]
-    raw = jax.vmap(lambda x, p: apply_rope(x[None], -p[None], inverse_frequencies(params.config))[0])(k, pos)
-    n, ps = int(cache.length[0]), pol.page_size
-    P = k.shape[1] // ps
-    used = -(-n // ps)
-    print(f"needle at token {at[0]}, page {page_of_needle} of {used}")
-    for name, keys in (("post-RoPE (paper)", k), ("pre-RoPE", raw)):
-        keys = jnp.where((jnp.arange(P * ps) < n)[None, :, None, None], keys[:, :P * ps], 0.0)
-        counts = jnp.clip(n - jnp.arange(P) * ps, 1, ps)[None, :, None, None]
-        pm = keys.reshape(keys.shape[0], P, ps, *keys.shape[2:]).sum(2) / counts
-        for centred in (False, True):
-            v = pm[:, :used] - (pm[:, :used].mean(1, keepdims=True) if centred else 0.0)
-            scores = np.asarray(jnp.einsum("lphd,lhd->p", v, v[:, used - pol.window_pages:].mean(1)))
-            order = np.argsort(-scores)
-            rank = int(np.where(order == page_of_needle)[0][0])
-            print(f"{name:>18}{', centred' if centred else '':<10}: needle page rank {rank} of {used}; "
-                  f"top pages {order[:6].tolist()}")
+    cfg = params.config
+    stop = tuple(cfg.eos_token_ids)
+    presets = [p for p in args.answers.split(",") if p]
+    rows = []
+    for seed in tqdm([int(s) for s in args.seeds.split(",")], desc="prompts"):
+        s = ruler.generate_samples("niah_single_1", args.length, 1, seed, tok, chat=True)[0]
+        ctx, q = runner._encode(tok, s)
+        base = CHESS.moderate()
+        cache = prompt_cache(params, base, ctx, q)
+        page = needle_page(tok, ctx, s.answers[0], base.page_size)
+        row = {"seed": seed, "answer": s.answers[0], "needle_page": page,
+               "pages": int(-(-int(cache.length[0]) // base.page_size)), "variants": {}}
+        if presets:
+            full = generate(params, Dense(), np.array([ctx]), suffix=np.array([q]), max_new_tokens=12,
+                            stop_tokens=stop)
+            row["full"] = tok.decode(full.sequences()[0])
+        for name, kw in VARIANTS.items():
+            pol = CHESS.moderate(**kw).bind_model(cfg)
+            scores, in_use = pol._page_scores(cache, cache.length)
+            forced = np.asarray(pol._forced(cache.length, in_use.shape[1]))[0]
+            cand = np.asarray(in_use)[0] & ~forced
+            sc = np.where(cand, np.asarray(scores)[0], -np.inf)
+            order = np.argsort(-sc, kind="stable")
+            v = {"rank": int(np.where(order == page)[0][0]), "candidates": int(cand.sum()),
+                 "top": order[:6].tolist()}
+            for preset in presets:
+                p = CHESS(ratios=preset, **kw).bind_model(cfg)
+                v[f"selected_{preset}"] = bool(np.asarray(p.select_pages(cache, cache.length))[0, page])
+                out = generate(params, p, np.array([ctx]), suffix=np.array([q]), max_new_tokens=12, stop_tokens=stop)
+                text = tok.decode(out.sequences()[0])
+                v[f"answer_{preset}"] = text
+                v[f"right_{preset}"] = s.answers[0] in text
+            row["variants"][name] = v
+        rows.append(row)
+    print(f"\nniah_single_1 at {args.length} tokens; rank of the needle's page among the candidate pages "
+          f"(0 = best){'; ✓ = answer right' if presets else ''}")
+    head = "| variant | " + " | ".join(f"seed {r['seed']} (page {r['needle_page']}/{r['pages']})" for r in rows)
+    print(head + " |\n|---|" + "---|" * len(rows))
+    for name in VARIANTS:
+        cells = []
+        for r in rows:
+            v = r["variants"][name]
+            marks = "".join(("✓" if v[f"right_{p}"] else "✗") for p in presets)
+            cells.append(f"{v['rank']}" + (f" {marks}" if presets else ""))
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"length": args.length, "presets": presets, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

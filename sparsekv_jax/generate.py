@@ -443,7 +443,7 @@ def _setup(params: Params, policy: Policy | None, tokens: Any, lengths: Any, suf
     if prefill_chunk is not None:
         capacity = max(capacity, pages_for(tokens.shape[1], prefill_chunk) * prefill_chunk)
     policy.validate(tokens.shape[1], extra_tokens, page_size)
-    return policy.bind(tokens.shape[1]), tokens, lengths, suffix, suffix_lengths, capacity
+    return policy.bind_model(params.config).bind(tokens.shape[1]), tokens, lengths, suffix, suffix_lengths, capacity
 
 
 def generate(params: Params, policy: Policy | None = None, tokens: Any = None, *, lengths: Any = None,

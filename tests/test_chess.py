@@ -265,3 +265,96 @@ def test_scores_ignore_keys_past_the_anchor_end():
     want, used2 = pol._page_scores(trimmed, end)
     np.testing.assert_array_equal(np.asarray(used), np.asarray(used2))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
+
+
+def _rotate(x, pos, inv_freq):
+    """numpy RoPE (rotate-half layout) of ``x`` ``[..., D]`` by ``pos`` ``[...]``."""
+    ang = pos[..., None].astype(np.float64) * inv_freq
+    cos, sin = np.cos(ang), np.sin(ang)
+    x1, x2 = np.split(x.astype(np.float64), 2, axis=-1)
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _positioned_cache(rng, lengths, S, raw):
+    """A cache holding ``raw`` ``[L, B, H, S, D]`` keys rotated to random increasing per-head
+    positions (as after per-head compression), with page sums; returns (cache, positions)."""
+    from sparsekv_jax.models.rope import inverse_frequencies
+
+    L, B, H, _, D = raw.shape
+    pos = np.cumsum(rng.integers(1, 4, (B, H, S)), axis=-1) - 1
+    pos = np.where(np.arange(S)[None, None] < lengths[:, None, None], pos, -1)
+    k = np.where((pos >= 0)[None, ..., None], _rotate(raw, np.maximum(pos, 0)[None], inverse_frequencies(CFG)), 0.0)
+    cache = init_cache(CFG, B, S, page_size=16, dtype=jnp.float32)
+    layers = cache.layers.replace(k=jnp.asarray(k, jnp.float32),
+                                  positions=jnp.broadcast_to(jnp.asarray(pos, jnp.int32), (L, B, H, S)))
+    layers = summarize_pages(layers, jnp.asarray(lengths), 16)
+    return cache.replace(layers=layers, length=jnp.asarray(lengths, jnp.int32)), pos
+
+
+@pytest.mark.parametrize("keys", ["post_rope", "pre_rope"])
+@pytest.mark.parametrize("centred", [False, True])
+def test_page_vector_variants_equal_brute_force(keys, centred):
+    """Scores = page vector · anchor over the flattened (layer, head, dim) vectors, built here by
+    hand: pre-RoPE keys are the stored keys rotated back by their own positions; centring
+    subtracts the mean page vector from both (the score then differs from (v-mu)·(a-mu) by a
+    per-row constant, mu·(a-mu), which does not change any ranking)."""
+    from sparsekv_jax.models.rope import inverse_frequencies
+
+    rng = np.random.default_rng()
+    lengths = rng.integers(40, 300, 2)
+    S, ps, window = 320, 32, 2
+    raw = rng.standard_normal((CFG.num_layers, 2, CFG.num_kv_heads, S, CFG.head_dim)) + 0.5  # a common component
+    cache, pos = _positioned_cache(rng, lengths, S, raw)
+    pol = CHESS(page_size=ps, keys=keys, centred=centred).bind_model(CFG)
+    got, used = (np.asarray(x) for x in pol._page_scores(cache, cache.length))
+    stored = np.asarray(cache.layers.k, np.float64)
+    keys_used = _rotate(stored, -np.maximum(pos, 0)[None], inverse_frequencies(CFG)) if keys == "pre_rope" else stored
+    for b, n in enumerate(lengths):
+        pages = -(-n // ps)
+        vec = np.stack([keys_used[:, b, :, p * ps:min((p + 1) * ps, n)].mean(2).ravel() for p in range(pages)])
+        anchor = vec[max(0, pages - window):].mean(0)
+        if centred:
+            anchor = anchor - vec.mean(0)
+        np.testing.assert_array_equal(used[b], np.arange(used.shape[1]) < pages)
+        np.testing.assert_allclose(got[b, :pages], vec @ anchor, rtol=1e-4, atol=1e-3 * np.abs(vec @ anchor).max())
+
+
+def test_pre_rope_scores_do_not_depend_on_positions():
+    """The same content at other positions scores the same pre-RoPE; post-RoPE it does not."""
+    rng = np.random.default_rng()
+    lengths = np.array([250, 190])
+    raw = rng.standard_normal((CFG.num_layers, 2, CFG.num_kv_heads, 256, CFG.head_dim))
+    a, _ = _positioned_cache(np.random.default_rng(1), lengths, 256, raw)
+    b, _ = _positioned_cache(np.random.default_rng(2), lengths, 256, raw)
+    for centred in (False, True):
+        pre = CHESS(page_size=32, keys="pre_rope", centred=centred).bind_model(CFG)
+        np.testing.assert_allclose(np.asarray(pre._page_scores(a, a.length)[0]),
+                                   np.asarray(pre._page_scores(b, b.length)[0]), rtol=1e-4, atol=1e-2)
+    post = CHESS(page_size=32)
+    assert not np.allclose(np.asarray(post._page_scores(a, a.length)[0]), np.asarray(post._page_scores(b, b.length)[0]),
+                           rtol=1e-2)
+
+
+def test_pre_rope_variant_end_to_end(params):
+    """Through `generate` (which binds the RoPE frequencies, also inside a Pipeline): with ratios 1
+    the tokens equal Dense; unbound, a clear error; a sparse preset runs batched."""
+    from sparsekv_jax.policies import Pipeline
+
+    rng = np.random.default_rng()
+    prompts = rng.integers(0, CFG.vocab_size, (2, 320))
+    lengths = np.array([320, 263])
+    dense = generate(params, Dense(), prompts, lengths=lengths, max_new_tokens=6).sequences()
+    every = CHESS(ratios=(1.0, 1.0, 1.0), keys="pre_rope", centred=True)
+    assert generate(params, every, prompts, lengths=lengths, max_new_tokens=6).sequences() == dense
+    sparse = Pipeline(decode=CHESS(ratios="aggressive", keys="pre_rope", centred=True, chunk_pages=1, grid_chunks=2))
+    assert sparse.bind_model(CFG).decode.inv_freq is not None
+    out = generate(params, sparse, prompts, lengths=lengths, max_new_tokens=6)
+    assert [len(s) for s in out.sequences()] == [6, 6]
+    assert float(out.stats["kv_read_fraction"].max()) < 1.0
+    cache = _filled_cache(rng, 1, 64, np.array([40]))
+    with pytest.raises(ValueError, match="bind_model"):
+        CHESS(keys="pre_rope")._page_scores(cache, cache.length)
+    assert CHESS.moderate(keys="pre_rope", centred=True).name == "CHESS-moderate[pre-RoPE, centred]"
+    for bad, match in ((dict(keys="rope"), "keys='rope'"), (dict(centred="yes"), "centred='yes'")):
+        with pytest.raises(ValueError, match=match):
+            CHESS(**bad)

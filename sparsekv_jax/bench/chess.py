@@ -51,7 +51,7 @@ def largest_batch(cfg, params, policies, context: int, steps: int, page_size: in
     while batch > 1:
         need = 0
         for policy in policies:
-            pol = policy.bind(context)
+            pol = policy.bind_model(cfg).bind(context)
             cache = jax.eval_shape(lambda b=batch, p=pol: _decode_cache(cfg, p, context, b, steps, jax.random.key(0),
                                                                        page_size=page_size)[0])
             state = jax.eval_shape(lambda c, p=pol: p.decode_init(c, None), cache)
@@ -77,7 +77,7 @@ def _start(cfg, pol, context: int, batch: int, steps: int, seed: int, page_size:
 def throughput(cfg, params, policies, context: int, batch: int, steps: int, iters: int, page_size: int) -> list[dict]:
     rows = []
     for pol in policies:
-        pol = pol.bind(context)
+        pol = pol.bind_model(cfg).bind(context)
         cache, state, token = _start(cfg, pol, context, batch, steps, 2, page_size)
         fn = decode_fn(params, pol, steps, start=(cache.length, cache.next_position))
         sec, carry = _median_time_carry(fn, params, (cache, state, token), iters=iters)
@@ -91,7 +91,7 @@ def throughput(cfg, params, policies, context: int, batch: int, steps: int, iter
 def selection_cost(cfg, policy, context: int, batch: int, iters: int, page_size: int) -> dict:
     import jax
 
-    pol = policy.bind(context)
+    pol = policy.bind_model(cfg).bind(context)
     cache, _ = _decode_cache(cfg, pol, context, batch, 1, jax.random.key(3), page_size=page_size)
     rebuild = jax.jit(lambda c: pol._page_list(pol.select_pages(c, c.length), c.length + 1, c))
     selected = pol.select_pages(cache, cache.length)
@@ -110,7 +110,7 @@ def latency(cfg, params, policies, context: int, gen: int, chunk: int, batch: in
 
     rows = []
     for pol in policies:
-        pol = pol.bind(context)
+        pol = pol.bind_model(cfg).bind(context)
         cache, state, token = _start(cfg, pol, context, batch, gen, 4, page_size)
         fn = decode_fn(params, pol, chunk)
         # warm-up on a throwaway copy: compile, and do not advance the real cache

@@ -147,7 +147,7 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
 
     for prefill_policy in parse_policies(prefill_spec):
         for T in prefill_contexts:
-            pol = prefill_policy.bind(T)
+            pol = prefill_policy.bind_model(cfg).bind(T)
             try:
                 tokens = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.vocab_size)
                 lengths = jnp.full((1,), T, jnp.int32)
@@ -169,7 +169,7 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
     for policy in parse_policies(policy_spec):
         for T in decode_contexts:
             for B in batches:
-                pol = policy.bind(T)
+                pol = policy.bind_model(cfg).bind(T)
                 try:
                     cache, obs = _decode_cache(cfg, pol, T, B, steps, jax.random.key(2))
                     state = pol.decode_init(cache, obs)

@@ -49,6 +49,11 @@ class Policy:
         """This policy with sizes that depend on the prompt fixed as static fields (before jit)."""
         return self
 
+    def bind_model(self, config: Any) -> Policy:
+        """This policy with what it needs of the model's `ModelConfig` fixed as static fields
+        (before jit; e.g. RoPE frequencies to un-rotate cached keys)."""
+        return self
+
     # -- prefill -----------------------------------------------------------------------
     def prefill_pattern(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
                         layer_index: jax.Array) -> Any:

@@ -41,6 +41,20 @@ Choices where the paper is silent (shown in ``scripts/chess_ablation.py`` / docs
   ``Var(H)_p``, "temporal instability"), not the per-token variance of the surprisal.
 * Without a calibration file the thresholds are infinite: the first selection (made right after
   the prompt) is never rebuilt.
+
+Beyond the paper (off by default; measured in docs/RESULTS.md, ``scripts/chess_needle_ranks.py``):
+
+* ``keys="pre_rope"``: the paper averages the keys as the cache stores them, i.e. after RoPE. A
+  page's mean then carries the rotation phase of its positions, and anchor · page is dominated by
+  how close the page sits to the window (on SmolLM2 the needle's page ranked 22-30 of 32 for its
+  question). Rotating each key back by its own position first leaves the content: page vectors
+  are means of pre-RoPE keys. The cache's incremental page sums are post-RoPE, so a rebuild reads
+  every cached key once (one layer at a time); rebuilds are rare, the per-step page list is not
+  affected.
+* ``centred=True``: keys share a large common component, so every page scores high against any
+  anchor; subtracting the context's mean page vector from page vectors and anchor alike scores
+  what distinguishes a page. ``(v - mu)·(a - mu) = v·(a - mu) - const``, so it costs nothing: the
+  anchor moves, the sums stay.
 """
 
 from __future__ import annotations
@@ -52,14 +66,17 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from sparsekv_jax.cache import KVCache, LayerKV, page_counts
+from sparsekv_jax.models.rope import apply_rope, inverse_frequencies
 from sparsekv_jax.policies.base import Policy, Selection
 from sparsekv_jax.policies.common import pages_to_list
 
 PRESETS = {"conservative": (0.9, 0.9, 0.9), "moderate": (0.8, 0.7, 0.7), "aggressive": (0.5, 0.2, 0.1)}
 TRIGGERS = ("uncertainty", "interval")
+KEYS = ("post_rope", "pre_rope")
 CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "calibration")
 
 
@@ -133,6 +150,10 @@ class CHESS(Policy):
       interval: pages between rebuilds for ``trigger="interval"`` (paper's comparison: 6).
       regenerate: on an uncertainty trigger, regenerate the page with the new selection.
       max_backtracks: regenerations allowed per sequence.
+      keys: page vectors from the cached keys as stored, ``"post_rope"`` (the paper), or rotated
+        back to position 0, ``"pre_rope"`` (see the module doc; needs `bind_model`).
+      centred: score against the anchor minus the context's mean page vector (module doc).
+      inv_freq: RoPE inverse frequencies, set by `bind_model` for ``keys="pre_rope"``.
       entropy_threshold, varentropy_threshold: trigger thresholds (leaves; ``inf`` = never).
     """
 
@@ -146,6 +167,9 @@ class CHESS(Policy):
     interval: int = struct.field(pytree_node=False, default=6)
     regenerate: bool = struct.field(pytree_node=False, default=True)
     max_backtracks: int = struct.field(pytree_node=False, default=2)
+    keys: str = struct.field(pytree_node=False, default="post_rope")
+    centred: bool = struct.field(pytree_node=False, default=False)
+    inv_freq: tuple[float, ...] | None = struct.field(pytree_node=False, default=None)
     entropy_threshold: Any = float("inf")
     varentropy_threshold: Any = float("inf")
 
@@ -170,6 +194,10 @@ class CHESS(Policy):
                 raise ValueError(f"{name}={value!r} must be an int >= 0")
         if self.window_pages < 1:
             raise ValueError(f"window_pages={self.window_pages} must be >= 1 (the anchor is the window's mean)")
+        if self.keys not in KEYS:
+            raise ValueError(f"keys={self.keys!r} must be one of {KEYS}")
+        if not isinstance(self.centred, bool):
+            raise ValueError(f"centred={self.centred!r} must be a bool")
         if self.trigger not in TRIGGERS:
             raise ValueError(f"trigger={self.trigger!r} must be one of {TRIGGERS}")
         for name in ("entropy_threshold", "varentropy_threshold"):
@@ -202,10 +230,17 @@ class CHESS(Policy):
             kwargs = {**load_thresholds(calibration), **kwargs}
         return cls(ratios=ratios, **kwargs)
 
+    def bind_model(self, config: Any) -> CHESS:
+        if self.keys != "pre_rope":
+            return self
+        return self.replace(inv_freq=tuple(float(f) for f in inverse_frequencies(config)))
+
     @property
     def name(self) -> str:
         names = {v: k for k, v in PRESETS.items()}
-        return f"CHESS-{names.get(self.ratios, '-'.join(map(str, self.ratios)))}"
+        variant = [v for v, on in (("pre-RoPE", self.keys == "pre_rope"), ("centred", self.centred)) if on]
+        return f"CHESS-{names.get(self.ratios, '-'.join(map(str, self.ratios)))}" + (
+            f"[{', '.join(variant)}]" if variant else "")
 
     def validate(self, prompt_len: int, max_new_tokens: int, page_size: int) -> None:
         if self.page_size % page_size:
@@ -224,26 +259,41 @@ class CHESS(Policy):
     def _page_scores(self, cache: KVCache, anchor_end: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Scores ``[B, P]`` of CHESS pages against the anchor of the window ending at slot
         ``anchor_end`` ``[B]``, and the pages in use ``[B, P]``."""
-        page_sum = cache.layers.page_sum  # [L, B, H, Pc, D] fp32 sums of keys per cache page
-        L, B, H, Pc, D = page_sum.shape
-        m = self.page_size // cache.page_size
+        Pc, cps = cache.num_pages, cache.page_size
+        B = cache.batch
+        m = self.page_size // cps
         P = -(-Pc // m)  # the last CHESS page may stand past the cache's end: pad per-page values, not sums
-        pad = ((0, 0), (0, P * m - Pc))
-        live_tokens = page_counts(anchor_end, Pc, cache.page_size)  # [B, Pc] slots before anchor_end
-        tokens = jnp.pad(live_tokens, pad).reshape(B, P, m).sum(-1)  # [B, P]
+        live_tokens = page_counts(anchor_end, Pc, cps)  # [B, Pc] slots before anchor_end
+        tokens = jnp.pad(live_tokens, ((0, 0), (0, P * m - Pc))).reshape(B, P, m).sum(-1)  # [B, P]
+        in_use = tokens > 0
         page = jnp.arange(P)
         last = (anchor_end - 1) // self.page_size
-        in_window = (page[None] <= last[:, None]) & (page[None] > last[:, None] - self.window_pages)
-        in_window &= tokens > 0
-        # anchor = mean of the window's page vectors; a page vector = its key sum / its tokens
+        in_window = (page[None] <= last[:, None]) & (page[None] > last[:, None] - self.window_pages) & in_use
+        # A page vector is its key sum / its tokens, so every score is a weighted sum of page sums:
+        # the anchor (mean of the window's page vectors) is sum_p w_p * sum_p.
         w = jnp.where(in_window, 1.0 / jnp.maximum(tokens, 1), 0.0) / jnp.maximum(in_window.sum(-1, keepdims=True), 1)
+        if self.centred:
+            # (v_p - mu)·(a - mu) = v_p·(a - mu) - a row constant: centring only moves the anchor
+            w = w - jnp.where(in_use, 1.0 / jnp.maximum(tokens, 1), 0.0) / jnp.maximum(in_use.sum(-1, keepdims=True), 1)
+        if self.keys == "pre_rope":
+            dots = self._pre_rope_dots(cache, anchor_end, w)
+        else:
+            dots = self._post_rope_dots(cache, anchor_end, w, live_tokens)
+        return dots / jnp.maximum(tokens, 1), in_use
+
+    def _post_rope_dots(self, cache: KVCache, anchor_end: jax.Array, w: jax.Array,
+                        live_tokens: jax.Array) -> jax.Array:
+        """``[B, P]`` page key sums · (sum_p w_p · page sum), from the cache's page sums (no key read)."""
+        page_sum = cache.layers.page_sum  # [L, B, H, Pc, D] fp32 sums of keys per cache page
+        B, Pc, cps = cache.batch, cache.num_pages, cache.page_size
+        m = self.page_size // cps
+        P = w.shape[1]
         # Keys past anchor_end may still sit in the cache (a page being taken back for
         # regeneration): cache pages wholly past it are left out, and the sum of the page holding
         # slot anchor_end - 1 loses its stale keys. Scores are linear in the sums, so the
         # correction is applied to the anchor and to that page's dot.
         live = live_tokens > 0  # [B, Pc]
         w_cache = jnp.repeat(w, m, axis=1)[:, :Pc] * live  # [B, Pc] weight of each cache page's sum
-        cps = cache.page_size
         edge = jnp.maximum(anchor_end - 1, 0) // cps  # [B]
         slots = edge[:, None] * cps + jnp.arange(cps)  # [B, cps]
         keys = jnp.take_along_axis(cache.layers.k, slots[None, :, None, :, None], axis=3)  # [L, B, H, cps, D]
@@ -256,8 +306,31 @@ class CHESS(Policy):
         # one contraction with every page sum: the scores of all pages (chunks, grids = their means)
         dots = jnp.einsum("lbhpd,lbhd->bp", page_sum, anchor)
         dots = jnp.where(live, dots - at_edge * jnp.einsum("lbhd,lbhd->b", extra, anchor)[:, None], 0.0)
-        dots = jnp.pad(dots, pad).reshape(B, P, m).sum(-1)
-        return dots / jnp.maximum(tokens, 1), tokens > 0
+        return jnp.pad(dots, ((0, 0), (0, P * m - Pc))).reshape(B, P, m).sum(-1)
+
+    def _pre_rope_dots(self, cache: KVCache, anchor_end: jax.Array, w: jax.Array) -> jax.Array:
+        """As `_post_rope_dots` on keys rotated back to position 0 (the content, without RoPE's
+        position phase): reads every cached key once per rebuild, one layer at a time."""
+        if self.inv_freq is None:
+            raise ValueError("CHESS(keys='pre_rope') needs the model's RoPE frequencies: call "
+                             "policy.bind_model(params.config) first (generate and sparsekv eval do)")
+        L, B, H, S, D = cache.layers.k.shape
+        if 2 * len(self.inv_freq) != D:
+            raise ValueError(f"CHESS inv_freq has {len(self.inv_freq)} frequencies, the cache's head_dim is {D}")
+        P = w.shape[1]
+        inv_freq = np.asarray(self.inv_freq)
+        live = jnp.arange(S)[None] < anchor_end[:, None]  # [B, S]
+
+        def layer_dots(kp: tuple[jax.Array, jax.Array]) -> jax.Array:
+            k, pos = kp  # [B, H, S, D], [B, H, S]
+            raw = apply_rope(k.astype(jnp.float32)[..., None, :], -pos, inv_freq)[..., 0, :]
+            raw = jnp.where((live[:, None] & (pos >= 0))[..., None], raw, 0.0)
+            sums = jnp.pad(raw, ((0, 0), (0, 0), (0, P * self.page_size - S), (0, 0)))
+            sums = sums.reshape(B, H, P, self.page_size, D).sum(3)  # [B, H, P, D]
+            anchor = jnp.einsum("bhpd,bp->bhd", sums, w)
+            return jnp.einsum("bhpd,bhd->bp", sums, anchor)
+
+        return jax.lax.map(layer_dots, (cache.layers.k, cache.layers.positions)).sum(0)
 
     def select_pages(self, cache: KVCache, anchor_end: jax.Array) -> jax.Array:
         """``[B, P]`` the context rebuilt for the window ending at ``anchor_end``: the semantic

@@ -51,6 +51,10 @@ class Pipeline(Policy):
         return Pipeline(self.prefill.bind(prompt_len), self.compress_with.bind(prompt_len),
                         self.decode.bind(prompt_len))
 
+    def bind_model(self, config) -> Pipeline:
+        return Pipeline(self.prefill.bind_model(config), self.compress_with.bind_model(config),
+                        self.decode.bind_model(config))
+
     def prefill_pattern(self, q, k, v, lengths, layer_index):
         return self.prefill.prefill_pattern(q, k, v, lengths, layer_index)
 
