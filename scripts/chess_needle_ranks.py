@@ -3,7 +3,7 @@
 For each prompt (the question read after the context, as `sparsekv eval` does), builds the cache
 once and asks the policy itself (`CHESS._page_scores` / `select_pages`) how it ranks the page that
 holds the needle, for the four page-vector variants: the paper's (mean of the stored, post-RoPE
-keys), centred, pre-RoPE (keys rotated back to position 0), and pre-RoPE + centred. With
+keys), centred, pre-RoPE (keys rotated back to position 0), and pre-RoPE + centred (the default). With
 ``--answers`` it also generates each variant's answer at the given presets.
 
     python scripts/chess_needle_ranks.py --length 4096 --seeds 0,1,2,3 --answers moderate,aggressive \
@@ -24,8 +24,10 @@ from sparsekv_jax.eval import ruler, runner
 from sparsekv_jax.generate import _setup, generate, prepare
 from sparsekv_jax.policies import CHESS, Dense
 
-VARIANTS = {"post-RoPE (paper)": {}, "post-RoPE, centred": {"centred": True},
-            "pre-RoPE": {"keys": "pre_rope"}, "pre-RoPE, centred": {"keys": "pre_rope", "centred": True}}
+VARIANTS = {"post-RoPE (paper)": {"keys": "post_rope", "centred": False},
+            "post-RoPE, centred": {"keys": "post_rope", "centred": True},
+            "pre-RoPE": {"keys": "pre_rope", "centred": False},
+            "pre-RoPE, centred (default)": {"keys": "pre_rope", "centred": True}}
 
 
 def needle_page(tok, ctx: list[int], answer: str, page_size: int) -> int:

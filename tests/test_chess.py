@@ -84,7 +84,10 @@ def test_hierarchy_equals_brute_force(seed, P, Nc, Ng, preset):
 def _filled_cache(rng, B, S, lengths, page_size=16):
     cache = init_cache(CFG, B, S, page_size=page_size, dtype=jnp.float32)
     k = jnp.asarray(rng.standard_normal(cache.layers.k.shape), jnp.float32)
-    layers = summarize_pages(cache.layers.replace(k=k), jnp.asarray(lengths), page_size)
+    slot = jnp.arange(S)[None, None, None]
+    positions = jnp.where(slot < jnp.asarray(lengths)[None, :, None, None], slot, -1)
+    layers = cache.layers.replace(k=k, positions=jnp.broadcast_to(positions, cache.layers.positions.shape))
+    layers = summarize_pages(layers, jnp.asarray(lengths), page_size)
     return cache.replace(layers=layers, length=jnp.asarray(lengths, jnp.int32))
 
 
@@ -96,7 +99,7 @@ def test_sinks_and_window_always_read(seed, preset, sinks, window, chess_page):
     lengths = rng.integers(1, 500, 3)
     cache = _filled_cache(rng, 3, 512, lengths)
     pol = CHESS(ratios=preset, page_size=chess_page, sink_pages=sinks, window_pages=window, chunk_pages=2,
-                grid_chunks=2)
+                grid_chunks=2).bind_model(CFG)
     _, shared = pol.decode_init(cache, None)
     ids, counts = np.asarray(shared["ids"]), np.asarray(shared["counts"])
     m = chess_page // 16
@@ -115,7 +118,7 @@ def test_ratios_one_select_every_page_and_equal_dense(params):
     rng = np.random.default_rng()
     lengths = rng.integers(100, 400, 2)
     cache = _filled_cache(rng, 2, 512, lengths)
-    pol = CHESS(ratios=(1.0, 1.0, 1.0))
+    pol = CHESS(ratios=(1.0, 1.0, 1.0)).bind_model(CFG)
     selected = np.asarray(pol.select_pages(cache, cache.length))
     used = np.arange(selected.shape[1])[None] < -(-lengths[:, None] // 32)
     np.testing.assert_array_equal(selected, used)
@@ -248,7 +251,8 @@ def test_bad_calibration_and_page_size(params, tmp_path):
         generate(params, CHESS(page_size=16), np.zeros((1, 40), np.int32), max_new_tokens=2, page_size=32)
 
 
-def test_scores_ignore_keys_past_the_anchor_end():
+@pytest.mark.parametrize("keys", ["pre_rope", "post_rope"])
+def test_scores_ignore_keys_past_the_anchor_end(keys):
     """A rebuild for regeneration scores the cache as it will be once the page is taken back: keys
     past ``anchor_end`` (still in the cache, counted by their page's sum) must not count."""
     rng = np.random.default_rng()
@@ -260,7 +264,7 @@ def test_scores_ignore_keys_past_the_anchor_end():
     gone = jnp.arange(320)[None, :, None, None] >= end[:, None, None, None]  # [B, S, 1, 1]
     k = jnp.where(jnp.swapaxes(gone, 1, 2)[None], 0.0, cache.layers.k)
     trimmed = cache.replace(layers=summarize_pages(cache.layers.replace(k=k), end, 16))
-    pol = CHESS(page_size=32)
+    pol = CHESS(page_size=32, keys=keys).bind_model(CFG)
     got, used = pol._page_scores(cache, end)
     want, used2 = pol._page_scores(trimmed, end)
     np.testing.assert_array_equal(np.asarray(used), np.asarray(used2))
@@ -330,7 +334,7 @@ def test_pre_rope_scores_do_not_depend_on_positions():
         pre = CHESS(page_size=32, keys="pre_rope", centred=centred).bind_model(CFG)
         np.testing.assert_allclose(np.asarray(pre._page_scores(a, a.length)[0]),
                                    np.asarray(pre._page_scores(b, b.length)[0]), rtol=1e-4, atol=1e-2)
-    post = CHESS(page_size=32)
+    post = CHESS(page_size=32, keys="post_rope")
     assert not np.allclose(np.asarray(post._page_scores(a, a.length)[0]), np.asarray(post._page_scores(b, b.length)[0]),
                            rtol=1e-2)
 
@@ -344,9 +348,9 @@ def test_pre_rope_variant_end_to_end(params):
     prompts = rng.integers(0, CFG.vocab_size, (2, 320))
     lengths = np.array([320, 263])
     dense = generate(params, Dense(), prompts, lengths=lengths, max_new_tokens=6).sequences()
-    every = CHESS(ratios=(1.0, 1.0, 1.0), keys="pre_rope", centred=True)
+    every = CHESS(ratios=(1.0, 1.0, 1.0))
     assert generate(params, every, prompts, lengths=lengths, max_new_tokens=6).sequences() == dense
-    sparse = Pipeline(decode=CHESS(ratios="aggressive", keys="pre_rope", centred=True, chunk_pages=1, grid_chunks=2))
+    sparse = Pipeline(decode=CHESS(ratios="aggressive", chunk_pages=1, grid_chunks=2))
     assert sparse.bind_model(CFG).decode.inv_freq is not None
     out = generate(params, sparse, prompts, lengths=lengths, max_new_tokens=6)
     assert [len(s) for s in out.sequences()] == [6, 6]
@@ -354,7 +358,8 @@ def test_pre_rope_variant_end_to_end(params):
     cache = _filled_cache(rng, 1, 64, np.array([40]))
     with pytest.raises(ValueError, match="bind_model"):
         CHESS(keys="pre_rope")._page_scores(cache, cache.length)
-    assert CHESS.moderate(keys="pre_rope", centred=True).name == "CHESS-moderate[pre-RoPE, centred]"
+    assert CHESS.moderate().name == "CHESS-moderate"
+    assert CHESS.moderate(keys="post_rope", centred=False).name == "CHESS-moderate[post-RoPE, uncentred]"
     for bad, match in ((dict(keys="rope"), "keys='rope'"), (dict(centred="yes"), "centred='yes'")):
         with pytest.raises(ValueError, match=match):
             CHESS(**bad)

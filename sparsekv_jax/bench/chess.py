@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=5, help="timed repetitions (default 5)")
     p.add_argument("--preset", default="aggressive", help="CHESS preset (default aggressive)")
     p.add_argument("--page-size", type=int, default=32, help="cache and CHESS page size (default 32)")
-    p.add_argument("--pre-rope", action="store_true",
-                   help="CHESS page vectors from pre-RoPE keys, centred (keys='pre_rope', centred=True)")
+    p.add_argument("--literal", action="store_true",
+                   help="the paper-literal page vectors: stored post-RoPE keys, not centred (no key read per rebuild)")
     p.add_argument("--gen", default="6k", help="generated tokens of the latency run (default 6k; 0 = skip)")
     p.add_argument("--chunk", type=int, default=256, help="steps per latency sample (default 256)")
     p.add_argument("--latency-batch", type=int, default=1, help="batch of the latency run (default 1)")
@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
     context, gen = _tokens(args.context)[0], _tokens(args.gen)[0] if args.gen != "0" else 0
     ps = args.page_size
-    variant = {"keys": "pre_rope", "centred": True} if args.pre_rope else {}
+    variant = {"keys": "post_rope", "centred": False} if args.literal else {}
     chess = CHESS.preset(args.preset, page_size=ps, **variant)
     batch = args.batch or largest_batch(cfg, params, [Dense(), chess], context, args.steps, ps)
     base = {"model": args.model, "device": jax.devices()[0].device_kind, "jax": jax.__version__}

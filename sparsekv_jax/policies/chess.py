@@ -3,14 +3,14 @@
 The paper (``../shared/papers/004_*``), as implemented here:
 
 * **Page vectors.** A page of ``page_size`` tokens (paper: 32) is represented by the mean of its
-  keys, flattened over every layer and KV head (Eq. 1): the cache's page sums, kept incrementally
-  on append. Chunks are ``chunk_pages`` pages, grids ``grid_chunks`` chunks; their vectors are
-  the means of their children's (Eq. 2).
+  keys, flattened over every layer and KV head (Eq. 1). Chunks are ``chunk_pages`` pages, grids
+  ``grid_chunks`` chunks; their vectors are the means of their children's (Eq. 2). Which keys,
+  and centring, are choices (below).
 * **Anchor and scores.** The anchor is the mean page vector of the recent window (Eq. 3); a unit's
   score is ``anchor · vector`` (Eq. 4). Scores are linear in the vectors, so a chunk's score *is*
   the mean of its pages' scores and a grid's the mean of its chunks': one contraction of the
-  anchor with every page sum gives all three levels (the paper's single GEMM over the coalesced
-  hierarchy, Algorithm 1 lines 2-4), without building chunk/grid vectors.
+  anchor with every page's key sum gives all three levels (the paper's single GEMM over the
+  coalesced hierarchy, Algorithm 1 lines 2-4), without building chunk/grid vectors.
 * **Coarse to fine** (Algorithm 1): keep the top ``ρ_g`` of the grids, then the top ``ρ_c`` of the
   chunks inside kept grids, then the top ``ρ_p`` of the pages inside kept chunks — counts are
   ``ceil(ρ · available)``, so the semantic set is ``≈ ρ_g·ρ_c·ρ_p`` of the context (the paper's
@@ -42,19 +42,23 @@ Choices where the paper is silent (shown in ``scripts/chess_ablation.py`` / docs
 * Without a calibration file the thresholds are infinite: the first selection (made right after
   the prompt) is never rebuilt.
 
-Beyond the paper (off by default; measured in docs/RESULTS.md, ``scripts/chess_needle_ranks.py``):
+Page vectors: which keys, and centring (the paper says only that "Key states inherently encode
+the semantic attributes of the input tokens"; ``scripts/chess_needle_ranks.py``, docs/RESULTS.md):
 
-* ``keys="pre_rope"``: the paper averages the keys as the cache stores them, i.e. after RoPE. A
-  page's mean then carries the rotation phase of its positions, and anchor · page is dominated by
-  how close the page sits to the window (on SmolLM2 the needle's page ranked 22-30 of 32 for its
-  question). Rotating each key back by its own position first leaves the content: page vectors
-  are means of pre-RoPE keys. The cache's incremental page sums are post-RoPE, so a rebuild reads
-  every cached key once (one layer at a time); rebuilds are rare, the per-step page list is not
-  affected.
-* ``centred=True``: keys share a large common component, so every page scores high against any
-  anchor; subtracting the context's mean page vector from page vectors and anchor alike scores
-  what distinguishes a page. ``(v - mu)·(a - mu) = v·(a - mu) - const``, so it costs nothing: the
-  anchor moves, the sums stay.
+* ``keys="pre_rope"`` (default): each cached key is rotated back by its own position before the
+  page means, so a page vector is the page's *content*. The literal reading, the keys as the cache
+  stores them (``keys="post_rope"``), carries RoPE's phase: anchor · page is then dominated by how
+  close a page sits to the window (on SmolLM2 at 4k the needle's page ranked 28-124 of 125 for its
+  question, and `moderate` answered 1 of 4 single needles). The cache's incremental page sums are
+  post-RoPE, so a pre-RoPE rebuild reads every cached key once, one layer at a time; rebuilds are
+  rare, and the per-step page list is the same either way. ``post_rope`` needs no key read.
+* ``centred=True`` (default; not in the paper): keys share a large common component, so every
+  page scores high against any anchor; subtracting the context's mean page vector from page
+  vectors and anchor alike scores what distinguishes a page (pre-RoPE alone ranked the needle's
+  page no better than post-RoPE; pre-RoPE + centred ranked it second of 125, behind only the
+  haystack's instructions page, on 4 of 4 prompts).
+  ``(v - mu)·(a - mu) = v·(a - mu) - const``: it moves the anchor, the sums stay, it costs nothing.
+* ``CHESS(keys="post_rope", centred=False)`` is the paper taken literally, kept for comparison.
 """
 
 from __future__ import annotations
@@ -150,9 +154,9 @@ class CHESS(Policy):
       interval: pages between rebuilds for ``trigger="interval"`` (paper's comparison: 6).
       regenerate: on an uncertainty trigger, regenerate the page with the new selection.
       max_backtracks: regenerations allowed per sequence.
-      keys: page vectors from the cached keys as stored, ``"post_rope"`` (the paper), or rotated
-        back to position 0, ``"pre_rope"`` (see the module doc; needs `bind_model`).
-      centred: score against the anchor minus the context's mean page vector (module doc).
+      keys: page vectors from the cached keys rotated back to position 0, ``"pre_rope"`` (default;
+        needs `bind_model`, which `generate` calls), or as stored, ``"post_rope"`` (module doc).
+      centred: score against the anchor minus the context's mean page vector (default; module doc).
       inv_freq: RoPE inverse frequencies, set by `bind_model` for ``keys="pre_rope"``.
       entropy_threshold, varentropy_threshold: trigger thresholds (leaves; ``inf`` = never).
     """
@@ -167,8 +171,8 @@ class CHESS(Policy):
     interval: int = struct.field(pytree_node=False, default=6)
     regenerate: bool = struct.field(pytree_node=False, default=True)
     max_backtracks: int = struct.field(pytree_node=False, default=2)
-    keys: str = struct.field(pytree_node=False, default="post_rope")
-    centred: bool = struct.field(pytree_node=False, default=False)
+    keys: str = struct.field(pytree_node=False, default="pre_rope")
+    centred: bool = struct.field(pytree_node=False, default=True)
     inv_freq: tuple[float, ...] | None = struct.field(pytree_node=False, default=None)
     entropy_threshold: Any = float("inf")
     varentropy_threshold: Any = float("inf")
@@ -238,7 +242,7 @@ class CHESS(Policy):
     @property
     def name(self) -> str:
         names = {v: k for k, v in PRESETS.items()}
-        variant = [v for v, on in (("pre-RoPE", self.keys == "pre_rope"), ("centred", self.centred)) if on]
+        variant = [v for v, on in (("post-RoPE", self.keys == "post_rope"), ("uncentred", not self.centred)) if on]
         return f"CHESS-{names.get(self.ratios, '-'.join(map(str, self.ratios)))}" + (
             f"[{', '.join(variant)}]" if variant else "")
 
