@@ -195,7 +195,8 @@ policy grammar (--policies):
   VALUE := number | 'string' | True | False | None | ITEM
   names: fullkv (= dense), streamingllm, snapkv, h2o, quest, stem, chess, pipeline
   (case-insensitive); chess takes a preset (conservative | moderate | aggressive) and
-  calibration='FILE.json' from `sparsekv calibrate` (or 'smollm2', shipped).
+  calibration='FILE.json' from `sparsekv calibrate` (or 'smollm2', shipped);
+  keys='post_rope', centred=False gives the paper's literal page vectors.
   A float budget is a fraction of the context, an int a token count:
     "fullkv, snapkv(budget=0.1), streamingllm(0.25, sinks=4), quest(2048),
      pipeline(compress=snapkv(0.25), decode=quest(0.25))"
