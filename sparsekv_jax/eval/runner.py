@@ -645,9 +645,10 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
                     shape_key = (spec.key, kwargs["tokens"].shape, None if kwargs["suffix"] is None
                                  else kwargs["suffix"].shape, new)
                     first_call = shape_key not in compiled
-                    if first_call and len(compiled) >= MAX_LIVE_PROGRAMS:
-                        # XLA keeps every compiled program (and, on CPU, its code mappings: a long
-                        # run would reach the kernel's vm.max_map_count and crash): start afresh
+                    if first_call and len(compiled) >= MAX_LIVE_PROGRAMS and jax.default_backend() == "cpu":
+                        # XLA:CPU keeps every compiled program's code mappings: a long run would
+                        # reach the kernel's vm.max_map_count and crash, so start afresh (on a GPU
+                        # the programs' code is not mapped this way and recompiling costs time)
                         jax.clear_caches()
                         compiled.clear()
                     compiled.add(shape_key)

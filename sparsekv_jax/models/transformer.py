@@ -8,6 +8,7 @@ read. The port itself knows nothing of selection policies.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -38,7 +39,10 @@ def decode_unroll() -> int | bool:
 # Decode matmuls: "xla" (cuBLAS on a slice of the stacked weights, which XLA copies out first) or
 # "pallas" (`sparsekv_jax.pallas.matmul.layer_matmul` reads the layer's tiles from the stack: no
 # copy). "xla" stays the default until the kernel is measured on a GPU (docs/BENCHMARKS.md).
-DECODE_MATMUL = "xla"
+# The environment variable SPARSEKV_DECODE_MATMUL sets it for a whole process (benches, eval).
+DECODE_MATMUL = os.environ.get("SPARSEKV_DECODE_MATMUL", "xla")
+if DECODE_MATMUL not in ("xla", "pallas"):
+    raise ValueError(f"SPARSEKV_DECODE_MATMUL={DECODE_MATMUL!r}: expected 'xla' or 'pallas'")
 
 
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any, Any]]
