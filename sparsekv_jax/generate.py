@@ -251,11 +251,11 @@ def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array
     if carry:
         hidden, (_, (layers, layer_state)), (pages, new_length, outs) = forward(
             params, token[:, None], pos[:, None], None, attend, carried=(cache.layers, layer_state),
-            unroll=decode_unroll(), weights_by_index=transformer.DECODE_MATMUL == "pallas")
+            unroll=decode_unroll(), weights_by_index=transformer.decode_weights_by_index(params))
     else:
         hidden, (layers, layer_state), (pages, new_length, outs) = forward(
             params, token[:, None], pos[:, None], (cache.layers, layer_state), attend, unroll=decode_unroll(),
-            weights_by_index=transformer.DECODE_MATMUL == "pallas")
+            weights_by_index=transformer.decode_weights_by_index(params))
     logits = logits_from_hidden(params, hidden[:, 0])
     cache = cache.replace(layers=layers, length=new_length[0], next_position=pos + 1)
     shared_state = policy.decode_update(shared_state, cache, logits)

@@ -17,6 +17,7 @@ Three measurements, each after a warm-up, median of ``--iters`` timed runs:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     from sparsekv_jax.models import config as mc
+    from sparsekv_jax.models import transformer
     from sparsekv_jax.models.params import random_params
     from sparsekv_jax.policies import CHESS, Dense
 
@@ -161,17 +163,38 @@ def main(argv: list[str] | None = None) -> int:
     variant = {"keys": "post_rope", "centred": False} if args.literal else {}
     chess = CHESS.preset(args.preset, page_size=ps, **variant)
     batch = args.batch or largest_batch(cfg, params, [Dense(), chess], context, args.steps, ps)
-    base = {"model": args.model, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
-    rows = [{**base, **r}
-            for r in throughput(cfg, params, [Dense(), chess], context, batch, args.steps, args.iters, ps)]
+    base = {"model": args.model, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+            "decode_matmul": transformer.DECODE_MATMUL}
+    rows: list[dict] = []
+
+    def save() -> None:  # after every stage: a run stopped at its time limit keeps what it measured
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=2)
+
+    while True:
+        try:
+            rows += [{**base, **r}
+                     for r in throughput(cfg, params, [Dense(), chess], context, batch, args.steps, args.iters, ps)]
+            break
+        except jax.errors.JaxRuntimeError as e:
+            # XLA's memory analysis of the compiled step does not see every run-time buffer: step
+            # down until the batch really runs (the rows say which batch that was)
+            if "RESOURCE_EXHAUSTED" not in str(e) or args.batch or batch == 1:
+                raise
+            print(f"batch {batch} ran out of device memory at run time; trying {batch - 1}", flush=True)
+            rows.clear()
+            batch -= 1
+            jax.clear_caches()
+            gc.collect()
+    save()
     rows.append({**base, **selection_cost(cfg, chess, context, batch, args.iters, ps)})
+    save()
     if gen:
         periodic = CHESS.preset(args.preset, page_size=ps, trigger="interval", interval=args.interval, **variant)
         rows += [{**base, **r} for r in latency(cfg, params, [periodic, Dense()], context, gen, args.chunk,
                                                 args.latency_batch, ps)]
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=2)
+        save()
     thr = {r["policy"]: r for r in rows if r["kind"] == "throughput"}
     sel = next(r for r in rows if r["kind"] == "selection")
     dense, sparse = thr["Dense"], thr[chess.name]

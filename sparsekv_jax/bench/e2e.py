@@ -78,25 +78,33 @@ def _decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_s
     cap = policy.compressed_capacity(context, steps)
     kept = context if cap is None else cap - steps
     capacity = context + steps if cap is None else cap
-    cache = init_cache(cfg, batch, capacity, page_size=page_size, dtype=jnp.bfloat16)
-    k1, k2, k3 = jax.random.split(key, 3)
-    L, B, H, S, D = cache.layers.k.shape
-    used = jnp.arange(S) < kept
-    positions = jnp.where(used, jnp.arange(S) * max(1, context // kept), -1).astype(jnp.int32)
-    # one layer at a time: drawing the whole cache at once materialises 32-bit random bits of the
-    # cache's size (that, not decode, ran out of memory at B=32 on the H200)
-    def draw(key):
-        return jax.lax.map(lambda k: jax.random.normal(k, (B, H, S, D), jnp.bfloat16), jax.random.split(key, L))
 
-    layers = cache.layers.replace(
-        k=draw(k1),
-        v=draw(k2),
-        positions=jnp.broadcast_to(positions, cache.layers.positions.shape))
-    length = jnp.full((batch,), kept, jnp.int32)
-    layers = summarize_pages(layers, length, page_size)
-    cache = cache.replace(layers=layers, length=length, next_position=jnp.full((batch,), context, jnp.int32))
-    observations = jax.random.uniform(k3, (L, B, H, context), jnp.float32)
-    return cache, observations
+    # built inside one jit: the empty cache's zero K/V are overwritten, so XLA never allocates
+    # them (built eagerly, zeros + random draws held twice the cache: out of memory at 8k x 32)
+    @jax.jit
+    def build(key):
+        cache = init_cache(cfg, batch, capacity, page_size=page_size, dtype=jnp.bfloat16)
+        k1, k2, k3 = jax.random.split(key, 3)
+        L, B, H, S, D = cache.layers.k.shape
+        used = jnp.arange(S) < kept
+        positions = jnp.where(used, jnp.arange(S) * max(1, context // kept), -1).astype(jnp.int32)
+
+        # one layer at a time: drawing the whole cache at once materialises 32-bit random bits of
+        # the cache's size
+        def draw(key):
+            return jax.lax.map(lambda k: jax.random.normal(k, (B, H, S, D), jnp.bfloat16), jax.random.split(key, L))
+
+        layers = cache.layers.replace(
+            k=draw(k1),
+            v=draw(k2),
+            positions=jnp.broadcast_to(positions, cache.layers.positions.shape))
+        length = jnp.full((batch,), kept, jnp.int32)
+        layers = summarize_pages(layers, length, page_size)
+        cache = cache.replace(layers=layers, length=length, next_position=jnp.full((batch,), context, jnp.int32))
+        observations = jax.random.uniform(k3, (L, B, H, context), jnp.float32)
+        return cache, observations
+
+    return build(key)
 
 
 def decode_fn(params, policy, steps: int, start=None):
@@ -138,7 +146,8 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
     from sparsekv_jax.models import transformer
 
     base = {"model": model, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-            "unroll": transformer.decode_unroll(), "decode_matmul": transformer.DECODE_MATMUL}
+            "unroll": transformer.decode_unroll(),
+            "decode_matmul": "pallas" if transformer.decode_weights_by_index(params) else "xla"}
     rows = []
 
     def record(row):
@@ -210,9 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=5, help="timed repetitions (median reported)")
     p.add_argument("--unroll", type=int, default=0,
                    help="unroll factor of the decode layer scan (default 0 = the library's default, rolled)")
-    p.add_argument("--decode-matmul", choices=("xla", "pallas"), default="xla",
-                   help="decode matmuls: cuBLAS on the scan's weight slice (xla, default) or the Pallas kernel "
-                        "reading the stacked weights by layer index")
+    p.add_argument("--decode-matmul", choices=("auto", "xla", "pallas"), default=None,
+                   help="decode matmuls: cuBLAS on the scan's weight slice (xla), the Pallas kernel reading the "
+                        "stacked weights by layer index (pallas), or auto: pallas on a GPU (default: "
+                        "$SPARSEKV_DECODE_MATMUL, else auto)")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--one-model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -221,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.unroll:
         transformer.DECODE_UNROLL = args.unroll
-    transformer.DECODE_MATMUL = args.decode_matmul
+    if args.decode_matmul:
+        transformer.DECODE_MATMUL = args.decode_matmul
     if args.one_model:
         rows = run_model(args.one_model, pre, ctx, bat, args.policies, args.decode_steps, args.iters,
                          args.prefill_policies)
@@ -235,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                args.prefill_contexts, "--contexts", args.contexts, "--batches", args.batches, "--policies",
                args.policies, "--decode-steps", str(args.decode_steps), "--iters", str(args.iters),
                "--unroll", str(args.unroll), "--prefill-policies", args.prefill_policies,
-               "--decode-matmul", args.decode_matmul]
+               "--decode-matmul", transformer.DECODE_MATMUL]
         res = subprocess.run(cmd, capture_output=True, text=True)  # one process per model: clean device memory
         lines = [line for line in res.stdout.splitlines() if line.startswith("ROWS ")]
         if lines:

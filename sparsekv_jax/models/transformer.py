@@ -36,13 +36,30 @@ def decode_unroll() -> int | bool:
     return 1 if DECODE_UNROLL == "auto" else DECODE_UNROLL
 
 
-# Decode matmuls: "xla" (cuBLAS on a slice of the stacked weights, which XLA copies out first) or
+# Decode matmuls: "xla" (cuBLAS on a slice of the stacked weights, which XLA copies out first),
 # "pallas" (`sparsekv_jax.pallas.matmul.layer_matmul` reads the layer's tiles from the stack: no
-# copy). "xla" stays the default until the kernel is measured on a GPU (docs/BENCHMARKS.md).
-# The environment variable SPARSEKV_DECODE_MATMUL sets it for a whole process (benches, eval).
-DECODE_MATMUL = os.environ.get("SPARSEKV_DECODE_MATMUL", "xla")
-if DECODE_MATMUL not in ("xla", "pallas"):
-    raise ValueError(f"SPARSEKV_DECODE_MATMUL={DECODE_MATMUL!r}: expected 'xla' or 'pallas'")
+# copy) or "auto": "pallas" on a GPU, "xla" elsewhere (on CPU the kernel only runs interpreted).
+# Measured on an H100 (Llama-3.1-8B shapes, FullKV decode step at 8k): 20.97 -> 7.71 ms/token at
+# B=1 and 19.46 -> 10.55 at B=8 (docs/BENCHMARKS.md, "Decode matmuls"). The environment variable
+# SPARSEKV_DECODE_MATMUL sets it for a whole process (benches, eval).
+DECODE_MATMUL = os.environ.get("SPARSEKV_DECODE_MATMUL", "auto")
+if DECODE_MATMUL not in ("auto", "xla", "pallas"):
+    raise ValueError(f"SPARSEKV_DECODE_MATMUL={DECODE_MATMUL!r}: expected 'auto', 'xla' or 'pallas'")
+
+
+def decode_weights_by_index(params: Params) -> bool:
+    """Whether decode matmuls read the stacked weights by layer index (`DECODE_MATMUL`, resolved).
+
+    "auto" also falls back to XLA where the kernel does not apply: a weight dimension that is not
+    a multiple of 16, or weights in more than one dtype.
+    """
+    mode = DECODE_MATMUL
+    if mode == "auto":
+        names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+        ws = [getattr(params.layers, n) for n in names]
+        fits = all(w.shape[1] % 16 == 0 and w.shape[2] % 16 == 0 for w in ws) and len({w.dtype for w in ws}) == 1
+        mode = "pallas" if jax.default_backend() == "gpu" and fits else "xla"
+    return mode == "pallas"
 
 
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any, Any]]
