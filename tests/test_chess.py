@@ -323,6 +323,55 @@ def test_page_vector_variants_equal_brute_force(keys, centred):
         np.testing.assert_allclose(got[b, :pages], vec @ anchor, rtol=1e-4, atol=1e-3 * np.abs(vec @ anchor).max())
 
 
+def test_pre_rope_scores_with_per_layer_positions_equal_brute_force():
+    """Layers holding different positions (per-layer compression) each rotate back by their own:
+    the rebuild reuses layer 0's rotation only where a layer's positions equal layer 0's."""
+    from sparsekv_jax.models.rope import inverse_frequencies
+
+    rng = np.random.default_rng()
+    lengths = rng.integers(60, 250, 2)
+    S, ps = 256, 32
+    raw = rng.standard_normal((CFG.num_layers, 2, CFG.num_kv_heads, S, CFG.head_dim)) + 0.5
+    caches = [_positioned_cache(rng, lengths, S, raw) for _ in range(CFG.num_layers)]  # fresh positions each
+    pos = np.stack([c[1] for c in caches])  # [L, B, H, S], different per layer
+    assert not np.array_equal(pos[0], pos[1])
+    cache = caches[0][0]
+    layers = cache.layers.replace(k=jnp.stack([c[0].layers.k[layer] for layer, c in enumerate(caches)]),
+                                  positions=jnp.asarray(pos, jnp.int32))
+    cache = cache.replace(layers=summarize_pages(layers, jnp.asarray(lengths), 16))
+    pol = CHESS(page_size=ps).bind_model(CFG)
+    got = np.asarray(pol._page_scores(cache, cache.length)[0])
+    content = _rotate(np.asarray(cache.layers.k, np.float64), -np.maximum(pos, 0), inverse_frequencies(CFG))
+    for b, n in enumerate(lengths):
+        pages = -(-n // ps)
+        vec = np.stack([content[:, b, :, p * ps:min((p + 1) * ps, n)].mean(2).ravel() for p in range(pages)])
+        anchor = vec[max(0, pages - 2):].mean(0) - vec.mean(0)
+        np.testing.assert_allclose(got[b, :pages], vec @ anchor, rtol=1e-4, atol=1e-3 * np.abs(vec @ anchor).max())
+
+
+@pytest.mark.parametrize("trigger", ["interval", "uncertainty"])
+def test_page_list_kept_across_steps_equals_a_fresh_one(trigger):
+    """The decode state's page list is rebuilt only when the selection or the pages in use change;
+    at every step it equals the list built afresh from the selection and the length."""
+    rng = np.random.default_rng()
+    lengths = rng.integers(30, 200, 3)
+    cache = _filled_cache(rng, 3, 512, lengths)
+    extra = {"interval": 2} if trigger == "interval" else {"entropy_threshold": 0.0, "varentropy_threshold": 0.0}
+    pol = CHESS(ratios="aggressive", page_size=16, trigger=trigger, chunk_pages=2, grid_chunks=2,
+                **extra).bind_model(CFG)
+    _, st = pol.decode_init(cache, None)
+    update = jax.jit(pol.decode_update)
+    fired = 0
+    for _ in range(80):
+        cache = cache.replace(length=cache.length + 1)
+        st = update(st, cache, jnp.asarray(rng.standard_normal((3, CFG.vocab_size)) * 3, jnp.float32))
+        ids, counts = pol._page_list(st["selected"], cache.length - st["rewind"] + 1, cache)
+        np.testing.assert_array_equal(np.asarray(st["ids"]), np.asarray(ids))
+        np.testing.assert_array_equal(np.asarray(st["counts"]), np.asarray(counts))
+    fired = int(np.asarray(st["reselections"]).sum())
+    assert fired >= 3, "the selection should have been rebuilt along the way"
+
+
 def test_pre_rope_scores_do_not_depend_on_positions():
     """The same content at other positions scores the same pre-RoPE; post-RoPE it does not."""
     rng = np.random.default_rng()
