@@ -279,13 +279,17 @@ def _rotate(x, pos, inv_freq):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def _positioned_cache(rng, lengths, S, raw):
+def _positioned_cache(rng, lengths, S, raw, consecutive=False):
     """A cache holding ``raw`` ``[L, B, H, S, D]`` keys rotated to random increasing per-head
-    positions (as after per-head compression), with page sums; returns (cache, positions)."""
+    positions (as after per-head compression; or ``consecutive`` from a random start per head, as
+    in a cache that was not compressed), with page sums; returns (cache, positions)."""
     from sparsekv_jax.models.rope import inverse_frequencies
 
     L, B, H, _, D = raw.shape
-    pos = np.cumsum(rng.integers(1, 4, (B, H, S)), axis=-1) - 1
+    if consecutive:
+        pos = rng.integers(0, 5000, (B, H, 1)) + np.arange(S)
+    else:
+        pos = np.cumsum(rng.integers(1, 4, (B, H, S)), axis=-1) - 1
     pos = np.where(np.arange(S)[None, None] < lengths[:, None, None], pos, -1)
     k = np.where((pos >= 0)[None, ..., None], _rotate(raw, np.maximum(pos, 0)[None], inverse_frequencies(CFG)), 0.0)
     cache = init_cache(CFG, B, S, page_size=16, dtype=jnp.float32)
@@ -295,9 +299,10 @@ def _positioned_cache(rng, lengths, S, raw):
     return cache.replace(layers=layers, length=jnp.asarray(lengths, jnp.int32)), pos
 
 
-@pytest.mark.parametrize("keys", ["post_rope", "pre_rope"])
+@pytest.mark.parametrize("keys,consecutive", [("post_rope", False), ("pre_rope", False), ("pre_rope", True)],
+                         ids=["post_rope", "pre_rope-gaps", "pre_rope-consecutive"])
 @pytest.mark.parametrize("centred", [False, True])
-def test_page_vector_variants_equal_brute_force(keys, centred):
+def test_page_vector_variants_equal_brute_force(keys, consecutive, centred):
     """Scores = page vector · anchor over the flattened (layer, head, dim) vectors, built here by
     hand: pre-RoPE keys are the stored keys rotated back by their own positions; centring
     subtracts the mean page vector from both (the score then differs from (v-mu)·(a-mu) by a
@@ -308,7 +313,7 @@ def test_page_vector_variants_equal_brute_force(keys, centred):
     lengths = rng.integers(40, 300, 2)
     S, ps, window = 320, 32, 2
     raw = rng.standard_normal((CFG.num_layers, 2, CFG.num_kv_heads, S, CFG.head_dim)) + 0.5  # a common component
-    cache, pos = _positioned_cache(rng, lengths, S, raw)
+    cache, pos = _positioned_cache(rng, lengths, S, raw, consecutive)
     pol = CHESS(page_size=ps, keys=keys, centred=centred).bind_model(CFG)
     got, used = (np.asarray(x) for x in pol._page_scores(cache, cache.length))
     stored = np.asarray(cache.layers.k, np.float64)
@@ -324,15 +329,15 @@ def test_page_vector_variants_equal_brute_force(keys, centred):
 
 
 def test_pre_rope_scores_with_per_layer_positions_equal_brute_force():
-    """Layers holding different positions (per-layer compression) each rotate back by their own:
-    the rebuild reuses layer 0's rotation only where a layer's positions equal layer 0's."""
+    """Layers holding different positions (per-layer compression) each rotate back by their own,
+    one layer by pages (consecutive positions), the others token by token."""
     from sparsekv_jax.models.rope import inverse_frequencies
 
     rng = np.random.default_rng()
     lengths = rng.integers(60, 250, 2)
     S, ps = 256, 32
     raw = rng.standard_normal((CFG.num_layers, 2, CFG.num_kv_heads, S, CFG.head_dim)) + 0.5
-    caches = [_positioned_cache(rng, lengths, S, raw) for _ in range(CFG.num_layers)]  # fresh positions each
+    caches = [_positioned_cache(rng, lengths, S, raw, consecutive=layer == 0) for layer in range(CFG.num_layers)]
     pos = np.stack([c[1] for c in caches])  # [L, B, H, S], different per layer
     assert not np.array_equal(pos[0], pos[1])
     cache = caches[0][0]
