@@ -329,8 +329,8 @@ def test_page_vector_variants_equal_brute_force(keys, consecutive, centred):
 
 
 def test_pre_rope_scores_with_per_layer_positions_equal_brute_force():
-    """Layers holding different positions (per-layer compression) each rotate back by their own,
-    one layer by pages (consecutive positions), the others token by token."""
+    """Layers holding different positions (per-layer compression) each rotate back by their own
+    (layer 0 consecutive, the others with gaps: the token-by-token path)."""
     from sparsekv_jax.models.rope import inverse_frequencies
 
     rng = np.random.default_rng()

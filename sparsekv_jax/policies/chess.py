@@ -125,6 +125,22 @@ def hierarchical_select(page_scores: jax.Array, in_use: jax.Array, candidate: ja
     return keep_page[:, :P]
 
 
+def _unrotation_matrix(page_size: int, inv_freq: np.ndarray) -> np.ndarray:
+    """``[page_size·D, D]`` matrix M with ``k_page.reshape(page_size·D) @ M = sum_j R(-j)·k_j``:
+    RoPE's rotation by ``-j`` (rotate-half layout) of the page's ``j``-th key, summed over the page."""
+    half = len(inv_freq)
+    D = 2 * half
+    angle = np.arange(page_size)[:, None] * np.asarray(inv_freq, np.float64)[None]  # [ps, D/2]
+    cos, sin = np.cos(angle), np.sin(angle)
+    m = np.zeros((page_size, D, D))
+    d = np.arange(half)
+    m[:, d, d] = cos  # out1 = k1·cos + k2·sin
+    m[:, half + d, d] = sin
+    m[:, half + d, half + d] = cos  # out2 = k2·cos - k1·sin
+    m[:, d, half + d] = -sin
+    return m.reshape(page_size * D, D)
+
+
 def max_selected(num_pages: int, ratios: tuple[float, float, float], chunk_pages: int, grid_chunks: int) -> int:
     """Static upper bound of `hierarchical_select`'s kept pages for ``num_pages`` pages."""
     rho_g, rho_c, rho_p = ratios
@@ -323,45 +339,57 @@ class CHESS(Policy):
             raise ValueError(f"CHESS inv_freq has {len(self.inv_freq)} frequencies, the cache's head_dim is {D}")
         P, ps = w.shape[1], self.page_size
         inv_freq = jnp.asarray(np.asarray(self.inv_freq), jnp.float32)
-        live = jnp.arange(S)[None] < anchor_end[:, None]  # [B, S]
+        k_all, pos_all = cache.layers.k, cache.layers.positions  # [L, B, H, S, D], [L, B, H, S]
         pad = P * ps - S
+
+        def paged(x):  # [L, B, H, S, ...] → [L, B, H, P, ps, ...] (a copy only when S % ps)
+            x = jnp.pad(x, ((0, 0),) * 3 + ((0, pad),) + ((0, 0),) * (x.ndim - 4)) if pad else x
+            return x.reshape(L, B, H, P, ps, *x.shape[4:])
 
         def rotate_back(x1, x2, angle):  # R(-angle) of the pair halves (RoPE's rotate-half layout)
             cos, sin = jnp.cos(angle), jnp.sin(angle)
             return x1 * cos + x2 * sin, x2 * cos - x1 * sin
 
-        def paged(x):  # [B, H, S, ...] → [B, H, P, ps, ...]
-            x = jnp.pad(x, ((0, 0), (0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 3)) if pad else x
-            return x.reshape(B, H, P, ps, *x.shape[3:])
+        def token_sums(k, pos, mask):  # [..., n, D] keys → [..., D] sum of the masked ones rotated back
+            k1, k2 = jnp.split(k.astype(jnp.float32), 2, axis=-1)
+            r1, r2 = rotate_back(k1, k2, pos.astype(jnp.float32)[..., None] * inv_freq)
+            return jnp.where(mask[..., None], jnp.concatenate([r1, r2], axis=-1), 0.0).sum(-2)
 
-        # Two exact ways to the pages' sums of un-rotated keys. Per token: rotate each key back by
-        # its own position (B·H·S·D/2 sines and cosines and fp32 temporaries per layer: 175 ms of a
-        # 32k x 22 rebuild on an H200). Per page, when a page's live positions are consecutive
-        # (p0, p0+1, ...; every cache that was not compressed): R(-(p0+j)) = R(-p0)·R(-j), so the
-        # page sum is R(-p0) applied to Σ_j R(-j)·k_j, a fixed ps x D/2 table — one read of the keys.
-        offsets = jnp.arange(ps, dtype=jnp.float32)[:, None] * inv_freq  # [ps, D/2]
+        slot_live = (jnp.arange(S)[None] < anchor_end[:, None])[None, :, None]  # [1, B, 1, S]
+        mask = paged(slot_live & (pos_all >= 0))  # [L, B, H, P, ps]
+        pos_paged = paged(pos_all)
+        edge = jnp.maximum(anchor_end - 1, 0) // ps  # [B] the page holding the window's last slot
+        at_edge = (jnp.arange(P)[None] == edge[:, None])[None, :, None]  # [1, B, 1, P]
+        partial = mask.any(-1) & ~mask.all(-1)
+        # Fast and exact when every page's live positions are consecutive (p0, p0+1, ...) and only
+        # the edge page is partly live: every cache that was not compressed. R(-(p0+j)) =
+        # R(-p0)·R(-j), so a page's sum is R(-p0) applied to sum_j R(-j)·k_j: one matmul of the keys
+        # against a fixed [ps·D, D] matrix (tensor cores; the keys read once), then a rotation per
+        # page. Otherwise (per-head or per-layer compression) every key is rotated back by its own
+        # position, one layer at a time — exact too, but B·H·S·D/2 sines and cosines per layer.
+        consecutive = jnp.all(~mask | (pos_paged == pos_paged[..., :1] + jnp.arange(ps)))
+        fast = consecutive & ~jnp.any(partial & ~at_edge)
 
-        def per_page(k, pos, mask):
-            k1, k2 = jnp.split(jnp.where(mask[..., None], paged(k), 0).astype(jnp.float32), 2, axis=-1)
-            r1, r2 = rotate_back(k1, k2, offsets)  # [B, H, P, ps, D/2] elementwise, reduced below
-            base = paged(pos)[..., 0].astype(jnp.float32)[..., None] * inv_freq  # [B, H, P, D/2]
-            return jnp.concatenate(rotate_back(r1.sum(3), r2.sum(3), base), axis=-1)
+        def by_pages():
+            unrotate = jnp.asarray(_unrotation_matrix(ps, np.asarray(self.inv_freq)), k_all.dtype)
+            sums = jnp.dot(paged(k_all).reshape(-1, ps * D), unrotate, precision=jax.lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32).reshape(L, B, H, P, D)
+            s1, s2 = rotate_back(*jnp.split(sums, 2, axis=-1), pos_paged[..., 0, None].astype(jnp.float32) * inv_freq)
+            sums = jnp.where(mask.all(-1)[..., None], jnp.concatenate([s1, s2], axis=-1), 0.0)
+            # the edge page (slots past anchor_end may hold stale keys): its live keys one by one
+            slots = jnp.minimum(edge[:, None] * ps + jnp.arange(ps), S - 1)  # [B, ps]
+            keys = jnp.take_along_axis(k_all, slots[None, :, None, :, None], axis=3)  # [L, B, H, ps, D]
+            pos = jnp.take_along_axis(pos_all, slots[None, :, None, :], axis=3)  # [L, B, H, ps]
+            live = ((edge[:, None] * ps + jnp.arange(ps)) < jnp.minimum(anchor_end, S)[:, None])[None, :, None]
+            edge_sum = token_sums(keys, pos, live & (pos >= 0))  # [L, B, H, D]
+            return jnp.where(at_edge[..., None], edge_sum[:, :, :, None], sums)
 
-        def per_token(k, pos, mask):
-            k1, k2 = jnp.split(paged(k).astype(jnp.float32), 2, axis=-1)
-            r1, r2 = rotate_back(k1, k2, paged(pos).astype(jnp.float32)[..., None] * inv_freq)
-            return jnp.where(mask[..., None], jnp.concatenate([r1, r2], axis=-1), 0.0).sum(3)
+        def by_tokens():
+            return jax.lax.map(lambda kpm: token_sums(*kpm), (paged(k_all), pos_paged, mask))
 
-        def layer_dots(kp: tuple[jax.Array, jax.Array]) -> jax.Array:
-            k, pos = kp  # [B, H, S, D], [B, H, S]
-            mask = paged(live[:, None] & (pos >= 0))  # [B, H, P, ps]
-            first = paged(pos)[..., :1]
-            consecutive = jnp.all(~mask | (paged(pos) == first + jnp.arange(ps)))
-            sums = jax.lax.cond(consecutive, per_page, per_token, k, pos, mask)  # [B, H, P, D]
-            anchor = jnp.einsum("bhpd,bp->bhd", sums, w)
-            return jnp.einsum("bhpd,bhd->bp", sums, anchor)
-
-        return jax.lax.map(layer_dots, (cache.layers.k, cache.layers.positions)).sum(0)
+        sums = jax.lax.cond(fast, by_pages, by_tokens)  # [L, B, H, P, D] page sums of un-rotated keys
+        anchor = jnp.einsum("lbhpd,bp->lbhd", sums, w)
+        return jnp.einsum("lbhpd,lbhd->bp", sums, anchor)
 
     def select_pages(self, cache: KVCache, anchor_end: jax.Array) -> jax.Array:
         """``[B, P]`` the context rebuilt for the window ending at ``anchor_end``: the semantic
