@@ -344,7 +344,7 @@ class CHESS(Policy):
 
         def paged(x):  # [L, B, H, S, ...] → [L, B, H, P, ps, ...] (a copy only when S % ps)
             x = jnp.pad(x, ((0, 0),) * 3 + ((0, pad),) + ((0, 0),) * (x.ndim - 4)) if pad else x
-            return x.reshape(L, B, H, P, ps, *x.shape[4:])
+            return x.reshape(x.shape[0], B, H, P, ps, *x.shape[4:])
 
         def rotate_back(x1, x2, angle):  # R(-angle) of the pair halves (RoPE's rotate-half layout)
             cos, sin = jnp.cos(angle), jnp.sin(angle)
@@ -356,38 +356,43 @@ class CHESS(Policy):
             return jnp.where(mask[..., None], jnp.concatenate([r1, r2], axis=-1), 0.0).sum(-2)
 
         slot_live = (jnp.arange(S)[None] < anchor_end[:, None])[None, :, None]  # [1, B, 1, S]
-        mask = paged(slot_live & (pos_all >= 0))  # [L, B, H, P, ps]
-        pos_paged = paged(pos_all)
         edge = jnp.maximum(anchor_end - 1, 0) // ps  # [B] the page holding the window's last slot
         at_edge = (jnp.arange(P)[None] == edge[:, None])[None, :, None]  # [1, B, 1, P]
-        partial = mask.any(-1) & ~mask.all(-1)
-        # Fast and exact when every page's live positions are consecutive (p0, p0+1, ...) and only
-        # the edge page is partly live: every cache that was not compressed. R(-(p0+j)) =
-        # R(-p0)·R(-j), so a page's sum is R(-p0) applied to sum_j R(-j)·k_j: one matmul of the keys
-        # against a fixed [ps·D, D] matrix (tensor cores; the keys read once), then a rotation per
-        # page. Otherwise (per-head or per-layer compression) every key is rotated back by its own
-        # position, one layer at a time — exact too, but B·H·S·D/2 sines and cosines per layer.
-        consecutive = jnp.all(~mask | (pos_paged == pos_paged[..., :1] + jnp.arange(ps)))
-        fast = consecutive & ~jnp.any(partial & ~at_edge)
+        edge_slots = edge[:, None] * ps + jnp.arange(ps)  # [B, ps]
+        edge_live = (edge_slots < jnp.minimum(anchor_end, S)[:, None])[None, :, None]  # [1, B, 1, ps]
+        unrotate = _unrotation_matrix(ps, np.asarray(self.inv_freq))
+        # Per layer (the cache read by layer index), two exact ways to the pages' sums of un-rotated
+        # keys. Fast, when every page's live positions are consecutive (p0, p0+1, ...) and only the
+        # edge page is partly live — every layer that was not compressed: R(-(p0+j)) = R(-p0)·R(-j),
+        # so a page's sum is R(-p0) applied to sum_j R(-j)·k_j, one matmul of the keys with a fixed
+        # [ps·D, D] matrix (tensor cores, the keys read once) and a rotation per page; the edge
+        # page (slots past anchor_end may hold stale keys) key by key. Otherwise (per-head or
+        # per-layer compression) every key is rotated back by its own position: B·H·S·D/2 sines
+        # and cosines per layer, 20x slower at 32k x 22 on an H200.
 
-        def by_pages():
-            unrotate = jnp.asarray(_unrotation_matrix(ps, np.asarray(self.inv_freq)), k_all.dtype)
-            sums = jnp.dot(paged(k_all).reshape(-1, ps * D), unrotate, precision=jax.lax.Precision.HIGHEST,
-                           preferred_element_type=jnp.float32).reshape(L, B, H, P, D)
-            s1, s2 = rotate_back(*jnp.split(sums, 2, axis=-1), pos_paged[..., 0, None].astype(jnp.float32) * inv_freq)
-            sums = jnp.where(mask.all(-1)[..., None], jnp.concatenate([s1, s2], axis=-1), 0.0)
-            # the edge page (slots past anchor_end may hold stale keys): its live keys one by one
-            slots = jnp.minimum(edge[:, None] * ps + jnp.arange(ps), S - 1)  # [B, ps]
-            keys = jnp.take_along_axis(k_all, slots[None, :, None, :, None], axis=3)  # [L, B, H, ps, D]
-            pos = jnp.take_along_axis(pos_all, slots[None, :, None, :], axis=3)  # [L, B, H, ps]
-            live = ((edge[:, None] * ps + jnp.arange(ps)) < jnp.minimum(anchor_end, S)[:, None])[None, :, None]
-            edge_sum = token_sums(keys, pos, live & (pos >= 0))  # [L, B, H, D]
-            return jnp.where(at_edge[..., None], edge_sum[:, :, :, None], sums)
+        def layer_sums(k, pos):  # [1, B, H, S, D], [1, B, H, S] → [1, B, H, P, D]
+            mask = paged(slot_live & (pos >= 0))  # [1, B, H, P, ps]
+            pos_paged = paged(pos)
+            consecutive = jnp.all(~mask | (pos_paged == pos_paged[..., :1] + jnp.arange(ps)))
+            partial = mask.any(-1) & ~mask.all(-1)
 
-        def by_tokens():
-            return jax.lax.map(lambda kpm: token_sums(*kpm), (paged(k_all), pos_paged, mask))
+            def by_pages():
+                sums = jnp.dot(paged(k).reshape(-1, ps * D), jnp.asarray(unrotate, k.dtype),
+                               precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32).reshape(1, B, H, P, D)
+                base = pos_paged[..., 0, None].astype(jnp.float32) * inv_freq  # [1, B, H, P, D/2]
+                s1, s2 = rotate_back(*jnp.split(sums, 2, axis=-1), base)
+                sums = jnp.where(mask.all(-1)[..., None], jnp.concatenate([s1, s2], axis=-1), 0.0)
+                slots = jnp.minimum(edge_slots, S - 1)[None, :, None]
+                keys = jnp.take_along_axis(k, slots[..., None], axis=3)  # [1, B, H, ps, D]
+                at = jnp.take_along_axis(pos, slots, axis=3)  # [1, B, H, ps]
+                edge_sum = token_sums(keys, at, edge_live & (at >= 0))  # [1, B, H, D]
+                return jnp.where(at_edge[..., None], edge_sum[:, :, :, None], sums)
 
-        sums = jax.lax.cond(fast, by_pages, by_tokens)  # [L, B, H, P, D] page sums of un-rotated keys
+            return jax.lax.cond(consecutive & ~jnp.any(partial & ~at_edge), by_pages,
+                                lambda: token_sums(paged(k), pos_paged, mask))
+
+        sums = jax.lax.map(lambda kp: layer_sums(kp[0][None], kp[1][None])[0], (k_all, pos_all))  # [L, B, H, P, D]
         anchor = jnp.einsum("lbhpd,bp->lbhd", sums, w)
         return jnp.einsum("lbhpd,lbhd->bp", sums, anchor)
 
