@@ -50,8 +50,12 @@ the semantic attributes of the input tokens"; ``scripts/chess_needle_ranks.py``,
   stores them (``keys="post_rope"``), carries RoPE's phase: anchor · page is then dominated by how
   close a page sits to the window (on SmolLM2 at 4k the needle's page ranked 28-124 of 125 for its
   question, and `moderate` answered 1 of 4 single needles). The cache's incremental page sums are
-  post-RoPE, so a pre-RoPE rebuild reads every cached key once, one layer at a time; rebuilds are
-  rare, and the per-step page list is the same either way. ``post_rope`` needs no key read.
+  post-RoPE, so a pre-RoPE rebuild reads every cached key once, one layer at a time. Where a
+  page's positions are consecutive (any cache that was not compressed) that is one matmul with a
+  fixed un-rotation matrix, R(-(p0+j)) = R(-p0)·R(-j), then a rotation per page (44.8 ms at 32k x
+  21 rows of Llama-3.1-8B on an H200, 1.7% of the step time over 10 pages); compressed layers
+  rotate key by key. Rebuilds are rare and the per-step page list is the same either way.
+  ``post_rope`` reads only the page sums (3.4 ms).
 * ``centred=True`` (default; not in the paper): keys share a large common component, so every
   page scores high against any anchor; subtracting the context's mean page vector from page
   vectors and anchor alike scores what distinguishes a page (pre-RoPE alone ranked the needle's
