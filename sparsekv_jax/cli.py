@@ -140,7 +140,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         summary = runner.run_eval(
             model=args.model, suite=args.suite, tasks=tasks, lengths=lengths, policies=args.policies, n=args.n,
             seed=args.seed, out_dir=args.out, question=args.question, batch_size=args.batch_size,
-            fidelity=args.fidelity, progress=not args.quiet, dtype=dtype, pad_multiple=args.pad_multiple)
+            fidelity=args.fidelity, progress=not args.quiet, dtype=dtype, pad_multiple=args.pad_multiple,
+            prefill_chunk=args.prefill_chunk)
     except (ValueError, FileNotFoundError) as e:
         print(f"sparsekv eval: error: {e}", file=sys.stderr)
         return 2
@@ -275,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--pad-multiple", type=int, default=64, metavar="M",
                    help="right-pad prompts to a multiple of M tokens: larger M, fewer distinct shapes to compile "
                         "(default 64; e.g. 1024 on the GPU)")
+    e.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prefill prompts in chunks of N tokens (less memory, e.g. 8k prompts on a CPU); only for "
+                        "policies that need no one-pass prefill: fullkv, quest, chess")
     e.add_argument("--fidelity", action="store_true",
                    help="also measure KL, top-1 agreement and attention-output error against full attention")
     e.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")
@@ -309,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("max_new_tokens", "context", "batch", "n", "batch_size", "pad_multiple"):
+    for name in ("max_new_tokens", "context", "batch", "n", "batch_size", "pad_multiple", "prefill_chunk"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args.func(args)

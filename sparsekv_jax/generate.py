@@ -440,6 +440,9 @@ def _setup(params: Params, policy: Policy | None, tokens: Any, lengths: Any, suf
     if prefill_chunk is not None and prefill_chunk <= 0:
         raise ValueError(f"prefill_chunk={prefill_chunk} must be positive or None")
     capacity = pages_for(capacity, page_size) * page_size
+    if prefill_chunk is not None and prefill_chunk < tokens.shape[1] and policy.needs_whole_prefill:
+        raise ValueError(f"prefill_chunk={prefill_chunk}: {policy.name} needs the whole prompt in one prefill pass "
+                         f"(a prefill block pattern or prefill observations); use prefill_chunk=None")
     if prefill_chunk is not None:
         capacity = max(capacity, pages_for(tokens.shape[1], prefill_chunk) * prefill_chunk)
     policy.validate(tokens.shape[1], extra_tokens, page_size)

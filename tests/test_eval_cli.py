@@ -240,3 +240,17 @@ def test_eval_records_chess_counters_and_runs_stem(smol_load, tmp_path):
     # thresholds 0: every complete page of 32 generated tokens triggers a rebuild
     assert c["stats"]["reselections"] >= (c["generated_tokens"] - 1) // 32
     assert "reselections" not in recs["stem"]["stats"]
+
+
+def test_eval_prefill_chunk(smol_load, tmp_path, capsys):
+    """--prefill-chunk runs decode-stage policies in chunks and refuses one that observes the prefill."""
+    out = tmp_path / "chunked"
+    assert cli.main(["eval", "--suite", "longbench", "--tasks", "passage_count", "--lengths", "512",
+                     "--policies", "snapkv(0.5)", "--prefill-chunk", "128", "--n", "1", "--out", str(out), "-q"]) == 2
+    assert "snapkv(0.5)" in capsys.readouterr().err
+    assert cli.main(["eval", "--suite", "longbench", "--tasks", "passage_count", "--lengths", "512",
+                     "--policies", "quest(0.5)", "--prefill-chunk", "128", "--n", "1", "--out", str(out), "-q"]) == 0
+    recs = {r["policy"]: r for r in _lines(out / "results.jsonl")}
+    assert set(recs) == {"fullkv", "quest(0.5)"}
+    assert all(r["prompt_tokens"] > 128 for r in recs.values())  # more than one chunk
+    assert 0 < recs["quest(0.5)"]["stats"]["kv_read_fraction"] < 1

@@ -66,6 +66,25 @@ def test_bad_page_size_and_chunk(params):
         generate(params, None, np.ones((1, 5), np.int32), max_new_tokens=2, prefill_chunk=0)
 
 
+def test_chunked_prefill_only_for_policies_that_need_no_whole_prompt(params):
+    """Chunked prefill runs no prefill pattern and no prefill observations: a policy that needs
+    them is refused before jit, naming it; a decode-stage policy prefilled in chunks decodes what
+    it decodes after one pass."""
+    from sparsekv_jax.policies import H2O, Pipeline, Quest, SnapKV, Stem
+
+    rng = np.random.default_rng()
+    tokens = rng.integers(1, CFG.vocab_size, (2, 48))
+    lengths = np.array([48, 35])
+    for policy in (SnapKV(0.5), H2O(0.5), Stem(block_size=16), Pipeline(compress=SnapKV(0.5), decode=Quest(0.5))):
+        with pytest.raises(ValueError, match=f"prefill_chunk=16: {policy.name[:6]}.*one prefill pass"):
+            generate(params, policy, tokens, lengths=lengths, max_new_tokens=4, prefill_chunk=16)
+    one = generate(params, Quest(0.5), tokens, lengths=lengths, max_new_tokens=12)
+    chunked = generate(params, Quest(0.5), tokens, lengths=lengths, max_new_tokens=12, prefill_chunk=16)
+    np.testing.assert_array_equal(np.asarray(chunked.tokens), np.asarray(one.tokens))
+    # a chunk covering the prompt is one pass, whatever the policy
+    generate(params, SnapKV(0.9), tokens, lengths=lengths, max_new_tokens=2, prefill_chunk=48)
+
+
 def test_top_k_one_and_tiny_top_p_are_greedy(params):
     tokens = np.random.default_rng().integers(1, CFG.vocab_size, (3, 9))
     greedy = generate(params, None, tokens, max_new_tokens=6, stop_tokens=())

@@ -528,7 +528,8 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
              out_dir: str | os.PathLike[str] = "eval_out", question: str = "agnostic", batch_size: int = 4,
              fidelity: bool = False, progress: bool = True, *, dtype: Any = None, model_name: str | None = None,
              longbench_path: str | os.PathLike[str] | None = None, cache_dir: str | os.PathLike[str] | None = None,
-             page_size: int = 16, pad_multiple: int = 64, add_fullkv: bool = True) -> dict[str, Any]:
+             page_size: int = 16, pad_multiple: int = 64, add_fullkv: bool = True,
+             prefill_chunk: int | None = None) -> dict[str, Any]:
     """Evaluate ``policies`` on a suite; append results to ``out_dir/results.jsonl``; write summaries.
 
     Args:
@@ -546,6 +547,9 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
       batch_size: rows per `generate` call.
       fidelity: also measure KL / top-1 agreement / attention-output error against full attention.
       progress: a tqdm bar over (sample, policy) pairs.
+      prefill_chunk: prefill prompts in chunks of this many tokens (memory: a chunk's scores
+        instead of the whole prompt's); only for policies that need no one-pass prefill (full
+        attention, decode-stage policies such as Quest and CHESS), and not with ``fidelity``.
       dtype: weight dtype when loading ``model`` (default float32).
       model_name: name in the resume key (default: ``model`` when it is a string).
       longbench_path: LongBench data for ``suite="longbench"``.
@@ -570,6 +574,15 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
     if n < 1 or batch_size < 1:
         raise ValueError(f"n={n} and batch_size={batch_size} must be >= 1")
     specs = policy_specs(policies)
+    if prefill_chunk is not None:
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk={prefill_chunk} must be >= 1")
+        if fidelity:
+            raise ValueError("prefill_chunk is not supported with fidelity (its references prefill in one pass)")
+        whole = [s.label for s in specs if s.policy.needs_whole_prefill]
+        if whole:
+            raise ValueError(f"prefill_chunk={prefill_chunk}: {', '.join(whole)} need(s) the whole prompt in one "
+                             "prefill pass (a prefill block pattern or prefill observations)")
     if add_fullkv and not any(_is_dense(s.policy) for s in specs):
         specs = policy_specs("fullkv") + specs
     specs.sort(key=lambda s: not _is_dense(s.policy))  # full attention first: fidelity reuses its answers
@@ -654,6 +667,7 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
                     compiled.add(shape_key)
                     res = generate(params, spec.policy, kwargs["tokens"], lengths=kwargs["lengths"],
                                    max_new_tokens=new, stop_tokens=stop, page_size=page_size,
+                                   prefill_chunk=prefill_chunk,
                                    suffix=kwargs["suffix"], suffix_lengths=kwargs["suffix_lengths"])
                     toks = np.asarray(res.tokens)
                     num = np.asarray(res.num_generated)

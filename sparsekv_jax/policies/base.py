@@ -42,6 +42,13 @@ class Policy:
     def needs_decode_probs(self) -> bool:
         return False
 
+    @property
+    def needs_whole_prefill(self) -> bool:
+        """Whether the prompt must be prefilled in one pass: the policy sets a prefill block
+        pattern or observes the prefill (for ``compress``), which chunked prefill does not run."""
+        cls = type(self)
+        return cls.prefill_pattern is not Policy.prefill_pattern or cls.observe is not Policy.observe
+
     def validate(self, prompt_len: int, max_new_tokens: int, page_size: int) -> None:
         """Raise ``ValueError`` for settings that cannot work with these sizes (before jit)."""
 

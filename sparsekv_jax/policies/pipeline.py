@@ -43,6 +43,10 @@ class Pipeline(Policy):
     def needs_decode_probs(self) -> bool:
         return self.decode.needs_decode_probs
 
+    @property
+    def needs_whole_prefill(self) -> bool:
+        return any(p.needs_whole_prefill for p in (self.prefill, self.compress_with, self.decode))
+
     def validate(self, prompt_len: int, max_new_tokens: int, page_size: int) -> None:
         for p in (self.prefill, self.compress_with, self.decode):
             p.validate(prompt_len, max_new_tokens, page_size)
