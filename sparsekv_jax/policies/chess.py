@@ -417,7 +417,7 @@ class CHESS(Policy):
     def _forced(self, length: jax.Array, P: int) -> jax.Array:
         """``[B, P]`` sink and window pages for a cache of ``length`` slots."""
         page = jnp.arange(P)[None]
-        used = -(-length // self.page_size)[:, None]
+        used = self._used(length)[:, None]
         return (page < jnp.minimum(self.sink_pages, used)) | ((page >= used - self.window_pages) & (page < used))
 
     def _page_list(self, selected: jax.Array, length: jax.Array, cache: KVCache) -> tuple[jax.Array, jax.Array]:
