@@ -9,7 +9,10 @@ Three measurements, each after a warm-up, median of ``--iters`` timed runs:
    ``--latency-batch``, timed in chunks of ``--chunk`` steps; CHESS rebuilds its selection every
    ``--interval`` pages (the paper's average: ~10 pages between rebuilds).
 3. **Selection cost**: one rebuild (anchor, scores of every page, grid → chunk → page masks, page
-   list) and the per-step page-list refresh, each timed alone, as a share of a CHESS step.
+   list) and the per-step page-list refresh, each timed alone, as a share of a CHESS step. The
+   per-step share inside the step is measured by difference: the throughput run also times CHESS
+   with its per-step update removed (``[frozen]``: same pages every step, no entropy statistics,
+   no page list upkeep), so ``1 - frozen / CHESS`` is what the selection upkeep costs in the step.
 
     python -m sparsekv_jax.bench.chess --context 32k --gen 6k --out chess.json
 """
@@ -63,6 +66,25 @@ def largest_batch(cfg, params, policies, context: int, steps: int, page_size: in
             return batch
         batch = min(batch - 1, int(batch * total * 0.95 / need)) if need else batch - 1
     return 1
+
+
+def frozen(policy):
+    """``policy`` with `decode_update` removed: it reads the pages its `decode_init` chose at every
+    step. Timed next to the policy, the difference is the in-step cost of its per-step upkeep."""
+    import dataclasses
+
+    from flax import struct
+
+    @struct.dataclass
+    class Frozen(type(policy)):
+        def decode_update(self, shared_state, cache, logits):
+            return shared_state
+
+        @property
+        def name(self) -> str:
+            return super().name + "[frozen]"
+
+    return Frozen(**{f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)})
 
 
 def _start(cfg, pol, context: int, batch: int, steps: int, seed: int, page_size: int):
@@ -182,8 +204,8 @@ def main(argv: list[str] | None = None) -> int:
 
     while True:
         try:
-            rows += [{**base, **r}
-                     for r in throughput(cfg, params, [Dense(), chess], context, batch, args.steps, args.iters, ps)]
+            rows += [{**base, **r} for r in throughput(cfg, params, [Dense(), chess, frozen(chess)], context, batch,
+                                                       args.steps, args.iters, ps)]
             break
         except jax.errors.JaxRuntimeError as e:
             # XLA's memory analysis of the compiled step does not see every run-time buffer: step
@@ -210,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
           f"({dense['tokens_per_s']:,.0f} tok/s), {chess.name} {sparse['ms_per_step']:.2f} ms/step "
           f"({sparse['tokens_per_s']:,.0f} tok/s) -> {sparse['tokens_per_s'] / dense['tokens_per_s']:.2f}x")
     step = sparse["ms_per_step"]
+    still = thr[frozen(chess).name]["ms_per_step"]
+    print(f"in-step     {chess.name} {step:.3f} ms/step, without its per-step update {still:.3f} ms/step: "
+          f"the update costs {step - still:.3f} ms = {(step - still) / step:.2%} of a step")
     per_step = sel["update_ms"] + (sel["update_page_start_ms"] - sel["update_ms"]) / ps  # rows in lockstep
     print(f"selection   rebuild {sel['rebuild_ms']:.3f} ms = {sel['rebuild_ms'] / step:.1%} of a step "
           f"({sel['rebuild_ms'] / step / (args.interval * ps):.2%} amortised over {args.interval} pages); "

@@ -12,16 +12,16 @@ Design: memory bound (each weight byte is used ``M`` times), so it streams ``w``
 
 * grid ``(N / block_n, num_splits)``; a program owns ``block_n`` output columns and a contiguous
   range of ``K`` (split-K), loops over it in ``block_k`` tiles and writes an fp32 partial; a jnp
-  epilogue sums the splits. Splits are chosen so the grid fills the chip even for narrow ``N``
-  (the K/V projections);
+  epilogue sums the splits. Splits are chosen so the grid stays within two waves of programs
+  (`MATMUL_MAX_PROGRAMS`, measured) yet fills the chip for narrow ``N`` (the K/V projections);
 * the ``M`` rows of ``x`` are padded in registers to ``block_m >= 16`` (the smallest Triton dot
   tile): no padded copy of ``x`` in HBM;
 * ``w``'s block spans every layer and the program indexes its layer at run time, so nothing is
   sliced or copied (offsets are 64-bit when the stack passes 4 GiB).
 
 Backend: Pallas' Triton lowering with explicit compiler params; ``interpret=True`` runs the same
-kernel on CPU for tests. Not yet measured on a GPU (docs/BENCHMARKS.md): ``transformer``'s decode
-path uses it only when asked (`sparsekv_jax.models.transformer.DECODE_MATMUL`).
+kernel on CPU for tests. ``transformer``'s decode path uses it on GPUs by default
+(`sparsekv_jax.models.transformer.DECODE_MATMUL`; measurements in docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -34,32 +34,42 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from sparsekv_jax.pallas._common import TARGET_PROGRAMS, cdiv, fit_stages, next_pow2, triton_params
+from sparsekv_jax.pallas._common import fit_stages, next_pow2, triton_params
 from sparsekv_jax.pallas.validation import is_concrete
 
-__all__ = ["layer_matmul", "layer_matmul_reference", "matmul_plan"]
+__all__ = ["MATMUL_MAX_PROGRAMS", "layer_matmul", "layer_matmul_reference", "matmul_plan"]
+
+
+# At most two waves of programs on a 132-SM Hopper part. Fewer, longer programs stream the weight
+# faster than the four waves the attention kernels aim for: the H200 sweep of 2026-11-22
+# (docs/BENCHMARKS.md, "Decode matmul tiling") found 128-256 programs of >= 8 K tiles best for
+# every Llama-3.1-8B weight, and 512-1024 programs 10-30% slower.
+MATMUL_MAX_PROGRAMS = 2 * 132
 
 
 def matmul_plan(M: int, K: int, N: int, *, block_n: int | None = None, block_k: int | None = None,
                 num_splits: int | None = None) -> tuple[int, int, int, int]:
     """Static tiling: ``(block_m, block_n, block_k, num_splits)``.
 
-    ``block_n``/``block_k``: the largest of 128/64/32/16 dividing ``N``/``K`` (unless given);
-    ``num_splits``: divides ``K / block_k`` and brings the grid near `TARGET_PROGRAMS`.
+    ``block_n``: the largest of 64/32/16 dividing ``N``; ``block_k``: the largest of 128/64/32/16
+    dividing ``K`` (unless given); ``num_splits``: the largest divisor of ``K / block_k`` that keeps
+    the grid within `MATMUL_MAX_PROGRAMS` (at least 1), so narrow weights (the K/V projections)
+    still fill the chip and wide ones run one long K loop per program.
     """
-    def largest_divisor(dim: int) -> int:
-        for b in (128, 64, 32, 16):
+    def largest_divisor(dim: int, sizes: tuple[int, ...]) -> int:
+        for b in sizes:
             if dim % b == 0:
                 return b
         raise ValueError(f"dimension {dim} is not a multiple of 16")
 
     block_m = max(16, next_pow2(M))
-    block_n = largest_divisor(N) if block_n is None else block_n
-    block_k = largest_divisor(K) if block_k is None else block_k
+    block_n = largest_divisor(N, (64, 32, 16)) if block_n is None else block_n
+    block_k = largest_divisor(K, (128, 64, 32, 16)) if block_k is None else block_k
     k_tiles = K // block_k
     if num_splits is None:
-        want = max(1, cdiv(TARGET_PROGRAMS, N // block_n))
-        num_splits = max(d for d in range(1, k_tiles + 1) if k_tiles % d == 0 and d <= want)
+        columns = N // block_n
+        num_splits = max(d for d in range(1, k_tiles + 1) if k_tiles % d == 0 and (d == 1 or columns * d
+                                                                                      <= MATMUL_MAX_PROGRAMS))
     return block_m, block_n, block_k, num_splits
 
 
@@ -82,33 +92,58 @@ def _kernel(x_ref, w_ref, layer_ref, o_ref, *, M: int, block_m: int, block_n: in
     o_ref[...] = lax.fori_loop(0, tiles_per_split, body, jnp.zeros((block_m, block_n), jnp.float32))
 
 
+def _kernel_slices(x_ref, w_ref, layer_ref, o_ref, *, block_n: int, block_k: int, tiles_per_split: int,
+                   f32_dot: bool) -> None:
+    """Same product with contiguous slice loads: ``x`` arrives padded to ``block_m`` rows, so no
+    row mask or index arrays are needed (the layer is a scalar offset)."""
+    n, s = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    k0 = s * tiles_per_split * block_k
+    precision = lax.Precision.HIGHEST if f32_dot else None
+
+    def body(j, acc):
+        k = pl.multiple_of(k0 + j * block_k, block_k)
+        xt = x_ref[:, pl.ds(k, block_k)]
+        wt = w_ref[layer, pl.ds(k, block_k), pl.ds(pl.multiple_of(n * block_n, block_n), block_n)]
+        return acc + plgpu.dot(xt, wt, precision=precision)
+
+    o_ref[...] = lax.fori_loop(0, tiles_per_split, body, jnp.zeros(o_ref.shape, jnp.float32))
+
+
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_splits", "interpret", "num_warps",
-                                             "num_stages"))
-def _call(x, w, layer, *, block_n, block_k, num_splits, interpret, num_warps, num_stages):
+                                             "num_stages", "loads"))
+def _call(x, w, layer, *, block_n, block_k, num_splits, interpret, num_warps, num_stages, loads):
     M, K = x.shape
     L, _, N = w.shape
     block_m, block_n, block_k, num_splits = matmul_plan(M, K, N, block_n=block_n, block_k=block_k,
                                                         num_splits=num_splits)
     full = lambda shape: pl.BlockSpec(shape, lambda n, s: (0,) * len(shape))  # noqa: E731
-    kernel = functools.partial(_kernel, M=M, block_m=block_m, block_n=block_n, block_k=block_k,
-                               tiles_per_split=K // block_k // num_splits, f32_dot=x.dtype == jnp.float32)
+    tiles_per_split, f32_dot = K // block_k // num_splits, x.dtype == jnp.float32
+    if loads == "slices":
+        x_in = jnp.pad(x, ((0, block_m - M), (0, 0)))  # block_m x K: a few KiB, not the weights
+        kernel = functools.partial(_kernel_slices, block_n=block_n, block_k=block_k,
+                                   tiles_per_split=tiles_per_split, f32_dot=f32_dot)
+    else:
+        x_in = x
+        kernel = functools.partial(_kernel, M=M, block_m=block_m, block_n=block_n, block_k=block_k,
+                                   tiles_per_split=tiles_per_split, f32_dot=f32_dot)
     stages = fit_stages(num_stages, (block_m + block_n) * block_k * w.dtype.itemsize)
     partial = pl.pallas_call(
         kernel,
         grid=(N // block_n, num_splits),
-        in_specs=[full((M, K)), full((L, K, N)), full((1,))],
+        in_specs=[full(x_in.shape), full((L, K, N)), full((1,))],
         out_specs=pl.BlockSpec((None, block_m, block_n), lambda n, s: (s, 0, n)),
         out_shape=jax.ShapeDtypeStruct((num_splits, block_m, N), jnp.float32),
         compiler_params=triton_params(num_warps, stages),
         interpret=interpret,
         name="sparsekv_layer_matmul",
-    )(x, w, jnp.reshape(layer, (1,)).astype(jnp.int32))
+    )(x_in, w, jnp.reshape(layer, (1,)).astype(jnp.int32))
     return partial.sum(0)[:M].astype(x.dtype)
 
 
 def layer_matmul(x: jax.Array, w: jax.Array, layer: int | jax.Array, *, block_n: int | None = None,
                  block_k: int | None = None, num_splits: int | None = None, interpret: bool = False,
-                 num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+                 num_warps: int = 4, num_stages: int = 3, loads: str = "gather") -> jax.Array:
     """``x @ w[layer]`` without slicing ``w``.
 
     Args:
@@ -118,6 +153,8 @@ def layer_matmul(x: jax.Array, w: jax.Array, layer: int | jax.Array, *, block_n:
       block_n, block_k, num_splits: tiling overrides (default: `matmul_plan`).
       interpret: Pallas interpret mode (CPU tests).
       num_warps, num_stages: Triton compiler params.
+      loads: "gather" (index-array loads, rows masked in registers) or "slices" (``x`` padded to
+        ``block_m`` rows in HBM, contiguous slice loads).
 
     Returns:
       ``[M, N]`` in ``x``'s dtype (fp32 accumulation).
@@ -130,10 +167,12 @@ def layer_matmul(x: jax.Array, w: jax.Array, layer: int | jax.Array, *, block_n:
         raise ValueError(f"K={w.shape[1]} and N={w.shape[2]} must be multiples of 16")
     if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.asarray(layer).dtype, jnp.integer):
         raise ValueError(f"layer must be an int scalar, got {layer!r}")
+    if loads not in ("gather", "slices"):
+        raise ValueError(f"loads={loads!r}: expected 'gather' or 'slices'")
     if is_concrete(layer) and not 0 <= int(layer) < w.shape[0]:
         raise ValueError(f"layer={int(layer)} out of range [0, {w.shape[0]})")
     return _call(x, w, jnp.asarray(layer, jnp.int32), block_n=block_n, block_k=block_k, num_splits=num_splits,
-                 interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+                 interpret=interpret, num_warps=num_warps, num_stages=num_stages, loads=loads)
 
 
 def layer_matmul_reference(x: jax.Array, w: jax.Array, layer: int | jax.Array) -> jax.Array:
