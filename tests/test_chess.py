@@ -417,3 +417,23 @@ def test_pre_rope_variant_end_to_end(params):
     for bad, match in ((dict(keys="rope"), "keys='rope'"), (dict(centred="yes"), "centred='yes'")):
         with pytest.raises(ValueError, match=match):
             CHESS(**bad)
+
+
+def test_bench_frozen_variant_keeps_the_first_selection():
+    """`bench.chess.frozen` (the in-step selection cost is measured against it): same
+    hyperparameters and decode_init, an update that returns the state untouched, while the real
+    update does change it."""
+    from sparsekv_jax.bench.chess import frozen
+
+    rng = np.random.default_rng()
+    cache = _filled_cache(rng, 2, 256, rng.integers(100, 200, 2))
+    pol = CHESS(ratios="aggressive", page_size=16, trigger="interval", interval=1).bind_model(CFG)
+    still = frozen(pol)
+    assert still.name == pol.name + "[frozen]" and still.ratios == pol.ratios and still.inv_freq == pol.inv_freq
+    _, st0 = pol.decode_init(cache, None)
+    _, st1 = still.decode_init(cache, None)
+    jax.tree.map(np.testing.assert_array_equal, st0, st1)
+    logits = jnp.asarray(rng.standard_normal((2, CFG.vocab_size)), jnp.float32)
+    assert still.decode_update(st1, cache, logits) is st1
+    moved = pol.decode_update(st0, cache, logits)
+    assert int(moved["in_page"][0]) == 1 and int(st0["in_page"][0]) == 0
