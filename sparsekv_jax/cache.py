@@ -9,9 +9,11 @@ Layout (per layer, stacked over layers with a leading ``L`` axis in `KVCache.lay
   Compression may keep different positions per KV head, so positions are per head.
 * ``bias``: ``[B, Hkv, S]`` float32 additive logit per slot (SemantiCache's log cluster size;
   zero otherwise).
-* ``page_sum``/``page_min``/``page_max``: ``[B, Hkv, P, D]`` float32 summaries of the keys in
-  each page (CHESS uses the mean = sum / count, Quest the elementwise min/max). Maintained on
-  single-token append; recomputed in one pass after prefill or compression.
+* ``page_sum``/``page_min``/``page_max``: ``[B, Hkv, P, D]`` summaries of the keys in each page
+  (CHESS uses the mean = sum / count, Quest the elementwise min/max). The sum is float32; min and
+  max are in the keys' dtype, where they are exact (a minimum of bf16 keys is a bf16 key) at half
+  the bytes of float32 (0.27 GB per 32k-token row of Llama-3.1-8B). Maintained on single-token
+  append; recomputed in one pass after prefill or compression.
 
 ``length[b]`` is the number of slots used (the same for every head), ``next_position[b]`` the
 RoPE position the next token gets. They differ once entries were evicted or merged.
@@ -94,8 +96,8 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int, *, page_size: int = 
         positions=jnp.full((L, batch, H, S), -1, jnp.int32),
         bias=jnp.zeros((L, batch, H, S), jnp.float32),
         page_sum=jnp.zeros((L, batch, H, n_pages, D), jnp.float32),
-        page_min=jnp.zeros((L, batch, H, n_pages, D), jnp.float32),
-        page_max=jnp.zeros((L, batch, H, n_pages, D), jnp.float32),
+        page_min=jnp.zeros((L, batch, H, n_pages, D), dtype),
+        page_max=jnp.zeros((L, batch, H, n_pages, D), dtype),
     )
     zeros = jnp.zeros((batch,), jnp.int32)
     return KVCache(layers=layers, length=zeros, next_position=zeros, page_size=page_size)
@@ -132,11 +134,11 @@ def summarize_pages(kv: LayerKV, length: jax.Array, page_size: int) -> LayerKV:
     k = kv.k.reshape(B, H, P, page_size, D)
     big = jnp.asarray(jnp.finfo(k.dtype).max, k.dtype)
     page_sum = jnp.where(valid, k, 0).sum(-2, dtype=jnp.float32)
-    page_min = jnp.where(valid, k, big).min(-2).astype(jnp.float32)
-    page_max = jnp.where(valid, k, -big).max(-2).astype(jnp.float32)
+    page_min = jnp.where(valid, k, big).min(-2).astype(kv.page_min.dtype)
+    page_max = jnp.where(valid, k, -big).max(-2).astype(kv.page_max.dtype)
     has_any = valid.any(-2)
-    return kv.replace(page_sum=page_sum, page_min=jnp.where(has_any, page_min, 0.0),
-                      page_max=jnp.where(has_any, page_max, 0.0))
+    return kv.replace(page_sum=page_sum, page_min=jnp.where(has_any, page_min, 0),
+                      page_max=jnp.where(has_any, page_max, 0))
 
 
 def _slot_valid(length: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -171,12 +173,12 @@ def append_token(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slot: jax.Arra
     k_layer = k if layer is None else jax.lax.dynamic_index_in_dim(k, layer, keepdims=False)
     keys = jnp.take_along_axis(k_layer, in_page[..., None], axis=2).astype(jnp.float32)  # [B, H, ps, D]
     valid = (in_page < new_length[:, None, None])[..., None]
-    big = jnp.finfo(jnp.float32).max
+    big = jnp.finfo(kv.page_min.dtype).max  # representable in the summaries' dtype
     return kv.replace(
         k=k, v=v, positions=pos,
         page_sum=kv.page_sum.at[(*at, page)].set(jnp.where(valid, keys, 0.0).sum(-2)),
-        page_min=kv.page_min.at[(*at, page)].set(jnp.where(valid, keys, big).min(-2)),
-        page_max=kv.page_max.at[(*at, page)].set(jnp.where(valid, keys, -big).max(-2)),
+        page_min=kv.page_min.at[(*at, page)].set(jnp.where(valid, keys, big).min(-2).astype(kv.page_min.dtype)),
+        page_max=kv.page_max.at[(*at, page)].set(jnp.where(valid, keys, -big).max(-2).astype(kv.page_max.dtype)),
     )
 
 

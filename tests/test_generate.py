@@ -150,6 +150,26 @@ def test_cache_bookkeeping_and_page_summaries(params):
             np.testing.assert_allclose(np.asarray(cache.layers.page_max)[:, b, :, pg], sl.max(-2), atol=1e-6)
 
 
+def test_bf16_cache_page_min_max_are_exact_in_the_keys_dtype():
+    """Min/max summaries are stored in the cache's dtype (half of float32's bytes) and, being
+    minima and maxima of stored keys, equal them exactly — after prefill and after appends."""
+    rng = np.random.default_rng()
+    params16 = random_params(CFG, jax.random.key(int(rng.integers(1 << 30))), jnp.bfloat16, scale=0.3)
+    tokens = rng.integers(1, CFG.vocab_size, (2, 19))
+    lengths = np.array([19, 11])
+    cache = generate(params16, None, tokens, lengths=lengths, max_new_tokens=6, stop_tokens=(), page_size=8).cache
+    assert cache.layers.page_min.dtype == cache.layers.page_max.dtype == jnp.bfloat16
+    assert cache.layers.page_sum.dtype == jnp.float32
+    k = np.asarray(cache.layers.k.astype(jnp.float32))
+    lo, hi = (np.asarray(x.astype(jnp.float32)) for x in (cache.layers.page_min, cache.layers.page_max))
+    for b, n in enumerate(np.asarray(cache.length)):
+        for pg in range(-(-n // 8)):
+            sl = k[:, b, :, pg * 8: min(n, pg * 8 + 8)]
+            np.testing.assert_array_equal(lo[:, b, :, pg], sl.min(-2))
+            np.testing.assert_array_equal(hi[:, b, :, pg], sl.max(-2))
+        assert not np.any(lo[:, b, :, -(-n // 8):]) and not np.any(hi[:, b, :, -(-n // 8):])  # empty pages: 0
+
+
 def test_generate_traces_under_user_jit(params):
     tokens = np.random.default_rng().integers(1, CFG.vocab_size, (2, 8))
     eager = generate(params, None, tokens, max_new_tokens=4, stop_tokens=())

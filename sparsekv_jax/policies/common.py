@@ -111,9 +111,10 @@ def compact(cache: KVCache, scores: jax.Array, keep: jax.Array, capacity: int) -
 
     old = cache.layers
     n_pages = new_S // cache.page_size
-    zeros = jnp.zeros((L, B, H, n_pages, old.k.shape[-1]), jnp.float32)
+    summary = (L, B, H, n_pages, old.k.shape[-1])
     layers = LayerKV(k=take(old.k, 0), v=take(old.v, 0), positions=take(old.positions, -1),
-                     bias=take(old.bias, 0), page_sum=zeros, page_min=zeros, page_max=zeros)
+                     bias=take(old.bias, 0), page_sum=jnp.zeros(summary, old.page_sum.dtype),
+                     page_min=jnp.zeros(summary, old.page_min.dtype), page_max=jnp.zeros(summary, old.page_max.dtype))
     layers = summarize_pages(layers, keep, cache.page_size)
     return KVCache(layers=layers, length=keep.astype(jnp.int32), next_position=cache.next_position,
                    page_size=cache.page_size)
