@@ -437,3 +437,33 @@ def test_bench_frozen_variant_keeps_the_first_selection():
     assert still.decode_update(st1, cache, logits) is st1
     moved = pol.decode_update(st0, cache, logits)
     assert int(moved["in_page"][0]) == 1 and int(st0["in_page"][0]) == 0
+
+
+@pytest.mark.parametrize("next_pages", [1, 2])
+def test_next_pages_adds_the_pages_after_each_semantic_page(next_pages):
+    """``next_pages`` reads, besides the paper's selection, the pages that follow each semantically
+    selected page (not past the pages in use), and the decode page list holds all of them."""
+    rng = np.random.default_rng()
+    lengths = rng.integers(200, 500, 3)
+    cache = _filled_cache(rng, 3, 512, lengths)
+    base = CHESS(ratios="aggressive", page_size=16, chunk_pages=2, grid_chunks=2).bind_model(CFG)
+    pol = base.replace(next_pages=next_pages)
+    sel_base = np.asarray(base.select_pages(cache, cache.length))
+    sel = np.asarray(pol.select_pages(cache, cache.length))
+    scores, in_use = base._page_scores(cache, cache.length)
+    in_use = np.asarray(in_use)
+    forced = np.asarray(base._forced(cache.length, in_use.shape[1]))
+    semantic = sel_base & ~forced
+    want = sel_base.copy()
+    for b, p in zip(*np.nonzero(semantic), strict=True):
+        want[b, p:p + next_pages + 1] |= in_use[b, p:p + next_pages + 1]
+    np.testing.assert_array_equal(sel, want)
+    assert (sel.sum(1) > sel_base.sum(1)).any(), "no page was added: the test would pass vacuously"
+    ids, counts = pol._page_list(jnp.asarray(sel), cache.length + 1, cache)
+    for b in range(3):  # cache page 16 = CHESS page 16: the list is the read set, in full
+        read = sel[b] | np.asarray(pol._forced(cache.length + 1, sel.shape[1]))[b]
+        assert int(counts[b, 0]) == read.sum()
+        assert set(np.asarray(ids[b, 0, :int(counts[b, 0])]).tolist()) == set(np.nonzero(read)[0].tolist())
+    assert pol.name.endswith(f"[next={next_pages}]")
+    with pytest.raises(ValueError, match="next_pages"):
+        CHESS(next_pages=-1)

@@ -170,6 +170,10 @@ class CHESS(Policy):
       page_size: CHESS page in tokens (paper: 32); a multiple of the cache's page size.
       chunk_pages, grid_chunks: hierarchy fan-outs (paper: not given; 4 and 8, see module doc).
       sink_pages, window_pages: pages always read at the start and at the end (1 and 2).
+      next_pages: also read the ``next_pages`` pages that follow each semantically selected page
+        (default 0, the paper). Not in the paper: pages are scored independently, so a needle cut
+        by a page boundary loses its second half whenever that page looks like the haystack (the
+        cause of CHESS-moderate's RULER niah_single_2 losses at 4k; docs/RESULTS.md).
       trigger: ``"uncertainty"`` (the paper) or ``"interval"`` (rebuild every ``interval`` pages).
       interval: pages between rebuilds for ``trigger="interval"`` (paper's comparison: 6).
       regenerate: on an uncertainty trigger, regenerate the page with the new selection.
@@ -187,6 +191,7 @@ class CHESS(Policy):
     grid_chunks: int = struct.field(pytree_node=False, default=8)
     sink_pages: int = struct.field(pytree_node=False, default=1)
     window_pages: int = struct.field(pytree_node=False, default=2)
+    next_pages: int = struct.field(pytree_node=False, default=0)
     trigger: str = struct.field(pytree_node=False, default="uncertainty")
     interval: int = struct.field(pytree_node=False, default=6)
     regenerate: bool = struct.field(pytree_node=False, default=True)
@@ -212,7 +217,7 @@ class CHESS(Policy):
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size={self.page_size} must be a power of two")
-        for name in ("sink_pages", "window_pages", "max_backtracks"):
+        for name in ("sink_pages", "window_pages", "max_backtracks", "next_pages"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an int >= 0")
@@ -262,7 +267,8 @@ class CHESS(Policy):
     @property
     def name(self) -> str:
         names = {v: k for k, v in PRESETS.items()}
-        variant = [v for v, on in (("post-RoPE", self.keys == "post_rope"), ("uncentred", not self.centred)) if on]
+        variant = [v for v, on in (("post-RoPE", self.keys == "post_rope"), ("uncentred", not self.centred),
+                                   (f"next={self.next_pages}", self.next_pages > 0)) if on]
         return f"CHESS-{names.get(self.ratios, '-'.join(map(str, self.ratios)))}" + (
             f"[{', '.join(variant)}]" if variant else "")
 
@@ -408,7 +414,10 @@ class CHESS(Policy):
         forced = self._forced(anchor_end, in_use.shape[1])
         semantic = hierarchical_select(scores, in_use, in_use & ~forced, self.ratios, self.chunk_pages,
                                        self.grid_chunks)
-        return semantic | forced
+        following = semantic
+        for shift in range(1, self.next_pages + 1):  # static, small: the pages after each kept one
+            following = following | jnp.pad(semantic, ((0, 0), (shift, 0)))[:, :semantic.shape[1]]
+        return (following & in_use) | forced
 
     def _used(self, length: jax.Array) -> jax.Array:
         """``[B]`` CHESS pages in use by a cache of ``length`` slots (what `_forced` depends on)."""
@@ -426,7 +435,7 @@ class CHESS(Policy):
         H, Pc = cache.layers.k.shape[2], cache.num_pages
         m = self.page_size // cache.page_size
         read = selected | self._forced(length, P)
-        K = min(P, max_selected(P, self.ratios, self.chunk_pages, self.grid_chunks)
+        K = min(P, max_selected(P, self.ratios, self.chunk_pages, self.grid_chunks) * (1 + self.next_pages)
                 + self.sink_pages + 2 * self.window_pages)  # the rebuild's window + the current one
         ids, counts = pages_to_list(read, K)
         if m > 1:  # CHESS pages → the cache's pages (ascending, so pages past the cache's end come last)
