@@ -18,7 +18,6 @@ Prints a table last; timings are medians after a warm-up, each run `block_until_
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
@@ -42,8 +41,6 @@ TILINGS = {  # name -> layer_matmul keyword overrides
     "bn64": {"block_n": 64},
     "bk64s4": {"block_k": 64, "num_stages": 4},
     "splits/2": "half_splits",
-    "slices": {"loads": "slices"},
-    "slices,splits/2": ("half_splits", {"loads": "slices"}),
 }
 
 
@@ -86,7 +83,7 @@ def main() -> None:
     p.add_argument("--tilings", default=",".join(TILINGS),
                    help=f"kernel tilings timed per weight (default all: {','.join(TILINGS)})")
     p.add_argument("--modes", default="xla,pallas",
-                   help="decode-step matmuls: xla, pallas, pallas-slices (default xla,pallas)")
+                   help="decode-step matmuls: xla, pallas (default xla,pallas)")
     args = p.parse_args()
     cfg = getattr(mc, MODELS[args.model])()
     interpret = jax.default_backend() != "gpu"  # CPU smoke runs only
@@ -108,13 +105,12 @@ def main() -> None:
             x = jax.random.normal(jax.random.key(100 + 3 * i + M), (M, w.shape[1]), jnp.bfloat16)
             layer = int(jax.random.randint(jax.random.key(7 + i + M), (), 0, w.shape[0]))
             ref = layer_matmul_reference(x.astype(jnp.float32), w.astype(jnp.float32), layer).astype(jnp.float32)
-            for loads in ("gather", "slices"):
-                kernel = jax.jit(lambda x, w, i, loads=loads: layer_matmul(x, w, i, interpret=interpret, loads=loads))
-                got = kernel(x, w, jnp.int32(layer)).astype(jnp.float32)
-                err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
-                worst = max(worst, err)
-                rows.append({"kind": "check", "weight": name, "M": M, "layer": layer, "loads": loads,
-                             "rel_err": err, "finite": bool(jnp.all(jnp.isfinite(got)))})
+            kernel = jax.jit(lambda x, w, i: layer_matmul(x, w, i, interpret=interpret))
+            got = kernel(x, w, jnp.int32(layer)).astype(jnp.float32)
+            err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+            worst = max(worst, err)
+            rows.append({"kind": "check", "weight": name, "M": M, "layer": layer,
+                         "rel_err": err, "finite": bool(jnp.all(jnp.isfinite(got)))})
     if "check" in sections:
         ok = worst < 1e-2 and all(r["finite"] for r in rows)
         lines.append(f"check: worst rel. err {worst:.2e} over {len(rows)} cases -> {'PASS' if ok else 'FAIL'}")
@@ -131,11 +127,11 @@ def main() -> None:
             for tname, kw in TILINGS.items():
                 if tname not in args.tilings.split(","):
                     continue
-                if kw == "half_splits" or isinstance(kw, tuple):
+                if kw == "half_splits":
                     splits = matmul_plan(M, w.shape[1], w.shape[2])[3]
                     if splits < 2:
                         continue
-                    kw = {"num_splits": splits // 2, **(kw[1] if isinstance(kw, tuple) else {})}
+                    kw = {"num_splits": splits // 2}
                 try:
                     fn = jax.jit(lambda w, x, kw=kw: scan_pallas(w, x, interpret=interpret, **kw))
                     times[tname] = median_ms(fn, w, x, n=args.iters)
@@ -178,15 +174,11 @@ def main() -> None:
 
     # 3. whole decode step
     steps = 8
-    from sparsekv_jax.pallas import matmul as matmul_module
     modes = args.modes.split(",")
     for batch in [int(b) for b in args.batches.split(",")] if "decode" in sections else ():
         res = {}
         for mode in modes:
             transformer.DECODE_MATMUL = "xla" if mode == "xla" else "pallas"
-            # transformer imports layer_matmul at trace time, so the variant is picked up there
-            matmul_module.layer_matmul = functools.partial(layer_matmul, loads="slices") \
-                if mode == "pallas-slices" else layer_matmul
             try:
                 cache, _ = _decode_cache(cfg, Dense(), args.context, batch, steps, jax.random.key(2))
                 state = (None, None)
@@ -207,7 +199,6 @@ def main() -> None:
                      + ", ".join(f"{m} {ms:.2f}" for m, ms in res.items()) + " ms/token")
         save()
     transformer.DECODE_MATMUL = "xla"
-    matmul_module.layer_matmul = layer_matmul
     print("\n".join(lines))
 
 

@@ -18,23 +18,21 @@ def rng() -> np.random.Generator:
     return np.random.default_rng(seed)
 
 
-@pytest.mark.parametrize("M,K,N,dtype,splits,loads", [
-    (1, 256, 192, jnp.float32, None, "gather"),
-    (5, 576, 576, jnp.bfloat16, None, "gather"),
-    (20, 128, 1024, jnp.float32, 1, "gather"),
-    (33, 64, 48, jnp.float32, None, "gather"),
-    (8, 512, 128, jnp.bfloat16, 4, "gather"),
-    (3, 256, 192, jnp.float32, 2, "slices"),
-    (17, 576, 576, jnp.bfloat16, None, "slices"),
+@pytest.mark.parametrize("M,K,N,dtype,splits", [
+    (1, 256, 192, jnp.float32, None),
+    (5, 576, 576, jnp.bfloat16, None),
+    (20, 128, 1024, jnp.float32, 1),
+    (33, 64, 48, jnp.float32, None),
+    (8, 512, 128, jnp.bfloat16, 4),
+    (3, 256, 192, jnp.float32, 2),
 ])
-def test_matches_reference_and_reads_only_its_layer(rng, M, K, N, dtype, splits, loads):
+def test_matches_reference_and_reads_only_its_layer(rng, M, K, N, dtype, splits):
     L = 3
     layer = int(rng.integers(L))
     x = jnp.asarray(rng.standard_normal((M, K)), dtype)
     w1 = jnp.asarray(rng.standard_normal((K, N)) / np.sqrt(K), dtype)
     w = jnp.stack([w1 if i == layer else jnp.full_like(w1, jnp.nan) for i in range(L)])
-    out = jax.jit(lambda i: layer_matmul(x, w, i, num_splits=splits, interpret=True,
-                                                  loads=loads))(jnp.int32(layer))
+    out = jax.jit(lambda i: layer_matmul(x, w, i, num_splits=splits, interpret=True))(jnp.int32(layer))
     ref = layer_matmul_reference(x.astype(jnp.float32), w1[None].astype(jnp.float32), 0)
     assert out.shape == (M, N) and out.dtype == dtype
     got = np.asarray(out, np.float32)
@@ -65,7 +63,5 @@ def test_errors():
         layer_matmul(jnp.zeros((2, 16), jnp.float32), w, 0, interpret=True)
     with pytest.raises(ValueError, match="dtype"):
         layer_matmul(x.astype(jnp.bfloat16), w, 0, interpret=True)
-    with pytest.raises(ValueError, match="loads="):
-        layer_matmul(x, w, 0, interpret=True, loads="rows")
     with pytest.raises(ValueError, match="multiples of 16"):
         layer_matmul(jnp.zeros((2, 24), jnp.float32), jnp.zeros((1, 24, 48), jnp.float32), 0, interpret=True)

@@ -92,58 +92,34 @@ def _kernel(x_ref, w_ref, layer_ref, o_ref, *, M: int, block_m: int, block_n: in
     o_ref[...] = lax.fori_loop(0, tiles_per_split, body, jnp.zeros((block_m, block_n), jnp.float32))
 
 
-def _kernel_slices(x_ref, w_ref, layer_ref, o_ref, *, block_n: int, block_k: int, tiles_per_split: int,
-                   f32_dot: bool) -> None:
-    """Same product with contiguous slice loads: ``x`` arrives padded to ``block_m`` rows, so no
-    row mask or index arrays are needed (the layer is a scalar offset)."""
-    n, s = pl.program_id(0), pl.program_id(1)
-    layer = layer_ref[0]
-    k0 = s * tiles_per_split * block_k
-    precision = lax.Precision.HIGHEST if f32_dot else None
-
-    def body(j, acc):
-        k = pl.multiple_of(k0 + j * block_k, block_k)
-        xt = x_ref[:, pl.ds(k, block_k)]
-        wt = w_ref[layer, pl.ds(k, block_k), pl.ds(pl.multiple_of(n * block_n, block_n), block_n)]
-        return acc + plgpu.dot(xt, wt, precision=precision)
-
-    o_ref[...] = lax.fori_loop(0, tiles_per_split, body, jnp.zeros(o_ref.shape, jnp.float32))
-
-
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_splits", "interpret", "num_warps",
-                                             "num_stages", "loads"))
-def _call(x, w, layer, *, block_n, block_k, num_splits, interpret, num_warps, num_stages, loads):
+                                             "num_stages"))
+def _call(x, w, layer, *, block_n, block_k, num_splits, interpret, num_warps, num_stages):
     M, K = x.shape
     L, _, N = w.shape
     block_m, block_n, block_k, num_splits = matmul_plan(M, K, N, block_n=block_n, block_k=block_k,
                                                         num_splits=num_splits)
     full = lambda shape: pl.BlockSpec(shape, lambda n, s: (0,) * len(shape))  # noqa: E731
     tiles_per_split, f32_dot = K // block_k // num_splits, x.dtype == jnp.float32
-    if loads == "slices":
-        x_in = jnp.pad(x, ((0, block_m - M), (0, 0)))  # block_m x K: a few KiB, not the weights
-        kernel = functools.partial(_kernel_slices, block_n=block_n, block_k=block_k,
-                                   tiles_per_split=tiles_per_split, f32_dot=f32_dot)
-    else:
-        x_in = x
-        kernel = functools.partial(_kernel, M=M, block_m=block_m, block_n=block_n, block_k=block_k,
-                                   tiles_per_split=tiles_per_split, f32_dot=f32_dot)
+    kernel = functools.partial(_kernel, M=M, block_m=block_m, block_n=block_n, block_k=block_k,
+                               tiles_per_split=tiles_per_split, f32_dot=f32_dot)
     stages = fit_stages(num_stages, (block_m + block_n) * block_k * w.dtype.itemsize)
     partial = pl.pallas_call(
         kernel,
         grid=(N // block_n, num_splits),
-        in_specs=[full(x_in.shape), full((L, K, N)), full((1,))],
+        in_specs=[full(x.shape), full((L, K, N)), full((1,))],
         out_specs=pl.BlockSpec((None, block_m, block_n), lambda n, s: (s, 0, n)),
         out_shape=jax.ShapeDtypeStruct((num_splits, block_m, N), jnp.float32),
         compiler_params=triton_params(num_warps, stages),
         interpret=interpret,
         name="sparsekv_layer_matmul",
-    )(x_in, w, jnp.reshape(layer, (1,)).astype(jnp.int32))
+    )(x, w, jnp.reshape(layer, (1,)).astype(jnp.int32))
     return partial.sum(0)[:M].astype(x.dtype)
 
 
 def layer_matmul(x: jax.Array, w: jax.Array, layer: int | jax.Array, *, block_n: int | None = None,
                  block_k: int | None = None, num_splits: int | None = None, interpret: bool = False,
-                 num_warps: int = 4, num_stages: int = 3, loads: str = "gather") -> jax.Array:
+                 num_warps: int = 4, num_stages: int = 3) -> jax.Array:
     """``x @ w[layer]`` without slicing ``w``.
 
     Args:
@@ -153,8 +129,6 @@ def layer_matmul(x: jax.Array, w: jax.Array, layer: int | jax.Array, *, block_n:
       block_n, block_k, num_splits: tiling overrides (default: `matmul_plan`).
       interpret: Pallas interpret mode (CPU tests).
       num_warps, num_stages: Triton compiler params.
-      loads: "gather" (index-array loads, rows masked in registers) or "slices" (``x`` padded to
-        ``block_m`` rows in HBM, contiguous slice loads).
 
     Returns:
       ``[M, N]`` in ``x``'s dtype (fp32 accumulation).
@@ -167,12 +141,10 @@ def layer_matmul(x: jax.Array, w: jax.Array, layer: int | jax.Array, *, block_n:
         raise ValueError(f"K={w.shape[1]} and N={w.shape[2]} must be multiples of 16")
     if jnp.ndim(layer) != 0 or not jnp.issubdtype(jnp.asarray(layer).dtype, jnp.integer):
         raise ValueError(f"layer must be an int scalar, got {layer!r}")
-    if loads not in ("gather", "slices"):
-        raise ValueError(f"loads={loads!r}: expected 'gather' or 'slices'")
     if is_concrete(layer) and not 0 <= int(layer) < w.shape[0]:
         raise ValueError(f"layer={int(layer)} out of range [0, {w.shape[0]})")
     return _call(x, w, jnp.asarray(layer, jnp.int32), block_n=block_n, block_k=block_k, num_splits=num_splits,
-                 interpret=interpret, num_warps=num_warps, num_stages=num_stages, loads=loads)
+                 interpret=interpret, num_warps=num_warps, num_stages=num_stages)
 
 
 def layer_matmul_reference(x: jax.Array, w: jax.Array, layer: int | jax.Array) -> jax.Array:
