@@ -299,15 +299,20 @@ def _positioned_cache(rng, lengths, S, raw, consecutive=False):
     return cache.replace(layers=layers, length=jnp.asarray(lengths, jnp.int32)), pos
 
 
-@pytest.mark.parametrize("keys,consecutive", [("post_rope", False), ("pre_rope", False), ("pre_rope", True)],
-                         ids=["post_rope", "pre_rope-gaps", "pre_rope-consecutive"])
+@pytest.mark.parametrize("keys,consecutive,impl", [("post_rope", False, "jnp"), ("pre_rope", False, "jnp"),
+                                                   ("pre_rope", True, "jnp"), ("pre_rope", True, "pallas")],
+                         ids=["post_rope", "pre_rope-gaps", "pre_rope-consecutive", "pre_rope-consecutive-pallas"])
 @pytest.mark.parametrize("centred", [False, True])
-def test_page_vector_variants_equal_brute_force(keys, consecutive, centred):
+def test_page_vector_variants_equal_brute_force(keys, consecutive, impl, centred, monkeypatch):
     """Scores = page vector · anchor over the flattened (layer, head, dim) vectors, built here by
     hand: pre-RoPE keys are the stored keys rotated back by their own positions; centring
     subtracts the mean page vector from both (the score then differs from (v-mu)·(a-mu) by a
-    per-row constant, mu·(a-mu), which does not change any ranking)."""
+    per-row constant, mu·(a-mu), which does not change any ranking). ``impl="pallas"``: the page
+    sums by the Pallas `page_matmul` (interpreted), as on a GPU."""
     from sparsekv_jax.models.rope import inverse_frequencies
+    from sparsekv_jax.policies import chess as chess_module
+
+    monkeypatch.setattr(chess_module, "PAGE_SUMS_IMPL", impl)
 
     rng = np.random.default_rng()
     lengths = rng.integers(40, 300, 2)

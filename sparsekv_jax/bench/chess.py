@@ -9,7 +9,8 @@ Three measurements, each after a warm-up, median of ``--iters`` timed runs:
    ``--latency-batch``, timed in chunks of ``--chunk`` steps; CHESS rebuilds its selection every
    ``--interval`` pages (the paper's average: ~10 pages between rebuilds).
 3. **Selection cost**: one rebuild (anchor, scores of every page, grid → chunk → page masks, page
-   list) and the per-step page-list refresh, each timed alone, as a share of a CHESS step. The
+   list) and the per-step page-list refresh, each timed alone, as a share of a CHESS step; on a
+   GPU the rebuild is also timed with its page sums in jnp (`chess.PAGE_SUMS_IMPL`). The
    per-step share inside the step is measured by difference: the throughput run also times CHESS
    with its per-step update removed (``[frozen]``: same pages every step, no entropy statistics,
    no page list upkeep), so ``1 - frozen / CHESS`` is what the selection upkeep costs in the step.
@@ -114,6 +115,8 @@ def throughput(cfg, params, policies, context: int, batch: int, steps: int, iter
 def selection_cost(cfg, policy, context: int, batch: int, iters: int, page_size: int) -> dict:
     import jax
 
+    from sparsekv_jax.policies import chess as chess_module
+
     pol = policy.bind_model(cfg).bind(context)
     cache, _ = _decode_cache(cfg, pol, context, batch, 1, jax.random.key(3), page_size=page_size)
     rebuild = jax.jit(lambda c: pol._page_list(pol.select_pages(c, c.length), c.length + 1, c))
@@ -129,7 +132,16 @@ def selection_cost(cfg, policy, context: int, batch: int, iters: int, page_size:
            "rebuild_ms": _median_time(rebuild, cache, iters=iters) * 1e3,
            "page_list_ms": _median_time(refresh, cache, selected, iters=iters) * 1e3,
            "update_ms": _median_time(update, state, cache, logits, iters=iters) * 1e3,
-           "update_page_start_ms": _median_time(update, page_start, cache, logits, iters=iters) * 1e3}
+           "update_page_start_ms": _median_time(update, page_start, cache, logits, iters=iters) * 1e3,
+           "page_sums": chess_module.PAGE_SUMS_IMPL}
+    if jax.default_backend() == "gpu" and chess_module.PAGE_SUMS_IMPL != "jnp" and pol.keys == "pre_rope":
+        # the same rebuild with the page sums in jnp (the layer sliced out of the stack: a copy)
+        chess_module.PAGE_SUMS_IMPL, impl = "jnp", chess_module.PAGE_SUMS_IMPL
+        try:
+            rebuild_jnp = jax.jit(lambda c: pol._page_list(pol.select_pages(c, c.length), c.length + 1, c))
+            out["rebuild_jnp_ms"] = _median_time(rebuild_jnp, cache, iters=iters) * 1e3
+        finally:
+            chess_module.PAGE_SUMS_IMPL = impl
     del cache
     return out
 
@@ -236,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"in-step     {chess.name} {step:.3f} ms/step, without its per-step update {still:.3f} ms/step: "
           f"the update costs {step - still:.3f} ms = {(step - still) / step:.2%} of a step")
     per_step = sel["update_ms"] + (sel["update_page_start_ms"] - sel["update_ms"]) / ps  # rows in lockstep
+    if "rebuild_jnp_ms" in sel:
+        print(f"rebuild     page sums {sel['page_sums']}: {sel['rebuild_ms']:.3f} ms; "
+              f"with them in jnp: {sel['rebuild_jnp_ms']:.3f} ms")
     print(f"selection   rebuild {sel['rebuild_ms']:.3f} ms = {sel['rebuild_ms'] / step:.1%} of a step "
           f"({sel['rebuild_ms'] / step / (args.interval * ps):.2%} amortised over {args.interval} pages); "
           f"per step {sel['update_ms']:.3f} ms, at a page start {sel['update_page_start_ms']:.3f} ms "

@@ -67,6 +67,7 @@ the semantic attributes of the input tokens"; ``scripts/chess_needle_ranks.py``,
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -77,14 +78,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from sparsekv_jax.attention import on_gpu
 from sparsekv_jax.cache import KVCache, LayerKV, page_counts
 from sparsekv_jax.models.rope import inverse_frequencies
+from sparsekv_jax.pallas.page_matmul import page_matmul, page_matmul_reference
 from sparsekv_jax.policies.base import Policy, Selection
 from sparsekv_jax.policies.common import pages_to_list
 
 PRESETS = {"conservative": (0.9, 0.9, 0.9), "moderate": (0.8, 0.7, 0.7), "aggressive": (0.5, 0.2, 0.1)}
 TRIGGERS = ("uncertainty", "interval")
 KEYS = ("post_rope", "pre_rope")
+# The pre-RoPE rebuild's page sums: "auto" = the Pallas `page_matmul` on the GPU (reads each layer's
+# keys in place; the jnp path copies the layer out of the stack first) and jnp elsewhere; "pallas" /
+# "jnp" force one (tests force "pallas", which runs interpreted off the GPU).
+PAGE_SUMS_IMPL = "auto"
 CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "calibration")
 
 
@@ -370,7 +377,11 @@ class CHESS(Policy):
         at_edge = (jnp.arange(P)[None] == edge[:, None])[None, :, None]  # [1, B, 1, P]
         edge_slots = edge[:, None] * ps + jnp.arange(ps)  # [B, ps]
         edge_live = (edge_slots < jnp.minimum(anchor_end, S)[:, None])[None, :, None]  # [1, B, 1, ps]
-        unrotate = _unrotation_matrix(ps, np.asarray(self.inv_freq))
+        unrotate = jnp.asarray(_unrotation_matrix(ps, np.asarray(self.inv_freq)), k_all.dtype)
+        if PAGE_SUMS_IMPL == "pallas" or (PAGE_SUMS_IMPL == "auto" and on_gpu() and D % 16 == 0):
+            page_sums = functools.partial(page_matmul, page_size=ps, interpret=not on_gpu())
+        else:
+            page_sums = functools.partial(page_matmul_reference, page_size=ps)
         # Per layer (the cache read by layer index), two exact ways to the pages' sums of un-rotated
         # keys. Fast, when every page's live positions are consecutive (p0, p0+1, ...) and only the
         # edge page is partly live — every layer that was not compressed: R(-(p0+j)) = R(-p0)·R(-j),
@@ -380,29 +391,32 @@ class CHESS(Policy):
         # per-layer compression) every key is rotated back by its own position: B·H·S·D/2 sines
         # and cosines per layer, 20x slower at 32k x 22 on an H200.
 
-        def layer_sums(k, pos):  # [1, B, H, S, D], [1, B, H, S] → [1, B, H, P, D]
+        def layer_sums(layer):  # → [B, H, P, D]
+            pos = jax.lax.dynamic_index_in_dim(pos_all, layer, keepdims=False)[None]  # [1, B, H, S] (small)
             mask = paged(slot_live & (pos >= 0))  # [1, B, H, P, ps]
             pos_paged = paged(pos)
             consecutive = jnp.all(~mask | (pos_paged == pos_paged[..., :1] + jnp.arange(ps)))
             partial = mask.any(-1) & ~mask.all(-1)
 
             def by_pages():
-                sums = jnp.dot(paged(k).reshape(-1, ps * D), jnp.asarray(unrotate, k.dtype),
-                               precision=jax.lax.Precision.HIGHEST,
-                               preferred_element_type=jnp.float32).reshape(1, B, H, P, D)
+                # the keys read in place from the stack (a jnp slice of the layer would be a copy)
+                sums = page_sums(k_all, unrotate, layer)[None]  # [1, B, H, P, D]
                 base = pos_paged[..., 0, None].astype(jnp.float32) * inv_freq  # [1, B, H, P, D/2]
                 s1, s2 = rotate_back(*jnp.split(sums, 2, axis=-1), base)
                 sums = jnp.where(mask.all(-1)[..., None], jnp.concatenate([s1, s2], axis=-1), 0.0)
-                slots = jnp.minimum(edge_slots, S - 1)[None, :, None]
-                keys = jnp.take_along_axis(k, slots[..., None], axis=3)  # [1, B, H, ps, D]
-                at = jnp.take_along_axis(pos, slots, axis=3)  # [1, B, H, ps]
+                slots = jnp.minimum(edge_slots, S - 1)[:, None, :]  # [B, 1, ps]
+                keys = k_all[layer, jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], slots][None]
+                at = jnp.take_along_axis(pos, slots[None], axis=3)  # [1, B, H, ps]
                 edge_sum = token_sums(keys, at, edge_live & (at >= 0))  # [1, B, H, D]
-                return jnp.where(at_edge[..., None], edge_sum[:, :, :, None], sums)
+                return jnp.where(at_edge[..., None], edge_sum[:, :, :, None], sums)[0]
 
-            return jax.lax.cond(consecutive & ~jnp.any(partial & ~at_edge), by_pages,
-                                lambda: token_sums(paged(k), pos_paged, mask))
+            def by_tokens():
+                k = jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=True)  # [1, B, H, S, D]
+                return token_sums(paged(k), pos_paged, mask)[0]
 
-        sums = jax.lax.map(lambda kp: layer_sums(kp[0][None], kp[1][None])[0], (k_all, pos_all))  # [L, B, H, P, D]
+            return jax.lax.cond(consecutive & ~jnp.any(partial & ~at_edge), by_pages, by_tokens)
+
+        sums = jax.lax.map(layer_sums, jnp.arange(L))  # [L, B, H, P, D]
         anchor = jnp.einsum("lbhpd,bp->lbhd", sums, w)
         return jnp.einsum("lbhpd,lbhd->bp", sums, anchor)
 
