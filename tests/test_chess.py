@@ -221,6 +221,8 @@ def test_presets_and_spec(tmp_path):
     assert pol.ratios == (0.5, 0.2, 0.1)
     assert pol.entropy_threshold == 1.5 and pol.varentropy_threshold == 0.25
     assert pol.name == "CHESS-aggressive"
+    custom = parse_policy("chess((0.9, 0.85, 0.8), next_pages=2)")  # custom ratios as a tuple literal
+    assert custom.ratios == (0.9, 0.85, 0.8) and custom.next_pages == 2
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -308,7 +310,7 @@ def test_page_vector_variants_equal_brute_force(keys, consecutive, impl, centred
     hand: pre-RoPE keys are the stored keys rotated back by their own positions; centring
     subtracts the mean page vector from both (the score then differs from (v-mu)·(a-mu) by a
     per-row constant, mu·(a-mu), which does not change any ranking). ``impl="pallas"``: the page
-    sums by the Pallas `page_matmul` (interpreted), as on a GPU."""
+    sums by the Pallas `rope_page_sums` (interpreted), as on a GPU."""
     from sparsekv_jax.models.rope import inverse_frequencies
     from sparsekv_jax.policies import chess as chess_module
 

@@ -3,7 +3,7 @@
     SPEC   := ITEM ("," ITEM)*
     ITEM   := NAME | NAME "(" [ARG ("," ARG)*] ")"
     ARG    := VALUE | KEY "=" VALUE          (positional arguments first, as in Python)
-    VALUE  := number | 'string' | True | False | None | ITEM
+    VALUE  := number | 'string' | True | False | None | ITEM | "(" VALUE ("," VALUE)* ")"
 
 Names are case-insensitive (``fullkv``, ``streamingllm``, ``snapkv``, ``h2o``, ``quest``,
 ``pipeline`` and those later policies register). Example:
@@ -31,6 +31,8 @@ def _value(node: ast.AST, text: str):
         return node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and isinstance(node.operand, ast.Constant):
         return -node.operand.value
+    if isinstance(node, ast.Tuple):  # e.g. CHESS's custom ratios: chess((0.9, 0.8, 0.7))
+        return tuple(_value(e, text) for e in node.elts)
     if isinstance(node, (ast.Name, ast.Call)):
         return _policy(node, text)
     raise ValueError(f"policy spec {text!r}: unsupported value {ast.unparse(node)!r}")
