@@ -51,9 +51,10 @@ the semantic attributes of the input tokens"; ``scripts/chess_needle_ranks.py``,
   close a page sits to the window (on SmolLM2 at 4k the needle's page ranked 28-124 of 125 for its
   question, and `moderate` answered 1 of 4 single needles). The cache's incremental page sums are
   post-RoPE, so a pre-RoPE rebuild reads every cached key once, one layer at a time. Where a
-  page's positions are consecutive (any cache that was not compressed) that is one matmul with a
-  fixed un-rotation matrix, R(-(p0+j)) = R(-p0)·R(-j), then a rotation per page (44.8 ms at 32k x
-  21 rows of Llama-3.1-8B on an H200, 1.7% of the step time over 10 pages); compressed layers
+  page's positions are consecutive (any cache that was not compressed), R(-(p0+j)) = R(-p0)·R(-j):
+  each key is turned by its slot in the page with a fixed table and summed (the Pallas
+  `rope_page_sums` on a GPU, reading the layer in place), then each page sum by its first
+  position (docs/BENCHMARKS.md, "CHESS decode speed", has the rebuild's time); compressed layers
   rotate key by key. Rebuilds are rare and the per-step page list is the same either way.
   ``post_rope`` reads only the page sums (3.4 ms).
 * ``centred=True`` (default; not in the paper): keys share a large common component, so every
@@ -81,14 +82,14 @@ from flax import struct
 from sparsekv_jax.attention import on_gpu
 from sparsekv_jax.cache import KVCache, LayerKV, page_counts
 from sparsekv_jax.models.rope import inverse_frequencies
-from sparsekv_jax.pallas.page_matmul import page_matmul, page_matmul_reference
+from sparsekv_jax.pallas.page_rope import rope_page_sums, rope_page_sums_reference
 from sparsekv_jax.policies.base import Policy, Selection
 from sparsekv_jax.policies.common import pages_to_list
 
 PRESETS = {"conservative": (0.9, 0.9, 0.9), "moderate": (0.8, 0.7, 0.7), "aggressive": (0.5, 0.2, 0.1)}
 TRIGGERS = ("uncertainty", "interval")
 KEYS = ("post_rope", "pre_rope")
-# The pre-RoPE rebuild's page sums: "auto" = the Pallas `page_matmul` on the GPU (reads each layer's
+# The pre-RoPE rebuild's page sums: "auto" = the Pallas `rope_page_sums` on the GPU (reads each layer's
 # keys in place; the jnp path copies the layer out of the stack first) and jnp elsewhere; "pallas" /
 # "jnp" force one (tests force "pallas", which runs interpreted off the GPU).
 PAGE_SUMS_IMPL = "auto"
@@ -134,22 +135,6 @@ def hierarchical_select(page_scores: jax.Array, in_use: jax.Array, candidate: ja
     keep_chunk = top_fraction(s_chunk, cand_chunk & jnp.repeat(keep_grid, grid_chunks, axis=1), rho_c)
     keep_page = top_fraction(s, cand & jnp.repeat(keep_chunk, chunk_pages, axis=1), rho_p)
     return keep_page[:, :P]
-
-
-def _unrotation_matrix(page_size: int, inv_freq: np.ndarray) -> np.ndarray:
-    """``[page_size·D, D]`` matrix M with ``k_page.reshape(page_size·D) @ M = sum_j R(-j)·k_j``:
-    RoPE's rotation by ``-j`` (rotate-half layout) of the page's ``j``-th key, summed over the page."""
-    half = len(inv_freq)
-    D = 2 * half
-    angle = np.arange(page_size)[:, None] * np.asarray(inv_freq, np.float64)[None]  # [ps, D/2]
-    cos, sin = np.cos(angle), np.sin(angle)
-    m = np.zeros((page_size, D, D))
-    d = np.arange(half)
-    m[:, d, d] = cos  # out1 = k1·cos + k2·sin
-    m[:, half + d, d] = sin
-    m[:, half + d, half + d] = cos  # out2 = k2·cos - k1·sin
-    m[:, d, half + d] = -sin
-    return m.reshape(page_size * D, D)
 
 
 def max_selected(num_pages: int, ratios: tuple[float, float, float], chunk_pages: int, grid_chunks: int) -> int:
@@ -377,16 +362,16 @@ class CHESS(Policy):
         at_edge = (jnp.arange(P)[None] == edge[:, None])[None, :, None]  # [1, B, 1, P]
         edge_slots = edge[:, None] * ps + jnp.arange(ps)  # [B, ps]
         edge_live = (edge_slots < jnp.minimum(anchor_end, S)[:, None])[None, :, None]  # [1, B, 1, ps]
-        unrotate = jnp.asarray(_unrotation_matrix(ps, np.asarray(self.inv_freq)), k_all.dtype)
-        if PAGE_SUMS_IMPL == "pallas" or (PAGE_SUMS_IMPL == "auto" and on_gpu() and D % 16 == 0):
-            page_sums = functools.partial(page_matmul, page_size=ps, interpret=not on_gpu())
+        half = D // 2
+        if PAGE_SUMS_IMPL == "pallas" or (PAGE_SUMS_IMPL == "auto" and on_gpu() and not half & (half - 1)):
+            page_sums = functools.partial(rope_page_sums, page_size=ps, interpret=not on_gpu())
         else:
-            page_sums = functools.partial(page_matmul_reference, page_size=ps)
+            page_sums = functools.partial(rope_page_sums_reference, page_size=ps)
         # Per layer (the cache read by layer index), two exact ways to the pages' sums of un-rotated
         # keys. Fast, when every page's live positions are consecutive (p0, p0+1, ...) and only the
         # edge page is partly live — every layer that was not compressed: R(-(p0+j)) = R(-p0)·R(-j),
-        # so a page's sum is R(-p0) applied to sum_j R(-j)·k_j, one matmul of the keys with a fixed
-        # [ps·D, D] matrix (tensor cores, the keys read once) and a rotation per page; the edge
+        # so a page's sum is R(-p0) applied to sum_j R(-j)·k_j (`rope_page_sums`: the keys read once
+        # in place, a fixed table of the slots' angles) and a rotation per page; the edge
         # page (slots past anchor_end may hold stale keys) key by key. Otherwise (per-head or
         # per-layer compression) every key is rotated back by its own position: B·H·S·D/2 sines
         # and cosines per layer, 20x slower at 32k x 22 on an H200.
@@ -400,7 +385,7 @@ class CHESS(Policy):
 
             def by_pages():
                 # the keys read in place from the stack (a jnp slice of the layer would be a copy)
-                sums = page_sums(k_all, unrotate, layer)[None]  # [1, B, H, P, D]
+                sums = page_sums(k_all, self.inv_freq, layer)[None]  # [1, B, H, P, D]: sum_j R(-j)·k_j
                 base = pos_paged[..., 0, None].astype(jnp.float32) * inv_freq  # [1, B, H, P, D/2]
                 s1, s2 = rotate_back(*jnp.split(sums, 2, axis=-1), base)
                 sums = jnp.where(mask.all(-1)[..., None], jnp.concatenate([s1, s2], axis=-1), 0.0)
