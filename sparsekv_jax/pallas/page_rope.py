@@ -107,8 +107,8 @@ def _check(k: jax.Array, inv_freq, layer: int | jax.Array, page_size: int) -> No
         raise ValueError(f"layer={int(layer)} out of range [0, {k.shape[0]})")
 
 
-def rope_page_sums(k: jax.Array, inv_freq, layer: int | jax.Array, *, page_size: int, block_p: int = 64,
-                   interpret: bool = False, num_warps: int = 4, num_stages: int = 3) -> jax.Array:
+def rope_page_sums(k: jax.Array, inv_freq, layer: int | jax.Array, *, page_size: int, block_p: int = 32,
+                   interpret: bool = False, num_warps: int = 8, num_stages: int = 3) -> jax.Array:
     """``[B, H, P, D]`` fp32: each page of layer ``layer``'s keys, slot ``j`` turned by ``-j``, summed.
 
     Args:
