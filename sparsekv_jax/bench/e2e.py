@@ -237,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = run_model(args.one_model, pre, ctx, bat, args.policies, args.decode_steps, args.iters,
                          args.prefill_policies)
         print("ROWS " + json.dumps(rows))
+        if args.out:  # a direct --one-model run keeps its rows too (the parent reads the ROWS line)
+            with open(args.out, "w") as f:
+                json.dump(rows, f, indent=2)
         return 0
     rows = []
     for model in args.models.split(","):
