@@ -4,6 +4,9 @@
   with a log-sum-exp combine, optional per-slot bias. Dense decode = all pages.
 * `prefill_attention` -- causal GQA flash attention over a list of KV blocks per query
   block. Dense prefill = all causal blocks.
+* `layer_matmul` (`matmul`) -- decode matmuls against one layer of the stacked weights.
+* `rope_page_sums` (`page_rope`) -- per-page sums of keys turned back by their slot, read from
+  one layer of the stacked cache (CHESS's pre-RoPE rebuild).
 
 Arguments are validated at the Python boundary (`validation`); value checks run only on
 concrete arrays, so calls from inside ``jit`` skip them.
