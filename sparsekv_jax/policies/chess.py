@@ -483,21 +483,27 @@ class CHESS(Policy):
             back = jnp.zeros_like(fire)
         rewind = jnp.where(back, self.page_size, 0).astype(jnp.int32)
         length = cache.length - rewind  # what the cache holds once the page is taken back
-        # rebuild only when some row fired: the selection reads every page summary
-        selected = jax.lax.cond(fire.any(), lambda: self.select_pages(cache, length), lambda: st["selected"])
-        st["selected"] = jnp.where(fire[:, None], selected, st["selected"])
         st["reselections"] = st["reselections"] + fire
         st["backtracks"] = st["backtracks"] + back
         st["rewind"] = rewind
         for key in ("ent_sum", "ent_sq", "in_page"):
             st[key] = jnp.where(page_done, jnp.zeros_like(st[key]), st[key])
-        # the page list is a function of the selection and of the pages in use (sinks and window):
+        # The page list is a function of the selection and of the pages in use (sinks and window):
         # rebuilt only when one of them changed for some row (a page starts, a rebuild, a rewind),
-        # not every step (its sort and scatter cost ~0.3 ms at 32k x 11 on an H100, 4% of a step)
+        # not every step (its sort and scatter cost ~0.3 ms at 32k x 11 on an H100, 4% of a step).
+        # The selection is rebuilt only when some row fired (it reads every key); that cond sits
+        # inside the first, so a step inside a page runs one conditional, not two (each costs the
+        # GPU a round trip of its predicate to the host).
         used = self._used(length + 1)
         changed = fire.any() | (used != st["used"]).any()
-        st["ids"], st["counts"] = jax.lax.cond(changed, lambda: self._page_list(st["selected"], length + 1, cache),
-                                               lambda: (st["ids"], st["counts"]))
+
+        def refresh():
+            rebuilt = jax.lax.cond(fire.any(), lambda: self.select_pages(cache, length), lambda: st["selected"])
+            selected = jnp.where(fire[:, None], rebuilt, st["selected"])
+            return (selected, *self._page_list(selected, length + 1, cache))
+
+        st["selected"], st["ids"], st["counts"] = jax.lax.cond(
+            changed, refresh, lambda: (st["selected"], st["ids"], st["counts"]))
         st["used"] = used
         return st
 
