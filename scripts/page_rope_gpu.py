@@ -19,27 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparsekv_jax.bench.e2e import _tokens
+from sparsekv_jax.bench.e2e import _median_time, _tokens
 from sparsekv_jax.models.config import llama31_8b_config
 from sparsekv_jax.models.rope import inverse_frequencies
 from sparsekv_jax.pallas.page_rope import rope_page_sums, rope_page_sums_reference
-
-
-def median_ms(fn, *args, n: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def main() -> int:
@@ -91,7 +79,7 @@ def main() -> int:
                                          interpret=interpret), jnp.arange(L))
     for name, fn in impls.items():
         try:
-            ms = median_ms(jax.jit(fn), k, n=args.iters)
+            ms = _median_time(jax.jit(fn), k, iters=args.iters) * 1e3
             rows.append({"kind": "time", "impl": name, "shape": list(k.shape), "ms": ms, "key_gb": gb})
             lines.append(f"time  {name:<30} {ms:8.2f} ms per pass over {L} layers, {gb / ms:.2f} TB/s of keys")
         except Exception as e:  # a tiling Triton rejects is a finding, not a crash
