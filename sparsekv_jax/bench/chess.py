@@ -119,7 +119,10 @@ def selection_cost(cfg, policy, context: int, batch: int, iters: int, page_size:
 
     pol = policy.bind_model(cfg).bind(context)
     cache, _ = _decode_cache(cfg, pol, context, batch, 1, jax.random.key(3), page_size=page_size)
-    rebuild = jax.jit(lambda c: pol._page_list(pol.select_pages(c, c.length), c.length + 1, c))
+    def rebuild_fn():  # a fresh trace each call: the page-sums implementation is read at trace time
+        return jax.jit(lambda c: pol._page_list(pol.select_pages(c, c.length), c.length + 1, c))
+
+    rebuild = rebuild_fn()
     selected = pol.select_pages(cache, cache.length)
     refresh = jax.jit(lambda c, s: pol._page_list(s, c.length + 1, c))
     # the per-step work CHESS adds (entropy statistics of the logits, trigger test, page list kept
@@ -138,8 +141,7 @@ def selection_cost(cfg, policy, context: int, batch: int, iters: int, page_size:
         # the same rebuild with the page sums in jnp (the layer sliced out of the stack: a copy)
         chess_module.PAGE_SUMS_IMPL, impl = "jnp", chess_module.PAGE_SUMS_IMPL
         try:
-            rebuild_jnp = jax.jit(lambda c: pol._page_list(pol.select_pages(c, c.length), c.length + 1, c))
-            out["rebuild_jnp_ms"] = _median_time(rebuild_jnp, cache, iters=iters) * 1e3
+            out["rebuild_jnp_ms"] = _median_time(rebuild_fn(), cache, iters=iters) * 1e3
         finally:
             chess_module.PAGE_SUMS_IMPL = impl
     del cache
