@@ -26,6 +26,7 @@ from chess_needle_ranks import prompt_cache  # noqa: E402
 from sparsekv_jax import load  # noqa: E402
 from sparsekv_jax.eval import ruler, runner  # noqa: E402
 from sparsekv_jax.policies import CHESS  # noqa: E402
+from sparsekv_jax.policies.base import Setup  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--indices {args.indices!r}: each must be in [0, {args.n})")
 
     params, tok = load(args.model, progress=False)
-    pol = CHESS(ratios=args.preset).bind_model(params.config)
+    pol = CHESS(ratios=args.preset).bind(Setup(params.config))
     ps = pol.page_size
     samples = ruler.generate_samples(args.task, args.length, args.n, args.seed, tok, chat=True)
     rows = []

@@ -23,6 +23,7 @@ from sparsekv_jax import load
 from sparsekv_jax.eval import ruler, runner
 from sparsekv_jax.generate import _setup, generate, prepare
 from sparsekv_jax.policies import CHESS, Dense
+from sparsekv_jax.policies.base import Setup
 
 VARIANTS = {"post-RoPE (paper)": {"keys": "post_rope", "centred": False},
             "post-RoPE, centred": {"keys": "post_rope", "centred": True},
@@ -40,10 +41,10 @@ def needle_page(tok, ctx: list[int], answer: str, page_size: int) -> int:
 
 def prompt_cache(params, policy, ctx: list[int], q: list[int]):
     """The cache as the first decode step sees it (context prefilled, question read)."""
-    pol, tokens, lengths, suffix, suffix_lengths, cap = _setup(params, policy, np.array([ctx]), None,
-                                                               np.array([q]), None, 12, 16, None, None)
-    _, cache, _, _ = jax.jit(lambda: prepare(params, pol, tokens, lengths, suffix, suffix_lengths, extra_tokens=12,
-                                             page_size=16, prefill_chunk=None, capacity=cap))()
+    run = _setup(params, policy, np.array([ctx]), None, np.array([q]), None, 12, 16, None, None)
+    _, cache, _, _ = jax.jit(lambda: prepare(params, run.policy, run.tokens, run.lengths, run.suffix,
+                                             run.suffix_lengths, extra_tokens=12, page_size=16, prefill_chunk=None,
+                                             capacity=run.capacity, backend=run.backend))()
     return cache
 
 
@@ -73,7 +74,7 @@ def main() -> None:
                             stop_tokens=stop)
             row["full"] = tok.decode(full.sequences()[0])
         for name, kw in VARIANTS.items():
-            pol = CHESS.moderate(**kw).bind_model(cfg)
+            pol = CHESS.moderate(**kw).bind(Setup(cfg))
             scores, in_use = pol._page_scores(cache, cache.length)
             forced = np.asarray(pol._forced(cache.length, in_use.shape[1]))[0]
             cand = np.asarray(in_use)[0] & ~forced
@@ -82,7 +83,7 @@ def main() -> None:
             v = {"rank": int(np.where(order == page)[0][0]), "candidates": int(cand.sum()),
                  "top": order[:6].tolist()}
             for preset in presets:
-                p = CHESS(ratios=preset, **kw).bind_model(cfg)
+                p = CHESS(ratios=preset, **kw).bind(Setup(cfg))
                 v[f"selected_{preset}"] = bool(np.asarray(p.select_pages(cache, cache.length))[0, page])
                 out = generate(params, p, np.array([ctx]), suffix=np.array([q]), max_new_tokens=12, stop_tokens=stop)
                 text = tok.decode(out.sequences()[0])

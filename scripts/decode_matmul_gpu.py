@@ -8,7 +8,7 @@ Llama-3.1-8B shapes, random bf16 weights (fresh normal draws, not zeros):
    slices ``w``) against the kernel at a few tilings; ms per pass over the 32 layers and the weight
    bytes per second that implies.
 3. **decode step** — FullKV `decode_step` at an 8k cache, B = 1, 8 and 32, with
-   ``transformer.DECODE_MATMUL`` "xla" and "pallas": ms per generated token.
+   ``Backend(decode_matmul=...)`` "xla" and "pallas": ms per generated token.
 
     python scripts/decode_matmul_gpu.py --out results.json
 
@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from sparsekv_jax.backend import Backend
 from sparsekv_jax.bench.e2e import MODELS, _decode_cache, _median_time_carry, decode_fn
 from sparsekv_jax.models import config as mc
-from sparsekv_jax.models import transformer
 from sparsekv_jax.models.params import random_params
 from sparsekv_jax.pallas.matmul import layer_matmul, layer_matmul_reference, matmul_plan
 from sparsekv_jax.policies import Dense
@@ -178,12 +178,13 @@ def main() -> None:
     for batch in [int(b) for b in args.batches.split(",")] if "decode" in sections else ():
         res = {}
         for mode in modes:
-            transformer.DECODE_MATMUL = "xla" if mode == "xla" else "pallas"
             try:
                 cache, _ = _decode_cache(cfg, Dense(), args.context, batch, steps, jax.random.key(2))
                 state = (None, None)
                 tok = jax.random.randint(jax.random.key(5), (batch,), 0, cfg.vocab_size, jnp.int32)
-                comp = decode_fn(params, Dense(), steps, start=(cache.length, cache.next_position)).lower(
+                backend = Backend(decode_matmul="xla" if mode == "xla" else "pallas").resolve(params)
+                comp = decode_fn(params, Dense(), steps, start=(cache.length, cache.next_position),
+                                 backend=backend).lower(
                     params, cache, state, tok).compile()
                 sec, _ = _median_time_carry(comp, params, (cache, state, tok), iters=max(3, args.iters // 4))
                 res[mode] = sec * 1e3 / steps
@@ -198,7 +199,6 @@ def main() -> None:
         lines.append(f"decode_step FullKV {args.context}x{batch}: "
                      + ", ".join(f"{m} {ms:.2f}" for m, ms in res.items()) + " ms/token")
         save()
-    transformer.DECODE_MATMUL = "xla"
     print("\n".join(lines))
 
 

@@ -29,6 +29,7 @@ from sparsekv_jax.cache import init_cache
 from sparsekv_jax.models import config as mc
 from sparsekv_jax.models.params import random_params
 from sparsekv_jax.policies import CHESS, Dense
+from sparsekv_jax.policies.base import Setup
 
 INSTRUCTION = re.compile(r"\s*(?:ROOT )?(%?[\w.\-]+) = ([a-z0-9]+)\[([0-9,]*)\]\S* ([a-z][\w\-]*)\(")
 
@@ -49,7 +50,7 @@ def main() -> int:
     counts: dict[tuple[str, int], collections.Counter] = {}
     for cps in [int(c) for c in args.cache_page_sizes.split(",")]:
         for pol in (Dense(), frozen(CHESS.aggressive(page_size=max(32, cps)))):
-            pol = pol.bind_model(cfg).bind(ctx)
+            pol = pol.bind(Setup(cfg, prompt_len=ctx))
             cache = jax.eval_shape(lambda cps=cps: init_cache(cfg, B, ctx + 64, page_size=cps, dtype=jnp.bfloat16))
             rows = jax.ShapeDtypeStruct((B,), jnp.int32)
             cache = cache.replace(length=rows, next_position=rows)

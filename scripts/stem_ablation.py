@@ -62,6 +62,7 @@ def _forward_fn(params: Any, policy: Any, last: int) -> Callable:
 
     from sparsekv_jax import attention
     from sparsekv_jax.models.transformer import forward, logits_from_hidden
+    from sparsekv_jax.policies.base import Prompt
 
     def run(tokens: jax.Array, lengths: jax.Array, dense_outs: Any) -> Any:
         B, W = tokens.shape
@@ -77,7 +78,7 @@ def _forward_fn(params: Any, policy: Any, last: int) -> Callable:
             dense = attention.dense_causal_attention(q, k, v)
             if policy is None:
                 return dense, dense, None
-            pattern = policy.prefill_pattern(q, k, v, lengths, idx)
+            pattern = policy.prefill_pattern(q, k, v, idx, Prompt(tokens, lengths))
             out = attention.prefill(q, k, v, pattern)
             frac = jnp.float32(1.0) if pattern is None else attention.block_fraction(pattern, W)
             return out, None, (mse(out, ref), mse(out, dense), frac)

@@ -11,23 +11,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from sparsekv_jax.backend import Backend, on_gpu
 from sparsekv_jax.cache import layer_view
+
+__all__ = ["Backend", "cached_attention", "decode", "dense_causal_attention", "on_gpu", "prefill"]
 
 NEG_INF = -1e30  # finite: a fully masked row gives zeros, never NaN
 
-# Decode implementation: "auto" = the Pallas kernel on the GPU and the jnp reference elsewhere;
-# "pallas" / "jnp" force one (benchmarks compare them; tests force "pallas" in interpret mode).
-DECODE_IMPL = "auto"
-# Block-sparse prefill: the same choice for the Pallas prefill kernel (dense prefill is cuDNN/XLA).
-PREFILL_IMPL = "auto"
 
-
-def _impl(choice: str) -> str:
-    return choice if choice != "auto" else ("pallas" if on_gpu() else "jnp")
-
-
-def on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
+def _resolved(backend: Backend | None) -> Backend:
+    backend = Backend() if backend is None else backend
+    return backend if backend.resolved else backend.resolve()
 
 
 def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
@@ -105,23 +99,25 @@ def block_mask(block_ids: jax.Array, block_counts: jax.Array, num_blocks: int, b
 
 
 def prefill(q: jax.Array, k: jax.Array, v: jax.Array, pattern, *,
-            sliding_window: int | None = None) -> jax.Array:
+            sliding_window: int | None = None, backend: Backend | None = None) -> jax.Array:
     """Prefill attention of a chunk starting at slot 0: dense, or the policy's block pattern.
 
-    ``pattern`` is ``None`` (dense causal) or ``(block_ids, block_counts, block_size)``.
+    ``pattern`` is ``None`` (dense causal) or ``(block_ids, block_counts, block_size)``;
+    ``backend.sparse_prefill`` picks the Pallas kernel or the jnp path for a pattern.
     """
     if pattern is None:
         return dense_causal_attention(q, k, v, sliding_window=sliding_window)
+    backend = _resolved(backend)
     block_ids, block_counts, block_size = pattern
     B, T = q.shape[:2]
-    if _impl(PREFILL_IMPL) == "pallas":
+    if backend.sparse_prefill == "pallas":
         from sparsekv_jax.pallas.prefill import prefill_attention
 
         pad = -(-T // block_size) * block_size - T  # the kernel wants whole KV blocks; causality masks the pad
         kp = jnp.pad(jnp.swapaxes(k, 1, 2), ((0, 0), (0, 0), (0, pad), (0, 0)))
         vp = jnp.pad(jnp.swapaxes(v, 1, 2), ((0, 0), (0, 0), (0, pad), (0, 0)))
         out = prefill_attention(jnp.swapaxes(q, 1, 2), kp, vp, block_size=block_size, block_ids=block_ids,
-                                block_counts=block_counts, sliding_window=sliding_window, interpret=not on_gpu())
+                                block_counts=block_counts, sliding_window=sliding_window, interpret=backend.interpret)
         return jnp.swapaxes(out, 1, 2)
     n_blocks = -(-T // block_size)
     mask = block_mask(block_ids, block_counts, n_blocks, block_size)[..., :T, :T]
@@ -133,7 +129,8 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, pattern, *,
 
 
 def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size: int, selection, *,
-           sliding_window: int | None = None, return_probs: bool = False, layer: jax.Array | None = None):
+           sliding_window: int | None = None, return_probs: bool = False, layer: jax.Array | None = None,
+           backend: Backend | None = None):
     """One query per row ``[B, Hq, D]`` at RoPE ``q_position`` ``[B]`` against a layer's cache
     ``kv`` (`LayerKV`) whose first ``length`` slots are in use.
 
@@ -141,8 +138,12 @@ def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size
     With ``layer``, ``kv`` is every layer's cache stacked ``[L, ...]`` and layer ``layer`` is read
     (the kernel indexes the stack: no per-layer copy).
     Returns the output ``[B, Hq, D]``, per row the fraction of in-use pages read, and with
-    ``return_probs`` the attention probabilities ``[B, Hq, S]``.
+    ``return_probs`` the attention probabilities ``[B, Hq, S]`` (H2O's running eviction: the
+    Pallas kernel returns them with the output, so it needs no second pass over the keys).
+    ``backend.decode_attention`` picks the kernel or the jnp path; a sliding window takes the jnp
+    path (the kernel has no window).
     """
+    backend = _resolved(backend)
     B, Hkv, S, _ = kv.k.shape[-4:]
     n_pages = S // page_size
     used_pages = -(-length // page_size)  # [B]
@@ -151,13 +152,15 @@ def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size
         read = jnp.ones((B,), jnp.float32)
     else:  # page lists hold distinct in-use pages, so the count is what is read
         read = jnp.minimum(selection[1], used_pages[:, None]).sum(1) / (Hkv * jnp.maximum(used_pages, 1))
-    if _impl(DECODE_IMPL) == "pallas" and not return_probs and sliding_window is None:
+    if backend.decode_attention == "pallas" and sliding_window is None:
         from sparsekv_jax.pallas.decode import decode_attention
 
         ids, counts = (None, None) if selection is None else selection
-        out = decode_attention(q, kv.k, kv.v, length, page_size=page_size, page_ids=ids, page_counts=counts,
-                               bias=kv.bias, layer=layer, interpret=not on_gpu())
-        return out, read.astype(jnp.float32)
+        res = decode_attention(q, kv.k, kv.v, length, page_size=page_size, page_ids=ids, page_counts=counts,
+                               bias=kv.bias, layer=layer, interpret=backend.interpret, return_probs=return_probs)
+        if return_probs:
+            return res[0], read.astype(jnp.float32), res[1]
+        return res, read.astype(jnp.float32)
     if layer is not None:
         kv = layer_view(kv, layer)
     if selection is not None:

@@ -8,12 +8,16 @@ Layout (per layer, stacked over layers with a leading ``L`` axis in `KVCache.lay
 * ``positions``: ``[B, Hkv, S]`` int32, the RoPE position of each slot (``-1`` when empty).
   Compression may keep different positions per KV head, so positions are per head.
 * ``bias``: ``[B, Hkv, S]`` float32 additive logit per slot (SemantiCache's log cluster size;
-  zero otherwise).
+  zero otherwise; ``-inf`` for a *hole*: a slot below ``length`` that a head does not use because
+  heads keep different numbers of entries, which also has position ``-1``). Any in-place
+  overwrite of a slot (`append_token`) resets its bias to 0.
 * ``page_sum``/``page_min``/``page_max``: ``[B, Hkv, P, D]`` summaries of the keys in each page
   (CHESS uses the mean = sum / count, Quest the elementwise min/max). The sum is float32; min and
   max are in the keys' dtype, where they are exact (a minimum of bf16 keys is a bf16 key) at half
-  the bytes of float32 (0.27 GB per 32k-token row of Llama-3.1-8B). Maintained on single-token
-  append; recomputed in one pass after prefill or compression.
+  the bytes of float32 (0.27 GB per 32k-token row of Llama-3.1-8B). ``page_max_bias``
+  ``[B, Hkv, P]`` float32 is the largest bias in the page, so a bound on a page's logits stays a
+  bound after merging (Quest). Summaries cover the page's live slots (below ``length``, position
+  ``>= 0``). Maintained on single-token append; recomputed in one pass after prefill or compression.
 
 ``length[b]`` is the number of slots used (the same for every head), ``next_position[b]`` the
 RoPE position the next token gets. They differ once entries were evicted or merged.
@@ -42,6 +46,7 @@ class LayerKV:
     page_sum: jax.Array
     page_min: jax.Array
     page_max: jax.Array
+    page_max_bias: jax.Array
 
 
 @struct.dataclass
@@ -98,6 +103,7 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int, *, page_size: int = 
         page_sum=jnp.zeros((L, batch, H, n_pages, D), jnp.float32),
         page_min=jnp.zeros((L, batch, H, n_pages, D), dtype),
         page_max=jnp.zeros((L, batch, H, n_pages, D), dtype),
+        page_max_bias=jnp.full((L, batch, H, n_pages), -jnp.inf, jnp.float32),
     )
     zeros = jnp.zeros((batch,), jnp.int32)
     return KVCache(layers=layers, length=zeros, next_position=zeros, page_size=page_size)
@@ -130,15 +136,16 @@ def summarize_pages(kv: LayerKV, length: jax.Array, page_size: int) -> LayerKV:
         return jax.lax.map(lambda layer: summarize_pages(layer, length, page_size), kv)
     B, H, S, D = kv.k.shape
     P = S // page_size
-    valid = _slot_valid(length, (B, H, S)).reshape(B, H, P, page_size, 1)
+    valid = (_slot_valid(length, (B, H, S)) & (kv.positions >= 0)).reshape(B, H, P, page_size, 1)
     k = kv.k.reshape(B, H, P, page_size, D)
     big = jnp.asarray(jnp.finfo(k.dtype).max, k.dtype)
     page_sum = jnp.where(valid, k, 0).sum(-2, dtype=jnp.float32)
     page_min = jnp.where(valid, k, big).min(-2).astype(kv.page_min.dtype)
     page_max = jnp.where(valid, k, -big).max(-2).astype(kv.page_max.dtype)
     has_any = valid.any(-2)
+    max_bias = jnp.where(valid[..., 0], kv.bias.reshape(B, H, P, page_size), -jnp.inf).max(-1)
     return kv.replace(page_sum=page_sum, page_min=jnp.where(has_any, page_min, 0),
-                      page_max=jnp.where(has_any, page_max, 0))
+                      page_max=jnp.where(has_any, page_max, 0), page_max_bias=max_bias)
 
 
 def _slot_valid(length: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -157,8 +164,9 @@ def append_token(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slot: jax.Arra
     step that carries the whole cache through the layer scan copies nothing).
     ``k_new``/``v_new``: ``[B, Hkv, D]``; ``slot``: ``[B]`` (append) or ``[B, Hkv]`` (a slot per
     head, e.g. in-place eviction); ``position``: ``[B]``; ``new_length``: ``[B]`` slots in use
-    after the write. The written page's sum/min/max are recomputed from its ``page_size`` keys,
-    which stays exact when a slot is overwritten and costs O(page) per step.
+    after the write. The slot's bias is reset to 0 (an overwritten merged entry's log-size must
+    not carry over to the new token). The written page's sum/min/max/max-bias are recomputed from
+    its ``page_size`` slots, which stays exact when a slot is overwritten and costs O(page) per step.
     """
     B, H, D = k_new.shape
     slot = jnp.broadcast_to(slot[:, None] if slot.ndim == 1 else slot, (B, H))
@@ -168,17 +176,21 @@ def append_token(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slot: jax.Arra
     k = kv.k.at[(*at, slot)].set(k_new.astype(kv.k.dtype))
     v = kv.v.at[(*at, slot)].set(v_new.astype(kv.v.dtype))
     pos = kv.positions.at[(*at, slot)].set(jnp.broadcast_to(position[:, None], (B, H)))
+    bias = kv.bias.at[(*at, slot)].set(0.0)
     page = slot // page_size  # [B, H]
     in_page = page[..., None] * page_size + jnp.arange(page_size)  # [B, H, ps]
-    k_layer = k if layer is None else jax.lax.dynamic_index_in_dim(k, layer, keepdims=False)
-    keys = jnp.take_along_axis(k_layer, in_page[..., None], axis=2).astype(jnp.float32)  # [B, H, ps, D]
-    valid = (in_page < new_length[:, None, None])[..., None]
+    pick = (lambda a: a) if layer is None else (lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False))
+    keys = jnp.take_along_axis(pick(k), in_page[..., None], axis=2).astype(jnp.float32)  # [B, H, ps, D]
+    live = (in_page < new_length[:, None, None]) & (jnp.take_along_axis(pick(pos), in_page, axis=2) >= 0)
+    page_bias = jnp.where(live, jnp.take_along_axis(pick(bias), in_page, axis=2), -jnp.inf).max(-1)
+    valid = live[..., None]
     big = jnp.finfo(kv.page_min.dtype).max  # representable in the summaries' dtype
     return kv.replace(
-        k=k, v=v, positions=pos,
+        k=k, v=v, positions=pos, bias=bias,
         page_sum=kv.page_sum.at[(*at, page)].set(jnp.where(valid, keys, 0.0).sum(-2)),
         page_min=kv.page_min.at[(*at, page)].set(jnp.where(valid, keys, big).min(-2).astype(kv.page_min.dtype)),
         page_max=kv.page_max.at[(*at, page)].set(jnp.where(valid, keys, -big).max(-2).astype(kv.page_max.dtype)),
+        page_max_bias=kv.page_max_bias.at[(*at, page)].set(page_bias),
     )
 
 

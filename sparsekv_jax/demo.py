@@ -21,15 +21,18 @@ def _timed_generate(params, policy, tokens, max_new_tokens: int, stop_tokens: tu
     ahead of time and timed apart; returns ``(tokens, stats, prefill_s, decode_s)``."""
     from sparsekv_jax.generate import GREEDY, _setup, decode_loop, prepare
 
-    pol, toks, lens, _, _, cap = _setup(params, policy, tokens, None, None, None, max_new_tokens, 16, None, None)
+    run = _setup(params, policy, tokens, None, None, None, max_new_tokens, 16, None, None)
+    pol, toks, lens = run.policy, run.tokens, run.lengths
     pre = jax.jit(lambda p, pol, t, ln: prepare(p, pol, t, ln, None, None, extra_tokens=max_new_tokens,
-                                                page_size=16, prefill_chunk=None, capacity=cap))
+                                                page_size=16, prefill_chunk=None, capacity=run.capacity,
+                                                backend=run.backend))
     pre = pre.lower(params, pol, toks, lens).compile()
     t0 = time.perf_counter()
     logits, cache, state, stats = jax.block_until_ready(pre(params, pol, toks, lens))
     prefill_s = time.perf_counter() - t0
     dec = jax.jit(lambda p, pol, lg, c, st, k: decode_loop(p, pol, lg, c, st, k, max_new_tokens=max_new_tokens,
-                                                           sampling=GREEDY, stop_tokens=stop_tokens))
+                                                           sampling=GREEDY, stop_tokens=stop_tokens,
+                                                           backend=run.backend))
     key = jax.random.key(0)
     dec = dec.lower(params, pol, logits, cache, state, key).compile()
     t0 = time.perf_counter()

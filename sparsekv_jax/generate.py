@@ -18,6 +18,7 @@ import numpy as np
 from flax import struct
 
 from sparsekv_jax import attention
+from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import (
     KVCache,
     append_token,
@@ -27,11 +28,10 @@ from sparsekv_jax.cache import (
     summarize_pages,
     write_chunk,
 )
-from sparsekv_jax.models import transformer
 from sparsekv_jax.models.params import Params
-from sparsekv_jax.models.transformer import decode_unroll, forward, logits_from_hidden
+from sparsekv_jax.models.transformer import forward, logits_from_hidden
 from sparsekv_jax.pallas.validation import is_concrete
-from sparsekv_jax.policies.base import Dense, Policy
+from sparsekv_jax.policies.base import Dense, Policy, Prompt, Setup
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,29 +100,62 @@ def _transpose_heads(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 1, 2)  # [B, T, H, D] <-> [B, H, T, D]
 
 
+def _observers(policy: Policy) -> dict[str, Policy]:
+    """``{stage: policy}`` of the compress and decode stages that observe the prefill; a stage run
+    by the same policy as an earlier one (H2O compresses and decodes) maps to that one's name."""
+    out: dict[str, Policy] = {}
+    for name in ("compress", "decode"):
+        stage = policy.stage(name)
+        if stage.needs_observations:
+            out[name] = stage
+    return out
+
+
+def _unique(observers: dict[str, Policy]) -> dict[str, str]:
+    """``{stage: stage whose observation it shares}`` (the same policy observes once)."""
+    first: dict[str, str] = {}
+    for name, pol in observers.items():
+        same = [n for n in first.values() if observers[n] is pol or (
+            type(observers[n]) is type(pol) and not jax.tree.leaves(pol) and observers[n] == pol)]
+        first[name] = same[0] if same else name
+    return first
+
+
 def prefill(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
-            *, chunk: int | None = None):
+            *, chunk: int | None = None, question_start: jax.Array | None = None, backend: Backend | None = None):
     """Process right-padded prompts into an empty ``cache``.
 
-    Returns ``(last_logits [B, V] fp32, cache, observations, prefill_block_fraction)``. ``chunk`` processes the prompt
-    in chunks of that many tokens against the cache (long prompts; streaming scans);
-    ``None`` runs it in one pass with dense (cuDNN on the GPU) or policy-sparse attention.
+    Returns ``(last_logits [B, V] fp32, cache, observations, prefill_block_fraction)`` where
+    ``observations`` is ``{stage: what that stage's policy observed}`` for the compress and decode
+    stages that ``needs_observations`` (stacked over layers; over chunks too when chunked).
+    ``chunk`` processes the prompt in chunks of that many tokens against the cache (long prompts;
+    policies that need the whole prompt in one pass are refused before jit); ``None`` runs it in one
+    pass with dense (cuDNN on the GPU) or the prefill stage's block-sparse attention.
     """
+    backend = (Backend() if backend is None else backend)
+    backend = backend if backend.resolved else backend.resolve(params)
     cfg = params.config
     B, T = tokens.shape
     window = cfg.sliding_window
+    pattern_stage = policy.stage("prefill")
+    observers = _observers(policy)
+    shares = _unique(observers)
+    observing = {n: observers[n] for n in dict.fromkeys(shares.values())}
 
     if chunk is None or chunk >= T:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        prompt = Prompt(tokens=tokens, lengths=lengths, question_start=question_start, offset=0)
 
         def attend(q, k, v, kv, idx, hidden):
-            pattern = policy.prefill_pattern(q, k, v, lengths, idx)
-            out = attention.prefill(q, k, v, pattern, sliding_window=window)
+            pattern = pattern_stage.prefill_pattern(q, k, v, idx, prompt)
+            out = attention.prefill(q, k, v, pattern, sliding_window=window, backend=backend)
             kv = write_chunk(kv, _transpose_heads(k), _transpose_heads(v), 0, positions)
             fraction = jnp.float32(1.0) if pattern is None else attention.block_fraction(pattern, T)
-            return out, kv, (policy.observe(q, k, v, lengths, idx, tokens=tokens, hidden=hidden), fraction)
+            seen = {n: p.observe(q, k, v, hidden, idx, prompt) for n, p in observing.items()}
+            return out, kv, (seen, fraction)
 
-        hidden, layers, (observations, fractions) = forward(params, tokens, positions, cache.layers, attend)
+        hidden, layers, (seen, fractions) = forward(params, tokens, positions, cache.layers, attend,
+                                                    unroll=backend.prefill_unroll)
         block_fraction = fractions.mean()
     else:
         n_chunks = pages_for(T, chunk)
@@ -138,21 +171,24 @@ def prefill(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Arra
             start = c * chunk
             positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
             slot_ok = (jnp.arange(S) < start + chunk)[None, None, None, :]
+            prompt = Prompt(tokens=chunk_tokens, lengths=lengths, question_start=question_start, offset=start)
 
             def attend(q, k, v, kv, idx, hidden):
                 kv = write_chunk(kv, _transpose_heads(k), _transpose_heads(v), start, positions)
                 out = attention.cached_attention(
                     _transpose_heads(q), kv.k, kv.v, positions, kv.positions, slot_ok,
                     bias=None, sliding_window=window)
-                return _transpose_heads(out), kv, None
+                seen = {n: p.observe(q, k, v, hidden, idx, prompt) for n, p in observing.items()}
+                return _transpose_heads(out), kv, seen
 
-            hidden, layers, _ = forward(params, chunk_tokens, positions, layers, attend)
-            return layers, hidden
+            hidden, layers, seen = forward(params, chunk_tokens, positions, layers, attend,
+                                           unroll=backend.prefill_unroll)
+            return layers, (hidden, seen)
 
-        layers, hiddens = jax.lax.scan(run_chunk, cache.layers, (chunks, jnp.arange(n_chunks)))
+        layers, (hiddens, seen) = jax.lax.scan(run_chunk, cache.layers, (chunks, jnp.arange(n_chunks)))
         hidden = hiddens.transpose(1, 0, 2, 3).reshape(B, n_chunks * chunk, -1)[:, :T]
-        observations = None
         block_fraction = jnp.float32(1.0)
+    observations = {n: seen[shares[n]] for n in observers}
     last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = logits_from_hidden(params, last_hidden)
     slot_used = jnp.arange(cache.capacity)[None, None, None, :] < lengths[None, :, None, None]
@@ -166,9 +202,9 @@ def extend(params: Params, cache: KVCache, tokens: jax.Array, lengths: jax.Array
     """Append a right-padded chunk ``tokens`` ``[B, Tq]`` (``lengths`` ``[B]`` valid) to a filled cache.
 
     Each row's chunk goes to slots ``length[b] ..`` at positions ``next_position[b] ..`` and
-    attends to every entry the cache holds (dense): this is how a question is read after the
-    context was compressed without it (question-agnostic compression). Returns
-    ``(logits [B, V] at each row's last chunk token, cache)``.
+    attends to every entry the cache holds (dense, with the cache's per-slot bias): this is how a
+    question is read after the context was compressed without it (question-agnostic compression).
+    Returns ``(logits [B, V] at each row's last chunk token, cache)``.
     """
     cfg = params.config
     B, Tq = tokens.shape
@@ -184,7 +220,8 @@ def extend(params: Params, cache: KVCache, tokens: jax.Array, lengths: jax.Array
     def attend(q, k, v, kv, idx, hidden):
         kv = kv.replace(k=kv.k.at[rows, :, slots].set(k.astype(kv.k.dtype), mode="drop"),
                         v=kv.v.at[rows, :, slots].set(v.astype(kv.v.dtype), mode="drop"),
-                        positions=kv.positions.at[rows, :, slots].set(written[:, :, None], mode="drop"))
+                        positions=kv.positions.at[rows, :, slots].set(written[:, :, None], mode="drop"),
+                        bias=kv.bias.at[rows, :, slots].set(0.0, mode="drop"))
         out = attention.cached_attention(_transpose_heads(q), kv.k, kv.v, positions, kv.positions, slot_ok,
                                          bias=kv.bias, sliding_window=cfg.sliding_window)
         return _transpose_heads(out), kv, None
@@ -196,34 +233,29 @@ def extend(params: Params, cache: KVCache, tokens: jax.Array, lengths: jax.Array
     return logits_from_hidden(params, last), cache
 
 
-# Carry the whole cache through the decode layer scan (in-place writes, the kernel indexes the
-# layer): "auto" = on the GPU. Forced True in tests, so the CPU runs the GPU's code path too.
-DECODE_CARRY: bool | str = "auto"
-
-
-def carry_cache() -> bool:
-    return attention.on_gpu() if DECODE_CARRY == "auto" else bool(DECODE_CARRY)
-
-
 def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array, state: tuple[Any, Any],
-                *, collect_attention: bool = False):
+                *, backend: Backend | None = None, collect_attention: bool = False):
     """Feed one token per row ``[B]``.
 
-    ``state`` is the policy's ``(layer_state, shared_state)``. Returns
+    ``state`` is the decode stage's ``(layer_state, shared_state)``. Returns
     ``(logits [B, V], cache, state, pages_read [B])`` (fraction of in-use pages read, layer mean);
     with ``collect_attention`` also the attention outputs of every layer ``[L, B, Hq, D]``.
     """
+    backend = (Backend() if backend is None else backend)
+    backend = backend if backend.resolved else backend.resolve(params)
     cfg = params.config
     ps = cache.page_size
     pos = cache.next_position
     layer_state, shared_state = state
+    dec = policy.stage("decode")
+    probs_needed = dec.needs_decode_probs
 
     # On the GPU the cache (and the policy's per-layer state, which can be as large, e.g. H2O's
     # scores) rides the layer scan's carry: each layer writes its token in place and the kernel
     # reads the layer from the stack. Scanned as xs/ys they would be copied whole at every step.
     # XLA:CPU does not update the carried stack in place (decode ran 2x slower), so there the
     # layers are scanned as xs/ys: the same code, with ``at=None`` meaning "one layer's arrays".
-    carry = carry_cache()
+    carry = backend.decode_carry
 
     def attend(q, k, v, layer, idx, hidden):
         if carry:
@@ -232,15 +264,15 @@ def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array
         else:
             (layers, lstate), at = layer, None
         view = (lambda t: layer_view(t, idx)) if carry else (lambda t: t)
-        slot, new_length = policy.decode_write(view(layers), cache.length, lstate)
+        slot, new_length = dec.decode_write(view(layers), cache.length, lstate)
         layers = append_token(layers, k[:, 0], v[:, 0], slot, pos, new_length, ps, layer=at)
         kv = view(layers)
-        selection = policy.decode_select(q[:, 0], kv, new_length, lstate, shared_state, idx, ps)
+        selection = dec.decode_select(q[:, 0], kv, new_length, lstate, shared_state, idx, ps)
         res = attention.decode(q[:, 0], pos, layers, new_length, ps, selection, sliding_window=cfg.sliding_window,
-                               return_probs=policy.needs_decode_probs, layer=at)
-        if policy.needs_decode_probs:
+                               return_probs=probs_needed, layer=at, backend=backend)
+        if probs_needed:
             out, pages, probs = res
-            lstate = policy.decode_observe(lstate, probs, kv)
+            lstate = dec.decode_observe(lstate, probs, kv)
             if carry:
                 lstate_all = jax.tree.map(lambda a, x: a.at[idx].set(x), lstate_all, lstate)
         else:
@@ -248,47 +280,61 @@ def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array
         new = (None, (layers, lstate_all)) if carry else (layers, lstate)
         return out[:, None], new, (pages, new_length, out if collect_attention else None)
 
+    by_index = backend.decode_matmul == "pallas"
+    common = dict(unroll=backend.decode_unroll, weights_by_index=by_index, interpret=backend.interpret)
     if carry:
         hidden, (_, (layers, layer_state)), (pages, new_length, outs) = forward(
-            params, token[:, None], pos[:, None], None, attend, carried=(cache.layers, layer_state),
-            unroll=decode_unroll(), weights_by_index=transformer.decode_weights_by_index(params))
+            params, token[:, None], pos[:, None], None, attend, carried=(cache.layers, layer_state), **common)
     else:
         hidden, (layers, layer_state), (pages, new_length, outs) = forward(
-            params, token[:, None], pos[:, None], (cache.layers, layer_state), attend, unroll=decode_unroll(),
-            weights_by_index=transformer.decode_weights_by_index(params))
+            params, token[:, None], pos[:, None], (cache.layers, layer_state), attend, **common)
     logits = logits_from_hidden(params, hidden[:, 0])
     cache = cache.replace(layers=layers, length=new_length[0], next_position=pos + 1)
-    shared_state = policy.decode_update(shared_state, cache, logits)
+    shared_state = dec.decode_update(shared_state, cache, logits)
     if collect_attention:
         return logits, cache, (layer_state, shared_state), pages.mean(0), outs
     return logits, cache, (layer_state, shared_state), pages.mean(0)
 
 
+def stored_entries(cache: KVCache) -> jax.Array:
+    """``[B]`` live KV entries per row, averaged over layers and KV heads (holes not counted)."""
+    live = (cache.layers.positions >= 0) & (jnp.arange(cache.capacity) < cache.length[None, :, None, None])
+    return live.sum(-1).astype(jnp.float32).mean((0, 2))
+
+
 def prepare(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Array, suffix: jax.Array | None,
             suffix_lengths: jax.Array | None, *, extra_tokens: int, page_size: int, prefill_chunk: int | None,
-            capacity: int):
+            capacity: int, question_start: jax.Array | None = None, prompt_lengths: jax.Array | None = None,
+            backend: Backend | None = None):
     """Prefill, compress, read the suffix (if any) and set up the decode state.
 
-    ``extra_tokens`` is how many tokens the cache must still take after this (decode steps).
-    Returns ``(logits [B, V], cache, state, stats)``.
+    ``extra_tokens`` is how many tokens the cache must still take after this (decode steps);
+    ``prompt_lengths`` the user's prompt lengths before a context stage rewrote it (stats are
+    fractions of those). Returns ``(logits [B, V], cache, state, stats)``.
     """
     B, T = tokens.shape
+    backend = (Backend() if backend is None else backend)
+    backend = backend if backend.resolved else backend.resolve(params)
     cache = init_cache(params.config, B, capacity, page_size=page_size, dtype=params.dtype)
     logits, cache, observations, block_fraction = prefill(params, policy, tokens, lengths, cache,
-                                                          chunk=prefill_chunk)
+                                                          chunk=prefill_chunk, question_start=question_start,
+                                                          backend=backend)
     tq = 0 if suffix is None else suffix.shape[1]
-    compressed = policy.compressed_capacity(T, extra_tokens + tq, suffix_tokens=tq)
+    squeezer = policy.stage("compress")
+    compressed = squeezer.compressed_capacity(T, extra_tokens + tq, suffix_tokens=tq)
     if compressed is not None:
-        cache = policy.compress(cache, observations, compressed)
-    stored = cache.length.astype(jnp.float32) / lengths.astype(jnp.float32)
+        prompt = Prompt(tokens=tokens, lengths=lengths, question_start=question_start, offset=0)
+        cache = squeezer.compress(cache, observations.get("compress"), compressed, prompt)
+    reference = lengths if prompt_lengths is None else prompt_lengths
+    stored = stored_entries(cache) / reference.astype(jnp.float32)
     if suffix is not None:
         logits, cache = extend(params, cache, suffix, suffix_lengths)
-    state = policy.decode_init(cache, observations)
+    state = policy.stage("decode").decode_init(cache, observations.get("decode"))
     return logits, cache, state, {"kv_stored_fraction": stored, "prefill_block_fraction": block_fraction}
 
 
 def decode_loop(params: Params, policy: Policy, logits: jax.Array, cache: KVCache, state: Any, key: jax.Array, *,
-                max_new_tokens: int, sampling: Sampling, stop_tokens: tuple[int, ...]):
+                max_new_tokens: int, sampling: Sampling, stop_tokens: tuple[int, ...], backend: Backend | None = None):
     """Sample the first token from ``logits`` then decode until every row stopped.
 
     Each row keeps its own output count, so a policy may take back a row's last tokens
@@ -297,6 +343,7 @@ def decode_loop(params: Params, policy: Policy, logits: jax.Array, cache: KVCach
     Returns ``(tokens [B, max_new_tokens], num_generated [B], cache, kv_read_fraction [B],
     policy stats)``.
     """
+    dec = policy.stage("decode")
     B = logits.shape[0]
     rows = jnp.arange(B)
     cols = jnp.arange(max_new_tokens)
@@ -306,7 +353,7 @@ def decode_loop(params: Params, policy: Policy, logits: jax.Array, cache: KVCach
     out = jnp.full((B, max_new_tokens), PAD_TOKEN, jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, stops) | (max_new_tokens <= 1)
     zero = jnp.zeros((B,), jnp.float32)
-    max_steps = max_new_tokens - 1 + policy.max_rewind_tokens
+    max_steps = max_new_tokens - 1 + dec.max_rewind_tokens
 
     def cond(carry):
         step, done = carry[0], carry[3]
@@ -314,7 +361,7 @@ def decode_loop(params: Params, policy: Policy, logits: jax.Array, cache: KVCach
 
     def body(carry):
         step, cache, n, done, out, key, state, read, steps = carry
-        logits, cache, state, pages = decode_step(params, policy, cache, out[rows, n - 1], state)
+        logits, cache, state, pages = decode_step(params, policy, cache, out[rows, n - 1], state, backend=backend)
         key, sub = jax.random.split(key)
         nxt = sample(logits, sub, sampling)
         active = ~done
@@ -323,7 +370,7 @@ def decode_loop(params: Params, policy: Policy, logits: jax.Array, cache: KVCach
         steps = steps + active
         n = n + active
         stopped = active & jnp.isin(nxt, stops)
-        rewind = policy.decode_rewind(state[1])
+        rewind = dec.decode_rewind(state[1])
         if rewind is not None:
             # take back `rewind` tokens of active rows; a stopped row stays put (its cache does not
             # grow while the others run on, so extra steps never overflow the capacity)
@@ -340,21 +387,24 @@ def decode_loop(params: Params, policy: Policy, logits: jax.Array, cache: KVCach
     num_generated = jnp.sum(out != PAD_TOKEN, axis=1)
     # a row that stopped at its first token read nothing while decoding: NaN, not 0 (means skip it)
     read_fraction = jnp.where(steps > 0, read / jnp.maximum(steps, 1.0), jnp.nan)
-    return out, num_generated, cache, read_fraction, policy.decode_stats(state[1])
+    return out, num_generated, cache, read_fraction, dec.decode_stats(state[1])
 
 
-def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Array, suffix: jax.Array | None,
+def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Array,
+              question_start: jax.Array | None, prompt_lengths: jax.Array, suffix: jax.Array | None,
               suffix_lengths: jax.Array | None, key: jax.Array, *, max_new_tokens: int, sampling: Sampling,
               stop_tokens: tuple[int, ...], page_size: int, prefill_chunk: int | None,
-              capacity: int) -> GenerateOutput:
+              capacity: int, backend: Backend) -> GenerateOutput:
     logits, cache, state, pre_stats = prepare(params, policy, tokens, lengths, suffix, suffix_lengths,
                                               extra_tokens=max_new_tokens, page_size=page_size,
-                                              prefill_chunk=prefill_chunk, capacity=capacity)
+                                              prefill_chunk=prefill_chunk, capacity=capacity,
+                                              question_start=question_start, prompt_lengths=prompt_lengths,
+                                              backend=backend)
     out, num_generated, cache, read, policy_stats = decode_loop(
         params, policy, logits, cache, state, key, max_new_tokens=max_new_tokens, sampling=sampling,
-        stop_tokens=stop_tokens)
+        stop_tokens=stop_tokens, backend=backend)
     stats = {
-        **pre_stats,  # kv_stored_fraction: entries kept / prompt; prefill_block_fraction: blocks computed
+        **pre_stats,  # kv_stored_fraction: live entries / the user's prompt; prefill_block_fraction
         "kv_read_fraction": read,  # mean over steps of pages read / pages in use
         **policy_stats,  # e.g. CHESS's reselections / backtracks per row
     }
@@ -363,7 +413,8 @@ def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Ar
 
 _generate_jit = jax.jit(
     _generate,
-    static_argnames=("max_new_tokens", "sampling", "stop_tokens", "page_size", "prefill_chunk", "capacity"))
+    static_argnames=("max_new_tokens", "sampling", "stop_tokens", "page_size", "prefill_chunk", "capacity",
+                     "backend"))
 
 
 def validate_prompt(params: Params, tokens: Any, lengths: Any, max_new_tokens: int,
@@ -410,6 +461,25 @@ def validate_prompt(params: Params, tokens: Any, lengths: Any, max_new_tokens: i
     return jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32), capacity
 
 
+def _validate_question_start(question_start: Any, lengths: jax.Array) -> jax.Array | None:
+    if question_start is None:
+        return None
+    if not hasattr(question_start, "shape"):
+        question_start = np.asarray(question_start)
+    if question_start.shape != lengths.shape:
+        raise ValueError(f"question_start must have shape {tuple(lengths.shape)} (one per row), "
+                         f"got {tuple(question_start.shape)}")
+    if not jnp.issubdtype(question_start.dtype, jnp.integer):
+        raise ValueError(f"question_start must be integers, got dtype {question_start.dtype}")
+    if is_concrete(question_start) and is_concrete(lengths):
+        qs, ln = np.asarray(question_start), np.asarray(lengths)
+        bad = np.nonzero((qs < 0) | (qs > ln))[0]
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"question_start[{b}]={int(qs[b])} must be in [0, lengths[{b}]={int(ln[b])}]")
+    return jnp.asarray(question_start, jnp.int32)
+
+
 def _validate_suffix(params: Params, suffix: Any, suffix_lengths: Any, batch: int):
     if suffix is None:
         if suffix_lengths is not None:
@@ -421,19 +491,54 @@ def _validate_suffix(params: Params, suffix: Any, suffix_lengths: Any, batch: in
     return suffix, suffix_lengths
 
 
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """Everything `generate` checked and sized before jit (shared with `teacher_force`, the demo
+    and the benchmarks): the bound policy, the prompt the prefill sees (after the context stage),
+    the user's prompt lengths, the suffix, the cache capacity, the resolved backend and the
+    context stage's host-side ``context_info``."""
+
+    policy: Policy
+    tokens: jax.Array
+    lengths: jax.Array
+    question_start: jax.Array | None
+    prompt_lengths: jax.Array
+    suffix: jax.Array | None
+    suffix_lengths: jax.Array | None
+    capacity: int
+    backend: Backend
+    context_info: dict[str, Any]
+
+
 def _setup(params: Params, policy: Policy | None, tokens: Any, lengths: Any, suffix: Any, suffix_lengths: Any,
-           extra_tokens: int, page_size: int, prefill_chunk: int | None, capacity: int | None):
-    """Everything checked and sized before jit (shared by `generate` and `teacher_force`)."""
+           extra_tokens: int, page_size: int, prefill_chunk: int | None, capacity: int | None, *,
+           question_start: Any = None, backend: Backend | None = None) -> Inputs:
+    """Everything checked and sized before jit; the context stage runs here (on the host)."""
     if tokens is None:
         raise ValueError("tokens is required")
     policy = Dense() if policy is None else policy
     if not isinstance(policy, Policy):
         raise ValueError(f"policy must be a Policy, got {type(policy).__name__}")
+    if backend is not None and not isinstance(backend, Backend):
+        raise ValueError(f"backend must be a sparsekv_jax.Backend, got {type(backend).__name__}")
+    backend = (Backend() if backend is None else backend).resolve(params)
     if not hasattr(tokens, "shape"):
         tokens = np.asarray(tokens)
     batch = tokens.shape[0] if tokens.ndim == 2 else 1
     suffix, suffix_lengths = _validate_suffix(params, suffix, suffix_lengths, batch)
     tq = 0 if suffix is None else suffix.shape[1]
+    tokens, lengths, _ = validate_prompt(params, tokens, lengths, extra_tokens + tq, None)
+    question_start = _validate_question_start(question_start, lengths)
+    prompt_lengths = lengths
+    info: dict[str, Any] = {}
+    context_stage = policy.stage("context")
+    if type(context_stage) is not Dense:
+        res = context_stage.context(params, np.asarray(tokens), np.asarray(lengths),
+                                    None if question_start is None else np.asarray(question_start))
+        tokens, lengths, _ = validate_prompt(params, res.tokens, res.lengths, extra_tokens + tq, None)
+        question_start = _validate_question_start(res.question_start, lengths)
+        info = dict(res.info)
+        capacity = None if capacity is None else max(capacity, tokens.shape[1] + extra_tokens + tq)
     tokens, lengths, capacity = validate_prompt(params, tokens, lengths, extra_tokens + tq, capacity)
     if page_size <= 0 or page_size & (page_size - 1):
         raise ValueError(f"page_size={page_size} must be a positive power of two")
@@ -441,19 +546,25 @@ def _setup(params: Params, policy: Policy | None, tokens: Any, lengths: Any, suf
         raise ValueError(f"prefill_chunk={prefill_chunk} must be positive or None")
     capacity = pages_for(capacity, page_size) * page_size
     if prefill_chunk is not None and prefill_chunk < tokens.shape[1] and policy.needs_whole_prefill:
-        raise ValueError(f"prefill_chunk={prefill_chunk}: {policy.name} needs the whole prompt in one prefill pass "
-                         f"(a prefill block pattern or prefill observations); use prefill_chunk=None")
+        whole = [policy.stage(s).name for s in ("prefill", "compress", "decode")
+                 if policy.stage(s).needs_whole_prefill]
+        raise ValueError(f"prefill_chunk={prefill_chunk}: {', '.join(dict.fromkeys(whole))} need(s) the whole "
+                         f"prompt in one prefill pass (a prefill block pattern or observations of the whole "
+                         f"prompt); use prefill_chunk=None")
     if prefill_chunk is not None:
         capacity = max(capacity, pages_for(tokens.shape[1], prefill_chunk) * prefill_chunk)
-    policy.validate(tokens.shape[1], extra_tokens, page_size)
-    return policy.bind_model(params.config).bind(tokens.shape[1]), tokens, lengths, suffix, suffix_lengths, capacity
+    setup = Setup(config=params.config, prompt_len=tokens.shape[1], max_new_tokens=extra_tokens + tq,
+                  page_size=page_size, backend=backend)
+    return Inputs(policy=policy.bind(setup), tokens=tokens, lengths=lengths, question_start=question_start,
+                  prompt_lengths=prompt_lengths, suffix=suffix, suffix_lengths=suffix_lengths, capacity=capacity,
+                  backend=backend, context_info=info)
 
 
 def generate(params: Params, policy: Policy | None = None, tokens: Any = None, *, lengths: Any = None,
-             max_new_tokens: int = 64, sampling: Sampling = GREEDY, seed: int | jax.Array = 0,
-             stop_tokens: tuple[int, ...] | None = None, page_size: int = 16,
+             question_start: Any = None, max_new_tokens: int = 64, sampling: Sampling = GREEDY,
+             seed: int | jax.Array = 0, stop_tokens: tuple[int, ...] | None = None, page_size: int = 16,
              prefill_chunk: int | None = None, capacity: int | None = None, suffix: Any = None,
-             suffix_lengths: Any = None) -> GenerateOutput:
+             suffix_lengths: Any = None, backend: Backend | None = None) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` per row with ``policy`` choosing the KV entries used.
 
     Args:
@@ -461,6 +572,9 @@ def generate(params: Params, policy: Policy | None = None, tokens: Any = None, *
       policy: a `Policy` (or `Pipeline`); ``None`` means `Dense()`.
       tokens: ``[B, T]`` right-padded prompt ids (or ``[T]``).
       lengths: ``[B]`` true prompt lengths (default: all ``T``).
+      question_start: ``[B]`` where each row's question starts inside ``tokens`` (question-aware
+        compression: the compress stage scores the context with the question in view and may keep
+        the question). ``None``: no split is known (policies that need one use their fallback).
       max_new_tokens: tokens generated per row at most (the first stop token included).
       sampling: greedy by default; `Sampling(temperature, top_k, top_p)`.
       seed: PRNG seed (int) or key.
@@ -471,34 +585,41 @@ def generate(params: Params, policy: Policy | None = None, tokens: Any = None, *
       suffix: ``[B, Tq]`` right-padded tokens read *after* compression (e.g. the question, for
         question-agnostic compression: the policy compresses ``tokens`` without seeing it).
       suffix_lengths: ``[B]`` true suffix lengths.
+      backend: implementation choices (`sparsekv_jax.Backend`; default ``auto`` per platform).
 
-    All checks on the inputs happen here, before tracing, with errors naming the bad value.
+    The context stage (if the policy has one) runs first, on the host; everything after it is one
+    `jax.jit`. All checks on the inputs happen before tracing, with errors naming the bad value.
+    ``stats`` fractions are of the user's prompt (before a context stage rewrote it).
     """
-    policy, tokens, lengths, suffix, suffix_lengths, capacity = _setup(
-        params, policy, tokens, lengths, suffix, suffix_lengths, max_new_tokens, page_size, prefill_chunk, capacity)
+    run = _setup(params, policy, tokens, lengths, suffix, suffix_lengths, max_new_tokens, page_size, prefill_chunk,
+                 capacity, question_start=question_start, backend=backend)
     if stop_tokens is None:
         stop_tokens = params.config.eos_token_ids
     key = jax.random.key(seed) if isinstance(seed, int) else seed
-    out = _generate_jit(params, policy, tokens, lengths, suffix, suffix_lengths, key,
-                        max_new_tokens=max_new_tokens, sampling=sampling,
+    out = _generate_jit(params, run.policy, run.tokens, run.lengths, run.question_start, run.prompt_lengths,
+                        run.suffix, run.suffix_lengths, key, max_new_tokens=max_new_tokens, sampling=sampling,
                         stop_tokens=tuple(int(t) for t in stop_tokens), page_size=page_size,
-                        prefill_chunk=prefill_chunk, capacity=capacity)
+                        prefill_chunk=prefill_chunk, capacity=run.capacity, backend=run.backend)
     # sizes are static: Python ints here (inside jit they would overflow int32 past 2 GiB)
     out.stats["cache_bytes"] = out.cache.nbytes()
     out.stats["cache_capacity"] = out.cache.capacity
+    if run.context_info:
+        out.stats["context"] = run.context_info
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("page_size", "prefill_chunk", "capacity", "collect_attention"))
-def _teacher_force(params, policy, tokens, lengths, suffix, suffix_lengths, forced, *, page_size, prefill_chunk,
-                   capacity, collect_attention):
+@functools.partial(jax.jit, static_argnames=("page_size", "prefill_chunk", "capacity", "collect_attention",
+                                             "backend"))
+def _teacher_force(params, policy, tokens, lengths, question_start, prompt_lengths, suffix, suffix_lengths, forced,
+                   *, page_size, prefill_chunk, capacity, collect_attention, backend):
     N = forced.shape[1]
     logits, cache, state, _ = prepare(params, policy, tokens, lengths, suffix, suffix_lengths, extra_tokens=N,
-                                      page_size=page_size, prefill_chunk=prefill_chunk, capacity=capacity)
+                                      page_size=page_size, prefill_chunk=prefill_chunk, capacity=capacity,
+                                      question_start=question_start, prompt_lengths=prompt_lengths, backend=backend)
 
     def step(carry, token):
         cache, state = carry
-        res = decode_step(params, policy, cache, token, state, collect_attention=collect_attention)
+        res = decode_step(params, policy, cache, token, state, backend=backend, collect_attention=collect_attention)
         logits, cache, state = res[:3]
         return (cache, state), (logits, res[4] if collect_attention else None)
 
@@ -508,8 +629,9 @@ def _teacher_force(params, policy, tokens, lengths, suffix, suffix_lengths, forc
 
 
 def teacher_force(params: Params, policy: Policy | None, tokens: Any, forced: Any, *, lengths: Any = None,
-                  suffix: Any = None, suffix_lengths: Any = None, page_size: int = 16,
-                  prefill_chunk: int | None = None, collect_attention: bool = False):
+                  question_start: Any = None, suffix: Any = None, suffix_lengths: Any = None, page_size: int = 16,
+                  prefill_chunk: int | None = None, collect_attention: bool = False,
+                  backend: Backend | None = None):
     """Logits of ``policy`` along a given continuation ``forced`` ``[B, N]`` (teacher forcing).
 
     Returns ``logits [B, N, V]`` where ``logits[:, i]`` predicts ``forced[:, i]`` (``i = 0`` from
@@ -520,13 +642,14 @@ def teacher_force(params: Params, policy: Policy | None, tokens: Any, forced: An
     forced = np.asarray(forced) if not hasattr(forced, "shape") else forced
     if forced.ndim != 2 or forced.shape[1] < 1:
         raise ValueError(f"forced must be [B, N] with N >= 1, got shape {tuple(forced.shape)}")
-    policy, tokens, lengths, suffix, suffix_lengths, capacity = _setup(
-        params, policy, tokens, lengths, suffix, suffix_lengths, forced.shape[1], page_size, prefill_chunk, None)
-    if forced.shape[0] != tokens.shape[0]:
-        raise ValueError(f"forced has batch {forced.shape[0]}, tokens has batch {tokens.shape[0]}")
-    return _teacher_force(params, policy, tokens, lengths, suffix, suffix_lengths, jnp.asarray(forced, jnp.int32),
-                          page_size=page_size, prefill_chunk=prefill_chunk, capacity=capacity,
-                          collect_attention=collect_attention)
+    run = _setup(params, policy, tokens, lengths, suffix, suffix_lengths, forced.shape[1], page_size, prefill_chunk,
+                 None, question_start=question_start, backend=backend)
+    if forced.shape[0] != run.tokens.shape[0]:
+        raise ValueError(f"forced has batch {forced.shape[0]}, tokens has batch {run.tokens.shape[0]}")
+    return _teacher_force(params, run.policy, run.tokens, run.lengths, run.question_start, run.prompt_lengths,
+                          run.suffix, run.suffix_lengths, jnp.asarray(forced, jnp.int32), page_size=page_size,
+                          prefill_chunk=prefill_chunk, capacity=run.capacity, collect_attention=collect_attention,
+                          backend=run.backend)
 
 
 @functools.partial(jax.jit, static_argnames=("page_size",))

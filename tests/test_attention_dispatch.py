@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from flax import struct
 
-from sparsekv_jax import attention
-from sparsekv_jax import generate as gen
+from sparsekv_jax.backend import Backend
 from sparsekv_jax.generate import generate
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
@@ -29,7 +28,10 @@ class RandomBlocks(Policy):
     full: bool = struct.field(pytree_node=False, default=False)
     seed: int = struct.field(pytree_node=False, default=0)
 
-    def prefill_pattern(self, q, k, v, lengths, layer_index):
+    stages = ("prefill",)
+    needs_whole_prefill = True
+
+    def prefill_pattern(self, q, k, v, layer_index, prompt):
         B, T, _, _ = q.shape
         H = k.shape[2]
         n = -(-T // self.block_size)
@@ -47,15 +49,12 @@ def params():
     return random_params(CFG, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
 
 
-def _run(params, policy, tokens, lengths, decode, prefill, carry=False):
-    old = attention.DECODE_IMPL, attention.PREFILL_IMPL, gen.DECODE_CARRY
-    attention.DECODE_IMPL, attention.PREFILL_IMPL, gen.DECODE_CARRY = decode, prefill, carry
-    try:
-        jax.clear_caches()  # the implementation is chosen at trace time
-        return generate(params, policy, tokens, lengths=lengths, max_new_tokens=5, stop_tokens=(), page_size=16)
-    finally:
-        attention.DECODE_IMPL, attention.PREFILL_IMPL, gen.DECODE_CARRY = old
-        jax.clear_caches()
+def _run(params, policy, tokens, lengths, decode, prefill, carry=False, matmul="xla"):
+    # the backend is a static argument: each value compiles its own program, no cache clearing
+    backend = Backend(decode_attention=decode, sparse_prefill=prefill, decode_carry=carry, decode_matmul=matmul,
+                      page_sums=prefill)
+    return generate(params, policy, tokens, lengths=lengths, max_new_tokens=5, stop_tokens=(), page_size=16,
+                    backend=backend)
 
 
 @pytest.mark.parametrize("policy", [Dense(), Quest(budget=32, dense_layers=0), SnapKV(budget=40, window=8),
@@ -94,7 +93,7 @@ def test_carried_cache_equals_scanned_cache(params, policy):
     ref = _run(params, policy, tokens, lengths, "jnp", "jnp", carry=False)
     got = _run(params, policy, tokens, lengths, "jnp", "jnp", carry=True)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
-    for name in ("k", "v", "positions", "page_sum", "page_min", "page_max"):
+    for name in ("k", "v", "positions", "bias", "page_sum", "page_min", "page_max", "page_max_bias"):
         np.testing.assert_allclose(np.asarray(getattr(got.cache.layers, name)),
                                    np.asarray(getattr(ref.cache.layers, name)), atol=1e-5, err_msg=name)
 
@@ -103,7 +102,6 @@ def test_carried_cache_equals_scanned_cache(params, policy):
 def test_decode_weights_read_by_layer_index_equal_sliced(params, carry, monkeypatch):
     """The Pallas layer-indexed matmul path (weights read from the stack, interpret mode) gives
     the tokens and cache of the default path (the scan's slice of the weights)."""
-    from sparsekv_jax.models import transformer
     from sparsekv_jax.pallas import matmul
 
     calls = []
@@ -114,12 +112,7 @@ def test_decode_weights_read_by_layer_index_equal_sliced(params, carry, monkeypa
     tokens = rng.integers(0, CFG.vocab_size, (2, 40))
     lengths = np.array([40, 23])
     ref = _run(params, Dense(), tokens, lengths, "jnp", "jnp", carry=carry)
-    old = transformer.DECODE_MATMUL
-    transformer.DECODE_MATMUL = "pallas"
-    try:
-        got = _run(params, Dense(), tokens, lengths, "jnp", "jnp", carry=carry)
-    finally:
-        transformer.DECODE_MATMUL = old
+    got = _run(params, Dense(), tokens, lengths, "jnp", "jnp", carry=carry, matmul="pallas")
     assert len(calls) == 7, calls  # q, k, v, o, gate, up, down: traced once in the layer scan
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
     np.testing.assert_allclose(np.asarray(got.cache.layers.k), np.asarray(ref.cache.layers.k), atol=2e-5)

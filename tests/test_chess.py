@@ -14,15 +14,18 @@ from flax import struct
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import init_cache, summarize_pages
 from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
 from sparsekv_jax.policies import CHESS, Dense, parse_policy
+from sparsekv_jax.policies.base import Setup
 from sparsekv_jax.policies.chess import PRESETS, hierarchical_select, max_selected
 
 CFG = ModelConfig(family="llama", vocab_size=71, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=16, intermediate_size=48, max_position_embeddings=1024)
+SETUP = Setup(CFG)  # the auto backend of this machine (jnp page sums on a CPU)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +102,7 @@ def test_sinks_and_window_always_read(seed, preset, sinks, window, chess_page):
     lengths = rng.integers(1, 500, 3)
     cache = _filled_cache(rng, 3, 512, lengths)
     pol = CHESS(ratios=preset, page_size=chess_page, sink_pages=sinks, window_pages=window, chunk_pages=2,
-                grid_chunks=2).bind_model(CFG)
+                grid_chunks=2).bind(SETUP)
     _, shared = pol.decode_init(cache, None)
     ids, counts = np.asarray(shared["ids"]), np.asarray(shared["counts"])
     m = chess_page // 16
@@ -118,7 +121,7 @@ def test_ratios_one_select_every_page_and_equal_dense(params):
     rng = np.random.default_rng()
     lengths = rng.integers(100, 400, 2)
     cache = _filled_cache(rng, 2, 512, lengths)
-    pol = CHESS(ratios=(1.0, 1.0, 1.0)).bind_model(CFG)
+    pol = CHESS(ratios=(1.0, 1.0, 1.0)).bind(SETUP)
     selected = np.asarray(pol.select_pages(cache, cache.length))
     used = np.arange(selected.shape[1])[None] < -(-lengths[:, None] // 32)
     np.testing.assert_array_equal(selected, used)
@@ -266,7 +269,7 @@ def test_scores_ignore_keys_past_the_anchor_end(keys):
     gone = jnp.arange(320)[None, :, None, None] >= end[:, None, None, None]  # [B, S, 1, 1]
     k = jnp.where(jnp.swapaxes(gone, 1, 2)[None], 0.0, cache.layers.k)
     trimmed = cache.replace(layers=summarize_pages(cache.layers.replace(k=k), end, 16))
-    pol = CHESS(page_size=32, keys=keys).bind_model(CFG)
+    pol = CHESS(page_size=32, keys=keys).bind(SETUP)
     got, used = pol._page_scores(cache, end)
     want, used2 = pol._page_scores(trimmed, end)
     np.testing.assert_array_equal(np.asarray(used), np.asarray(used2))
@@ -305,23 +308,20 @@ def _positioned_cache(rng, lengths, S, raw, consecutive=False):
                                                    ("pre_rope", True, "jnp"), ("pre_rope", True, "pallas")],
                          ids=["post_rope", "pre_rope-gaps", "pre_rope-consecutive", "pre_rope-consecutive-pallas"])
 @pytest.mark.parametrize("centred", [False, True])
-def test_page_vector_variants_equal_brute_force(keys, consecutive, impl, centred, monkeypatch):
+def test_page_vector_variants_equal_brute_force(keys, consecutive, impl, centred):
     """Scores = page vector · anchor over the flattened (layer, head, dim) vectors, built here by
     hand: pre-RoPE keys are the stored keys rotated back by their own positions; centring
     subtracts the mean page vector from both (the score then differs from (v-mu)·(a-mu) by a
     per-row constant, mu·(a-mu), which does not change any ranking). ``impl="pallas"``: the page
     sums by the Pallas `rope_page_sums` (interpreted), as on a GPU."""
     from sparsekv_jax.models.rope import inverse_frequencies
-    from sparsekv_jax.policies import chess as chess_module
-
-    monkeypatch.setattr(chess_module, "PAGE_SUMS_IMPL", impl)
 
     rng = np.random.default_rng()
     lengths = rng.integers(40, 300, 2)
     S, ps, window = 320, 32, 2
     raw = rng.standard_normal((CFG.num_layers, 2, CFG.num_kv_heads, S, CFG.head_dim)) + 0.5  # a common component
     cache, pos = _positioned_cache(rng, lengths, S, raw, consecutive)
-    pol = CHESS(page_size=ps, keys=keys, centred=centred).bind_model(CFG)
+    pol = CHESS(page_size=ps, keys=keys, centred=centred).bind(Setup(CFG, backend=Backend(page_sums=impl).resolve()))
     got, used = (np.asarray(x) for x in pol._page_scores(cache, cache.length))
     stored = np.asarray(cache.layers.k, np.float64)
     keys_used = _rotate(stored, -np.maximum(pos, 0)[None], inverse_frequencies(CFG)) if keys == "pre_rope" else stored
@@ -351,7 +351,7 @@ def test_pre_rope_scores_with_per_layer_positions_equal_brute_force():
     layers = cache.layers.replace(k=jnp.stack([c[0].layers.k[layer] for layer, c in enumerate(caches)]),
                                   positions=jnp.asarray(pos, jnp.int32))
     cache = cache.replace(layers=summarize_pages(layers, jnp.asarray(lengths), 16))
-    pol = CHESS(page_size=ps).bind_model(CFG)
+    pol = CHESS(page_size=ps).bind(SETUP)
     got = np.asarray(pol._page_scores(cache, cache.length)[0])
     content = _rotate(np.asarray(cache.layers.k, np.float64), -np.maximum(pos, 0), inverse_frequencies(CFG))
     for b, n in enumerate(lengths):
@@ -370,7 +370,7 @@ def test_page_list_kept_across_steps_equals_a_fresh_one(trigger):
     cache = _filled_cache(rng, 3, 512, lengths)
     extra = {"interval": 2} if trigger == "interval" else {"entropy_threshold": 0.0, "varentropy_threshold": 0.0}
     pol = CHESS(ratios="aggressive", page_size=16, trigger=trigger, chunk_pages=2, grid_chunks=2,
-                **extra).bind_model(CFG)
+                **extra).bind(SETUP)
     _, st = pol.decode_init(cache, None)
     update = jax.jit(pol.decode_update)
     fired = 0
@@ -392,7 +392,7 @@ def test_pre_rope_scores_do_not_depend_on_positions():
     a, _ = _positioned_cache(np.random.default_rng(1), lengths, 256, raw)
     b, _ = _positioned_cache(np.random.default_rng(2), lengths, 256, raw)
     for centred in (False, True):
-        pre = CHESS(page_size=32, keys="pre_rope", centred=centred).bind_model(CFG)
+        pre = CHESS(page_size=32, keys="pre_rope", centred=centred).bind(SETUP)
         np.testing.assert_allclose(np.asarray(pre._page_scores(a, a.length)[0]),
                                    np.asarray(pre._page_scores(b, b.length)[0]), rtol=1e-4, atol=1e-2)
     post = CHESS(page_size=32, keys="post_rope")
@@ -412,12 +412,12 @@ def test_pre_rope_variant_end_to_end(params):
     every = CHESS(ratios=(1.0, 1.0, 1.0))
     assert generate(params, every, prompts, lengths=lengths, max_new_tokens=6).sequences() == dense
     sparse = Pipeline(decode=CHESS(ratios="aggressive", chunk_pages=1, grid_chunks=2))
-    assert sparse.bind_model(CFG).decode.inv_freq is not None
+    assert sparse.bind(SETUP).stage("decode").inv_freq is not None
     out = generate(params, sparse, prompts, lengths=lengths, max_new_tokens=6)
     assert [len(s) for s in out.sequences()] == [6, 6]
     assert float(out.stats["kv_read_fraction"].max()) < 1.0
     cache = _filled_cache(rng, 1, 64, np.array([40]))
-    with pytest.raises(ValueError, match="bind_model"):
+    with pytest.raises(ValueError, match="bind"):
         CHESS(keys="pre_rope")._page_scores(cache, cache.length)
     assert CHESS.moderate().name == "CHESS-moderate"
     assert CHESS.moderate(keys="post_rope", centred=False).name == "CHESS-moderate[post-RoPE, uncentred]"
@@ -434,7 +434,7 @@ def test_bench_frozen_variant_keeps_the_first_selection():
 
     rng = np.random.default_rng()
     cache = _filled_cache(rng, 2, 256, rng.integers(100, 200, 2))
-    pol = CHESS(ratios="aggressive", page_size=16, trigger="interval", interval=1).bind_model(CFG)
+    pol = CHESS(ratios="aggressive", page_size=16, trigger="interval", interval=1).bind(SETUP)
     still = frozen(pol)
     assert still.name == pol.name + "[frozen]" and still.ratios == pol.ratios and still.inv_freq == pol.inv_freq
     _, st0 = pol.decode_init(cache, None)
@@ -453,7 +453,7 @@ def test_next_pages_adds_the_pages_after_each_semantic_page(next_pages):
     rng = np.random.default_rng()
     # sparse semantic selections (every grid, half the chunks, 30% of their pages), so that most
     # kept pages have an unkept successor; fresh caches are drawn until one does
-    base = CHESS(ratios=(1.0, 0.5, 0.3), page_size=16, chunk_pages=2, grid_chunks=2).bind_model(CFG)
+    base = CHESS(ratios=(1.0, 0.5, 0.3), page_size=16, chunk_pages=2, grid_chunks=2).bind(SETUP)
     pol = base.replace(next_pages=next_pages)
     for _ in range(5):
         lengths = rng.integers(200, 500, 3)

@@ -70,17 +70,19 @@ def test_chunked_prefill_only_for_policies_that_need_no_whole_prompt(params):
     """Chunked prefill runs no prefill pattern and no prefill observations: a policy that needs
     them is refused before jit, naming it; a decode-stage policy prefilled in chunks decodes what
     it decodes after one pass."""
-    from sparsekv_jax.policies import H2O, Pipeline, Quest, SnapKV, Stem
+    from sparsekv_jax.policies import H2O, Pipeline, Quest, SnapKV, Stem, StreamingLLM
 
     rng = np.random.default_rng()
     tokens = rng.integers(1, CFG.vocab_size, (2, 48))
     lengths = np.array([48, 35])
-    for policy in (SnapKV(0.5), H2O(0.5), Stem(block_size=16), Pipeline(compress=SnapKV(0.5), decode=Quest(0.5))):
-        with pytest.raises(ValueError, match=f"prefill_chunk=16: {policy.name[:6]}.*one prefill pass"):
+    for policy, culprit in ((SnapKV(0.5), "SnapKV"), (H2O(0.5), "H2O"), (Stem(block_size=16), "Stem"),
+                            (Pipeline(compress=SnapKV(0.5), decode=Quest(0.5)), "SnapKV")):
+        with pytest.raises(ValueError, match=f"prefill_chunk=16: {culprit} need.*one prefill pass"):
             generate(params, policy, tokens, lengths=lengths, max_new_tokens=4, prefill_chunk=16)
-    one = generate(params, Quest(0.5), tokens, lengths=lengths, max_new_tokens=12)
-    chunked = generate(params, Quest(0.5), tokens, lengths=lengths, max_new_tokens=12, prefill_chunk=16)
-    np.testing.assert_array_equal(np.asarray(chunked.tokens), np.asarray(one.tokens))
+    for policy in (Quest(0.5), StreamingLLM(0.5)):  # StreamingLLM needs no observation: chunks are fine
+        one = generate(params, policy, tokens, lengths=lengths, max_new_tokens=12)
+        chunked = generate(params, policy, tokens, lengths=lengths, max_new_tokens=12, prefill_chunk=16)
+        np.testing.assert_array_equal(np.asarray(chunked.tokens), np.asarray(one.tokens))
     # a chunk covering the prompt is one pass, whatever the policy
     generate(params, SnapKV(0.9), tokens, lengths=lengths, max_new_tokens=2, prefill_chunk=48)
 

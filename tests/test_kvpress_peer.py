@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 
 from sparsekv_jax.cache import init_cache
+from sparsekv_jax.datasets import wikitext2_text
 from sparsekv_jax.generate import prefill
 from sparsekv_jax.models.embedded import embedded_gguf_path
-from sparsekv_jax.policies import SnapKV, StreamingLLM
+from sparsekv_jax.policies import Prompt, SnapKV, StreamingLLM
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PY = Path(os.environ.get("SPARSEKV_KVPRESS_PYTHON", ROOT / ".venv-kvpress" / "bin" / "python"))
-WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext2" / "wiki.test.raw"
 T = 1024
 
 
@@ -34,7 +34,7 @@ def peer_run(smol, tmp_path_factory):
     if not PEER_PY.exists():
         pytest.fail(f"kvpress peer environment missing at {PEER_PY}: run `make peer-venv`")
     cache_dir, params, tokenizer, _ = smol
-    text = WIKITEXT.read_text()
+    text = wikitext2_text()
     start = int(np.random.default_rng().integers(0, len(text) - 30 * T))
     ids = np.asarray([tokenizer(text[start: start + 30 * T])["input_ids"][:T]])
     tmp = tmp_path_factory.mktemp("kvpress")
@@ -52,9 +52,10 @@ def peer_run(smol, tmp_path_factory):
 def _ours(params, ids, policy) -> np.ndarray:
     cache = init_cache(params.config, 1, T, page_size=16, dtype=jnp.float32)
     lengths = jnp.asarray([T], jnp.int32)
-    _, cache, obs, _ = prefill(params, policy, jnp.asarray(ids, jnp.int32), lengths, cache)
+    tokens = jnp.asarray(ids, jnp.int32)
+    _, cache, obs, _ = prefill(params, policy, tokens, lengths, cache)
     kept = int(T * 0.25)
-    comp = policy.compress(cache, obs, kept)
+    comp = policy.compress(cache, obs.get("compress"), kept, Prompt(tokens, lengths))
     return np.asarray(comp.layers.positions)[:, 0, :, :kept]
 
 

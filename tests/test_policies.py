@@ -14,6 +14,7 @@ from sparsekv_jax.generate import decode_step, generate, prefill
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
 from sparsekv_jax.policies import H2O, Dense, Pipeline, Quest, SnapKV, StreamingLLM, parse_policies, parse_policy
+from sparsekv_jax.policies.base import Prompt, Setup
 from sparsekv_jax.policies.common import budget_tokens
 
 T = 48  # prompt width of the synthetic caches (one shape: one compile per policy setting)
@@ -45,8 +46,13 @@ def _synthetic(cfg: ModelConfig, lengths: np.ndarray, seed: int, capacity: int =
     return cache, jnp.asarray(q), jnp.asarray(kq)
 
 
+def _prompt(lengths) -> Prompt:
+    lengths = jnp.asarray(lengths, jnp.int32)
+    return Prompt(tokens=jnp.zeros((len(lengths), T), jnp.int32), lengths=lengths)
+
+
 def _observations(policy, q, kq, lengths):
-    return jax.vmap(lambda qq, kk: policy.observe(qq, kk, None, jnp.asarray(lengths, jnp.int32), 0))(q, kq)
+    return jax.vmap(lambda qq, kk: policy.observe(qq, kk, None, None, 0, _prompt(lengths)))(q, kq)
 
 
 def _check_compressed(orig, comp, keep, sinks, windows):
@@ -83,7 +89,7 @@ def test_streaming_llm_properties(budget, lengths, seed, gqa):
     cache, _, _ = _synthetic(cfg, lengths, seed)
     pol = StreamingLLM(budget=budget, sinks=4)
     cap = budget_tokens(budget, T) + 4
-    comp = pol.compress(cache, None, cap)
+    comp = pol.compress(cache, None, cap, _prompt(lengths))
     keep = np.array([budget_tokens(budget, int(n)) for n in lengths])
     _check_compressed(cache, comp, keep, 4, np.maximum(keep - 4, 0))
     # StreamingLLM keeps exactly sinks + the most recent
@@ -103,7 +109,7 @@ def test_snapkv_properties(budget, lengths, seed, gqa):
     cache, q, kq = _synthetic(cfg, lengths, seed)
     pol = SnapKV(budget=budget, window=8, kernel_size=7)
     obs = _observations(pol, q, kq, lengths)
-    comp = pol.compress(cache, obs, budget_tokens(budget, T) + 4)
+    comp = pol.compress(cache, obs, budget_tokens(budget, T) + 4, _prompt(lengths))
     keep = np.array([budget_tokens(budget, int(n)) for n in lengths])
     _check_compressed(cache, comp, keep, 0, np.minimum(8, keep))
     # the kept non-window entries are the top-scored ones (brute force from the observation)
@@ -126,7 +132,7 @@ def test_h2o_compress_properties(budget, lengths, seed):
     cache, q, kq = _synthetic(cfg, lengths, seed)
     pol = H2O(budget=budget)
     obs = _observations(pol, q, kq, lengths)
-    comp = pol.compress(cache, obs, budget_tokens(budget, T))
+    comp = pol.compress(cache, obs, budget_tokens(budget, T), _prompt(lengths))
     keep = np.array([budget_tokens(budget, int(n)) for n in lengths])
     _check_compressed(cache, comp, keep, 0, np.floor(0.5 * keep).astype(int))
 
@@ -155,7 +161,7 @@ def test_quest_bound_and_topk_against_bruteforce():
     cfg = _cfg(6, 2, layers=1)
     lengths = np.array([45, 30])
     cache, _, _ = _synthetic(cfg, lengths, int(rng.integers(1 << 30)))
-    pol = Quest(budget=16, page_size=8, dense_layers=0).bind(T)
+    pol = Quest(budget=16, page_size=8, dense_layers=0).bind(Setup(cfg, prompt_len=T, page_size=8))
     q = rng.normal(size=(2, 6, 8)).astype(np.float32)
     kv = jax.tree.map(lambda x: x[0], cache.layers)
     ids, counts = pol.decode_select(jnp.asarray(q), kv, cache.length, None, None, jnp.int32(0), 8)
@@ -192,15 +198,16 @@ def test_budget_covering_prompt_is_exactly_dense(tiny, policy):
     rng = np.random.default_rng()
     tokens = jnp.asarray(rng.integers(0, 89, (2, 40)), jnp.int32)
     lengths = jnp.asarray([40, 23], jnp.int32)
-    bound = policy.bind(40)
+    bound = policy.bind(Setup(tiny.config, prompt_len=40, page_size=8))
 
     def logits_after(pol):
         cache = init_cache(tiny.config, 2, 48, page_size=8, dtype=jnp.float32)
         first, cache, obs, _ = prefill(tiny, pol, tokens, lengths, cache)
-        cap = pol.compressed_capacity(40, 8)
+        squeeze = pol.stage("compress")
+        cap = squeeze.compressed_capacity(40, 8)
         if cap is not None:
-            cache = pol.compress(cache, obs, cap)
-        state = pol.decode_init(cache, obs)
+            cache = squeeze.compress(cache, obs["compress"], cap, Prompt(tokens, lengths))
+        state = pol.stage("decode").decode_init(cache, obs.get("decode"))
         out = [first]
         tok = jnp.argmax(first, -1).astype(jnp.int32)
         for _ in range(4):
@@ -296,7 +303,7 @@ def test_page_size_not_dividing_cache_and_window_over_fraction(tiny):
 def test_spec_grammar():
     pols = parse_policies("fullkv, snapkv(budget=0.1), quest(2048), pipeline(compress=h2o(0.2), decode=quest(0.25))")
     assert [p.name for p in pols] == ["Dense", "SnapKV", "Quest", "Pipeline(compress=H2O, decode=Quest)"]
-    assert pols[1].budget == 0.1 and pols[2].budget == 2048 and pols[3].decode.budget == 0.25
+    assert pols[1].budget == 0.1 and pols[2].budget == 2048 and pols[3].stage("decode").budget == 0.25
 
 
 def test_observe_sees_prompt_tokens_and_each_layers_input(tiny):
@@ -308,13 +315,17 @@ def test_observe_sees_prompt_tokens_and_each_layers_input(tiny):
 
     @struct.dataclass
     class Recorder(Policy):
-        def observe(self, q, k, v, lengths, layer_index, *, tokens=None, hidden=None):
-            return tokens, hidden
+        stages = ("compress",)
+        needs_observations = True
+
+        def observe(self, q, k, v, hidden, layer_index, prompt):
+            return prompt.tokens, hidden
 
     rng = np.random.default_rng()
     tokens = jnp.asarray(rng.integers(0, 89, (2, 24)), jnp.int32)
     cache = init_cache(tiny.config, 2, 32, page_size=8, dtype=jnp.float32)
-    _, _, (toks, hidden), _ = prefill(tiny, Recorder(), tokens, jnp.asarray([24, 17], jnp.int32), cache)
+    _, _, obs, _ = prefill(tiny, Recorder(), tokens, jnp.asarray([24, 17], jnp.int32), cache)
+    toks, hidden = obs["compress"]
     assert toks.shape == (3, 2, 24) and (np.asarray(toks) == np.asarray(tokens)[None]).all()
     assert hidden.shape == (3, 2, 24, tiny.config.hidden_size)
     np.testing.assert_allclose(np.asarray(hidden[0]), np.asarray(embed(tiny, tokens)), rtol=1e-6)

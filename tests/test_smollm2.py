@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 import transformers as tf
 
+from sparsekv_jax.datasets import wikitext2_text
 from sparsekv_jax.generate import full_logits, generate
 from sparsekv_jax.models.embedded import embedded_gguf_path
 
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2" / "wiki.test.raw"
-
 
 def _prompt_ids(tokenizer, n: int) -> np.ndarray:
-    text = WIKITEXT.read_text()
+    text = wikitext2_text()
     start = np.random.default_rng().integers(0, len(text) - 20 * n)  # a fresh passage each run
     ids = tokenizer(text[start: start + 20 * n])["input_ids"][:n]
     assert len(ids) == n

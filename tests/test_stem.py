@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 
 from sparsekv_jax import attention
+from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import init_cache
 from sparsekv_jax.generate import generate, prefill
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
 from sparsekv_jax.pallas.validation import check_index_lists
 from sparsekv_jax.policies import Dense, Pipeline, Quest, Stem, parse_policies, parse_policy
+from sparsekv_jax.policies.base import Prompt
 from sparsekv_jax.policies.stem import select_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,7 +103,7 @@ def test_lists_are_causal_distinct_forced_and_top_scored(hq, hkv):
     pol = Stem(block_size=16, stride=4, k_start_ratio=0.4, min_blocks=10, sink_blocks=2, local_blocks=3,
                gqa=str(rng.choice(["mean", "max"])))
     ln = jnp.asarray(lengths)
-    ids, counts, bs = jax.jit(pol.prefill_pattern)(q, k, v, ln, jnp.int32(0))
+    ids, counts, bs = jax.jit(pol.prefill_pattern)(q, k, v, jnp.int32(0), Prompt(jnp.zeros((3, T), jnp.int32), ln))
     ids, counts = np.asarray(ids), np.asarray(counts)
     metric = np.asarray(pol.block_metric(q, k, v, ln))
     n = -(-T // 16)
@@ -240,17 +242,15 @@ def test_covering_lists_equal_dense_attention_and_short_rows_stay_exact(tiny):
     assert not np.allclose(both[0], sparse_first[0], atol=1e-4), "the long row is really sparse"
 
 
-def test_pallas_kernel_interpret_matches_jnp(monkeypatch):
+def test_pallas_kernel_interpret_matches_jnp():
     rng = np.random.default_rng()
     T = 72  # not a multiple of the block: the kernel pads KV, the lists stay valid
     q, k, v = _qkv(rng, 1, T, 4, 2)
     pol = Stem(block_size=16, stride=4, sink_blocks=1, local_blocks=1, min_blocks=2, k_start_ratio=0.4)
-    pattern = pol.prefill_pattern(q, k, v, jnp.asarray([T]), jnp.int32(0))
+    pattern = pol.prefill_pattern(q, k, v, jnp.int32(0), Prompt(jnp.zeros((1, T), jnp.int32), jnp.asarray([T])))
     assert (np.asarray(pattern[1]) < np.arange(5) + 1).any()
-    monkeypatch.setattr(attention, "PREFILL_IMPL", "jnp")
-    ref = attention.prefill(q, k, v, pattern)
-    monkeypatch.setattr(attention, "PREFILL_IMPL", "pallas")
-    got = attention.prefill(q, k, v, pattern)
+    ref = attention.prefill(q, k, v, pattern, backend=Backend(sparse_prefill="jnp"))
+    got = attention.prefill(q, k, v, pattern, backend=Backend(sparse_prefill="pallas"))
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
     assert not np.allclose(np.asarray(ref), np.asarray(attention.dense_causal_attention(q, k, v)), atol=1e-3)
 

@@ -27,6 +27,7 @@ import statistics
 import time
 
 from sparsekv_jax.bench.e2e import MODELS, _decode_cache, _median_time, _median_time_carry, _tokens, decode_fn
+from sparsekv_jax.policies.base import Setup
 
 
 def _weights_bytes(params) -> int:
@@ -56,7 +57,7 @@ def largest_batch(cfg, params, policies, context: int, steps: int, page_size: in
     while batch > 1:
         need = 0
         for policy in policies:
-            pol = policy.bind_model(cfg).bind(context)
+            pol = policy.bind(Setup(cfg, prompt_len=context))
             cache = jax.eval_shape(lambda b=batch, p=pol: _decode_cache(cfg, p, context, b, steps, jax.random.key(0),
                                                                        page_size=page_size)[0])
             state = jax.eval_shape(lambda c, p=pol: p.decode_init(c, None), cache)
@@ -101,7 +102,7 @@ def _start(cfg, pol, context: int, batch: int, steps: int, seed: int, page_size:
 def throughput(cfg, params, policies, context: int, batch: int, steps: int, iters: int, page_size: int) -> list[dict]:
     rows = []
     for pol in policies:
-        pol = pol.bind_model(cfg).bind(context)
+        pol = pol.bind(Setup(cfg, prompt_len=context))
         cache, state, token = _start(cfg, pol, context, batch, steps, 2, page_size)
         fn = decode_fn(params, pol, steps, start=(cache.length, cache.next_position))
         sec, carry = _median_time_carry(fn, params, (cache, state, token), iters=iters)
@@ -115,14 +116,15 @@ def throughput(cfg, params, policies, context: int, batch: int, steps: int, iter
 def selection_cost(cfg, policy, context: int, batch: int, iters: int, page_size: int) -> dict:
     import jax
 
-    from sparsekv_jax.policies import chess as chess_module
+    from sparsekv_jax.backend import Backend
 
-    pol = policy.bind_model(cfg).bind(context)
+    pol = policy.bind(Setup(cfg, prompt_len=context))
     cache, _ = _decode_cache(cfg, pol, context, batch, 1, jax.random.key(3), page_size=page_size)
-    def rebuild_fn():  # a fresh trace each call: the page-sums implementation is read at trace time
-        return jax.jit(lambda c: pol._page_list(pol.select_pages(c, c.length), c.length + 1, c))
 
-    rebuild = rebuild_fn()
+    def rebuild_fn(p):
+        return jax.jit(lambda c: p._page_list(p.select_pages(c, c.length), c.length + 1, c))
+
+    rebuild = rebuild_fn(pol)
     selected = pol.select_pages(cache, cache.length)
     refresh = jax.jit(lambda c, s: pol._page_list(s, c.length + 1, c))
     # the per-step work CHESS adds (entropy statistics of the logits, trigger test, page list kept
@@ -136,14 +138,11 @@ def selection_cost(cfg, policy, context: int, batch: int, iters: int, page_size:
            "page_list_ms": _median_time(refresh, cache, selected, iters=iters) * 1e3,
            "update_ms": _median_time(update, state, cache, logits, iters=iters) * 1e3,
            "update_page_start_ms": _median_time(update, page_start, cache, logits, iters=iters) * 1e3,
-           "page_sums": chess_module.PAGE_SUMS_IMPL}
-    if jax.default_backend() == "gpu" and chess_module.PAGE_SUMS_IMPL != "jnp" and pol.keys == "pre_rope":
+           "page_sums": pol.page_sums}
+    if pol.page_sums != "jnp" and pol.keys == "pre_rope":
         # the same rebuild with the page sums in jnp (the layer sliced out of the stack: a copy)
-        chess_module.PAGE_SUMS_IMPL, impl = "jnp", chess_module.PAGE_SUMS_IMPL
-        try:
-            out["rebuild_jnp_ms"] = _median_time(rebuild_fn(), cache, iters=iters) * 1e3
-        finally:
-            chess_module.PAGE_SUMS_IMPL = impl
+        jnp_pol = policy.bind(Setup(cfg, prompt_len=context, backend=Backend(page_sums="jnp").resolve()))
+        out["rebuild_jnp_ms"] = _median_time(rebuild_fn(jnp_pol), cache, iters=iters) * 1e3
     del cache
     return out
 
@@ -155,7 +154,7 @@ def latency(cfg, params, policies, context: int, gen: int, chunk: int, batch: in
 
     rows = []
     for pol in policies:
-        pol = pol.bind_model(cfg).bind(context)
+        pol = pol.bind(Setup(cfg, prompt_len=context))
         cache, state, token = _start(cfg, pol, context, batch, gen, 4, page_size)
         fn = decode_fn(params, pol, chunk)
         # warm-up on a throwaway copy: compile, and do not advance the real cache
@@ -198,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
 
+    from sparsekv_jax.backend import Backend
     from sparsekv_jax.models import config as mc
-    from sparsekv_jax.models import transformer
     from sparsekv_jax.models.params import random_params
     from sparsekv_jax.policies import CHESS, Dense
 
@@ -215,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = args.batch or largest_batch(cfg, params, [Dense(), chess], context, args.steps, cps)
     base = {"model": args.model, "chess_page_size": ps, "cache_page_size": cps,
             "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-            "decode_matmul": transformer.DECODE_MATMUL}
+            "decode_matmul": Backend().resolve(params).decode_matmul}
     rows: list[dict] = []
 
     def save() -> None:  # after every stage: a run stopped at its time limit keeps what it measured

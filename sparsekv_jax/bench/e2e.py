@@ -107,10 +107,10 @@ def _decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_s
     return build(key)
 
 
-def decode_fn(params, policy, steps: int, start=None):
+def decode_fn(params, policy, steps: int, start=None, backend=None):
     """Jitted ``steps`` greedy decode steps, cache and policy state donated and returned (feed them
     back). With ``start = (length, next_position)`` every call decodes from there again, else from
-    where the last call ended."""
+    where the last call ended. ``backend``: a `Backend` (default: auto)."""
     import jax
     import jax.numpy as jnp
 
@@ -122,7 +122,7 @@ def decode_fn(params, policy, steps: int, start=None):
 
         def body(i, carry):
             cache, state, token = carry
-            logits, cache, state, _ = decode_step(params, policy, cache, token, state)
+            logits, cache, state, _ = decode_step(params, policy, cache, token, state, backend=backend)
             return cache, state, jnp.argmax(logits, -1).astype(jnp.int32)
 
         return jax.lax.fori_loop(0, steps, body, (cache, state, token))
@@ -131,23 +131,24 @@ def decode_fn(params, policy, steps: int, start=None):
 
 
 def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int], batches: list[int],
-              policy_spec: str, steps: int, iters: int, prefill_spec: str = "fullkv") -> list[dict]:
+              policy_spec: str, steps: int, iters: int, prefill_spec: str = "fullkv", backend=None) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
+    from sparsekv_jax.backend import Backend
     from sparsekv_jax.cache import init_cache
     from sparsekv_jax.generate import prefill
     from sparsekv_jax.models import config as mc
     from sparsekv_jax.models.params import random_params
     from sparsekv_jax.policies import parse_policies
+    from sparsekv_jax.policies.base import Setup
 
     cfg = getattr(mc, MODELS[model])()
     params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
-    from sparsekv_jax.models import transformer
+    backend = (Backend() if backend is None else backend).resolve(params)
 
     base = {"model": model, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-            "unroll": transformer.decode_unroll(),
-            "decode_matmul": "pallas" if transformer.decode_weights_by_index(params) else "xla"}
+            "unroll": backend.decode_unroll, "decode_matmul": backend.decode_matmul}
     rows = []
 
     def record(row):
@@ -156,14 +157,14 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
 
     for prefill_policy in parse_policies(prefill_spec):
         for T in prefill_contexts:
-            pol = prefill_policy.bind_model(cfg).bind(T)
+            pol = prefill_policy.bind(Setup(cfg, prompt_len=T, backend=backend))
             try:
                 tokens = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.vocab_size)
                 lengths = jnp.full((1,), T, jnp.int32)
 
                 def run(params, tokens, T=T, lengths=lengths, pol=pol):
                     cache = init_cache(cfg, 1, T, page_size=16, dtype=jnp.bfloat16)
-                    logits, cache, _, fraction = prefill(params, pol, tokens, lengths, cache)
+                    logits, cache, _, fraction = prefill(params, pol, tokens, lengths, cache, backend=backend)
                     return logits, cache.length, fraction
 
                 compiled = jax.jit(run).lower(params, tokens).compile()
@@ -178,14 +179,14 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
     for policy in parse_policies(policy_spec):
         for T in decode_contexts:
             for B in batches:
-                pol = policy.bind_model(cfg).bind(T)
+                pol = policy.bind(Setup(cfg, prompt_len=T, max_new_tokens=steps, backend=backend))
                 try:
                     cache, obs = _decode_cache(cfg, pol, T, B, steps, jax.random.key(2))
                     state = pol.decode_init(cache, obs)
                     token = jnp.ones((B,), jnp.int32)
 
                     # the cache is donated and fed back, as in generation: one copy in memory
-                    fn = decode_fn(params, pol, steps, start=(cache.length, cache.next_position))
+                    fn = decode_fn(params, pol, steps, start=(cache.length, cache.next_position), backend=backend)
                     compiled = fn.lower(params, cache, state, token).compile()
                     sizes = (cache.nbytes(), cache.kv_nbytes())
                     sec, _ = _median_time_carry(compiled, params, (cache, state, token), iters=iters)
@@ -227,15 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--one-model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     pre, ctx, bat = _tokens(args.prefill_contexts), _tokens(args.contexts), _tokens(args.batches)
-    from sparsekv_jax.models import transformer
+    from sparsekv_jax.backend import Backend
 
-    if args.unroll:
-        transformer.DECODE_UNROLL = args.unroll
-    if args.decode_matmul:
-        transformer.DECODE_MATMUL = args.decode_matmul
+    backend = Backend(decode_unroll=args.unroll or 1,
+                      **({"decode_matmul": args.decode_matmul} if args.decode_matmul else {}))
     if args.one_model:
         rows = run_model(args.one_model, pre, ctx, bat, args.policies, args.decode_steps, args.iters,
-                         args.prefill_policies)
+                         args.prefill_policies, backend=backend)
         print("ROWS " + json.dumps(rows))
         if args.out:  # a direct --one-model run keeps its rows too (the parent reads the ROWS line)
             with open(args.out, "w") as f:
@@ -249,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                args.prefill_contexts, "--contexts", args.contexts, "--batches", args.batches, "--policies",
                args.policies, "--decode-steps", str(args.decode_steps), "--iters", str(args.iters),
                "--unroll", str(args.unroll), "--prefill-policies", args.prefill_policies,
-               "--decode-matmul", transformer.DECODE_MATMUL]
+               "--decode-matmul", backend.decode_matmul]
         res = subprocess.run(cmd, capture_output=True, text=True)  # one process per model: clean device memory
         lines = [line for line in res.stdout.splitlines() if line.startswith("ROWS ")]
         if lines:

@@ -150,7 +150,7 @@ def _is_dense(policy: Policy) -> bool:
     if type(policy) is Dense:
         return True
     return isinstance(policy, Pipeline) and all(
-        type(p) is Dense for p in (policy.prefill, policy.compress_with, policy.decode))
+        type(p) is Dense for p in policy.members)
 
 
 def policy_budget(policy: Policy) -> float | int | None:
@@ -158,7 +158,7 @@ def policy_budget(policy: Policy) -> float | int | None:
     if _is_dense(policy):
         return 1.0
     if isinstance(policy, Pipeline):
-        for stage in (policy.compress_with, policy.decode, policy.prefill):
+        for stage in (policy.stage(s) for s in ("compress", "decode", "prefill", "context")):
             if type(stage) is not Dense:
                 b = policy_budget(stage)
                 if b is not None:
@@ -173,9 +173,7 @@ def policy_family(policy: Policy) -> str:
     if _is_dense(policy):
         return "fullkv"
     if isinstance(policy, Pipeline):
-        stages = [f"{k}={policy_family(p)}" for k, p in (("prefill", policy.prefill),
-                                                         ("compress", policy.compress_with),
-                                                         ("decode", policy.decode)) if type(p) is not Dense]
+        stages = [f"{k}={policy_family(policy.stage(k))}" for k in policy.stages]
         return "pipeline(" + ", ".join(stages) + ")"
     extras = []
     if dataclasses.is_dataclass(policy):

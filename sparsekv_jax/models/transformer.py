@@ -8,7 +8,6 @@ read. The port itself knows nothing of selection policies.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -20,48 +19,9 @@ from sparsekv_jax.models.rope import apply_rope, inverse_frequencies
 
 # attend(q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D], layer_cache, layer_index, hidden [B,T,H])
 #   -> (out [B,T,Hq,D], new_layer_cache, extras pytree); `hidden` is the layer's input
-#   (policies that look at hidden states, e.g. BSER, observe it during prefill)
-# Unroll factor of the layer scan over many tokens (prefill; 1 = rolled).
-SCAN_UNROLL = 1
-# ... and over one token per row (decode). A benchmark knob, rolled by default. Measured on an
-# H100 (Llama-3.1-8B shapes, B=1, 8k): a rolled layer scan copies each layer's weights out of the
-# stacked arrays before cuBLAS reads them (the matmuls alone: 15.7 ms rolled, 6.5 ms unrolled
-# outside a loop); but inside the decode `while_loop` full unrolling did *not* remove the copies
-# (19.05 ms/token unrolled vs 16.57 rolled, and +11 GiB of temporaries), so it is not the default.
-# "auto" = rolled everywhere for now; see docs/BENCHMARKS.md ("Decode: where the time goes").
-DECODE_UNROLL: int | bool | str = "auto"
-
-
-def decode_unroll() -> int | bool:
-    return 1 if DECODE_UNROLL == "auto" else DECODE_UNROLL
-
-
-# Decode matmuls: "xla" (cuBLAS on a slice of the stacked weights, which XLA copies out first),
-# "pallas" (`sparsekv_jax.pallas.matmul.layer_matmul` reads the layer's tiles from the stack: no
-# copy) or "auto": "pallas" on a GPU, "xla" elsewhere (on CPU the kernel only runs interpreted).
-# Measured on an H100 (Llama-3.1-8B shapes, FullKV decode step at 8k): 20.97 -> 7.71 ms/token at
-# B=1 and 19.46 -> 10.55 at B=8 (docs/BENCHMARKS.md, "Decode matmuls"). The environment variable
-# SPARSEKV_DECODE_MATMUL sets it for a whole process (benches, eval).
-DECODE_MATMUL = os.environ.get("SPARSEKV_DECODE_MATMUL", "auto")
-if DECODE_MATMUL not in ("auto", "xla", "pallas"):
-    raise ValueError(f"SPARSEKV_DECODE_MATMUL={DECODE_MATMUL!r}: expected 'auto', 'xla' or 'pallas'")
-
-
-def decode_weights_by_index(params: Params) -> bool:
-    """Whether decode matmuls read the stacked weights by layer index (`DECODE_MATMUL`, resolved).
-
-    "auto" also falls back to XLA where the kernel does not apply: a weight dimension that is not
-    a multiple of 16, or weights in more than one dtype.
-    """
-    mode = DECODE_MATMUL
-    if mode == "auto":
-        names = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-        ws = [getattr(params.layers, n) for n in names]
-        fits = all(w.shape[1] % 16 == 0 and w.shape[2] % 16 == 0 for w in ws) and len({w.dtype for w in ws}) == 1
-        mode = "pallas" if jax.default_backend() == "gpu" and fits else "xla"
-    return mode == "pallas"
-
-
+#   (policies that look at hidden states, e.g. BSER, observe it during prefill).
+# How the layer scan unrolls and how decode matmuls read the weights are the caller's choice
+# (`sparsekv_jax.backend.Backend`: ``prefill_unroll``, ``decode_unroll``, ``decode_matmul``).
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any, Any]]
 
 
@@ -92,13 +52,16 @@ def slice_matmul(lw: LayerParams) -> MatMul:
     return lambda h, name: h @ getattr(lw, name)
 
 
-def stacked_matmul(params: Params, layer: jax.Array) -> MatMul:
-    """Matmuls that read layer ``layer`` of the stacked weights in the Pallas kernel (no slice)."""
+def stacked_matmul(params: Params, layer: jax.Array, interpret: bool | None = None) -> MatMul:
+    """Matmuls that read layer ``layer`` of the stacked weights in the Pallas kernel (no slice);
+    ``interpret`` defaults to off a GPU."""
     from sparsekv_jax.pallas.matmul import layer_matmul
+
+    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
 
     def mm(h: jax.Array, name: str) -> jax.Array:
         w = getattr(params.layers, name)
-        out = layer_matmul(h.reshape(-1, h.shape[-1]), w, layer, interpret=jax.default_backend() != "gpu")
+        out = layer_matmul(h.reshape(-1, h.shape[-1]), w, layer, interpret=interpret)
         return out.reshape(*h.shape[:-1], w.shape[-1])
 
     return mm
@@ -133,7 +96,7 @@ def mlp(params: Params, lw: LayerParams, x: jax.Array, mm: MatMul | None = None)
 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, layer_caches: Any,
             attend: AttendFn, *, hidden_in: jax.Array | None = None, carried: Any = None,
-            unroll: int | bool | None = None, weights_by_index: bool = False):
+            unroll: int | bool = 1, weights_by_index: bool = False, interpret: bool | None = None):
     """Run all layers over ``tokens`` ``[B, T]`` at RoPE ``positions`` ``[B, T]``.
 
     ``layer_caches`` is any pytree with a leading ``[L]`` axis (scanned alongside the
@@ -146,9 +109,9 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, layer_cache
     place; scanning the cache as ``xs``/``ys`` instead would copy all of it every step. Then
     the return is ``(hidden, (new_layer_caches, new_carried), extras)``.
 
-    ``unroll``: the scan's unroll factor (default `SCAN_UNROLL`). ``weights_by_index``: the
-    matmuls read each layer's weights from the stacked arrays by layer index (`stacked_matmul`)
-    instead of the scan's slice of them.
+    ``unroll``: the scan's unroll factor (1 = rolled). ``weights_by_index``: the matmuls read each
+    layer's weights from the stacked arrays by layer index (`stacked_matmul`, run interpreted if
+    ``interpret``) instead of the scan's slice of them.
     """
     cfg = params.config
     x = embed(params, tokens) if hidden_in is None else hidden_in
@@ -156,7 +119,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, layer_cache
     def layer(carry, xs):
         x, state = carry
         lw, kv, idx = xs
-        mm = stacked_matmul(params, idx) if weights_by_index else slice_matmul(lw)
+        mm = stacked_matmul(params, idx, interpret) if weights_by_index else slice_matmul(lw)
         q, k, v = qkv_projection(params, lw, x, positions, mm)
         if carried is None:
             out, kv, extras = attend(q, k, v, kv, idx, x)
@@ -169,7 +132,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, layer_cache
 
     idx = jnp.arange(cfg.num_layers)
     (x, state), (new_caches, extras) = jax.lax.scan(
-        layer, (x, carried), (params.layers, layer_caches, idx), unroll=SCAN_UNROLL if unroll is None else unroll)
+        layer, (x, carried), (params.layers, layer_caches, idx), unroll=unroll)
     if carried is None:
         return x, new_caches, extras
     return x, (new_caches, state), extras

@@ -3,11 +3,12 @@
 See `base.Policy` for the stages and `spec` for naming policies on the command line.
 """
 
-from sparsekv_jax.policies.base import Dense, FullKV, Policy
+from sparsekv_jax.policies.base import ContextResult, Dense, FullKV, Policy, Prompt, Setup
 from sparsekv_jax.policies.chess import CHESS
 from sparsekv_jax.policies.h2o import H2O
 from sparsekv_jax.policies.pipeline import Pipeline
 from sparsekv_jax.policies.quest import Quest
+from sparsekv_jax.policies.scored import ScoredCompression
 from sparsekv_jax.policies.snapkv import SnapKV
 from sparsekv_jax.policies.spec import parse_policies, parse_policy, register
 from sparsekv_jax.policies.stem import Stem
@@ -18,5 +19,5 @@ for _name, _factory in (("fullkv", FullKV), ("dense", Dense), ("streamingllm", S
                         ("pipeline", Pipeline), ("stem", Stem), ("chess", CHESS.from_spec)):
     register(_name, _factory)
 
-__all__ = ["CHESS", "Dense", "FullKV", "H2O", "Pipeline", "Policy", "Quest", "SnapKV", "Stem", "StreamingLLM",
-           "parse_policies", "parse_policy", "register"]
+__all__ = ["CHESS", "H2O", "ContextResult", "Dense", "FullKV", "Pipeline", "Policy", "Prompt", "Quest",
+           "ScoredCompression", "Setup", "SnapKV", "Stem", "StreamingLLM", "parse_policies", "parse_policy", "register"]

@@ -1,83 +1,153 @@
-"""The policy protocol: the stages `generate` calls, each with a dense/identity default.
+"""The policy protocol: four stages `generate` calls, each with a dense/identity default.
 
 A policy is a `flax.struct.dataclass` pytree. Shape-changing hyperparameters are static fields,
-learned or calibrated state are leaves. The stages (DESIGN.md, "The policy stages"):
+learned or calibrated state are leaves. The stages, in the order a prompt meets them
+(docs/POLICIES.md has the diagram):
 
-* ``prefill_pattern`` — inside each layer during prefill: which KV blocks each query block
-  attends to (``None`` = dense causal).
-* ``observe`` — inside each layer during prefill: whatever ``compress`` needs (window scores,
-  attention mass, ...), stacked over layers by the layer scan. ``None`` = nothing.
-* ``compress`` — after prefill: a *smaller* cache of ``compressed_capacity`` tokens.
-* decode: ``decode_init`` builds ``(layer_state, shared_state)``; ``layer_state`` has a leading
-  ``[L]`` axis and rides the layer scan. Each step, inside each layer: ``decode_write`` picks the
-  slot the new token goes to (append, or overwrite an evicted entry), ``decode_select`` the pages
-  read, ``decode_observe`` sees the step's attention probabilities (only if
-  ``needs_decode_probs``). After the step ``decode_update`` sees the logits; it may ask the loop to
-  take back the last tokens of a row (``decode_rewind``: CHESS's backtracking).
+``context``  (host, before jit) rewrites the prompt: ``context(params, tokens, lengths,
+             question_start) -> ContextResult``; it may run the model in chunks (S³'s scan).
+``prefill``  inside each layer during prefill: ``prefill_pattern`` — which KV blocks each query
+             block attends to (``None`` = dense causal).
+``compress`` after prefill: ``observe`` (inside each layer: what ``compress`` needs, stacked over
+             layers), ``compressed_capacity`` (static size) and ``compress`` (a *smaller* cache,
+             built with `common.compact` or `common.write_entries`).
+``decode``   ``decode_init`` builds ``(layer_state, shared_state)`` (``layer_state`` has a leading
+             ``[L]`` axis and rides the layer scan). Each step, inside each layer: ``decode_write``
+             picks the slot the new token goes to, ``decode_select`` the pages read,
+             ``decode_observe`` sees the step's attention probabilities. After the step
+             ``decode_update`` sees the logits and may ask for a rewind (``decode_rewind``).
 
-Every method receives static sizes as Python ints and arrays as traced values: no host syncs.
+A policy *declares* which stages it implements (``stages``) and what it needs — nothing is
+inferred from which methods a class overrides:
+
+* ``needs_whole_prefill``: the prompt must be prefilled in one pass (a prefill pattern, or
+  observations of the whole prompt); chunked prefill is refused before jit.
+* ``needs_observations``: ``observe`` runs during prefill and its output reaches ``compress`` and
+  ``decode_init`` of this policy, whatever policy fills the other stages.
+* ``needs_decode_probs``: the decode step computes attention probabilities for ``decode_observe``.
+* ``needs_question``: the policy scores with the question (``Prompt.question_start``); without a
+  split it uses a documented fallback.
+
+`Pipeline` puts one policy in each stage; ``policy.stage(name)`` is the policy that runs a stage
+(the policy itself, or `Dense` where it implements none). Every method receives static sizes as
+Python ints and arrays as traced values: no host syncs.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import hashlib
+import json
+from typing import Any, ClassVar
 
 import jax
+import numpy as np
 from flax import struct
 
+from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import KVCache, LayerKV
 
 Selection = tuple[jax.Array, jax.Array] | None  # (page_ids [B, Hkv, P], counts [B, Hkv]) or all pages
+STAGES = ("context", "prefill", "compress", "decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a policy may fix as static fields before jit (`Policy.bind`).
+
+    ``prompt_len`` is the padded prompt width the prefill sees (after the context stage),
+    ``max_new_tokens`` every token still to be written after the prompt (a suffix included),
+    ``backend`` the resolved `Backend`.
+    """
+
+    config: Any
+    prompt_len: int = 0
+    max_new_tokens: int = 0
+    page_size: int = 16
+    backend: Backend = dataclasses.field(default_factory=lambda: Backend().resolve())
+
+
+@struct.dataclass
+class Prompt:
+    """The prompt as the prefill sees it: ``tokens`` ``[B, T]`` (right-padded), ``lengths`` ``[B]``,
+    ``question_start`` ``[B]`` (where each row's question begins; ``None`` when the caller gave no
+    split), ``offset`` the first position of this chunk (0 for a one-pass prefill)."""
+
+    tokens: jax.Array
+    lengths: jax.Array
+    question_start: jax.Array | None = None
+    offset: Any = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextResult:
+    """What the context stage hands on: the new prompt (``tokens`` ``[B, T']`` right-padded,
+    ``lengths``, ``question_start``) and host-side ``info`` (timings, spans) for reports."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    question_start: np.ndarray | None
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @struct.dataclass
 class Policy:
-    """Base policy: dense prefill, no compression, dense decode."""
+    """Base policy: implements no stage (dense prefill, no compression, dense decode)."""
+
+    stages: ClassVar[tuple[str, ...]] = ()
+    needs_whole_prefill: ClassVar[bool] = False
+    needs_observations: ClassVar[bool] = False
+    needs_decode_probs: ClassVar[bool] = False
+    needs_question: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
         return type(self).__name__
 
-    @property
-    def needs_decode_probs(self) -> bool:
-        return False
+    def stage(self, name: str) -> Policy:
+        """The policy that runs stage ``name``: this one if it implements it, else `Dense`."""
+        if name not in STAGES:
+            raise ValueError(f"unknown stage {name!r}; stages are {STAGES}")
+        return self if name in self.stages else DENSE
 
-    @property
-    def needs_whole_prefill(self) -> bool:
-        """Whether the prompt must be prefilled in one pass: the policy sets a prefill block
-        pattern or observes the prefill (for ``compress``), which chunked prefill does not run."""
-        cls = type(self)
-        return cls.prefill_pattern is not Policy.prefill_pattern or cls.observe is not Policy.observe
+    def spec_key(self) -> str:
+        """A stable text naming this policy with every field (resume keys of ``sparsekv eval``).
 
-    def validate(self, prompt_len: int, max_new_tokens: int, page_size: int) -> None:
-        """Raise ``ValueError`` for settings that cannot work with these sizes (before jit)."""
+        Unlike ``repr`` it never prints an array's contents: a leaf array (calibrated thresholds,
+        SAE weights) is named by shape, dtype and a hash of its bytes.
+        """
+        fields = {}
+        for f in dataclasses.fields(self):
+            fields[f.name] = _key_value(getattr(self, f.name))
+        return json.dumps([type(self).__name__, fields], sort_keys=True, default=str)
 
-    def bind(self, prompt_len: int) -> Policy:
-        """This policy with sizes that depend on the prompt fixed as static fields (before jit)."""
+    def bind(self, setup: Setup) -> Policy:
+        """Check this policy against the run (``ValueError`` naming the bad value) and return it
+        with what it needs of the run fixed as static fields (before jit)."""
         return self
 
-    def bind_model(self, config: Any) -> Policy:
-        """This policy with what it needs of the model's `ModelConfig` fixed as static fields
-        (before jit; e.g. RoPE frequencies to un-rotate cached keys)."""
-        return self
+    # -- context -------------------------------------------------------------------------
+    def context(self, params: Any, tokens: np.ndarray, lengths: np.ndarray,
+                question_start: np.ndarray | None) -> ContextResult:
+        """Rewrite the prompt on the host before the jitted prefill (identity)."""
+        return ContextResult(tokens, lengths, question_start)
 
-    # -- prefill -----------------------------------------------------------------------
-    def prefill_pattern(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
-                        layer_index: jax.Array) -> Any:
+    # -- prefill -------------------------------------------------------------------------
+    def prefill_pattern(self, q: jax.Array, k: jax.Array, v: jax.Array, layer_index: jax.Array,
+                        prompt: Prompt) -> Any:
         """``None`` (dense causal) or ``(block_ids [B,Hkv,nQ,K], counts [B,Hkv,nQ], block_size)``."""
         return None
 
-    def observe(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, layer_index: jax.Array, *,
-                tokens: jax.Array | None = None, hidden: jax.Array | None = None) -> Any:
-        """Per-layer observation for ``compress`` (stacked over layers by the scan).
+    # -- compress ------------------------------------------------------------------------
+    def observe(self, q: jax.Array, k: jax.Array, v: jax.Array, hidden: jax.Array, layer_index: jax.Array,
+                prompt: Prompt) -> Any:
+        """Per-layer observation (only called if ``needs_observations``), stacked over layers.
 
-        ``q`` ``[B,T,Hq,D]`` and ``k``/``v`` ``[B,T,Hkv,D]`` (RoPE applied), ``tokens`` ``[B,T]``
-        the prompt ids (delimiter-based methods), ``hidden`` ``[B,T,H]`` the layer's input
-        hidden states (hidden-state probes).
+        ``q`` ``[B,T,Hq,D]`` and ``k``/``v`` ``[B,T,Hkv,D]`` (RoPE applied), ``hidden`` ``[B,T,H]``
+        the layer's input hidden states.
         """
         return None
 
-    # -- compress ------------------------------------------------------------------------
     def compressed_capacity(self, prompt_len: int, max_new_tokens: int, suffix_tokens: int = 0) -> int | None:
         """Tokens the compressed cache holds, or ``None`` to keep the prefill cache.
 
@@ -87,13 +157,13 @@ class Policy:
         """
         return None
 
-    def compress(self, cache: KVCache, observations: Any, capacity: int) -> KVCache:
+    def compress(self, cache: KVCache, observations: Any, capacity: int, prompt: Prompt) -> KVCache:
         return cache
 
     # -- decode --------------------------------------------------------------------------
     def decode_init(self, cache: KVCache, observations: Any) -> tuple[Any, Any]:
         """``(layer_state, shared_state)`` for the decode loop; ``observations`` are this policy's
-        prefill observations when it also ran ``compress`` (else ``None``)."""
+        prefill observations if it ``needs_observations`` (else ``None``)."""
         return None, None
 
     def decode_write(self, kv: LayerKV, length: jax.Array, layer_state: Any) -> tuple[jax.Array, jax.Array]:
@@ -123,8 +193,26 @@ class Policy:
         return None
 
     def decode_stats(self, shared_state: Any) -> dict[str, jax.Array]:
-        """Per-row counters the policy reports at the end of generation (e.g. re-selections)."""
+        """Per-row ``[B]`` counters the policy reports at the end of generation (e.g. re-selections);
+        the eval harness records every key."""
         return {}
+
+
+def _key_value(value: Any) -> Any:
+    if isinstance(value, Policy):
+        return json.loads(value.spec_key())
+    if isinstance(value, (jax.Array, np.ndarray)):
+        a = np.asarray(value)
+        if a.size == 1:
+            return float(a.reshape(()))
+        return f"array{list(a.shape)}:{a.dtype}:{hashlib.sha1(a.tobytes()).hexdigest()[:12]}"
+    if isinstance(value, dict):
+        return {str(k): _key_value(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_key_value(v) for v in value]
+    if isinstance(value, float) and not np.isfinite(value):
+        return str(value)
+    return value
 
 
 @struct.dataclass
@@ -133,3 +221,4 @@ class Dense(Policy):
 
 
 FullKV = Dense
+DENSE = Dense()

@@ -79,20 +79,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from sparsekv_jax.attention import on_gpu
 from sparsekv_jax.cache import KVCache, LayerKV, page_counts
 from sparsekv_jax.models.rope import inverse_frequencies
 from sparsekv_jax.pallas.page_rope import rope_page_sums, rope_page_sums_reference
-from sparsekv_jax.policies.base import Policy, Selection
+from sparsekv_jax.policies.base import Policy, Selection, Setup
 from sparsekv_jax.policies.common import pages_to_list
 
 PRESETS = {"conservative": (0.9, 0.9, 0.9), "moderate": (0.8, 0.7, 0.7), "aggressive": (0.5, 0.2, 0.1)}
 TRIGGERS = ("uncertainty", "interval")
 KEYS = ("post_rope", "pre_rope")
-# The pre-RoPE rebuild's page sums: "auto" = the Pallas `rope_page_sums` on the GPU (reads each layer's
-# keys in place; the jnp path copies the layer out of the stack first) and jnp elsewhere; "pallas" /
-# "jnp" force one (tests force "pallas", which runs interpreted off the GPU).
-PAGE_SUMS_IMPL = "auto"
 CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "calibration")
 
 
@@ -173,9 +168,11 @@ class CHESS(Policy):
       regenerate: on an uncertainty trigger, regenerate the page with the new selection.
       max_backtracks: regenerations allowed per sequence.
       keys: page vectors from the cached keys rotated back to position 0, ``"pre_rope"`` (default;
-        needs `bind_model`, which `generate` calls), or as stored, ``"post_rope"`` (module doc).
+        needs `bind`, which `generate` calls), or as stored, ``"post_rope"`` (module doc).
       centred: score against the anchor minus the context's mean page vector (default; module doc).
-      inv_freq: RoPE inverse frequencies, set by `bind_model` for ``keys="pre_rope"``.
+      inv_freq: RoPE inverse frequencies, set by `bind` for ``keys="pre_rope"``.
+      page_sums: how the pre-RoPE rebuild sums pages, set by `bind` from the run's `Backend`:
+        ``"pallas"`` (`rope_page_sums`, the keys read in place) or ``"jnp"``.
       entropy_threshold, varentropy_threshold: trigger thresholds (leaves; ``inf`` = never).
     """
 
@@ -193,6 +190,7 @@ class CHESS(Policy):
     keys: str = struct.field(pytree_node=False, default="pre_rope")
     centred: bool = struct.field(pytree_node=False, default=True)
     inv_freq: tuple[float, ...] | None = struct.field(pytree_node=False, default=None)
+    page_sums: str = struct.field(pytree_node=False, default="jnp")
     entropy_threshold: Any = float("inf")
     varentropy_threshold: Any = float("inf")
 
@@ -253,10 +251,18 @@ class CHESS(Policy):
             kwargs = {**load_thresholds(calibration), **kwargs}
         return cls(ratios=ratios, **kwargs)
 
-    def bind_model(self, config: Any) -> CHESS:
+    stages = ("decode",)
+
+    def bind(self, setup: Setup) -> CHESS:
+        if self.page_size % setup.page_size:
+            raise ValueError(f"CHESS page_size={self.page_size} is not a multiple of the cache "
+                             f"page_size={setup.page_size}")
         if self.keys != "pre_rope":
             return self
-        return self.replace(inv_freq=tuple(float(f) for f in inverse_frequencies(config)))
+        half = setup.config.head_dim // 2
+        # the kernel's tables want a power-of-two half head dim; other models take the jnp path
+        impl = setup.backend.page_sums if not half & (half - 1) else "jnp"
+        return self.replace(inv_freq=tuple(float(f) for f in inverse_frequencies(setup.config)), page_sums=impl)
 
     @property
     def name(self) -> str:
@@ -265,10 +271,6 @@ class CHESS(Policy):
                                    (f"next={self.next_pages}", self.next_pages > 0)) if on]
         return f"CHESS-{names.get(self.ratios, '-'.join(map(str, self.ratios)))}" + (
             f"[{', '.join(variant)}]" if variant else "")
-
-    def validate(self, prompt_len: int, max_new_tokens: int, page_size: int) -> None:
-        if self.page_size % page_size:
-            raise ValueError(f"CHESS page_size={self.page_size} is not a multiple of the cache page_size={page_size}")
 
     @property
     def max_rewind_tokens(self) -> int:
@@ -337,7 +339,7 @@ class CHESS(Policy):
         position phase): reads every cached key once per rebuild, one layer at a time."""
         if self.inv_freq is None:
             raise ValueError("CHESS(keys='pre_rope') needs the model's RoPE frequencies: call "
-                             "policy.bind_model(params.config) first (generate and sparsekv eval do)")
+                             "policy.bind(Setup(params.config)) first (generate and sparsekv eval do)")
         L, B, H, S, D = cache.layers.k.shape
         if 2 * len(self.inv_freq) != D:
             raise ValueError(f"CHESS inv_freq has {len(self.inv_freq)} frequencies, the cache's head_dim is {D}")
@@ -364,9 +366,8 @@ class CHESS(Policy):
         at_edge = (jnp.arange(P)[None] == edge[:, None])[None, :, None]  # [1, B, 1, P]
         edge_slots = edge[:, None] * ps + jnp.arange(ps)  # [B, ps]
         edge_live = (edge_slots < jnp.minimum(anchor_end, S)[:, None])[None, :, None]  # [1, B, 1, ps]
-        half = D // 2
-        if PAGE_SUMS_IMPL == "pallas" or (PAGE_SUMS_IMPL == "auto" and on_gpu() and not half & (half - 1)):
-            page_sums = functools.partial(rope_page_sums, page_size=ps, interpret=not on_gpu())
+        if self.page_sums == "pallas":
+            page_sums = functools.partial(rope_page_sums, page_size=ps, interpret=jax.default_backend() != "gpu")
         else:
             page_sums = functools.partial(rope_page_sums_reference, page_size=ps)
         # Per layer (the cache read by layer index), two exact ways to the pages' sums of un-rotated

@@ -87,37 +87,66 @@ def keep_slots(scores: jax.Array, length: jax.Array, keep: jax.Array, k_static: 
     return slots, slots < S
 
 
+def write_entries(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Array, bias: jax.Array,
+                  counts: jax.Array, capacity: int) -> KVCache:
+    """A new cache of ``capacity`` tokens holding the given entries: the one write every compressor
+    ends with, whether it keeps existing entries (`compact`) or writes new ones (merged entries).
+
+    ``k``/``v`` ``[L, B, H, K, D]``, ``positions`` ``[L, B, H, K]`` (RoPE positions the keys were
+    rotated with), ``bias`` ``[L, B, H, K]`` (additive logit, e.g. log cluster size), ``counts``
+    ``[L, B, H]`` or ``[B]``: the first ``counts`` entries of each (layer, row, KV head) are live.
+    Heads may keep different numbers: the row's ``length`` is its largest count, and the slots a
+    head leaves empty below it are *holes* (position ``-1``, bias ``-inf``, zero K/V) that no
+    attention path reads. ``next_position`` is kept: decoding continues after the original prompt.
+    Page summaries are recomputed.
+    """
+    L, B, H, K, D = k.shape
+    new_S = pages_for(capacity, cache.page_size) * cache.page_size
+    if K > new_S:
+        raise ValueError(f"write_entries: {K} entries per head do not fit a cache of capacity {capacity}")
+    counts = jnp.broadcast_to(counts[None, :, None] if counts.ndim == 1 else counts, (L, B, H)).astype(jnp.int32)
+    length = counts.max(axis=(0, 2))  # [B]
+    slot = jnp.arange(K)
+    live = slot < counts[..., None]  # [L, B, H, K]
+    hole = ~live & (slot < length[None, :, None, None])
+
+    def pad(x: jax.Array, fill) -> jax.Array:
+        widths = [(0, 0)] * x.ndim
+        widths[3] = (0, new_S - K)
+        return jnp.pad(x, widths, constant_values=fill)
+
+    zero = jnp.zeros((), k.dtype)
+    layers = LayerKV(
+        k=pad(jnp.where(live[..., None], k, zero).astype(cache.layers.k.dtype), 0),
+        v=pad(jnp.where(live[..., None], v, zero).astype(cache.layers.v.dtype), 0),
+        positions=pad(jnp.where(live, positions, -1).astype(jnp.int32), -1),
+        bias=pad(jnp.where(live, bias, jnp.where(hole, -jnp.inf, 0.0)).astype(jnp.float32), 0.0),
+        page_sum=jnp.zeros((L, B, H, new_S // cache.page_size, D), cache.layers.page_sum.dtype),
+        page_min=jnp.zeros((L, B, H, new_S // cache.page_size, D), cache.layers.page_min.dtype),
+        page_max=jnp.zeros((L, B, H, new_S // cache.page_size, D), cache.layers.page_max.dtype),
+        page_max_bias=jnp.zeros((L, B, H, new_S // cache.page_size), jnp.float32))
+    layers = summarize_pages(layers, length, cache.page_size)
+    return KVCache(layers=layers, length=length, next_position=cache.next_position, page_size=cache.page_size)
+
+
 def compact(cache: KVCache, scores: jax.Array, keep: jax.Array, capacity: int) -> KVCache:
     """A new, smaller cache holding, per (layer, row, KV head), the ``keep[b]`` best-scored slots.
 
     ``scores`` ``[L, B, H, S]`` (higher = keep); ``keep`` ``[B]``; ``capacity`` the new cache's
     size in tokens (rounded up to pages; must be >= max kept + the tokens still to decode).
-    Entries keep their RoPE positions; ``next_position`` is unchanged, so decoding continues at
-    the uncompressed length. Page summaries are recomputed.
+    Entries keep their RoPE positions and biases, in slot order; written by `write_entries`.
     """
     L, B, H, S = scores.shape
     k_static = min(S, capacity)
-    slots, valid = keep_slots(scores, cache.length, keep, k_static)  # [L, B, H, K]
+    slots, _ = keep_slots(scores, cache.length, keep, k_static)  # [L, B, H, K]
     idx = jnp.minimum(slots, S - 1)
-    new_S = pages_for(capacity, cache.page_size) * cache.page_size
-
-    def take(x: jax.Array, fill) -> jax.Array:
-        g = jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 4)), axis=3)
-        vmask = valid.reshape(valid.shape + (1,) * (x.ndim - 4))
-        g = jnp.where(vmask, g, jnp.asarray(fill, x.dtype))
-        pad = [(0, 0)] * x.ndim
-        pad[3] = (0, new_S - k_static)
-        return jnp.pad(g, pad, constant_values=fill)
-
     old = cache.layers
-    n_pages = new_S // cache.page_size
-    summary = (L, B, H, n_pages, old.k.shape[-1])
-    layers = LayerKV(k=take(old.k, 0), v=take(old.v, 0), positions=take(old.positions, -1),
-                     bias=take(old.bias, 0), page_sum=jnp.zeros(summary, old.page_sum.dtype),
-                     page_min=jnp.zeros(summary, old.page_min.dtype), page_max=jnp.zeros(summary, old.page_max.dtype))
-    layers = summarize_pages(layers, keep, cache.page_size)
-    return KVCache(layers=layers, length=keep.astype(jnp.int32), next_position=cache.next_position,
-                   page_size=cache.page_size)
+
+    def take(x: jax.Array) -> jax.Array:
+        return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 4)), axis=3)
+
+    counts = jnp.minimum(keep, cache.length)
+    return write_entries(cache, take(old.k), take(old.v), take(old.positions), take(old.bias), counts, capacity)
 
 
 def top_pages(page_scores: jax.Array, used_pages: jax.Array, k: int,

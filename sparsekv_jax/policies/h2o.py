@@ -19,15 +19,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from sparsekv_jax.cache import KVCache, LayerKV
-from sparsekv_jax.policies.base import Policy
-from sparsekv_jax.policies.common import (
-    budget_tokens,
-    check_budget,
-    compact,
-    force_sinks_and_window,
-    prompt_scores_to_slots,
-    row_budgets,
-)
+from sparsekv_jax.policies.base import Prompt
+from sparsekv_jax.policies.common import budget_tokens, check_budget, prompt_scores_to_slots
+from sparsekv_jax.policies.scored import ScoredCompression
 
 
 def attention_mass(q: jax.Array, k: jax.Array, lengths: jax.Array, block: int = 256) -> jax.Array:
@@ -57,7 +51,7 @@ def attention_mass(q: jax.Array, k: jax.Array, lengths: jax.Array, block: int = 
 
 
 @struct.dataclass
-class H2O(Policy):
+class H2O(ScoredCompression):
     """Heavy-hitter oracle.
 
     Args:
@@ -71,20 +65,28 @@ class H2O(Policy):
     recent_ratio: float = struct.field(pytree_node=False, default=0.5)
     evict_during_decode: bool = struct.field(pytree_node=False, default=True)
 
+    stages = ("compress", "decode")
+
     def __post_init__(self) -> None:
         check_budget(self.budget)
         if not 0.0 <= self.recent_ratio <= 1.0:
             raise ValueError(f"recent_ratio={self.recent_ratio} must be in [0, 1]")
 
     @property
-    def needs_decode_probs(self) -> bool:
+    def needs_decode_probs(self) -> bool:  # type: ignore[override]
         return self.evict_during_decode
 
     def _recent(self, kept: jax.Array) -> jax.Array:
         return jnp.floor(self.recent_ratio * kept).astype(jnp.int32)
 
-    def observe(self, q, k, v, lengths, layer_index, **inputs) -> jax.Array:
-        return attention_mass(q, k, lengths)
+    def forced_counts(self, keep: jax.Array | None) -> tuple[int, int | jax.Array]:
+        return 0, (0 if keep is None else self._recent(keep))
+
+    def observe(self, q, k, v, hidden, layer_index, prompt: Prompt) -> jax.Array:
+        return attention_mass(q, k, prompt.lengths)
+
+    def score(self, cache: KVCache, observations: Any, prompt: Prompt) -> jax.Array:
+        return prompt_scores_to_slots(observations, cache.capacity)
 
     def compressed_capacity(self, prompt_len: int, max_new_tokens: int, suffix_tokens: int = 0) -> int | None:
         kept = budget_tokens(self.budget, prompt_len)
@@ -93,12 +95,6 @@ class H2O(Policy):
         # evicting: room for the kept entries and a suffix read after compression (the question,
         # question-agnostic); decoding then stays at that size
         return kept + suffix_tokens if self.evict_during_decode else kept + max_new_tokens
-
-    def compress(self, cache: KVCache, observations: Any, capacity: int) -> KVCache:
-        keep = row_budgets(self.budget, cache.length)
-        scores = prompt_scores_to_slots(observations, cache.capacity)
-        scores = force_sinks_and_window(scores, cache.length, 0, self._recent(keep))
-        return compact(cache, scores, keep, capacity)
 
     # -- running eviction -----------------------------------------------------------------
     def decode_init(self, cache: KVCache, observations: Any) -> tuple[Any, Any]:
@@ -122,7 +118,11 @@ class H2O(Policy):
         size = jnp.minimum(layer_state["size"], kv.k.shape[2])  # [B]
         newest = jnp.max(kv.positions, axis=(1, 2))  # [B] position of the last token written
         protected = kv.positions > (newest - self._recent(jnp.minimum(length, size)))[:, None, None]
+        # a hole (a slot below the length that this head leaves empty after a merging compressor)
+        # is the cheapest victim: nothing is lost by writing there
+        hole = (kv.positions < 0) & (jnp.arange(kv.positions.shape[-1]) < length[:, None, None])
         s = jnp.where(protected | (kv.positions < 0), jnp.inf, layer_state["scores"])
+        s = jnp.where(hole, -jnp.inf, s)
         victim = jnp.argmin(s, axis=-1).astype(jnp.int32)  # [B, H]
         full = (length >= size)[:, None]
         slot = jnp.where(full, victim, length[:, None])

@@ -1,98 +1,102 @@
 """Composition: one policy per stage, e.g. ``Pipeline(prefill=Stem(), compress=SnapKV(0.2),
-decode=Quest(0.25))``, still one jitted `generate` call."""
+decode=Quest(0.25))``, still one jitted `generate` call (a ``context`` stage runs before it)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import jax
 from flax import struct
 
-from sparsekv_jax.cache import KVCache, LayerKV
-from sparsekv_jax.policies.base import Dense, Policy, Selection
+from sparsekv_jax.policies.base import DENSE, STAGES, Dense, Policy, Setup
+
+# The hooks of each stage: `Pipeline` forwards each to the policy of its stage (generated below,
+# not written out per hook). `generate` itself calls ``policy.stage(name).hook(...)``.
+STAGE_HOOKS: dict[str, tuple[str, ...]] = {
+    "context": ("context",),
+    "prefill": ("prefill_pattern",),
+    "compress": ("observe", "compressed_capacity", "compress"),
+    "decode": ("decode_init", "decode_write", "decode_select", "decode_observe", "decode_update", "decode_rewind",
+               "decode_stats"),
+}
 
 
 @struct.dataclass
 class Pipeline(Policy):
-    """Delegates each stage to the policy given for it (dense/identity where none is given)."""
+    """Delegates each stage to the policy given for it (`Dense`, i.e. identity, where none is).
 
-    prefill: Policy = Dense()
-    compress_with: Policy = Dense()
-    decode: Policy = Dense()
+    ``Pipeline(context=S3Hybrid(), prefill=Stem(), compress=SemantiCache(0.2), decode=CHESS())``.
+    A member may implement several stages (H2O compresses and evicts while decoding); it runs only
+    the stage it is given here. A decode policy that needs prefill observations gets its own
+    (``observe`` runs for every member that ``needs_observations``).
+    """
 
-    def __init__(self, prefill: Policy | None = None, compress: Policy | None = None,
-                 decode: Policy | None = None, *, compress_with: Policy | None = None) -> None:
-        stages = {"prefill": prefill, "compress": compress if compress is not None else compress_with,
-                  "decode": decode}
-        for stage, pol in stages.items():
-            if pol is not None and not isinstance(pol, Policy):
-                raise ValueError(f"Pipeline {stage}={pol!r} is not a Policy")
-            if isinstance(pol, Pipeline):
-                raise ValueError(f"Pipeline {stage}= cannot be another Pipeline")
-        object.__setattr__(self, "prefill", stages["prefill"] or Dense())
-        object.__setattr__(self, "compress_with", stages["compress"] or Dense())
-        object.__setattr__(self, "decode", stages["decode"] or Dense())
+    members: tuple[Policy, Policy, Policy, Policy] = (DENSE, DENSE, DENSE, DENSE)
+
+    def __init__(self, context: Policy | None = None, prefill: Policy | None = None,
+                 compress: Policy | None = None, decode: Policy | None = None, *,
+                 members: tuple[Policy, ...] | None = None) -> None:
+        if members is None:  # (members= is how the pytree machinery rebuilds one)
+            members = (context, prefill, compress, decode)
+            for stage, pol in zip(STAGES, members, strict=True):
+                if pol is not None and not isinstance(pol, Policy):
+                    raise ValueError(f"Pipeline {stage}={pol!r} is not a Policy")
+                if isinstance(pol, Pipeline):
+                    raise ValueError(f"Pipeline {stage}= cannot be another Pipeline")
+                if pol is not None and type(pol) is not Dense and stage not in pol.stages:
+                    raise ValueError(f"Pipeline {stage}={pol.name}: {pol.name} implements {list(pol.stages)}, "
+                                     f"not the {stage} stage")
+            members = tuple(DENSE if p is None else p for p in members)
+        object.__setattr__(self, "members", tuple(members))
+
+    def stage(self, name: str) -> Policy:
+        if name not in STAGES:
+            raise ValueError(f"unknown stage {name!r}; stages are {STAGES}")
+        return self.members[STAGES.index(name)]
+
+    @property
+    def stages(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(s for s, p in zip(STAGES, self.members, strict=True) if type(p) is not Dense)
 
     @property
     def name(self) -> str:
-        parts = [f"{k}={p.name}" for k, p in (("prefill", self.prefill), ("compress", self.compress_with),
-                                              ("decode", self.decode)) if type(p) is not Dense]
-        return "Pipeline(" + ", ".join(parts) + ")"
+        return "Pipeline(" + ", ".join(f"{s}={self.stage(s).name}" for s in self.stages) + ")"
+
+    def _any(self, need: str) -> bool:
+        return any(getattr(p, need) for p in self.members)
 
     @property
-    def needs_decode_probs(self) -> bool:
-        return self.decode.needs_decode_probs
+    def needs_whole_prefill(self) -> bool:  # type: ignore[override]
+        return self._any("needs_whole_prefill")
 
     @property
-    def needs_whole_prefill(self) -> bool:
-        return any(p.needs_whole_prefill for p in (self.prefill, self.compress_with, self.decode))
+    def needs_observations(self) -> bool:  # type: ignore[override]
+        return self._any("needs_observations")
 
-    def validate(self, prompt_len: int, max_new_tokens: int, page_size: int) -> None:
-        for p in (self.prefill, self.compress_with, self.decode):
-            p.validate(prompt_len, max_new_tokens, page_size)
+    @property
+    def needs_decode_probs(self) -> bool:  # type: ignore[override]
+        return self.stage("decode").needs_decode_probs
 
-    def bind(self, prompt_len: int) -> Pipeline:
-        return Pipeline(self.prefill.bind(prompt_len), self.compress_with.bind(prompt_len),
-                        self.decode.bind(prompt_len))
-
-    def bind_model(self, config) -> Pipeline:
-        return Pipeline(self.prefill.bind_model(config), self.compress_with.bind_model(config),
-                        self.decode.bind_model(config))
-
-    def prefill_pattern(self, q, k, v, lengths, layer_index):
-        return self.prefill.prefill_pattern(q, k, v, lengths, layer_index)
-
-    def observe(self, q, k, v, lengths, layer_index, **inputs):
-        return self.compress_with.observe(q, k, v, lengths, layer_index, **inputs)
-
-    def compressed_capacity(self, prompt_len: int, max_new_tokens: int, suffix_tokens: int = 0) -> int | None:
-        return self.compress_with.compressed_capacity(prompt_len, max_new_tokens, suffix_tokens)
-
-    def compress(self, cache: KVCache, observations: Any, capacity: int) -> KVCache:
-        return self.compress_with.compress(cache, observations, capacity)
-
-    def decode_init(self, cache: KVCache, observations: Any) -> tuple[Any, Any]:
-        same = self.decode is self.compress_with or self.decode == self.compress_with
-        return self.decode.decode_init(cache, observations if same else None)
-
-    def decode_write(self, kv: LayerKV, length: jax.Array, layer_state: Any):
-        return self.decode.decode_write(kv, length, layer_state)
-
-    def decode_select(self, q, kv, length, layer_state, shared_state, layer_index, page_size) -> Selection:
-        return self.decode.decode_select(q, kv, length, layer_state, shared_state, layer_index, page_size)
-
-    def decode_observe(self, layer_state, probs, kv):
-        return self.decode.decode_observe(layer_state, probs, kv)
-
-    def decode_update(self, shared_state, cache, logits):
-        return self.decode.decode_update(shared_state, cache, logits)
+    @property
+    def needs_question(self) -> bool:  # type: ignore[override]
+        return self._any("needs_question")
 
     @property
     def max_rewind_tokens(self) -> int:
-        return self.decode.max_rewind_tokens
+        return self.stage("decode").max_rewind_tokens
 
-    def decode_rewind(self, shared_state):
-        return self.decode.decode_rewind(shared_state)
+    def bind(self, setup: Setup) -> Pipeline:
+        return Pipeline(members=tuple(p.bind(setup) for p in self.members))
 
-    def decode_stats(self, shared_state):
-        return self.decode.decode_stats(shared_state)
+
+def _forward(hook: str, stage: str):
+    def method(self: Pipeline, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.stage(stage), hook)(*args, **kwargs)
+
+    method.__name__ = hook
+    method.__doc__ = f"``{hook}`` of the {stage} stage's policy."
+    return method
+
+
+for _stage, _hooks in STAGE_HOOKS.items():
+    for _hook in _hooks:
+        setattr(Pipeline, _hook, _forward(_hook, _stage))

@@ -2,7 +2,9 @@
 
 Each page keeps the elementwise min and max of its keys (the cache's page summaries). For the
 current query ``q`` the upper bound of any key's logit in a page is
-``sum_d max(q_d * min_d, q_d * max_d)``; the top ``budget / page_size`` pages per KV head are
+``sum_d max(q_d * min_d, q_d * max_d) / sqrt(D)`` plus the page's largest per-slot bias (merged
+entries carry ``log |cluster|``, so without it the bound would not bound them); the top
+``budget / page_size`` pages per KV head are
 read. With GQA the bound of a KV head is the max over its query heads (a bound for each of
 them). The page holding the newest token is always read (it is partial; Quest does the same),
 and, as in the paper, the first ``dense_layers`` layers (paper: 2) stay dense. Nothing is
@@ -18,7 +20,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from sparsekv_jax.cache import LayerKV
-from sparsekv_jax.policies.base import Policy, Selection
+from sparsekv_jax.policies.base import Policy, Selection, Setup
 from sparsekv_jax.policies.common import budget_tokens, check_budget, top_pages
 
 
@@ -37,6 +39,8 @@ class Quest(Policy):
     dense_layers: int = struct.field(pytree_node=False, default=2)
     prompt_len: int = struct.field(pytree_node=False, default=0)  # set by `bind` before jit
 
+    stages = ("decode",)
+
     def __post_init__(self) -> None:
         check_budget(self.budget)
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -44,12 +48,11 @@ class Quest(Policy):
         if self.dense_layers < 0:
             raise ValueError(f"dense_layers={self.dense_layers} must be >= 0")
 
-    def validate(self, prompt_len: int, max_new_tokens: int, page_size: int) -> None:
-        if self.page_size % page_size:
-            raise ValueError(f"Quest page_size={self.page_size} is not a multiple of the cache page_size={page_size}")
-
-    def bind(self, prompt_len: int) -> Quest:
-        return self.replace(prompt_len=prompt_len)
+    def bind(self, setup: Setup) -> Quest:
+        if self.page_size % setup.page_size:
+            raise ValueError(f"Quest page_size={self.page_size} is not a multiple of the cache "
+                             f"page_size={setup.page_size}")
+        return self.replace(prompt_len=setup.prompt_len)
 
     @property
     def exact(self) -> bool:
@@ -70,7 +73,8 @@ class Quest(Policy):
         hi = kv.page_max.reshape(B, Hkv, Pq, m, D).max(3)
         qg = q.reshape(B, Hkv, -1, D).astype(jnp.float32)  # [B, Hkv, G, D]
         bound = jnp.maximum(qg[:, :, :, None] * lo[:, :, None], qg[:, :, :, None] * hi[:, :, None]).sum(-1)
-        score = bound.max(2)  # [B, Hkv, Pq]
+        bias = kv.page_max_bias.reshape(B, Hkv, Pq, m).max(3)  # [B, Hkv, Pq]
+        score = bound.max(2) / jnp.sqrt(jnp.float32(D)) + bias  # [B, Hkv, Pq]
         used = -(-length // self.page_size)
         newest = (jnp.arange(Pq) == (used - 1)[:, None, None])
         k = min(self.pages_read(self.prompt_len), Pq)

@@ -17,16 +17,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from sparsekv_jax.cache import KVCache
-from sparsekv_jax.policies.base import Policy
-from sparsekv_jax.policies.common import (
-    budget_tokens,
-    check_budget,
-    check_sinks_window,
-    compact,
-    force_sinks_and_window,
-    prompt_scores_to_slots,
-    row_budgets,
-)
+from sparsekv_jax.policies.base import Prompt
+from sparsekv_jax.policies.common import prompt_scores_to_slots
+from sparsekv_jax.policies.scored import ScoredCompression
 
 
 def window_attention_scores(q: jax.Array, k: jax.Array, lengths: jax.Array, window: int) -> jax.Array:
@@ -62,7 +55,7 @@ def pool1d(x: jax.Array, kernel_size: int, kind: str) -> jax.Array:
 
 
 @struct.dataclass
-class SnapKV(Policy):
+class SnapKV(ScoredCompression):
     """SnapKV compression after prefill.
 
     Args:
@@ -80,30 +73,19 @@ class SnapKV(Policy):
     sinks: int = struct.field(pytree_node=False, default=0)
 
     def __post_init__(self) -> None:
-        check_budget(self.budget)
         if self.window < 1:
             raise ValueError(f"window={self.window} must be >= 1")
-        check_sinks_window(self.budget, self.sinks, self.window)
+        super().__post_init__()
         if self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ValueError(f"kernel_size={self.kernel_size} must be a positive odd number")
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"pooling={self.pooling!r} must be 'max' or 'avg'")
 
-    def validate(self, prompt_len: int, max_new_tokens: int, page_size: int) -> None:
-        check_sinks_window(self.budget, self.sinks, self.window, prompt_len)
-
-    def observe(self, q, k, v, lengths, layer_index, **inputs) -> jax.Array:
-        scores = pool1d(window_attention_scores(q, k, lengths, self.window), self.kernel_size, self.pooling)
+    def observe(self, q, k, v, hidden, layer_index, prompt: Prompt) -> jax.Array:
+        scores = pool1d(window_attention_scores(q, k, prompt.lengths, self.window), self.kernel_size, self.pooling)
         B, Hq, T = scores.shape
         Hkv = k.shape[2]
         return scores.reshape(B, Hkv, Hq // Hkv, T).mean(2)  # [B, Hkv, T]
 
-    def compressed_capacity(self, prompt_len: int, max_new_tokens: int, suffix_tokens: int = 0) -> int | None:
-        kept = budget_tokens(self.budget, prompt_len)
-        return None if kept >= prompt_len else kept + max_new_tokens
-
-    def compress(self, cache: KVCache, observations: Any, capacity: int) -> KVCache:
-        scores = prompt_scores_to_slots(observations, cache.capacity)
-        scores = force_sinks_and_window(scores, cache.length, self.sinks, self.window)
-        return compact(cache, scores, row_budgets(self.budget, cache.length), capacity)
-
+    def score(self, cache: KVCache, observations: Any, prompt: Prompt) -> jax.Array:
+        return prompt_scores_to_slots(observations, cache.capacity)

@@ -72,7 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from sparsekv_jax.policies.base import Policy
+from sparsekv_jax.policies.base import Policy, Prompt
 from sparsekv_jax.policies.common import KEEP
 
 LONG_CONTEXT = 16384  # tokens: above this the automatic k_start ratio drops from 0.2 to 0.1 (paper 3.1)
@@ -218,6 +218,9 @@ class Stem(Policy):
     stride: int = struct.field(pytree_node=False, default=8)
     gqa: str = struct.field(pytree_node=False, default="max")
 
+    stages = ("prefill",)
+    needs_whole_prefill = True
+
     def __post_init__(self) -> None:
         if not _is_pow2(self.block_size) or not 16 <= self.block_size <= 4096:
             raise ValueError(f"block_size={self.block_size!r} must be a power of two in [16, 4096] (the prefill "
@@ -287,8 +290,9 @@ class Stem(Policy):
         magnitude = value_magnitude(v, lengths, self.block_size)  # [B, Hkv, nK]
         return routing + self.beta * jnp.maximum(magnitude, 0.0)[:, :, None, :]
 
-    def prefill_pattern(self, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
-                        layer_index: jax.Array) -> Any:
+    def prefill_pattern(self, q: jax.Array, k: jax.Array, v: jax.Array, layer_index: jax.Array,
+                        prompt: Prompt) -> Any:
+        lengths = prompt.lengths
         T = q.shape[1]
         if self.is_dense(T):
             return None

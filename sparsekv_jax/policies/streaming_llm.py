@@ -10,23 +10,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import struct
 
 from sparsekv_jax.cache import KVCache
-from sparsekv_jax.policies.base import Policy
-from sparsekv_jax.policies.common import (
-    budget_tokens,
-    check_budget,
-    check_sinks_window,
-    compact,
-    force_sinks_and_window,
-    row_budgets,
-)
+from sparsekv_jax.policies.base import Prompt
+from sparsekv_jax.policies.scored import ScoredCompression
 
 
 @struct.dataclass
-class StreamingLLM(Policy):
+class StreamingLLM(ScoredCompression):
     """Keep ``sinks`` initial tokens and the most recent ones, ``budget`` in all.
 
     Args:
@@ -37,24 +31,10 @@ class StreamingLLM(Policy):
     budget: float | int = struct.field(pytree_node=False, default=0.25)
     sinks: int = struct.field(pytree_node=False, default=4)
 
-    def __post_init__(self) -> None:
-        check_budget(self.budget)
-        check_sinks_window(self.budget, self.sinks, 0)
+    # recency needs nothing from the prefill: chunked prefill works
+    needs_whole_prefill = False
+    needs_observations = False
 
-    def validate(self, prompt_len: int, max_new_tokens: int, page_size: int) -> None:
-        check_sinks_window(self.budget, self.sinks, 0, prompt_len)
-
-    def observe(self, q, k, v, lengths, layer_index, **inputs) -> Any:
-        return None
-
-    def compressed_capacity(self, prompt_len: int, max_new_tokens: int, suffix_tokens: int = 0) -> int | None:
-        kept = budget_tokens(self.budget, prompt_len)
-        return None if kept >= prompt_len else kept + max_new_tokens
-
-    def compress(self, cache: KVCache, observations: Any, capacity: int) -> KVCache:
+    def score(self, cache: KVCache, observations: Any, prompt: Prompt) -> jax.Array:
         L, B, H, S = cache.layers.positions.shape
-        recency = jnp.broadcast_to(jnp.arange(S, dtype=jnp.float32), (L, B, H, S))
-        scores = force_sinks_and_window(recency, cache.length, self.sinks, 0)
-        return compact(cache, scores, row_budgets(self.budget, cache.length), capacity)
-
-
+        return jnp.broadcast_to(jnp.arange(S, dtype=jnp.float32), (L, B, H, S))

@@ -1,0 +1,125 @@
+"""Which implementation each kernel-level choice takes: one frozen, hashable value.
+
+`generate` (and the benchmarks) take a `Backend` as a *static* argument: every choice is fixed at
+trace time and is part of the compiled program's cache key, so changing it after a compile takes
+effect (a different value compiles a different program). Nothing here is a module global.
+
+``"auto"`` picks per platform: the Pallas kernels on a GPU; the jnp references on a CPU, where
+the kernels only run interpreted (the tests force ``"pallas"`` there to check the GPU's code path).
+`Backend.resolve` turns every ``"auto"`` into a concrete choice before jit.
+
+The environment variable ``SPARSEKV_DECODE_MATMUL`` (``auto``/``xla``/``pallas``) sets the
+default of ``decode_matmul`` for a whole process (benchmarks, ``sparsekv eval``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+
+__all__ = ["Backend", "on_gpu"]
+
+_IMPLS = ("auto", "pallas", "jnp")
+_MATMULS = ("auto", "xla", "pallas")
+_WEIGHT_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _env_decode_matmul() -> str:
+    value = os.environ.get("SPARSEKV_DECODE_MATMUL", "auto")
+    if value not in _MATMULS:
+        raise ValueError(f"SPARSEKV_DECODE_MATMUL={value!r}: expected one of {_MATMULS}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """Implementation choices, fixed at trace time.
+
+    Attributes:
+      decode_attention: page-sparse decode attention: ``"pallas"`` (the kernel of
+        `sparsekv_jax.pallas.decode`), ``"jnp"`` (its reference path) or ``"auto"``.
+      sparse_prefill: block-sparse prefill attention (a policy's prefill pattern): the same choice
+        for `sparsekv_jax.pallas.prefill`. Dense prefill is cuDNN on a GPU, XLA elsewhere.
+      decode_carry: carry the whole cache through the decode layer scan (in-place writes; the
+        kernel reads the layer by index) instead of scanning it as xs/ys. ``"auto"`` = on a GPU
+        (XLA:CPU does not update a carried stack in place: decode ran 2x slower).
+      decode_matmul: decode matmuls: ``"xla"`` (cuBLAS on the scan's slice of the stacked weights,
+        which XLA copies out first), ``"pallas"`` (`layer_matmul` reads the layer's tiles from the
+        stack), ``"auto"`` = ``"pallas"`` on a GPU where every weight fits the kernel (2.7x faster
+        decode for Llama-3.1-8B at batch 1 on an H100: docs/BENCHMARKS.md). Default from
+        ``$SPARSEKV_DECODE_MATMUL``.
+      page_sums: CHESS's pre-RoPE rebuild: the Pallas `rope_page_sums` (reads each layer's keys in
+        place) or its jnp reference.
+      prefill_unroll: unroll factor of the layer scan over many tokens (1 = rolled).
+      decode_unroll: unroll factor of the decode layer scan (1 = rolled; unrolling did not remove
+        the weight copies inside the decode loop on an H100, docs/BENCHMARKS.md).
+      interpret: run Pallas kernels interpreted; ``None`` = off a GPU.
+    """
+
+    decode_attention: str = "auto"
+    sparse_prefill: str = "auto"
+    decode_carry: bool | str = "auto"
+    decode_matmul: str = dataclasses.field(default_factory=_env_decode_matmul)
+    page_sums: str = "auto"
+    prefill_unroll: int = 1
+    decode_unroll: int | bool = 1
+    interpret: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("decode_attention", "sparse_prefill", "page_sums"):
+            if getattr(self, name) not in _IMPLS:
+                raise ValueError(f"Backend {name}={getattr(self, name)!r}: expected one of {_IMPLS}")
+        if self.decode_matmul not in _MATMULS:
+            raise ValueError(f"Backend decode_matmul={self.decode_matmul!r}: expected one of {_MATMULS}")
+        if self.decode_carry not in ("auto", True, False):
+            raise ValueError(f"Backend decode_carry={self.decode_carry!r}: expected 'auto', True or False")
+        for name in ("prefill_unroll", "decode_unroll"):
+            value = getattr(self, name)
+            if not isinstance(value, (bool, int)) or (not isinstance(value, bool) and value < 1):
+                raise ValueError(f"Backend {name}={value!r}: expected an int >= 1 or a bool")
+
+    @property
+    def resolved(self) -> bool:
+        return "auto" not in (self.decode_attention, self.sparse_prefill, self.decode_carry, self.decode_matmul,
+                              self.page_sums) and self.interpret is not None
+
+    def resolve(self, params: Any = None) -> Backend:
+        """Every ``"auto"`` made concrete for this platform (and ``params``' weights, for the
+        decode matmul: the kernel needs weight dimensions that are multiples of 16 and one dtype)."""
+        gpu = on_gpu()
+
+        def pick(choice: str) -> str:
+            return ("pallas" if gpu else "jnp") if choice == "auto" else choice
+
+        matmul = self.decode_matmul
+        if matmul == "auto":
+            fits = False
+            if params is not None and gpu:
+                ws = [getattr(params.layers, n) for n in _WEIGHT_NAMES]
+                fits = (all(w.shape[1] % 16 == 0 and w.shape[2] % 16 == 0 for w in ws)
+                        and len({w.dtype for w in ws}) == 1)
+            matmul = "pallas" if fits else "xla"
+        return dataclasses.replace(
+            self, decode_attention=pick(self.decode_attention), sparse_prefill=pick(self.sparse_prefill),
+            page_sums=pick(self.page_sums), decode_matmul=matmul,
+            decode_carry=gpu if self.decode_carry == "auto" else bool(self.decode_carry),
+            interpret=(not gpu) if self.interpret is None else self.interpret)
+
+    @classmethod
+    def reference(cls) -> Backend:
+        """The jnp paths everywhere (what the CPU runs by default)."""
+        return cls(decode_attention="jnp", sparse_prefill="jnp", decode_carry=False, decode_matmul="xla",
+                   page_sums="jnp")
+
+    @classmethod
+    def kernels(cls, carry: bool = True) -> Backend:
+        """The GPU's code path everywhere (Pallas kernels; interpreted off a GPU, for tests)."""
+        return cls(decode_attention="pallas", sparse_prefill="pallas", decode_carry=carry, decode_matmul="pallas",
+                   page_sums="pallas")
