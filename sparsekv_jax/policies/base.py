@@ -126,6 +126,12 @@ class Policy:
         with what it needs of the run fixed as static fields (before jit)."""
         return self
 
+    def with_tokenizer(self, tokenizer: Any) -> Policy:
+        """This policy with what it needs of the tokenizer fixed (e.g. SemantiCache's delimiter
+        mask over the vocabulary); identity by default. ``sparsekv eval``/``generate`` on the command
+        line call it; in Python, call it (or the policy's own constructor) once per tokenizer."""
+        return self
+
     # -- context -------------------------------------------------------------------------
     def context(self, params: Any, tokens: np.ndarray, lengths: np.ndarray,
                 question_start: np.ndarray | None) -> ContextResult:

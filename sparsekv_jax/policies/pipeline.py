@@ -87,6 +87,9 @@ class Pipeline(Policy):
     def bind(self, setup: Setup) -> Pipeline:
         return Pipeline(members=tuple(p.bind(setup) for p in self.members))
 
+    def with_tokenizer(self, tokenizer: Any) -> Pipeline:
+        return Pipeline(members=tuple(p.with_tokenizer(tokenizer) for p in self.members))
+
 
 def _forward(hook: str, stage: str):
     def method(self: Pipeline, *args: Any, **kwargs: Any) -> Any:
