@@ -126,6 +126,12 @@ class Policy:
         with what it needs of the run fixed as static fields (before jit)."""
         return self
 
+    @classmethod
+    def covering(cls) -> Policy:
+        """An instance whose budget covers any prompt: it must give exactly full attention's logits
+        (tests/test_contract.py checks every registered policy). Default: ``cls(budget=1.0)``."""
+        return cls(budget=1.0)
+
     def with_tokenizer(self, tokenizer: Any) -> Policy:
         """This policy with what it needs of the tokenizer fixed (e.g. SemantiCache's delimiter
         mask over the vocabulary); identity by default. ``sparsekv eval``/``generate`` on the command
@@ -224,6 +230,10 @@ def _key_value(value: Any) -> Any:
 @struct.dataclass
 class Dense(Policy):
     """Full attention everywhere: the reference every policy is measured against."""
+
+    @classmethod
+    def covering(cls) -> Dense:
+        return cls()
 
 
 FullKV = Dense

@@ -232,6 +232,10 @@ class CHESS(Policy):
         return cls(ratios=name, **kwargs)
 
     @classmethod
+    def covering(cls) -> CHESS:
+        return cls(ratios=(1.0, 1.0, 1.0))
+
+    @classmethod
     def conservative(cls, **kwargs: Any) -> CHESS:
         return cls(ratios="conservative", **kwargs)
 

@@ -84,6 +84,10 @@ class Pipeline(Policy):
     def max_rewind_tokens(self) -> int:
         return self.stage("decode").max_rewind_tokens
 
+    @classmethod
+    def covering(cls) -> Pipeline:
+        return cls()
+
     def bind(self, setup: Setup) -> Pipeline:
         return Pipeline(members=tuple(p.bind(setup) for p in self.members))
 

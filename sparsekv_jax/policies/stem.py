@@ -246,6 +246,10 @@ class Stem(Policy):
         if self.gqa not in ("mean", "max"):
             raise ValueError(f"gqa={self.gqa!r} must be 'mean' or 'max'")
 
+    @classmethod
+    def covering(cls) -> Stem:
+        return cls(k_start_ratio=2.0)  # >= 1 / mu: every block of every row
+
     @property
     def floor_blocks(self) -> int:
         """The floor on ``k_start`` in blocks: ``min_blocks``, or the paper's 6912 tokens in blocks."""

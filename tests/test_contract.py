@@ -1,0 +1,100 @@
+"""The contract every registered policy keeps, run through `generate` on a tiny random model.
+
+Iterates the spec registry (`sparsekv_jax.policies.spec.REGISTRY`), so a new policy is checked as
+soon as it is registered: stats are fractions in [0, 1]; a compressor stores no more than its
+budget and its cache is really smaller; the policy's `covering()` instance (a budget covering the
+prompt) gives logits *identical* to full attention. The same for every compress × decode
+`Pipeline` pair.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparsekv_jax.generate import generate, teacher_force
+from sparsekv_jax.models.config import ModelConfig
+from sparsekv_jax.models.params import random_params
+from sparsekv_jax.policies import Dense, Pipeline, Policy
+from sparsekv_jax.policies.common import budget_tokens
+from sparsekv_jax.policies.spec import REGISTRY
+
+CFG = ModelConfig(family="llama", vocab_size=61, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=16, intermediate_size=48, max_position_embeddings=512, eos_token_ids=(0,))
+T, LENGTHS, NEW = 160, np.array([160, 130]), 5  # SnapKV's default window (32) fits 25% of both
+
+
+def _registered() -> dict[str, Policy]:
+    """One default instance per registered policy class (aliases collapsed; `Pipeline` is checked
+    through the pairs below)."""
+    out: dict[str, Policy] = {}
+    for name, factory in sorted(REGISTRY.items()):
+        policy = factory()
+        if isinstance(policy, Pipeline) or any(type(p) is type(policy) for p in out.values()):
+            continue
+        out[name] = policy
+    return out
+
+
+POLICIES = _registered()
+COMPRESS = {n: p for n, p in POLICIES.items() if "compress" in p.stages}
+DECODE = {n: p for n, p in POLICIES.items() if "decode" in p.stages}
+PAIRS = {f"{c}+{d}": Pipeline(compress=POLICIES[c], decode=POLICIES[d])
+         for c, d in itertools.product(COMPRESS, DECODE) if POLICIES[c] is not POLICIES[d]}
+
+
+@pytest.fixture(scope="module")
+def setup(smol):
+    params = random_params(CFG, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
+    tokens = np.random.default_rng().integers(1, CFG.vocab_size, (2, T))
+    dense = generate(params, Dense(), tokens, lengths=LENGTHS, max_new_tokens=NEW, stop_tokens=())
+    forced = np.asarray(dense.tokens)
+    dense_logits = np.asarray(teacher_force(params, Dense(), tokens, forced, lengths=LENGTHS)[0])
+    return params, smol[2], tokens, dense, forced, dense_logits
+
+
+def _check_run(policy: Policy, setup) -> None:
+    params, tokenizer, tokens, dense, _, _ = setup
+    policy = policy.with_tokenizer(tokenizer)
+    out = generate(params, policy, tokens, lengths=LENGTHS, max_new_tokens=NEW, stop_tokens=())
+    assert np.asarray(out.num_generated).tolist() == [NEW, NEW]
+    for key in ("kv_stored_fraction", "kv_read_fraction", "prefill_block_fraction"):
+        value = np.asarray(out.stats[key], np.float64)
+        assert np.isfinite(value).all() and (value >= 0).all() and (value <= 1 + 1e-6).all(), (key, value)
+    squeezer = policy.stage("compress")
+    budget = getattr(squeezer, "budget", None)
+    stored = np.asarray(out.stats["kv_stored_fraction"])
+    if isinstance(budget, (int, float)) and not isinstance(budget, bool):
+        for b, n in enumerate(LENGTHS):
+            assert stored[b] * n <= budget_tokens(budget, int(n)) + 1e-4, (policy.name, b, stored[b])
+    if (stored < 1).all() and "compress" in policy.stages:
+        assert out.stats["cache_bytes"] < dense.stats["cache_bytes"], "compression must free memory"
+        assert out.cache.capacity < dense.cache.capacity
+
+
+def _check_covering(policy: Policy, setup) -> None:
+    params, tokenizer, tokens, _, forced, dense_logits = setup
+    got = teacher_force(params, policy.with_tokenizer(tokenizer), tokens, forced, lengths=LENGTHS)[0]
+    np.testing.assert_array_equal(np.asarray(got), dense_logits)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_registered_policy_keeps_the_contract(name, setup):
+    _check_run(POLICIES[name], setup)
+    _check_covering(type(POLICIES[name]).covering(), setup)
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_compress_decode_pair_keeps_the_contract(pair, setup):
+    _check_run(PAIRS[pair], setup)
+    compress, decode = PAIRS[pair].stage("compress"), PAIRS[pair].stage("decode")
+    _check_covering(Pipeline(compress=type(compress).covering(), decode=type(decode).covering()), setup)
+
+
+def test_registry_covers_every_stage():
+    """The matrix is not vacuous: there are compressors, decoders and pairs to check."""
+    assert len(COMPRESS) >= 3 and len(DECODE) >= 2 and len(PAIRS) >= 5
