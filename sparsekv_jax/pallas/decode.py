@@ -263,12 +263,12 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
     # Probabilities from the stored logits and the combined (m, l): the same softmax as the
     # output. Slots no split read hold whatever the buffer held (NaN in interpret mode, stale
     # memory on the GPU), so the read-slot mask -- rebuilt from the page lists by a scatter over
-    # pages, O(B Hkv K) -- selects them away; `where` never lets their value through.
+    # pages, O(B Hkv K) -- selects them away before any arithmetic touches them.
     read = selected_slot_mask(lengths, S, Hkv, page_size=page_size, page_ids=page_ids, page_counts=counts)
     m_g = m_all[:, :, 0, :G, None]  # [B, Hkv, G, 1], log2 units
     l_g = l_all[:, :, :G, None]
     ok = read[:, :, None, :] & (l_g > 0)  # l == 0: nothing (or only -inf bias) read -> zeros
-    probs = jnp.where(ok, jnp.exp2(logits[0] - m_g) / jnp.where(l_g > 0, l_g, 1.0), 0.0)
+    probs = jnp.exp2(jnp.where(ok, logits[0] - m_g, -jnp.inf)) / jnp.where(l_g > 0, l_g, 1.0)
     return out, probs.reshape(B, Hq, S)
 
 
