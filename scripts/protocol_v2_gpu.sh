@@ -12,7 +12,7 @@ export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
 # run TAG DIR CMD...: CMD in DIR (the old package is found by running from its folder: `python -m`
 # puts the working directory first on sys.path)
 run() { local tag=$1 dir=$2; shift 2; echo "=== $tag: $*"; (cd "$dir" && "$@") 2>&1 | tee "$OUT/$tag.log" | grep -v "^WARNING" | tail -25; }
-run decode_probs "$PWD" python scripts/decode_probs_gpu.py
+run decode_probs "$PWD" env PYTHONPATH="$PWD:${PYTHONPATH:-}" python scripts/decode_probs_gpu.py
 for side in new ${OLD:+old}; do
   if [ "$side" = old ]; then pp=$(cd "$OLD" && pwd); else pp="$PWD"; fi
   run "e2e_h2o_$side" "$pp" python -m sparsekv_jax.bench.e2e --models llama3.1-8b \
