@@ -48,16 +48,16 @@ def resolve_method(method: str, width: int, k: int) -> str:
     return method
 
 
-def blocked_top_k(x: jax.Array, k: int, *, block: int = 1024, per_round: int = 16,
-                  rounds: int = 2) -> tuple[jax.Array, jax.Array]:
-    """Exact ``(values, indices)`` of the k largest entries of each row of non-negative ``x`` ``[..., W]``.
+def blocked_candidates(x: jax.Array, k: int, *, block: int = 1024, per_round: int = 16,
+                       rounds: int = 2) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Steps 1-3 on rows ``x`` ``[M, W]``: ``(values [M, k], ids [M, k], unsafe)``.
 
-    Values are sorted in descending order; ``indices`` are int32. See the module docstring.
+    The values/ids are the top k of the blocks' offers; they are exact wherever ``unsafe`` (a
+    scalar) is False.
     """
-    *lead, W = x.shape
-    x2 = x.reshape(-1, W)
-    M, C = x2.shape[0], W // block
-    cur = x2.reshape(M * C, block)
+    M, W = x.shape
+    C = W // block
+    cur = x.reshape(M * C, block)
     vals, idxs = [], []
     tie_cut = jnp.zeros((M * C,), bool)
     for r in range(rounds):  # static and tiny (2): unrolled on purpose
@@ -76,9 +76,25 @@ def blocked_top_k(x: jax.Array, k: int, *, block: int = 1024, per_round: int = 1
     top_i = jnp.take_along_axis(i.reshape(M, -1), pos, axis=-1)
     kth = top_v[:, -1:]
     hidden = (smallest_offered > 0) & (smallest_offered >= kth)
-    unsafe = jnp.any(hidden) | jnp.any(tie_cut)
-    top_v, top_i = jax.lax.cond(unsafe, lambda: jax.lax.top_k(x2, k), lambda: (top_v, top_i))
-    return top_v.reshape(*lead, k), top_i.astype(jnp.int32).reshape(*lead, k)
+    return top_v, top_i.astype(jnp.int32), jnp.any(hidden) | jnp.any(tie_cut)
+
+
+def blocked_top_k(x: jax.Array, k: int, *, block: int = 1024, per_round: int = 16,
+                  rounds: int = 2) -> tuple[jax.Array, jax.Array]:
+    """Exact ``(values, indices)`` of the k largest entries of each row of non-negative ``x`` ``[..., W]``.
+
+    Values are sorted in descending order; ``indices`` are int32. See the module docstring.
+    """
+    *lead, W = x.shape
+    x2 = x.reshape(-1, W)
+    top_v, top_i, unsafe = blocked_candidates(x2, k, block=block, per_round=per_round, rounds=rounds)
+
+    def exact():
+        v, i = jax.lax.top_k(x2, k)
+        return v, i.astype(jnp.int32)
+
+    top_v, top_i = jax.lax.cond(unsafe, exact, lambda: (top_v, top_i))
+    return top_v.reshape(*lead, k), top_i.reshape(*lead, k)
 
 
 def top_k(x: jax.Array, k: int, method: str = "auto") -> tuple[jax.Array, jax.Array]:
