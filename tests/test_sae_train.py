@@ -34,7 +34,7 @@ class SparseDictionary:
 def _train(cfg, data, state, steps):
     step = jax.jit(partial(train_step, cfg=cfg))
     metrics = []
-    for i in range(steps):
+    for _ in range(steps):
         state, m = step(state, jnp.asarray(data.sample(cfg.batch_size))[None])
         metrics.append(m)
     return state, metrics

@@ -23,6 +23,7 @@ parameters get their own layer's gradient, and Adam's per-parameter scaling keep
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import jax
@@ -65,7 +66,8 @@ def geometric_median(x: jax.Array, iters: int = 64, eps: float = 1e-6) -> jax.Ar
     return jax.lax.fori_loop(0, iters, body, jnp.mean(x, axis=-2))
 
 
-def init_train_state(key: jax.Array, sample: jax.Array, cfg: TrainConfig, total_steps: int) -> TrainState:
+@partial(jax.jit, static_argnames=("cfg",))
+def init_train_state(key: jax.Array, sample: jax.Array, cfg: TrainConfig, total_steps: int | jax.Array) -> TrainState:
     """Fresh SAEs for each layer of ``sample`` ``[L, N, D]`` (data-based init, see the module docstring)."""
     if sample.ndim != 3:
         raise ValueError(f"sample must be [layers, vectors, d_in], got shape {tuple(sample.shape)}")
