@@ -48,6 +48,12 @@ def resolve_method(method: str, width: int, k: int) -> str:
     return method
 
 
+# _NO_SLICES: XLA turns `lax.top_k` into a sort + slice and rewrites that pattern back into its
+# TopK op (the small-k GPU kernel) only if every user of the sort is the [0:k] slice. Taking the
+# k-th value as `v[:, -1]` adds a [k-1:k] slice of the sort and silently leaves a full sort
+# (seen on CPU); a min-reduction over the top k reads the same value without a slice.
+
+
 def blocked_candidates(x: jax.Array, k: int, *, block: int = 1024, per_round: int = 16,
                        rounds: int = 2) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Steps 1-3 on rows ``x`` ``[M, W]``: ``(values [M, k], ids [M, k], unsafe)``.
@@ -65,16 +71,16 @@ def blocked_candidates(x: jax.Array, k: int, *, block: int = 1024, per_round: in
         vals.append(v)
         idxs.append(i)
         if r + 1 < rounds:
-            thr = v[:, -1:]
+            thr = jnp.min(v, axis=-1, keepdims=True)  # = v[:, -1:]; see _NO_SLICES
             # elements equal to the threshold that were not taken would be masked away below
             tie_cut |= (thr[:, 0] > 0) & (jnp.sum(cur >= thr, axis=-1) > per_round)
             cur = jnp.where(cur < thr, cur, -1)  # below every input: taken ones are never offered again
     v = jnp.concatenate(vals, -1)  # [M*C, R*m], each block's offer in descending order
     i = jnp.concatenate(idxs, -1) + (jnp.arange(M * C) % C * block)[:, None]
-    smallest_offered = v[:, -1].reshape(M, C)
+    smallest_offered = jnp.min(v, axis=-1).reshape(M, C)
     top_v, pos = jax.lax.top_k(v.reshape(M, -1), k)
     top_i = jnp.take_along_axis(i.reshape(M, -1), pos, axis=-1)
-    kth = top_v[:, -1:]
+    kth = jnp.min(top_v, axis=-1, keepdims=True)
     hidden = (smallest_offered > 0) & (smallest_offered >= kth)
     return top_v, top_i.astype(jnp.int32), jnp.any(hidden) | jnp.any(tie_cut)
 
