@@ -9,7 +9,8 @@ x KV heads vectors per layer, 4 target layers):
 2. **SAE step** — `sparsekv_jax.sae.train.train_step` on a fixed batch, per variant: top-k
    ``lax`` (XLA's sort) vs ``blocked`` (`sparsekv_jax.sae.topk`), fp32 vs bf16 encoder inputs,
    and with half the latents dead (the AuxK branch runs); plus the shuffle-buffer draw;
-3. **components** — encoder matmul + ReLU, the top-k alone (both methods), the sparse decode;
+3. **components** — encoder matmul + ReLU, the top-k alone (both methods), the sparse decode, and
+   the decoder's forward + backward as gathered rows (what the step does) vs a dense ``z @ W_dec``;
 4. **matmul floor** — the five dense matmuls of a Top-K SAE step (encoder forward, encoder weight
    gradient; decoder forward, its weight gradient and its input gradient, as a dense decoder would
    run them: 10·L·N·D·W FLOPs), each timed alone at the step's shapes in the same run
@@ -44,7 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 from sparsekv_jax.models import config as mc  # noqa: E402
 from sparsekv_jax.models.params import random_params  # noqa: E402
 from sparsekv_jax.sae.config import TrainConfig  # noqa: E402
-from sparsekv_jax.sae.model import decode, pre_activations, select  # noqa: E402
+from sparsekv_jax.sae.model import decode, dense_latents, pre_activations, select  # noqa: E402
 from sparsekv_jax.sae.stream import ShuffleBuffer, chunk_vectors, draw  # noqa: E402
 from sparsekv_jax.sae.topk import top_k  # noqa: E402
 from sparsekv_jax.sae.train import init_train_state, train_step  # noqa: E402
@@ -150,6 +151,19 @@ def bench_model(name: str, *, rows: int, seq_len: int, iters: int, smoke: bool) 
         comp[f"topk_{method}"] = median_time(jax.jit(lambda r, m=method: top_k(r, k, m)), r, iters=iters)
     ids, acts = jax.jit(lambda p: select(p, k, "lax"))(pre)
     comp["decode_sparse"] = median_time(jax.jit(decode), sae, ids, acts, iters=iters)
+    # the decoder's forward + backward (grads of W_dec and the activations): gathered rows vs a dense z
+    target = x + 0.1
+
+    def sparse_loss(w_dec, acts):
+        return jnp.sum(jnp.square(decode(sae.replace(w_dec=w_dec), ids, acts) - target))
+
+    def dense_loss(w_dec, acts):
+        z = dense_latents(ids, acts, width)
+        return jnp.sum(jnp.square(jnp.einsum("lnw,lwd->lnd", z, w_dec) + sae.b_dec[:, None] - target))
+
+    for tag, f in (("sparse", sparse_loss), ("dense", dense_loss)):
+        comp[f"decode_fwd_bwd_{tag}"] = median_time(jax.jit(jax.grad(f, argnums=(0, 1))), sae.w_dec, acts,
+                                                    iters=iters)
     row["components_s"] = comp
     del pre, r
 

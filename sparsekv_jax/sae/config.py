@@ -115,7 +115,7 @@ class RunConfig:
     checkpoint_every: int = 1000
     keep_checkpoints: int = 2
     export_dtype: str = "float16"
-    eval_batch_rows: int = 8
+    eval_batch_rows: int = 2
     eval_max_rows: int | None = None
     seed: int = 0
 

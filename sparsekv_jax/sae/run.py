@@ -210,8 +210,9 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_at: int | None = None, pro
                        method=cfg.topk, attention=cfg.attention)
     final = {int(r["layer"]): r for r in log_rows if int(r["step"]) == step}
     record = {
-        "model": cfg.model, "model_config": {"num_layers": mcfg.num_layers, "num_kv_heads": mcfg.num_kv_heads,
-                                             "num_heads": mcfg.num_heads, "head_dim": mcfg.head_dim},
+        "model": Path(cfg.model).name,
+        "model_config": {"num_layers": mcfg.num_layers, "num_kv_heads": mcfg.num_kv_heads,
+                         "num_heads": mcfg.num_heads, "head_dim": mcfg.head_dim},
         "layers": list(layers), "keys": "pre-RoPE key projections, one SAE per layer shared by its KV heads",
         "corpus": cfg.corpus, "split": f"last {cfg.holdout:g} of documents held out",
         "train_tokens": int(len(rows.tokens)), "heldout_tokens": int(held.size), "steps": step,
