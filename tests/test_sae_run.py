@@ -99,6 +99,17 @@ def test_a_stopped_and_resumed_run_continues_exactly(tmp_path):
             np.testing.assert_array_equal(np.asarray(getattr(sa[layer], f)), np.asarray(getattr(sb[layer], f)))
 
 
+def test_a_time_budget_shortens_the_schedule(tmp_path):
+    params = random_params(TINY, jax.random.key(7), jnp.float32, scale=0.1)
+    cfg = _tiny_run_config(tmp_path / "budget", steps=1000, max_minutes=1e-4, checkpoint_dir=str(tmp_path / "ck"))
+    record = run(cfg, progress=False, params=params, tokenizer=CharTokenizer())
+    assert record["steps"] == 24  # the budget is spent by then: the run ends right after the timed steps
+    rows = _curve(tmp_path / "budget" / "curves.csv")
+    assert rows[-1][0] == "24"
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name.isdigit())[-1] == "24"
+    assert not (tmp_path / "budget" / "checkpoints").exists()
+
+
 def test_cli_trains_smollm2_keys_and_writes_every_output(smol, tmp_path, monkeypatch):
     from sparsekv_jax.cli import main
 

@@ -38,6 +38,7 @@ HELP = {
     "k": "active latents per vector",
     "topk": "top-k algorithm: auto | lax | blocked",
     "cache_dir": "cache of embedded models and fetched data",
+    "checkpoint_dir": "where orbax checkpoints go (default OUT/checkpoints)",
 }
 
 

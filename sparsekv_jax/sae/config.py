@@ -113,6 +113,7 @@ class RunConfig:
     compute_dtype: str = "float32"
     log_every: int = 50
     checkpoint_every: int = 1000
+    checkpoint_dir: str | None = None  # default: OUT/checkpoints
     keep_checkpoints: int = 2
     export_dtype: str = "float16"
     eval_batch_rows: int = 2

@@ -5,6 +5,7 @@ folder (``out``)::
 
     config.yaml            the resolved configuration
     checkpoints/<step>/    orbax checkpoints: SAEs, Adam, dead counters, shuffle buffer, RNG
+                           (elsewhere with ``checkpoint_dir``)
     curves.csv             step, layer, fvu, auxk, l0, dead_fraction, lr, vectors (every log_every steps)
     curves.png             the curves, one line per layer
     NAME.safetensors/json  the SAEs and their record (held-out FVU, L0, dead fraction per layer)
@@ -143,7 +144,8 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_at: int | None = None, pro
         chunk = jnp.zeros((len(layers), per_chunk, mcfg.head_dim), jnp.float32)
         return state, ShuffleBuffer(data=data, chunk=chunk, key=k_buf)
 
-    manager = _checkpoint_manager(out / "checkpoints", cfg.keep_checkpoints)
+    ckpt_dir = out / "checkpoints" if cfg.checkpoint_dir is None else Path(cfg.checkpoint_dir)
+    manager = _checkpoint_manager(ckpt_dir, cfg.keep_checkpoints)
     import orbax.checkpoint as ocp
 
     start = manager.latest_step() if resume else None
@@ -219,7 +221,7 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_at: int | None = None, pro
         "batch_size": cfg.batch_size, "vectors_seen": step * cfg.batch_size, "lr": cfg.lr,
         "schedule": cfg.schedule, "aux_coef": cfg.aux_coef, "dead_after": cfg.dead_after,
         "seq_len": cfg.seq_len, "drop_first": cfg.drop_first, "seed": cfg.seed,
-        "train_seconds": round(t_train, 1), "device": jax.devices()[0].device_kind,
+        "max_minutes": cfg.max_minutes, "train_seconds": round(t_train, 1), "device": jax.devices()[0].device_kind,
         "heldout": heldout,
         "final_train": [{"layer": L, "fvu": final[L]["fvu"], "dead_fraction": final[L]["dead_fraction"]}
                         for L in layers if L in final],
