@@ -14,8 +14,10 @@ than the SAE's matmuls by far. ``blocked_top_k`` keeps exactness but only uses t
    batch falls back to ``lax.top_k`` under a `lax.cond` (only the taken branch runs).
 
 With a learned SAE the top-k latents of a row are spread over the blocks like a random subset
-(latent order carries no meaning): at k = 64 of 8,192 a block expects 8 of them, and needing more
-than 32 is an event of probability ~1e-11 per block, so the fallback is a safety net, not a path.
+(latent order carries no meaning): at k = 64 of 8,192 a block expects 8 of them; holding more than
+32 has probability 4e-14 (hypergeometric; 2e-12 at k = 128 of 16,384), so the fallback is a safety
+net, not a path. One round of 16 would not do: a block holds more than 16 with probability 2e-3,
+i.e. in nearly every batch.
 
 The inputs are ReLU outputs (``TopK(ReLU(.))``, the S³ paper's Eq. 3): values are >= 0 and a 0
 contributes nothing, so ties and hiding are only checked among positive values; which zero
