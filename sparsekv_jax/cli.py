@@ -317,6 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary line")
     c.set_defaults(func=cmd_calibrate)
+
+    from sparsekv_jax.sae.cli import register as register_train_sae  # parser and handler: sparsekv_jax/sae/cli.py
+
+    register_train_sae(sub)
     return parser
 
 
