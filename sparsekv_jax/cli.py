@@ -63,6 +63,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     params, tokenizer = load(args.model, dtype=dtype, progress=not args.quiet)
+    policy = policy.with_tokenizer(tokenizer)
     if args.chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True)

@@ -466,6 +466,8 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
     specs = _checked_specs(policies, prefill_chunk, fidelity, add_fullkv)
     length_list = parse_lengths(lengths) if lengths else None
     params, tokenizer, name = _load_model(model, model_name, dtype, progress, cache_dir)
+    # what a policy needs of the tokenizer (delimiter masks) is fixed once; keys stay the spec's
+    specs = [dataclasses.replace(s, policy=s.policy.with_tokenizer(tokenizer)) for s in specs]
     cfg = params.config
     stop = tuple(sorted({*cfg.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
                                                else [])}))
