@@ -182,3 +182,26 @@ def test_run_config_validation(tmp_path):
     with pytest.raises(ValueError, match="batch_size=100000"):
         run(_tiny_run_config(tmp_path / "b", batch_size=100000), progress=False, params=params,
             tokenizer=CharTokenizer())
+
+
+def test_shipped_smollm2_saes_match_their_record_on_held_out_text(smol):
+    """The SAEs shipped in the package load, have the recorded shapes, and on held-out WikiText-2
+    rows re-measured here (fp32 model on the CPU; the record was measured in bf16 on a GPU) give
+    key FVU near the record's and the same exact L0."""
+    from sparsekv_jax.sae.data import load_corpus, sequential_rows, tokenize
+    from sparsekv_jax.sae.evaluate import evaluate
+    from sparsekv_jax.sae.export import stack_saes
+
+    _, params, tokenizer, _ = smol
+    saes, record = load_shipped("smollm2")
+    assert sorted(saes) == record["layers"] == [0, 11, 15, 27]
+    assert all((s.d_in, s.width, s.k) == (64, 8192, 64) for s in saes.values())
+    layers, stacked = stack_saes(saes)
+    held = load_corpus(record["corpus"], holdout=0.1).heldout
+    rows = sequential_rows(tokenize(tokenizer, held), 260)
+    rows = rows[np.random.default_rng().choice(len(rows), 2, replace=False)]  # a fresh pair each run
+    got = evaluate(stacked, params, rows, layers, drop_first=record["drop_first"], batch_rows=2)
+    for mine, theirs in zip(got, record["heldout"], strict=True):
+        assert mine["layer"] == theirs["layer"] and mine["l0"] == theirs["l0"] == 64
+        assert mine["fvu"] < 3 * theirs["fvu"] + 2e-3, (mine, theirs)
+        assert 0.1 < mine["fvu_queries"] < 1.0
