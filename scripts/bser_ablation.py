@@ -21,9 +21,12 @@ after compression; BSER falls back to the prompt's tail). Variants (``--variants
 Prints one table (score per task, average, % of full, KV stored) and writes records and the
 table under ``--out``. CPU-sized by default; the same script runs full size on a GPU:
 
-    python scripts/bser_ablation.py --out out/bser_ablation                       # CPU, ~20 min
-    python scripts/bser_ablation.py --lengths 4k --n 25 --longbench-tokens 7900 \\
-        --longbench-n 26 --batch-size 25 --dtype bfloat16 --model /tmp/smollm2.gguf --out $OUT/abl
+    python scripts/bser_ablation.py --out out/bser_ablation            # CPU (2 cores): 40-60 min
+    # GPU, full size (RULER and LongBench-mini apart: one padded width each)
+    python scripts/bser_ablation.py --model /tmp/smollm2.gguf --dtype bfloat16 --tasks all --lengths 4k \\
+        --n 25 --longbench-n 0 --batch-size 25 --max-new 128 --out $OUT/bser_ablation_ruler4k
+    python scripts/bser_ablation.py --model /tmp/smollm2.gguf --dtype bfloat16 --n 0 --longbench-tasks all \\
+        --longbench-n 26 --longbench-tokens 7900 --batch-size 16 --max-new 128 --out $OUT/bser_ablation_lb
 """
 
 from __future__ import annotations
@@ -139,10 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--tasks", default="niah_single_2,niah_multikey_1,qa_1", help="RULER tasks")
+    p.add_argument("--tasks", default="niah_single_2,niah_multikey_1,qa_1", help="RULER tasks, or 'all'")
     p.add_argument("--lengths", default="1k", help="RULER prompt length (one)")
-    p.add_argument("--n", type=int, default=4, help="RULER prompts per task")
-    p.add_argument("--longbench-tasks", default="2wikimqa,multifieldqa_en")
+    p.add_argument("--n", type=int, default=4, help="RULER prompts per task (0: none)")
+    p.add_argument("--longbench-tasks", default="2wikimqa,multifieldqa_en", help="LongBench-mini tasks, or 'all'")
     p.add_argument("--longbench-n", type=int, default=2)
     p.add_argument("--longbench-tokens", type=int, default=1024, help="LongBench middle truncation")
     p.add_argument("--longbench-path", default=None, help="LongBench jsonl dir (default: the package's copy)")
@@ -165,10 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     params, tok = load(args.model, dtype=getattr(jnp, args.dtype), progress=False)
     stop = tuple(sorted({*params.config.eos_token_ids, *([tok.eos_token_id] if tok.eos_token_id is not None else [])}))
-    items = ruler_items(tok, [t for t in args.tasks.split(",") if t], parse_length(args.lengths), args.n, args.seed)
+    from sparsekv_jax.eval import ruler
+
+    names = list(ruler.RULER_TASKS) if args.tasks == "all" else [t for t in args.tasks.split(",") if t]
+    items = ruler_items(tok, names, parse_length(args.lengths), args.n, args.seed) if args.n > 0 else []
     if args.longbench_n > 0:
-        items += longbench_items(tok, args.longbench_path, [t for t in args.longbench_tasks.split(",") if t],
-                                 args.longbench_n, args.longbench_tokens)
+        lb_tasks = None if args.longbench_tasks == "all" else [t for t in args.longbench_tasks.split(",") if t]
+        items += longbench_items(tok, args.longbench_path, lb_tasks, args.longbench_n, args.longbench_tokens)
     qwidth = -(-max(len(it.question) for it in items) // 64) * 64
     width = -(-max(len(it.context) for it in items) // 64) * 64 + qwidth
     all_variants = variants(args.budget)

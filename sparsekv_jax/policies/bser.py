@@ -1,41 +1,46 @@
 """BSER (Block-aware Semantic Efficient Retention): question-guided block probing, (α, β) gating and
-local expansion, as a question-aware compressor after one prefill pass.
+local expansion, as a question-aware compressor after one prefill pass (docs/BSER.md: ablations).
 
 * **Stage I.** The context (the prompt before ``question_start``) is cut into blocks of
-  ``block_size`` tokens from position 0. Paper: 128; default here 64 for SmolLM2-sized models
-  (8k window: 64 blocks at 4k, finer units than needle-sized spans diluted in 128 tokens).
-* **Stage II.** The question ``Q`` = the last ``min(m, max_question)`` prompt tokens from
+  ``block_size`` tokens from position 0 (paper: 128; default 64 for SmolLM2-sized models, whose
+  8k window holds 64 blocks at 4k: a needle-sized span is less diluted in 64 tokens).
+* **Stage II.** The question ``Q``: the last ``min(m, max_question)`` tokens from
   ``question_start`` on. Without a split (``question_start=None``, or an empty question) the last
-  ``tail`` prompt tokens stand in for it: a *fallback* (question-agnostic mode: the real question
-  is not in the prompt). In the top ``probe_layers`` layers the question's queries attend to every
-  key (their real causal softmax rows, query chunk by chunk: ``[chunk, T]`` scores, never
-  ``[T, T]``), averaged over those layers, all query heads and the question (Eq. 3, 4: ``ā``).
-  Salience ``w`` over each block (Eq. 4): ``"softmax"`` = the paper's softmax of ``ā`` (attention
-  probabilities are ≪ 1, so this is close to uniform); ``"attention"`` = ``ā`` renormalised in the
-  block; ``"mean"`` = uniform (the "without Stage II" ablation). ``R = Σ w·E`` (Eq. 5), relevance
-  ``s = cos(R, mean question E)``. ``E`` (``embedding``): ``"input"`` = the token embeddings (the
-  input of layer 0), or ``"hidden"`` = the hidden states entering the first probed layer, each
-  scaled to unit RMS (the residual stream has outlier dimensions). Attention sinks are left out of
-  blocks' representations (outlying hidden states and attention mass); they are kept anyway.
+  ``tail`` prompt tokens stand in for it — a *fallback*: question-agnostic, the real question is
+  not in the prompt. In the top ``probe_layers`` layers the question's queries attend to every key
+  (their causal softmax rows, 16 queries at a time: ``[16, T]`` scores, never ``[T, T]``),
+  averaged over those layers, all query heads and the question: ``ā`` (Eq. 3, 4). Salience ``w``
+  in each block (Eq. 4): ``"attention"`` (default) = ``ā`` renormalised in the block, i.e. the
+  softmax of log-attention; ``"softmax"`` = the softmax of ``ā`` itself, as Eq. 4 is written —
+  attention probabilities are ≪ 1, so that is uniform to 3 decimals (= mean pooling, measured);
+  ``"mean"`` = uniform (the "without Stage II" ablation). ``R = Σ w·E`` (Eq. 5) and relevance
+  ``s = cos(R, mean E of Q)``. ``E`` (``embedding``): ``"input"`` (default) = the token
+  embeddings (the input of layer 0); ``"hidden"`` = the hidden states entering the first probed
+  layer, scaled to unit RMS. ``centred`` subtracts the context's mean ``E`` first (spreads the
+  cosines; off by default: with it the paper's thresholds refine the needle blocks). Attention
+  sinks are left out of block representations (outlying states and attention mass; kept anyway).
 * **Gating** with ``(alpha, beta)``: discard ``s ≤ α``, retain ``s ≥ β``, refine otherwise. A
-  refined block keeps ``anchors`` top-``ā`` tokens and every token within ``radius`` of one,
-  inside the block. The paper's expansion factor ρ (``expansion`` = 0.5) is the share of a block a
-  refinement keeps at most: ``anchors = round(ρ · block_size / (2·radius + 1))`` (radius 2: 6
-  anchors, ≤ 30 of 64 tokens). ``refine="drop"``/``"keep"`` discard refined blocks or keep them
-  whole (the "without Stage III" ablations). The question, ``sinks`` first and ``window`` last
-  prompt tokens are always kept (priority: sinks, window, question). Kept entries keep their RoPE
-  positions; one index set per row, shared by all layers and KV heads (the paper's ``I``).
+  refined block keeps its ``anchors`` top-``ā`` tokens and every token within ``radius`` of one,
+  inside the block. ρ (``expansion`` = 0.5, the paper's local expansion factor) is the share of a
+  block a refinement keeps at most: ``anchors = round(ρ · block_size / (2·radius + 1))`` (radius 2:
+  6 anchors, ≤ 30 of 64 tokens). ``refine="drop"``/``"keep"``: refined blocks discarded / kept
+  whole (the "without Stage III" ablations). The question, the first ``sinks`` and the last
+  ``window`` prompt tokens are always kept (when a budget is short: sinks, window, then the
+  question's last tokens). Kept entries keep their RoPE positions; one index set per row, shared
+  by all layers and KV heads (the paper's ``I``).
 
-Two modes. **Thresholds** (``budget=None``, the paper's): the gated set is kept; the cache's size
-is static, so it is sized for ``max_kept`` (default 50%) of the prompt, and a row whose gated set is
-larger keeps its best ``max_kept`` (blocks by tier, then ``s``). **Budget** (``budget`` a fraction
-or a token count, for matched comparisons): entries are taken in the order retain tier, refine
-tier, then the rest, each by block ``s`` (and ``ā`` inside a block), up to the budget.
+Two modes. **Thresholds** (``budget=None``, the paper's): the gated entries are kept. A cache's size
+is static, so it is sized for ``max_kept`` (default 50%) of the prompt; a row whose gated set is
+larger keeps its ``max_kept`` best (retained blocks by ``s``, then refined ones). **Budget** (a
+fraction or token count, for matched comparisons): entries are taken in the order retained blocks,
+refined anchors and neighbours, then the rest, each by block ``s`` (by ``ā`` inside a block), up to
+the budget.
 
-Cost: the probe runs only in the probed layers (``lax.cond``: one predicate read per layer, against
-computing ``[Hq, max_question, T]`` softmax rows in every layer) and the block Gram matrices of
-``E`` (``[B, T, block_size]`` fp32, for ``|R|``) only in the ``E`` layer; observations are stacked
-over all layers (zeros elsewhere), ``num_layers × B × T × (block_size + 2) × 4`` bytes.
+Cost: the probe runs only in the probed layers and the Gram matrices of ``E``'s blocks
+(``[B, T, block_size]``: ``|R|`` for any ``w`` chosen later) only in ``E``'s layer, each under a
+``lax.cond`` (one predicate read per layer on a GPU, against ``[Hq, max_question, T]`` softmax rows
+in every layer with ``gate="mask"``); the observations are stacked over all layers (zeros
+elsewhere): ``num_layers × B × T × (block_size + 2) × 4`` bytes during the prefill.
 """
 
 from __future__ import annotations
@@ -145,18 +150,19 @@ class BSER(Policy):
       budget: ``None`` = threshold mode (the paper's); a fraction or token count = budget mode.
       alpha, beta: gating thresholds on the cosine relevance (paper: 0.3, 0.7).
       block_size: tokens per block (paper 128; 64 for SmolLM2-sized models).
-      probe_layers: the top ``L`` layers probed (paper: 4).
+      probe_layers: the top ``L`` layers probed (paper: 4; all layers of a shallower model).
       expansion: ρ, the share of a refined block kept at most (paper: 0.5).
       radius: neighbourhood radius around anchors, inside the block.
       embedding: ``E``: ``"input"`` (token embeddings) or ``"hidden"`` (entering the first probed layer).
-      salience: ``"softmax"`` (Eq. 4), ``"attention"`` (ā renormalised per block) or ``"mean"``.
+      salience: ``"attention"`` (ā renormalised per block), ``"softmax"`` (Eq. 4 on ā) or ``"mean"``.
+      centred: centre ``E`` on the context's mean before the cosine.
       refine: ``"expand"`` (Stage III), ``"drop"`` or ``"keep"`` (ablations).
       max_kept: threshold mode: the cache holds at most this share of the prompt.
       sinks, window: first / last prompt tokens always kept (inside the budget).
       tail: stand-in question length when no split is given (fallback).
       max_question: question tokens probed at most (the last ones).
       gate: ``"cond"`` (probe only in probed layers) or ``"mask"`` (computed everywhere, masked).
-      num_layers: set by `bind`.
+      num_layers: the model's layers, set by `bind`.
     """
 
     budget: float | int | None = struct.field(pytree_node=False, default=None)
