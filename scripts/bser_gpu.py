@@ -26,6 +26,7 @@ Prints one table last.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -122,31 +123,44 @@ def prefill_section(params, policy: BSER, T: int, question: int, steps: int, ite
         print(json.dumps(rows[-1]), flush=True)
 
 
+def decode_point(params, pol, T: int, B: int, steps: int, iters: int) -> dict:
+    """One decode measurement. Everything it allocates dies when it returns (a cache left alive by
+    one point would make the next, larger one "not fit")."""
+    cfg = params.config
+    try:
+        cache, _obs = _decode_cache(cfg, pol, T, B, steps, jax.random.key(2))
+        del _obs
+        token = jnp.ones((B,), jnp.int32)
+        fn = decode_fn(params, pol, steps, start=(cache.length, cache.next_position))
+        state = pol.decode_init(cache, None)  # BSER decodes densely over what it kept
+        compiled = fn.lower(params, cache, state, token).compile()
+        row = dict(cache_bytes=cache.nbytes(), kept=int(cache.length[0]), memory_bytes=_memory(compiled))
+        sec, carry = _median_time_carry(compiled, params, (cache, state, token), iters=iters)
+        del carry
+        return {**row, "ms_per_token": sec * 1e3 / steps, "tokens_per_s": B * steps / sec}
+    except Exception as e:  # noqa: BLE001 - report the point and go on
+        text = str(e)
+        return {"error": "does not fit" if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+                else f"{type(e).__name__}: {text.splitlines()[0][:160] if text else ''}"}
+
+
 def decode_section(params, policy: BSER, contexts: list[int], batches: dict[int, list[int]], steps: int,
                    iters: int, rows: list) -> None:
     cfg = params.config
+    points = []
     for T in contexts:
         for B in batches[T]:
             for name, pol in (("FullKV", Dense()), (policy.name, policy)):
                 pol = pol.bind(Setup(cfg, prompt_len=T, max_new_tokens=steps))
-                row = {"kind": "decode", "policy": name, "context": T, "batch": B}
-                try:
-                    cache, obs = _decode_cache(cfg, pol, T, B, steps, jax.random.key(2))
-                    del obs
-                    token = jnp.ones((B,), jnp.int32)
-                    fn = decode_fn(params, pol, steps, start=(cache.length, cache.next_position))
-                    state = pol.decode_init(cache, None)  # BSER decodes densely over what it kept
-                    compiled = fn.lower(params, cache, state, token).compile()
-                    row.update(cache_bytes=cache.nbytes(), kept=int(cache.length[0]), memory_bytes=_memory(compiled))
-                    sec, _ = _median_time_carry(compiled, params, (cache, state, token), iters=iters)
-                    row.update(ms_per_token=sec * 1e3 / steps, tokens_per_s=B * steps / sec)
-                    del cache, compiled
-                except Exception as e:  # noqa: BLE001 - report the point and go on
-                    text = str(e)
-                    row["error"] = ("does not fit" if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-                                    else f"{type(e).__name__}: {text.splitlines()[0][:160] if text else ''}")
-                rows.append(row)
-                print(json.dumps(rows[-1]), flush=True)
+                capacity = pol.compressed_capacity(T, steps) or T + steps
+                points.append((B * capacity, T, B, name, pol))
+    # smallest cache first: after one point runs out of memory, XLA's allocator may not recover, so
+    # every point that fits is measured before the first that does not
+    for _, T, B, name, pol in sorted(points, key=lambda p: p[0]):
+        rows.append({"kind": "decode", "policy": name, "context": T, "batch": B,
+                     **decode_point(params, pol, T, B, steps, iters)})
+        gc.collect()
+        print(json.dumps(rows[-1]), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\n{'what':<34}{'ctx':>8}{'B':>4}{'ms':>10}{'ms/tok':>9}{'share':>8}{'kept':>8}{'cache GiB':>10}"
           f"{'mem GiB':>9}")
-    for r in rows:
+    order = {"FullKV": 0}
+    rows_read = sorted(rows, key=lambda r: (r["kind"] == "decode", r.get("context", 0), r.get("batch", 0),
+                                            order.get(r.get("policy"), 1)))
+    for r in rows_read:
         if r["kind"] == "check":
             print(f"check: {', '.join(f'{k}={v}' for k, v in r.items() if k != 'kind')}")
         elif r["kind"] in ("prefill", "share"):

@@ -189,7 +189,8 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
                     fn = decode_fn(params, pol, steps, start=(cache.length, cache.next_position), backend=backend)
                     compiled = fn.lower(params, cache, state, token).compile()
                     sizes = (cache.nbytes(), cache.kv_nbytes())
-                    sec, _ = _median_time_carry(compiled, params, (cache, state, token), iters=iters)
+                    sec, carry = _median_time_carry(compiled, params, (cache, state, token), iters=iters)
+                    del carry  # a carry kept alive would make the next, larger point "not fit"
                     record({"kind": "decode", "policy": pol.name, "spec": repr(policy), "context": T, "batch": B,
                             "ms_per_token": sec * 1e3 / steps, "tokens_per_s": B * steps / sec,
                             "cache_bytes": sizes[0], "kv_bytes": sizes[1],
