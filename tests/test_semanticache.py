@@ -126,7 +126,8 @@ def ref_compress(k, v, pos, tokens, lengths, pol: SemantiCache, margins: list[fl
                 if pol.tau is not None and n_out >= T:
                     clusters = cluster_at(np.float32(top))
                 else:
-                    grid = np.concatenate([np.linspace(top, -1.0, K - 1, dtype=np.float32), [-2.0]]).astype(np.float32)
+                    gaps = (top + 2.0) * np.geomspace(1e-4, 1.0, K - 1)  # the documented grid, in float32
+                    grid = np.concatenate([[top], top - gaps]).astype(np.float32)
                     fits = [len(kept) + len(cluster_at(t)) <= keep for t in grid]
                     k1 = fits.index(True)
                     lo, hi = grid[k1], grid[max(k1 - 1, 0)]

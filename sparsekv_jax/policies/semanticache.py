@@ -40,6 +40,7 @@ Choices where the paper is silent (docs/SEMANTICACHE.md shows them in ablations)
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -114,32 +115,48 @@ def similarity_band(keys: jax.Array, width: int) -> jax.Array:
     return jnp.clip(band, -1.0, 1.0)  # a cosine never exceeds 1: tau = 1 merges nothing, not even duplicates
 
 
-def greedy_seed_clustering(band: jax.Array, member: jax.Array, place: jax.Array, taus: jax.Array,
-                           chunk_size: int) -> jax.Array:
-    """Algorithm 1 in every chunk at once: ``[K, B, H, T]`` the slot of each member's seed (its
-    own slot for a seed, ``-1`` off members), for ``K`` thresholds ``taus`` ``[K, B, H]``.
+def greedy_seed_clustering(band: jax.Array, member: jax.Array, place: jax.Array, taus: jax.Array) -> jax.Array:
+    """Algorithm 1 in every chunk at once: ``[K, B, H, T]`` each member's distance back to its
+    cluster's seed (0 for a seed and off members), for ``K`` thresholds ``taus`` ``[K, B, H]``.
 
-    ``band`` ``[B, H, T, chunk_size]`` (`similarity_band`), ``member``/``place`` ``[B, T]``
+    ``band`` ``[B, H, T, width]`` (`similarity_band`), ``member``/``place`` ``[B, T]``
     (`chunk_layout`). Step ``s`` makes every still unassigned member at place ``s`` a seed, and
     each seed absorbs the later unassigned members of its chunk whose cosine with it exceeds tau.
+    At step ``s`` a member at a later place is unassigned exactly when its distance is still 0, so
+    that distance (1 byte for chunks up to 127 tokens) is the loop's whole state; the loop runs to
+    the longest chunk present, not to ``width``.
     """
-    T = band.shape[2]
+    T, width = band.shape[2:]
     slot = jnp.arange(T)
+    dtype = jnp.int8 if width <= 127 else jnp.int16 if width <= 32767 else jnp.int32
     member, place = member[:, None], place[:, None]  # [B, 1, T]
     taus = taus[..., None]
 
-    def step(s, seed_of):
-        is_seed = member & (place == s) & (seed_of < 0)
-        seed_of = jnp.where(is_seed, slot, seed_of)
-        offset = place - s  # how far back this member's candidate seed sits
-        src = jnp.clip(slot - offset, 0, T - 1)
-        cos = jnp.take_along_axis(band, jnp.clip(offset, 0, chunk_size - 1)[..., None], axis=-1)[..., 0]
+    def step(s, back):
+        is_seed = member & (place == s) & (back == 0)
+        delta = place - s  # how far back this member's candidate seed sits
+        src = jnp.clip(slot - delta, 0, T - 1)
+        cos = jnp.take_along_axis(band, jnp.clip(delta, 0, width - 1)[..., None], axis=-1)[..., 0]
         from_seed = jnp.take_along_axis(is_seed, jnp.broadcast_to(src, is_seed.shape), axis=-1)
-        absorb = member & (offset > 0) & (seed_of < 0) & from_seed & (cos > taus)
-        return jnp.where(absorb, src, seed_of)
+        absorb = member & (delta > 0) & (back == 0) & from_seed & (cos > taus)
+        return jnp.where(absorb, delta.astype(dtype), back)
 
-    init = jnp.full(taus.shape[:-1] + (T,), -1, jnp.int32)
-    return jax.lax.fori_loop(0, chunk_size, step, init)
+    init = jnp.zeros(taus.shape[:-1] + (T,), dtype)
+    return jax.lax.fori_loop(0, place.max() + 1, step, init)
+
+
+def search_grid(top: float, steps: int) -> np.ndarray:
+    """The first pass's thresholds, descending: ``top``, then ``steps - 1`` more whose distance
+    below ``top`` grows geometrically from ``3e-4`` to ``top - MERGE_ALL`` (the last merges every
+    chunk into one cluster). Near-duplicate keys (cosines of 0.99+, e.g. a repeated haystack
+    sentence) need the fine steps near 1; a second, linear pass refines between two points."""
+    gaps = (top - MERGE_ALL) * np.geomspace(1e-4, 1.0, steps - 1)
+    return np.concatenate([[top], top - gaps]).astype(np.float32)
+
+
+def seeds_of(back: jax.Array, member: jax.Array) -> jax.Array:
+    """``[..., B, H, T]`` bool: the members that seeded a cluster (``back`` from GSC)."""
+    return member[:, None] & (back == 0)
 
 
 @struct.dataclass
@@ -221,6 +238,13 @@ class SemantiCache(Policy):
         return self
 
     @property
+    def name(self) -> str:
+        defaults = {f.name: f.default for f in dataclasses.fields(SemantiCache)}
+        shown = [f"{n}={getattr(self, n)!r}" for n in ("tau", "sinks", "window", "chunking", "chunk_size", "keys")
+                 if getattr(self, n) != defaults[n]]
+        return f"SemantiCache({', '.join([repr(self.budget), *shown])})"
+
+    @property
     def threshold_mode(self) -> bool:
         return self.tau is not None
 
@@ -282,13 +306,10 @@ class SemantiCache(Policy):
         top = 1.0 if self.tau is None else float(self.tau)
         K = self.search_steps
 
-        def fit(seed_of):  # [K, B, H, T] → [K, B, H] entries kept ≤ the row's budget
-            n = kept_as_is.sum(1)[:, None] + (seed_of == jnp.arange(T)).sum(-1)
-            return n <= keep[:, None]
-
-        def first_fit(seed_of):  # the clustering of the largest fitting threshold (taus descending)
-            k = jnp.argmax(fit(seed_of), axis=0)  # [B, H]
-            return jnp.take_along_axis(seed_of, k[None, ..., None], axis=0)[0], k
+        def first_fit(back):  # the clustering of the largest fitting threshold (taus descending)
+            n = kept_as_is.sum(1)[:, None] + seeds_of(back, member).sum(-1)  # [K, B, H] entries kept
+            k = jnp.argmax(n <= keep[:, None], axis=0)  # [B, H]
+            return jnp.take_along_axis(back, k[None, ..., None], axis=0)[0], k
 
         inv_freq = None if self.inv_freq is None else np.asarray(self.inv_freq)
         if self.keys == "pre_rope" and inv_freq is None:
@@ -304,18 +325,19 @@ class SemantiCache(Policy):
             band = similarity_band(content, width)
             B, H = k.shape[:2]
             if search:
-                taus = jnp.concatenate([jnp.linspace(top, -1.0, K - 1), jnp.array([MERGE_ALL])])
+                taus = jnp.asarray(search_grid(top, K))
                 taus1 = jnp.broadcast_to(taus[:, None, None], (K, B, H))
-                _, k1 = first_fit(greedy_seed_clustering(band, member, place, taus1, width))
+                _, k1 = first_fit(greedy_seed_clustering(band, member, place, taus1))
                 # second pass between the last threshold that did not fit and the first that did;
                 # it ends on that one exactly, so a fitting clustering is always among its results
                 lo, hi = taus[k1], taus[jnp.maximum(k1 - 1, 0)]
                 between = hi[None] + (lo - hi)[None] * (jnp.arange(1, K) / K)[:, None, None]
                 taus2 = jnp.concatenate([between, lo[None]])
-                seeds, _ = first_fit(greedy_seed_clustering(band, member, place, taus2, width))
+                back, _ = first_fit(greedy_seed_clustering(band, member, place, taus2))
             else:
-                seeds = greedy_seed_clustering(band, member, place, jnp.full((1, B, H), top), width)[0]
-            return _merge(k, v, pos, content, seeds, kept_as_is, prompt.lengths, n_out, self.keys, inv_freq)
+                back = greedy_seed_clustering(band, member, place, jnp.full((1, B, H), top))[0]
+            seed_of = jnp.where(member[:, None], jnp.arange(T) - back.astype(jnp.int32), -1)
+            return _merge(k, v, pos, content, seed_of, kept_as_is, prompt.lengths, n_out, self.keys, inv_freq)
 
         layers = cache.layers
         k, v, pos, bias, counts = jax.lax.map(layer, (layers.k, layers.v, layers.positions),
