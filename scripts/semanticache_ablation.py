@@ -44,6 +44,10 @@ VARIANTS = {
     # keys: pre-RoPE content (default) vs the stored post-RoPE keys, at 35%
     "pre_rope@0.35": dict(budget=0.35),
     "post_rope@0.35": dict(budget=0.35, keys="post_rope"),
+    # the other budgets, delimiters and fixed chunks
+    "delimiters@0.5": dict(budget=0.5),
+    "fixed64@0.35": dict(budget=0.35, chunking="fixed"),
+    "fixed64@0.5": dict(budget=0.5, chunking="fixed"),
 }
 RULER_DEFAULT = ("niah_single_1", "niah_single_2", "niah_multikey_1", "vt", "fwe", "qa_1")
 
@@ -144,6 +148,8 @@ def run(args) -> list[dict]:
                         compressors[key] = jax.jit(lambda c, p, pol=pol, cap=capacity: pol.compress(c, None, cap, p))
                     comp = compressors[key](cache, prompt)
                 kept = np.asarray(stored_entries(comp)) / np.asarray(lengths)
+                level = (np.full(len(batch), -1) if name == "fullkv"
+                         else np.asarray(policies[name].layout(prompt)[-1]))
                 out, num = answer(params, logits, comp, suffix)
                 out, num = np.asarray(out), np.asarray(num)
                 seconds = time.perf_counter() - t0
@@ -151,8 +157,8 @@ def run(args) -> list[dict]:
                     ids = [t for t in out[i, : int(num[i])].tolist() if t not in stop]
                     pred = tok.decode(ids, skip_special_tokens=True)
                     rows.append({"task": task, "index": s.index, "variant": name, "score": float(s.score(pred)),
-                                 "kept": float(kept[i]), "prediction": pred, "answers": list(s.answers),
-                                 "tokens": int(lengths[i]), "seconds": seconds / len(batch),
+                                 "kept": float(kept[i]), "level": int(level[i]), "prediction": pred,
+                                 "answers": list(s.answers), "tokens": int(lengths[i]), "seconds": seconds / len(batch),
                                  "prefill_seconds": prefill_s / len(batch)})
                 print(f"{task} [{start}:{start + len(batch)}] {name}: "
                       f"{np.mean([r['score'] for r in rows[-len(batch):]]):.2f} kept {kept.mean():.3f} "
@@ -167,15 +173,17 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         cell[r["variant"], r["task"]].append(r)
     full = np.mean([np.mean([x["score"] for x in cell["fullkv", t]]) for t in tasks])
-    lines = ["| variant | " + " | ".join(tasks) + " | average | % of full | kept | compression |",
-             "|---" + "|---:" * (len(tasks) + 4) + "|"]
+    lines = ["| variant | " + " | ".join(tasks) + " | average | % of full | kept | compression | rows at level 0/1/2 |",
+             "|---" + "|---:" * (len(tasks) + 5) + "|"]
     for v in variants:
         scores = [100 * np.mean([x["score"] for x in cell[v, t]]) for t in tasks]
         kept = np.mean([x["kept"] for t in tasks for x in cell[v, t]])
         avg = float(np.mean(scores))
         share = 100 * avg / (100 * full) if full else math.nan
+        levels = [x["level"] for t in tasks for x in cell[v, t]]
+        share_of = "/".join(f"{np.mean(np.equal(levels, lv)):.2f}" for lv in (0, 1, 2)) if min(levels) >= 0 else "-"
         lines.append(f"| {v} | " + " | ".join(f"{s:.1f}" for s in scores) +
-                     f" | {avg:.2f} | {share:.1f} | {kept:.3f} | {100 * (1 - kept):.1f}% |")
+                     f" | {avg:.2f} | {share:.1f} | {kept:.3f} | {100 * (1 - kept):.1f}% | {share_of} |")
     return "\n".join(lines)
 
 

@@ -93,24 +93,25 @@ def ref_gsc(chunk: list[int], cos, tau: float, margins: list[float]) -> list[lis
 
 
 def ref_compress(k, v, pos, tokens, lengths, pol: SemantiCache, margins: list[float]):
-    """Per (layer, row, head): the entries ``(position, log size, key, value)`` in order."""
+    """``({(layer, row, head): the entries (position, log size, key, value) in order}, level per row)``."""
     L, B, H, _, D = k.shape
     T = tokens.shape[1]
     width = T if pol.chunking == "none" else min(pol.chunk_size, T)
     n_out = min(T, budget_tokens(pol.budget, T))
     top = 1.0 if pol.tau is None else pol.tau
     K = pol.search_steps
-    out = {}
+    out, levels = {}, []
     for b in range(B):
         n = int(lengths[b])
         keep = budget_tokens(pol.budget, n)
         s, w = ref_forced(n, keep, pol.sinks, pol.window, width)
         delim = MASK[tokens[b]] if pol.chunking == "delimiters" else np.zeros(T, bool)
-        levels = (0, 1, 2) if pol.chunking == "delimiters" else (2,)
-        for level in levels:
+        order = (0, 1, 2) if pol.chunking == "delimiters" else (2,)
+        for level in order:
             kept, chunks = ref_chunks(delim, n, s, w, level, width)
-            if len(kept) + len(chunks) <= keep or level == levels[-1]:
+            if len(kept) + len(chunks) <= keep or level == order[-1]:
                 break
+        levels.append(level)
         for l in range(L):
             for h in range(H):
                 stored = np.asarray(k[l, b, h], np.float64)
@@ -144,7 +145,7 @@ def ref_compress(k, v, pos, tokens, lengths, pol: SemantiCache, margins: list[fl
                         key = rope(key, p) if pol.keys == "pre_rope" else key
                     entries.append((p, math.log(size), key, np.asarray(v[l, b, h, group], np.float64).mean(0)))
                 out[l, b, h] = entries
-    return out
+    return out, levels
 
 
 # -- synthetic caches with planted clusters ----------------------------------------------------------
@@ -179,7 +180,7 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
     for attempt in range(6):  # redraw when a cosine lies within rounding of a threshold
         cache, keys, values, positions, tokens = planted(seed + attempt, lengths, T, delim_rate)
         margins: list[float] = []
-        ref = ref_compress(keys, values, positions, tokens, np.asarray(lengths), pol, margins)
+        ref, levels = ref_compress(keys, values, positions, tokens, np.asarray(lengths), pol, margins)
         if min(margins, default=1.0) > 2e-6:
             break
     else:
@@ -187,6 +188,7 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
     cap = pol.compressed_capacity(T, 4)
     prompt = Prompt(tokens=jnp.asarray(tokens, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32))
     got = jax.jit(lambda c, p: pol.compress(c, None, cap, p))(cache, prompt)
+    assert np.asarray(pol.layout(prompt)[-1]).tolist() == levels
     lay = jax.tree.map(np.asarray, got.layers)
     L, B, H = lay.positions.shape[:3]
     sizes = []
@@ -203,7 +205,7 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
         sizes.append(n)
     assert [int(x) for x in got.length] == [max(len(ref[l, b, h]) for l in range(L) for h in range(H))
                                             for b in range(B)]
-    return sizes
+    return sizes, levels
 
 
 @pytest.mark.parametrize("pol, delim_rate", [
@@ -214,8 +216,10 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
     (SemantiCache(12, window=4, search_steps=5, chunking="none"), 0.15),
 ], ids=["threshold", "budget-fallback", "capped-fixed-post_rope", "none"])
 def test_chunking_gsc_and_merging_equal_the_numpy_reference(pol, delim_rate):
-    sizes = compare(pol, int(np.random.default_rng().integers(1 << 30)), delim_rate=delim_rate)
+    sizes, levels = compare(pol, int(np.random.default_rng().integers(1 << 30)), delim_rate=delim_rate)
     assert min(sizes) < 40  # clusters did merge
+    if delim_rate > 0.3:
+        assert max(levels) > 0  # the fallback was taken
 
 
 # -- through the model ---------------------------------------------------------------------------

@@ -273,6 +273,11 @@ class SemantiCache(Policy):
         w_ok = (rest >= 0) & (sinks[:, None] + w + blocks(jnp.maximum(rest, 0)) <= keep)
         return sinks, jnp.max(jnp.where(w_ok, w, 0), axis=1)
 
+    def layout(self, prompt: Prompt) -> tuple[jax.Array, ...]:
+        """``(forced, anchor, member, place, level)`` of each prompt slot (`chunk_layout`) and each
+        row's level (0 = the paper's layout; 1, 2 = the fallbacks) under this policy's budget."""
+        return self._layout(prompt, row_budgets(self.budget, prompt.lengths), prompt.tokens.shape[1])
+
     def _layout(self, prompt: Prompt, keep: jax.Array, T: int):
         width = self._width(T)
         lengths = prompt.lengths
@@ -290,7 +295,7 @@ class SemantiCache(Policy):
             forced, anchor, _, place = chunk_layout(is_delim, lengths, sinks, window, jnp.full_like(level, lv), width)
             least = (forced | anchor | (place == 0)).sum(1)
             level = jnp.where(least <= keep, lv, level)
-        return chunk_layout(is_delim, lengths, sinks, window, level, width)
+        return (*chunk_layout(is_delim, lengths, sinks, window, level, width), level)
 
     def compress(self, cache: KVCache, observations: Any, capacity: int, prompt: Prompt) -> KVCache:
         if self.chunking == "delimiters" and self.delimiter_mask is None:
@@ -300,7 +305,7 @@ class SemantiCache(Policy):
         keep = row_budgets(self.budget, prompt.lengths)
         n_out = min(T, budget_tokens(self.budget, T))
         width = self._width(T)
-        forced, anchor, member, place = self._layout(prompt, keep, T)
+        forced, anchor, member, place, _ = self._layout(prompt, keep, T)
         kept_as_is = forced | anchor  # [B, T]
         search = not self.threshold_mode or n_out < T  # a cap that binds needs the search
         top = 1.0 if self.tau is None else float(self.tau)
