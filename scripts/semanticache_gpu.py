@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=0.2)
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed run")
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--layer-batches", default="4,8,32", help="layer_batch values timed for compression")
+    p.add_argument("--layer-batches", default="4,32", help="layer_batch values timed for compression")
     p.add_argument("--max-batch", type=int, default=0, help="FullKV's largest batch (0: from device memory)")
     args = p.parse_args(argv)
     out_dir = os.environ.get("OUT", "out")

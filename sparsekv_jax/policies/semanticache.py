@@ -22,20 +22,27 @@ Choices where the paper is silent (docs/SEMANTICACHE.md shows them in ablations)
 * **Sinks and window.** The first ``sinks`` (4) and last ``window`` (32) prompt entries are kept as
   they are, counted inside the budget (as every compressor here).
 * **Bounded chunks.** A run of more than ``chunk_size`` (64) tokens without a delimiter is split, so
-  GSC is a loop of ``chunk_size`` steps over the seed's place in its chunk, vectorised over all
-  chunks, heads and rows (one band of ``chunk_size`` similarities per token, one gather per step).
+  GSC is a loop over the places in a chunk (to the longest chunk present, at most ``chunk_size``
+  steps), vectorised over all chunks, heads, rows and thresholds (one band of ``chunk_size``
+  cosines per token, computed once; one gather per step).
 * **Keys.** Similarity and merging use *pre-RoPE* keys by default (each cached key is rotated back
   by its position): the cosine of contents, without RoPE's position phase. A cluster's key is the
   mean content rotated to the cluster's *mean position* (rounded); a singleton keeps its stored key
   bit for bit. ``keys="post_rope"`` compares and averages the stored keys (position: the mean too).
 * **Budget mode** (``tau=None``): per (layer, row, KV head) the *largest* ``tau`` whose clusters fit
-  the budget (two grid passes of ``search_steps`` thresholds, all evaluated at once). When even one
-  cluster per chunk does not fit (dense punctuation: RULER's noise haystack is 21% delimiters),
-  the row falls back, in order: delimiters stop being anchors and close their chunk (a chunk = a
-  clause and its delimiter); then fixed ``chunk_size`` blocks. The kept count never exceeds the
-  budget. **Threshold mode** (``tau=x``): GSC at ``x`` (the paper's); ``budget`` is then a cap (the
-  static cache capacity): heads that would keep more merge at the largest lower threshold that
-  fits. ``SemantiCache(budget=1.0, tau=x)`` is the paper's pure threshold (room for the whole prompt).
+  the budget: a pass of ``search_steps`` thresholds log-spaced below the top (`search_grid`), then
+  a linear pass between the last that did not fit and the first that did; each pass evaluates all
+  its thresholds at once. When even one cluster per chunk does not fit (dense punctuation: about a
+  quarter of RULER's noise haystack is delimiters), the row falls back, in order: delimiters stop
+  being anchors and close their chunk (a chunk = a clause and its delimiters); then fixed
+  ``chunk_size`` blocks (`SemantiCache.layout` reports the level). The kept count never exceeds
+  the budget.
+* **Threshold mode** (``tau=x``): GSC at ``x`` (the paper's); ``budget`` is then a cap (the static
+  cache capacity): heads that would keep more merge at the largest lower threshold that fits.
+  ``SemantiCache(budget=1.0, tau=x)`` is the paper's pure threshold (room for the whole prompt).
+
+On SmolLM2 the digits of RULER's needles (one token each) have more similar keys than a clause's
+words, so GSC merges a needle's number before the haystack around it (docs/SEMANTICACHE.md).
 """
 
 from __future__ import annotations
