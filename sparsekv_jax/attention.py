@@ -156,9 +156,8 @@ def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size
         from sparsekv_jax.pallas.decode import decode_attention
 
         ids, counts = (None, None) if selection is None else selection
-        extra = {"return_probs": True} if return_probs else {}
         res = decode_attention(q, kv.k, kv.v, length, page_size=page_size, page_ids=ids, page_counts=counts,
-                               bias=kv.bias, layer=layer, interpret=backend.interpret, **extra)
+                               bias=kv.bias, layer=layer, interpret=backend.interpret, return_probs=return_probs)
         if return_probs:
             return res[0], read.astype(jnp.float32), res[1]
         return res, read.astype(jnp.float32)

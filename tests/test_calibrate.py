@@ -7,8 +7,10 @@ import json
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
-from sparsekv_jax.eval.calibrate import calibrate, page_statistics
+from sparsekv_jax.datasets import wikitext2_text
+from sparsekv_jax.eval.calibrate import calibrate, calibration_text, page_statistics
 from sparsekv_jax.policies import parse_policy
 from sparsekv_jax.policies.chess import entropy_stats
 
@@ -36,16 +38,30 @@ def test_page_statistics_by_hand():
     assert none[0].size == 0
 
 
-def test_calibrate_end_to_end_smollm2(smol, tmp_path):
+def test_calibration_text_sources(tmp_path):
+    text, name = calibration_text("wikitext")  # default: the WikiText-2 test split shipped with the package
+    assert text == wikitext2_text() and name == "wiki.test.raw.gz"
+    assert text.startswith(" = Robert Boulter = \n") and len(text) > 1_000_000
+    f = tmp_path / "mine.txt"
+    f.write_text("some text of mine")
+    assert calibration_text("wikitext", f) == ("some text of mine", "mine.txt")
+    assert calibration_text(str(f)) == ("some text of mine", "mine.txt")
+    assert calibration_text("longbench") is None  # an eval suite: its prompts are used
+    with pytest.raises(FileNotFoundError, match="nope.txt"):
+        calibration_text("wikitext", tmp_path / "nope.txt")
+
+
+def test_calibrate_end_to_end_smollm2(smol, tmp_path, monkeypatch):
+    """The default calibration text, from another directory with another HOME (nothing beside the package)."""
     _, params, tokenizer, _ = smol
-    text = tmp_path / "text.txt"
-    # real text: the package's own docs are not in any eval set
-    text.write_text(open(__file__.replace("tests/test_calibrate.py", "README.md")).read() * 3)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
     out, plot = tmp_path / "cal.json", tmp_path / "cal.png"
-    res = calibrate((params, tokenizer), suite=str(text), length=200, n=2, max_new_tokens=72, batch_size=2,
+    res = calibrate((params, tokenizer), length=200, n=2, max_new_tokens=72, batch_size=2,
                     page_size=16, out=out, plot=plot, progress=False)
     saved = json.loads(out.read_text())
     assert saved == res and res["pages"] >= 2 and res["samples"] == 2
+    assert res["suite"] == "wikitext" and res["data"] == "wiki.test.raw.gz"
     assert res["mean_entropy"]["median"] <= res["entropy_threshold"] <= res["mean_entropy"]["max"]
     assert res["varentropy"]["median"] <= res["varentropy_threshold"] <= res["varentropy"]["max"]
     assert plot.stat().st_size > 1000

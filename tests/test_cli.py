@@ -12,7 +12,7 @@ import pytest
 
 from sparsekv_jax import cli
 
-COMMANDS = ["generate", "info", "eval"]
+COMMANDS = ["generate", "info", "eval", "calibrate"]
 
 
 @pytest.mark.parametrize("argv", [["--help"]] + [[c, "--help"] for c in COMMANDS])
@@ -21,6 +21,15 @@ def test_help_on_every_command(argv, capsys):
         cli.main(argv)
     assert e.value.code == 0
     assert "usage: sparsekv" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command, data", [("eval", "datasets/longbench_mini"), ("calibrate", "datasets/wikitext2")])
+def test_help_names_the_packaged_data(command, data, capsys):
+    """The default data of ``eval --suite longbench`` / ``calibrate`` ships with the package."""
+    with pytest.raises(SystemExit):
+        cli.main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps help lines
+    assert "package data" in out and data in out and "shared" not in out
 
 
 def test_info_of_a_model_directory_matches_transformers(hf_tiny_dir, capsys):

@@ -1,22 +1,21 @@
-"""LongBench loader on the real mini data: task/metric map, context/question split, truncation."""
+"""LongBench loader on the real mini data shipped with the package (`sparsekv_jax.datasets`):
+task/metric map, context/question split, truncation, plain and gzip'd jsonl."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from sparsekv_jax.datasets import LONGBENCH_MINI_DIR, longbench_mini_files
 from sparsekv_jax.eval import longbench as lb
 from sparsekv_jax.eval.tasks import Sample
 
-MINI = Path(__file__).resolve().parents[2] / "shared" / "data" / "longbench_mini"
-if not MINI.is_dir():  # CI clones main next to shared/
-    MINI = Path("/work/shared/data/longbench_mini")
 MINI_TASKS = ["2wikimqa", "gov_report", "hotpotqa", "lcc", "multifieldqa_en", "narrativeqa", "passage_count",
               "qasper", "samsum", "trec"]
-
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +26,32 @@ def tokenizer(smol) -> Any:
 
 @pytest.fixture(scope="module")
 def mini() -> dict[str, list[Sample]]:
-    return lb.load_longbench(MINI)
+    return lb.load_longbench(LONGBENCH_MINI_DIR)
 
 
 def raw_records(task: str) -> list[dict[str, Any]]:
-    with (MINI / f"{task}.jsonl").open() as f:
+    with gzip.open(longbench_mini_files()[task], "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def test_default_path_and_plain_jsonl_give_the_same_samples(mini: dict[str, list[Sample]], tmp_path: Path) -> None:
+    assert sorted(longbench_mini_files()) == MINI_TASKS
+    assert lb.load_longbench() == mini  # no path: the shipped data
+    plain = tmp_path / "trec.jsonl"  # a user's own data, uncompressed
+    plain.write_text("".join(json.dumps(r) + "\n" for r in raw_records("trec")))
+    from_plain = lb.load_longbench(tmp_path)["trec"]
+    assert [(s.context, s.question, s.answers, s.all_classes) for s in from_plain] == \
+        [(s.context, s.question, s.answers, s.all_classes) for s in mini["trec"]]
+    gz = tmp_path / "gz" / "hotpotqa.jsonl.gz"  # no task field: the task is the file name
+    gz.parent.mkdir()
+    with gzip.open(gz, "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"context": "Passage 1:\nA.", "input": "Who?", "answers": ["A"]}) + "\n")
+    (s,) = lb.load_longbench(gz.parent)["hotpotqa"]
+    assert s.task == "hotpotqa" and s.prompt == lb.DATASET2PROMPT["hotpotqa"].replace(
+        "{context}", "Passage 1:\nA.").replace("{input}", "Who?")
+    (tmp_path / "trec.jsonl.gz").write_bytes(longbench_mini_files()["trec"].read_bytes())
+    with pytest.raises(ValueError, match="keep one of them"):  # both forms: records would count twice
+        lb.load_longbench(tmp_path)
 
 
 def test_loads_all_ten_tasks(mini: dict[str, list[Sample]]) -> None:

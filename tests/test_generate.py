@@ -150,6 +150,10 @@ def test_cache_bookkeeping_and_page_summaries(params):
             np.testing.assert_allclose(mean[:, b, :, pg], sl.mean(-2), rtol=1e-5, atol=1e-6)
             np.testing.assert_allclose(np.asarray(cache.layers.page_min)[:, b, :, pg], sl.min(-2), atol=1e-6)
             np.testing.assert_allclose(np.asarray(cache.layers.page_max)[:, b, :, pg], sl.max(-2), atol=1e-6)
+        # the pages' max bias (0 everywhere live: nothing merged), -inf for pages holding nothing
+        page_bias = np.asarray(cache.layers.page_max_bias)[:, b]
+        used = -(-n // 8)
+        assert (page_bias[..., :used] == 0).all() and (page_bias[..., used:] == -np.inf).all()
 
 
 def test_bf16_cache_page_min_max_are_exact_in_the_keys_dtype():

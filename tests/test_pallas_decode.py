@@ -298,3 +298,89 @@ def test_shape_errors_still_raised_under_jit():
 def test_error_nonpositive_scale():
     with pytest.raises(ValueError, match="scale"):
         _call(scale=0.0)
+
+
+# --- return_probs: the step's attention probabilities (H2O and other mass-accumulating policies) ------
+
+def _assert_probs(q, k, v, lengths, dtype, *, tune, **kw):
+    """Kernel ``(out, probs)`` against the jnp reference, plus the invariants the reference alone
+    would not pin down: exact zeros off the read set, rows summing to 1 (0 when nothing is read),
+    and ``out`` unchanged by asking for the probabilities. ``kw`` goes to both, ``tune`` (tiles,
+    splits) to the kernel only."""
+    out, probs = decode_attention(q, k, v, lengths, interpret=True, return_probs=True, **tune, **kw)
+    plain = decode_attention(q, k, v, lengths, interpret=True, **tune, **kw)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(plain, np.float32))
+    _assert_matches_reference(out, q, k, v, lengths, dtype, **kw)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    _, ref = decode_attention_reference(f32(q), f32(k), f32(v), lengths, return_probs=True, **kw)
+    B, Hq, _ = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    assert probs.shape == (B, Hq, S) and probs.dtype == jnp.float32
+    p, r = np.asarray(probs), np.asarray(ref)
+    assert np.isfinite(p).all(), "NaN/inf in probs"
+    err = rel_err(p, r)
+    assert err <= TOL[dtype], f"probs rel err {err:.3g} > {TOL[dtype]}"
+    sel = {name: kw[name] for name in ("page_size", "page_ids", "page_counts") if name in kw}
+    read = np.repeat(np.asarray(selected_slot_mask(lengths, S, Hkv, **sel)), Hq // Hkv, axis=1)
+    assert np.all(p[~read] == 0), "probability outside the read slots"
+    live = (r.sum(-1) > 0.5)  # reference rows with mass (not empty, not all -inf bias)
+    np.testing.assert_allclose(p.sum(-1)[live], 1.0, atol=1e-5)
+    assert np.all(p[~live] == 0), "a row with nothing read must be all zeros"
+    return p
+
+
+@pytest.mark.parametrize("Hq,Hkv,ps,P,dtype", [(4, 4, 16, 5, jnp.float32), (8, 2, 32, 3, jnp.bfloat16)])
+def test_probs_dense(rng, Hq, Hkv, ps, P, dtype):
+    """Dense, GQA group 1 and 4, several splits, a partial last page and a length-0 row."""
+    S = P * ps
+    lengths = [S - int(rng.integers(1, ps)), 0, int(rng.integers(1, S + 1))]
+    q, k, v, lengths = _inputs(rng, 3, Hq, Hkv, 64, P, ps, dtype, lengths=lengths)
+    mask = selected_slot_mask(lengths, S, Hkv, page_size=ps)
+    k, v = _poison(k, mask), _poison(v, mask)
+    p = _assert_probs(q, k, v, lengths, dtype, page_size=ps, tune=dict(block_k=32, num_splits=2))
+    assert np.all(p[1] == 0)
+
+
+def test_probs_sparse_bias_with_holes(rng):
+    """Unsorted ragged page lists (one empty), junk past the counts, several splits, a per-slot
+    bias with -inf holes (the cache's evicted slots): holes get probability exactly 0."""
+    B, Hq, Hkv, D, ps, P = 3, 6, 2, 64, 16, 6
+    q, k, v, lengths = _inputs(rng, B, Hq, Hkv, D, P, ps, jnp.float32)
+    ids, counts = random_page_lists(rng, np.asarray(lengths), Hkv, P, ps, list_len=4)
+    counts[1, 0] = 0
+    bias = rng.standard_normal((B, Hkv, P * ps))
+    bias[rng.random(bias.shape) < 0.2] = -np.inf
+    kw = dict(page_size=ps, page_ids=jnp.asarray(ids), page_counts=jnp.asarray(counts),
+              bias=jnp.asarray(bias, jnp.float32))
+    mask = selected_slot_mask(lengths, P * ps, Hkv, page_size=ps, page_ids=kw["page_ids"],
+                              page_counts=kw["page_counts"])
+    k, v = _poison(k, mask), _poison(v, mask)
+    p = _assert_probs(q, k, v, lengths, jnp.float32, tune=dict(block_k=32, num_splits=2), **kw)
+    hole = np.repeat(np.isinf(bias), Hq // Hkv, axis=1)
+    assert np.all(p[hole] == 0)
+    assert np.all(p[1, : Hq // Hkv] == 0)  # the empty selection
+
+
+def test_probs_stacked_layer(rng):
+    """``layer=`` (traced, under jit): probabilities of that layer only, the others NaN-poisoned."""
+    L, B, Hq, Hkv, D, P, ps = 3, 2, 6, 2, 64, 5, 16
+    layer = int(rng.integers(L))
+    q, k1, v1, lengths = _inputs(rng, B, Hq, Hkv, D, P, ps, jnp.bfloat16)
+    bias1 = jnp.asarray(rng.standard_normal((B, Hkv, P * ps)), jnp.float32)
+    ids, counts = random_page_lists(rng, np.asarray(lengths), Hkv, P, ps, list_len=P - 1, allow_empty=False)
+    sel = dict(page_size=ps, page_ids=jnp.asarray(ids), page_counts=jnp.asarray(counts))
+    mask = selected_slot_mask(lengths, P * ps, Hkv, **sel)
+    k1, v1 = _poison(k1, mask), _poison(v1, mask)
+    stack = lambda x: jnp.stack([x if i == layer else jnp.full_like(x, jnp.nan) for i in range(L)])  # noqa: E731
+    k, v, bias = stack(k1), stack(v1), stack(bias1)
+    call = jax.jit(lambda i, probs: decode_attention(q, k, v, lengths, bias=bias, layer=i, interpret=True,
+                                                     block_k=32, return_probs=probs, **sel), static_argnums=1)
+    out, probs = call(jnp.int32(layer), True)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(call(jnp.int32(layer), False), np.float32))
+    _, ref = decode_attention_reference(q.astype(jnp.float32), k1.astype(jnp.float32), v1.astype(jnp.float32),
+                                        lengths, bias=bias1, return_probs=True, **sel)
+    assert probs.shape == (B, Hq, P * ps)
+    assert rel_err(np.asarray(probs), np.asarray(ref)) <= TOL[jnp.bfloat16]
+    read = np.repeat(np.asarray(mask), Hq // Hkv, axis=1)
+    assert np.all(np.asarray(probs)[~read] == 0)
+    np.testing.assert_allclose(np.asarray(probs).sum(-1), 1.0, atol=1e-5)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["data", "fidelity", "longbench", "metrics", "report", "ruler", "run_eval", "runner", "tasks"]
+__all__ = ["batching", "calibrate", "data", "fidelity", "longbench", "metrics", "report", "ruler", "run_eval", "runner",
+           "specs", "suites", "tasks"]
 
 
 def __getattr__(name: str) -> Any:

@@ -5,9 +5,10 @@ generated tokens are too uncertain. The paper sets the two thresholds — mean e
 varentropy of a page — at the 99th percentile of their distribution over the pages generated
 with full attention on a calibration set (its Figure 4). This module does exactly that:
 
-1. prompts from a calibration set: a plain-text file (passages of ``length`` tokens cut at seeded
-   offsets, each followed by a request to summarise it — long answers, so many complete pages),
-   or any `sparsekv eval` suite (``ruler``, ``longbench``, a PATH);
+1. prompts from a calibration set: plain text (by default the WikiText-2 test split shipped with
+   the package, `sparsekv_jax.datasets.wikitext2_text`, or a text file; passages of ``length``
+   tokens cut at seeded offsets, each followed by a request to summarise it — long answers, so
+   many complete pages), or any `sparsekv eval` suite (``ruler``, ``longbench``, a PATH);
 2. greedy generation with full attention, then the same tokens teacher-forced to get the
    logits of every decode step;
 3. per complete page of ``page_size`` generated tokens (the steps CHESS sees: tokens 1.., the
@@ -31,8 +32,6 @@ from typing import Any
 import numpy as np
 
 SUMMARY_REQUEST = "\n\nSummarize the text above in a few paragraphs."
-# WikiText-2's test split, next to the checkout like the LongBench sample (see the eval runner)
-DEFAULT_TEXT = Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "wikitext2" / "wiki.test.raw"
 
 
 def page_statistics(entropy: np.ndarray, num_steps: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -51,13 +50,12 @@ def page_statistics(entropy: np.ndarray, num_steps: np.ndarray, page_size: int) 
     return np.asarray(means), np.asarray(variances)
 
 
-def text_prompts(path: str | os.PathLike[str], tokenizer: Any, length: int, n: int, seed: int) -> list[list[int]]:
-    """``n`` chat prompts, each a passage of ``length`` tokens of the text file at a seeded offset
+def text_prompts(text: str, tokenizer: Any, length: int, n: int, seed: int) -> list[list[int]]:
+    """``n`` chat prompts, each a passage of ``length`` tokens of ``text`` at a seeded offset
     followed by `SUMMARY_REQUEST`."""
-    text = Path(path).read_text(encoding="utf-8")
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) < length + 1:
-        raise ValueError(f"{path} holds {len(ids)} tokens, fewer than one passage of length={length}")
+        raise ValueError(f"the calibration text holds {len(ids)} tokens, fewer than one passage of length={length}")
     rng = np.random.default_rng(seed)
     starts = rng.choice(len(ids) - length, size=n, replace=n > len(ids) - length)
     prompts = []
@@ -69,17 +67,36 @@ def text_prompts(path: str | os.PathLike[str], tokenizer: Any, length: int, n: i
     return prompts
 
 
+def calibration_text(suite: str, data: str | os.PathLike[str] | None = None) -> tuple[str, str] | None:
+    """``(text, name)`` of a plain-text calibration set, or ``None`` when ``suite`` is an eval suite.
+
+    ``suite="wikitext"``: the file ``data`` if given, else the WikiText-2 test split shipped with
+    the package; any other ``suite`` naming an existing file: that file. ``FileNotFoundError``
+    names a ``data`` file that does not exist.
+    """
+    if suite == "wikitext" and data is None:
+        from sparsekv_jax.datasets import WIKITEXT2_TEST, wikitext2_text
+
+        return wikitext2_text(), WIKITEXT2_TEST.name
+    path = Path(data).expanduser() if suite == "wikitext" else Path(suite).expanduser()
+    if suite == "wikitext" and not path.is_file():
+        raise FileNotFoundError(f"calibration text {path} not found (--data)")
+    if not path.is_file():
+        return None
+    return path.read_text(encoding="utf-8"), path.name
+
+
 def suite_prompts(suite: str, tokenizer: Any, cfg: Any, tasks: list[str] | None, length: int, n: int,
                   seed: int, cache_dir: str | None) -> list[list[int]]:
     """Whole prompts (context + question) of a `sparsekv eval` suite."""
-    from sparsekv_jax.eval import runner
+    from sparsekv_jax.eval.batching import encode
+    from sparsekv_jax.eval.suites import build_groups
 
-    _, groups = runner._build_groups(suite, tasks, [length], n, seed, tokenizer, cfg.max_position_embeddings,
-                                     cache_dir, None)
+    _, groups = build_groups(suite, tasks, [length], n, seed, tokenizer, cfg.max_position_embeddings, cache_dir, None)
     prompts = []
     for g in groups:
         for s in g.samples:
-            ctx, q = runner._encode(tokenizer, s)
+            ctx, q = encode(tokenizer, s)
             prompts.append(ctx + q)
     return prompts
 
@@ -91,8 +108,9 @@ def calibrate(model: Any = "smollm2", suite: str = "wikitext", *, data: str | No
               progress: bool = True, dtype: Any = None, cache_dir: str | None = None) -> dict[str, Any]:
     """Measure the page statistics and write the thresholds (see the module docstring).
 
-    ``suite``: ``"wikitext"`` (plain text from ``data``, by default the shared WikiText-2 test
-    split), another text file path, or a `sparsekv eval` suite. Returns the JSON written to ``out``.
+    ``suite``: ``"wikitext"`` (plain text from the file ``data``, by default the WikiText-2 test
+    split shipped with the package), another text file path, or a `sparsekv eval` suite (``data``
+    unused). Returns the JSON written to ``out``.
     """
     import jax
     import jax.numpy as jnp
@@ -114,13 +132,9 @@ def calibrate(model: Any = "smollm2", suite: str = "wikitext", *, data: str | No
         params, tokenizer = load(model, dtype=jnp.float32 if dtype is None else dtype, progress=progress,
                                  cache_dir=cache_dir)
     cfg = params.config
-    text_path = data if suite == "wikitext" else (suite if Path(suite).is_file() else None)
-    if suite == "wikitext" and text_path is None:
-        text_path = str(DEFAULT_TEXT)
-    if text_path is not None:
-        if not Path(text_path).is_file():
-            raise FileNotFoundError(f"calibration text {text_path} not found (give it with --data)")
-        prompts = text_prompts(text_path, tokenizer, length, n, seed)
+    text = calibration_text(suite, data)
+    if text is not None:
+        prompts = text_prompts(text[0], tokenizer, length, n, seed)
     else:
         prompts = suite_prompts(suite, tokenizer, cfg, tasks, length, n, seed, cache_dir)
     width = max(map(len, prompts))
@@ -152,7 +166,7 @@ def calibrate(model: Any = "smollm2", suite: str = "wikitext", *, data: str | No
         "varentropy_threshold": float(np.percentile(var_h, percentile)),
         "percentile": percentile, "page_size": page_size, "pages": int(len(mean_h)), "samples": len(prompts),
         "model": model if isinstance(model, str) else "custom", "suite": suite,
-        "data": None if text_path is None else os.path.basename(text_path), "length": length,
+        "data": None if text is None else text[1], "length": length,
         "max_new_tokens": max_new_tokens, "seed": seed,
         "mean_entropy": {"median": float(np.median(mean_h)), "max": float(mean_h.max())},
         "varentropy": {"median": float(np.median(var_h)), "max": float(var_h.max())},

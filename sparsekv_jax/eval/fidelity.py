@@ -60,8 +60,8 @@ class Reference:
         ``forced[:, i]``).
       attn: ``[N - 1, L, B, Hq, D]`` full-attention outputs of each decode step, or ``None``
         when ``N == 1``.
-      inputs: the keyword arguments (``tokens``, ``lengths``, ``suffix``, ``suffix_lengths``,
-        ``page_size``) the policy runs are given.
+      inputs: the keyword arguments (``tokens``, ``lengths``, ``question_start``, ``suffix``,
+        ``suffix_lengths``, ``page_size``) the policy runs are given.
     """
 
     forced: jax.Array
@@ -71,17 +71,20 @@ class Reference:
     inputs: dict[str, Any]
 
 
-def reference(params: Params, tokens: Any, *, lengths: Any = None, suffix: Any = None, suffix_lengths: Any = None,
-              max_new_tokens: int = 32, stop_tokens: tuple[int, ...] | None = None, page_size: int = 16,
-              forced: Any = None, steps: Any = None) -> Reference:
+def reference(params: Params, tokens: Any, *, lengths: Any = None, question_start: Any = None, suffix: Any = None,
+              suffix_lengths: Any = None, max_new_tokens: int = 32, stop_tokens: tuple[int, ...] | None = None,
+              page_size: int = 16, forced: Any = None, steps: Any = None) -> Reference:
     """Full attention's greedy answer to each prompt and its teacher-forced logits/attention outputs.
 
     ``forced`` ``[B, N]`` (with ``steps`` ``[B]`` valid tokens per row) gives the answer instead
     of generating it (e.g. the greedy tokens of an earlier full-attention `generate` call).
+    ``question_start`` (where each row's question begins in ``tokens``, question-aware prompts) is
+    handed on to the policies :func:`compare` runs.
     """
     if forced is None:
-        out = generate(params, Dense(), tokens, lengths=lengths, max_new_tokens=max_new_tokens,
-                       stop_tokens=stop_tokens, page_size=page_size, suffix=suffix, suffix_lengths=suffix_lengths)
+        out = generate(params, Dense(), tokens, lengths=lengths, question_start=question_start,
+                       max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, page_size=page_size, suffix=suffix,
+                       suffix_lengths=suffix_lengths)
         forced, steps = np.asarray(out.tokens), np.asarray(out.num_generated)
     forced = np.asarray(forced)
     steps = np.asarray(forced.shape[1] if steps is None else steps).reshape(-1)
@@ -89,8 +92,8 @@ def reference(params: Params, tokens: Any, *, lengths: Any = None, suffix: Any =
         steps = np.full((forced.shape[0],), int(steps[0]))
     n = max(1, int(steps.max()))
     forced = np.where(forced[:, :n] == PAD_TOKEN, 0, forced[:, :n]).astype(np.int32)
-    inputs = {"tokens": tokens, "lengths": lengths, "suffix": suffix, "suffix_lengths": suffix_lengths,
-              "page_size": page_size}
+    inputs = {"tokens": tokens, "lengths": lengths, "question_start": question_start, "suffix": suffix,
+              "suffix_lengths": suffix_lengths, "page_size": page_size}
     logits, attn = teacher_force(params, Dense(), forced=forced, collect_attention=n > 1, **inputs)
     return Reference(forced=jnp.asarray(forced), steps=steps, logits=logits, attn=attn, inputs=inputs)
 
@@ -156,10 +159,11 @@ def identical(ref: Reference, num_layers: int) -> list[dict[str, Any]]:
     return rows
 
 
-def fidelity(params: Params, policy: Policy, tokens: Any, *, lengths: Any = None, suffix: Any = None,
-             suffix_lengths: Any = None, max_new_tokens: int = 32, stop_tokens: tuple[int, ...] | None = None,
-             page_size: int = 16) -> list[dict[str, Any]]:
+def fidelity(params: Params, policy: Policy, tokens: Any, *, lengths: Any = None, question_start: Any = None,
+             suffix: Any = None, suffix_lengths: Any = None, max_new_tokens: int = 32,
+             stop_tokens: tuple[int, ...] | None = None, page_size: int = 16) -> list[dict[str, Any]]:
     """:func:`reference` then :func:`compare`: fidelity of ``policy`` on each prompt of the batch."""
-    ref = reference(params, tokens, lengths=lengths, suffix=suffix, suffix_lengths=suffix_lengths,
-                    max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, page_size=page_size)
+    ref = reference(params, tokens, lengths=lengths, question_start=question_start, suffix=suffix,
+                    suffix_lengths=suffix_lengths, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
+                    page_size=page_size)
     return compare(params, policy, ref)

@@ -1,9 +1,11 @@
 """LongBench (v1) loader, prompt preparation and scoring.
 
-Reads LongBench-format jsonl: one record per line with either ``prompt`` (the full LongBench
-prompt) or ``context`` + ``input`` (LongBench's raw fields, formatted here with LongBench's own
-``dataset2prompt`` template), plus ``answers`` and optionally ``all_classes``. ``answers`` may
-also be a list of ``{"answers": [...], "all_classes": [...]}`` dicts (MiniLongBench's trec).
+Reads LongBench-format jsonl, plain (``.jsonl``) or gzip'd (``.jsonl.gz``; by default the
+MiniLongBench sample shipped in `sparsekv_jax.datasets`): one record per line with either
+``prompt`` (the full LongBench prompt) or ``context`` + ``input`` (LongBench's raw fields,
+formatted here with LongBench's own ``dataset2prompt`` template), plus ``answers`` and optionally
+``all_classes``. ``answers`` may also be a list of ``{"answers": [...], "all_classes": [...]}``
+dicts (MiniLongBench's trec).
 
 Every sample is split into ``context`` + ``question`` (``prompt == context + question``) so
 that question-agnostic compression can cache the context alone. For ``prompt``-only records the
@@ -40,13 +42,21 @@ repobench-p, as in LongBench's ``pred.py``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sparsekv_jax.eval.tasks import Sample, Task, count_tokens, render_prompt, score_samples
+from sparsekv_jax.eval.tasks import (
+    Sample,
+    Task,
+    count_tokens,
+    iter_jsonl,
+    jsonl_files,
+    jsonl_stem,
+    render_prompt,
+    score_samples,
+)
 
 __all__ = [
     "DATASET2MAXGEN",
@@ -255,50 +265,52 @@ def _record_to_sample(record: dict[str, Any], task: str, index: int, source: str
 
 
 def read_jsonl(path: str | os.PathLike[str], task: str | None = None, limit: int | None = None) -> list[Sample]:
-    """Read one LongBench jsonl file.
+    """Read one LongBench jsonl file (``.jsonl``, or gzip'd ``.jsonl.gz``).
 
     The task is ``task`` if given, else the record's ``task`` (or ``dataset``) field, else the
-    file name without ``.jsonl`` (LongBench names its files ``<task>.jsonl``).
+    file name without ``.jsonl`` / ``.jsonl.gz`` (LongBench names its files ``<task>.jsonl``).
     """
     path = Path(path)
     samples: list[Sample] = []
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            name = task or record.get("task") or record.get("dataset") or path.stem
-            if name.endswith("_e"):  # LongBench-E files: same task, length-balanced subset
-                name = name[:-2]
-            samples.append(_record_to_sample(record, name, len(samples), str(path)))
-            if limit is not None and len(samples) >= limit:
-                break
+    for record in iter_jsonl(path):
+        name = task or record.get("task") or record.get("dataset") or jsonl_stem(path)
+        if name.endswith("_e"):  # LongBench-E files: same task, length-balanced subset
+            name = name[:-2]
+        samples.append(_record_to_sample(record, name, len(samples), str(path)))
+        if limit is not None and len(samples) >= limit:
+            break
     return samples
 
 
 def load_longbench(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | None = None,
     tasks: Iterable[str] | None = None,
     limit: int | None = None,
 ) -> dict[str, list[Sample]]:
     """Load LongBench samples from a jsonl file or a directory of ``<task>.jsonl`` files.
 
     Args:
-        path: a ``.jsonl`` file or a directory holding them.
+        path: a ``.jsonl`` / ``.jsonl.gz`` file or a directory holding them; ``None``: the
+            MiniLongBench sample shipped with the package (`sparsekv_jax.datasets`).
         tasks: only these tasks (by file name / record task); all by default.
         limit: at most this many samples per file.
 
     Returns:
         ``{task: [Sample, ...]}`` in file order, tasks sorted by name.
     """
+    if path is None:
+        from sparsekv_jax.datasets import LONGBENCH_MINI_DIR
+
+        path = LONGBENCH_MINI_DIR
     path = Path(path)
-    files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
+    files = jsonl_files(path) if path.is_dir() else [path]
     if not files:
-        raise FileNotFoundError(f"no .jsonl files in {path}")
+        raise FileNotFoundError(f"no .jsonl or .jsonl.gz files in {path}")
     wanted = None if tasks is None else set(tasks)
     out: dict[str, list[Sample]] = {}
     for file in files:
-        stem = file.stem[:-2] if file.stem.endswith("_e") else file.stem
+        stem = jsonl_stem(file)
+        stem = stem[:-2] if stem.endswith("_e") else stem
         if wanted is not None and stem not in wanted and path.is_dir():
             continue
         for s in read_jsonl(file, limit=limit):

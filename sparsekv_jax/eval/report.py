@@ -216,7 +216,8 @@ def plot_score_vs_budget(summary: dict[str, Any], path: str | Path) -> Path:
         ax.set_ylabel("average score")
         ax.set_title(f"length {ln}" if ln else "all samples")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        if ax.get_legend_handles_labels()[0]:  # nothing to plot when no policy has a budget
+            ax.legend(fontsize="small")
     fig.suptitle(f"{summary.get('suite', '')} · question-{summary.get('question', '')}".strip(" ·"))
     fig.tight_layout()
     path = Path(path)

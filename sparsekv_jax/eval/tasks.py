@@ -8,13 +8,21 @@ KV-compression policy can prefill and compress ``context`` alone and then append
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import gzip
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
 
 from sparsekv_jax.eval import metrics as _metrics
 
-__all__ = ["Sample", "Task", "count_tokens", "render_prompt", "score_samples"]
+__all__ = ["JSONL_SUFFIXES", "Sample", "Task", "count_tokens", "iter_jsonl", "jsonl_files", "jsonl_stem",
+           "render_prompt", "score_samples"]
+
+# Data files the suites read: plain jsonl, or gzip'd (as the package's own data ships).
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 
 
 @dataclass(frozen=True)
@@ -160,3 +168,43 @@ def score_samples(samples: Sequence[Sample], predictions: Sequence[str]) -> dict
     for s, p in zip(samples, predictions, strict=True):
         per_task.setdefault(s.task, []).append(s.score(p))
     return {task: _metrics.aggregate(scores) for task, scores in sorted(per_task.items())}
+
+
+def jsonl_stem(path: str | os.PathLike[str]) -> str:
+    """File name without ``.jsonl`` / ``.jsonl.gz`` (``"hotpotqa.jsonl.gz"`` → ``"hotpotqa"``)."""
+    name = Path(path).name
+    for suffix in sorted(JSONL_SUFFIXES, key=len, reverse=True):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return Path(path).stem
+
+
+def jsonl_files(directory: str | os.PathLike[str], recursive: bool = False) -> list[Path]:
+    """The ``.jsonl`` and ``.jsonl.gz`` files in ``directory`` (and below it if ``recursive``), sorted.
+
+    Raises ``ValueError`` when one folder holds both forms of the same file (``x.jsonl`` and
+    ``x.jsonl.gz``): their records would be read twice.
+    """
+    root = Path(directory)
+    files = sorted({p for suffix in JSONL_SUFFIXES
+                    for p in (root.rglob(f"*{suffix}") if recursive else root.glob(f"*{suffix}")) if p.is_file()})
+    seen: dict[tuple[Path, str], Path] = {}
+    for f in files:
+        other = seen.setdefault((f.parent, jsonl_stem(f)), f)
+        if other != f:
+            raise ValueError(f"both {other} and {f} exist: keep one of them")
+    return files
+
+
+def _open_text(path: Path) -> TextIO:
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return path.open(encoding="utf-8")
+
+
+def iter_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """The records of a ``.jsonl`` or gzip'd ``.jsonl.gz`` file, one per non-blank line."""
+    with _open_text(Path(path)) as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)

@@ -22,6 +22,22 @@ Design (why it looks like this):
   in. The same path serves dense decode (slot = contiguous range) so both are one kernel.
 * **Empty selections** produce an all-(-inf) tile, which the finite running-max init
   (`M_INIT`) turns into exact zeros; the epilogue maps ``l == 0`` to a zero output.
+* **Probabilities on request** (``return_probs``, for policies such as H2O that accumulate
+  each step's attention per slot). The softmax normaliser is only known once every split
+  is done, so the kernel cannot write probabilities; instead it stores the scaled logits
+  (log2 units, bias included) of the tiles it already has in registers into an extra fp32
+  ``[B, Hkv, G, S]`` output -- one masked scatter per tile, no second pass over K -- and the
+  jnp epilogue, which combines the splits' (m, l) anyway, turns them into
+  ``exp2(logit - m_all) / l_all``. Extra traffic is a write and a read of the logits plus
+  the probabilities written (~3 x 4 B x Hq x S per row, about a tenth of the bf16 K/V bytes
+  of a dense step at Llama-3.1-8B shapes: Hq = 4 Hkv, D = 128). Slots no split visits are
+  never written, so their memory is stale; the epilogue selects them away with the read-slot
+  mask rebuilt from the page lists (a scatter over pages, cheap) instead of trusting it or
+  clearing the buffer first. Masked-off lanes of the scatter (padding rows of the group,
+  invalid slots) are given an index one past the end: Triton never touches a masked lane,
+  and interpret mode (which writes masked lanes back with their old value) drops
+  out-of-bound updates, whereas a clamped, duplicated index could overwrite a real store.
+  With ``return_probs=False`` the kernel and the call are exactly the plain ones.
 
 Backend: Pallas' Triton lowering with explicit compiler params; ``interpret=True`` runs
 the same kernel on CPU for tests. A Mosaic GPU version can replace `_decode_call` behind
@@ -72,8 +88,14 @@ def decode_plan(num_listed_pages: int, page_size: int, batch: int, kv_heads: int
 
 
 def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool, page_size: int, ppb: int,
-                   pages_per_split: int, qk_scale: float, f32_dot: bool, block_h: int) -> None:
-    """One program = one (row b, kv head h, split s): online softmax over its chunk."""
+                   pages_per_split: int, qk_scale: float, f32_dot: bool, block_h: int, store_logits: bool) -> None:
+    """One program = one (row b, kv head h, split s): online softmax over its chunk.
+
+    With ``store_logits`` it also writes each valid slot's scaled logit (log2 units, bias
+    included) to ``logit_ref`` ``[G, S]``, which the splits of one (row, kv head) share: each
+    writes only the slots it read, with a masked scatter, so the splits never race (the page
+    lists are duplicate-free and the splits partition them).
+    """
     it = iter(refs)
     q_ref, k_ref, v_ref, len_ref = next(it), next(it), next(it), next(it)
     # Stacked caches ([L, ...]): this program's block spans every layer and the layer is picked
@@ -86,6 +108,7 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
     if has_bias:
         bias_ref = next(it)
     o_ref, m_ref, l_ref = next(it), next(it), next(it)
+    logit_ref = next(it) if store_logits else None
 
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group, head_dim = q_ref.shape[-2:]
@@ -133,6 +156,15 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
             bias = plgpu.load(bias_ref.at[at], mask=valid, other=0.0).astype(jnp.float32)
             logits = logits + (bias * LOG2E)[None, :]
         logits = jnp.where(valid[None, :], logits, -jnp.inf)
+        if logit_ref is not None:
+            # Masked-off lanes (padding rows, invalid slots) get an index one past the end: Triton
+            # never touches a masked lane, and interpret mode, which writes masked lanes back with
+            # their old value, drops out-of-bound updates -- a clamped (duplicate) index there
+            # could overwrite a real lane's store with the stale value.
+            keep = (q_rows < group) & valid[None, :]
+            rows_out = jnp.where(q_rows < group, q_rows, group)
+            slots_out = jnp.where(valid, slot, logit_ref.shape[-1])[None, :]
+            plgpu.store(logit_ref.at[rows_out, slots_out], logits, mask=keep)
         m_next = jnp.maximum(m_prev, logits.max(axis=-1))
         alpha = jnp.exp2(m_prev - m_next)
         p = jnp.exp2(logits - m_next[:, None])
@@ -150,11 +182,12 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "page_size", "scale", "interpret", "block_k", "num_splits", "num_warps", "num_stages"))
+    "page_size", "scale", "interpret", "block_k", "num_splits", "num_warps", "num_stages", "return_probs"))
 def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
                  page_ids: jax.Array | None, page_counts: jax.Array | None, bias: jax.Array | None,
                  layer: jax.Array | None, *, page_size: int, scale: float, interpret: bool, block_k: int,
-                 num_splits: int | None, num_warps: int, num_stages: int) -> jax.Array:
+                 num_splits: int | None, num_warps: int, num_stages: int,
+                 return_probs: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     B, Hq, D = q.shape
     Hkv, S = k.shape[-3], k.shape[-2]
     stacked = layer is not None
@@ -176,6 +209,7 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
     if stacked:
         args.append(jnp.reshape(layer, (1,)).astype(jnp.int32))
         in_specs.append(full((1,)))
+    counts = None
     if not dense:
         K = page_ids.shape[-1]
         counts = (jnp.full((B, Hkv), K, jnp.int32) if page_counts is None
@@ -190,21 +224,27 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
     num_stages = fit_stages(num_stages, 2 * ppb * page_size * D * q.dtype.itemsize)
     kernel = functools.partial(
         _decode_kernel, dense=dense, has_bias=bias is not None, stacked=stacked, page_size=page_size, ppb=ppb,
-        pages_per_split=pps, qk_scale=scale * LOG2E, f32_dot=q.dtype == jnp.float32, block_h=block_h)
-    o, m, l = pl.pallas_call(
+        pages_per_split=pps, qk_scale=scale * LOG2E, f32_dot=q.dtype == jnp.float32, block_h=block_h,
+        store_logits=return_probs)
+    out_specs = [
+        pl.BlockSpec((None, None, None, block_h, D), lambda b, h, s: (b, h, s, 0, 0)),
+        pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0)),
+        pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((B, Hkv, n_splits, block_h, D), jnp.float32),
+        jax.ShapeDtypeStruct((B, Hkv, n_splits, block_h), jnp.float32),
+        jax.ShapeDtypeStruct((B, Hkv, n_splits, block_h), jnp.float32),
+    ]
+    if return_probs:  # every split of a (row, kv head) maps to the same [G, S] block of logits
+        out_specs.append(pl.BlockSpec((None, None, G, S), lambda b, h, s: (b, h, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((B, Hkv, G, S), jnp.float32))
+    o, m, l, *logits = pl.pallas_call(
         kernel,
         grid=(B, Hkv, n_splits),
         in_specs=in_specs,
-        out_specs=[
-            pl.BlockSpec((None, None, None, block_h, D), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0)),
-            pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((B, Hkv, n_splits, block_h, D), jnp.float32),
-            jax.ShapeDtypeStruct((B, Hkv, n_splits, block_h), jnp.float32),
-            jax.ShapeDtypeStruct((B, Hkv, n_splits, block_h), jnp.float32),
-        ],
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,
         name="sparsekv_decode",
@@ -217,7 +257,19 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
     l_all = (l * w).sum(axis=2)
     acc = (o * w[..., None]).sum(axis=2)
     out = jnp.where(l_all[..., None] > 0, acc / jnp.where(l_all > 0, l_all, 1.0)[..., None], 0.0)
-    return out[:, :, :G].reshape(B, Hq, D).astype(q.dtype)
+    out = out[:, :, :G].reshape(B, Hq, D).astype(q.dtype)
+    if not return_probs:
+        return out
+    # Probabilities from the stored logits and the combined (m, l): the same softmax as the
+    # output. Slots no split read hold whatever the buffer held (NaN in interpret mode, stale
+    # memory on the GPU), so the read-slot mask -- rebuilt from the page lists by a scatter over
+    # pages, O(B Hkv K) -- selects them away before any arithmetic touches them.
+    read = selected_slot_mask(lengths, S, Hkv, page_size=page_size, page_ids=page_ids, page_counts=counts)
+    m_g = m_all[:, :, 0, :G, None]  # [B, Hkv, G, 1], log2 units
+    l_g = l_all[:, :, :G, None]
+    ok = read[:, :, None, :] & (l_g > 0)  # l == 0: nothing (or only -inf bias) read -> zeros
+    probs = jnp.exp2(jnp.where(ok, logits[0] - m_g, -jnp.inf)) / jnp.where(l_g > 0, l_g, 1.0)
+    return out, probs.reshape(B, Hq, S)
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, page_size: int,
@@ -225,7 +277,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                      bias: jax.Array | None = None, layer: int | jax.Array | None = None,
                      scale: float | None = None, interpret: bool = False,
                      block_k: int = 128, num_splits: int | None = None, num_warps: int = 8,
-                     num_stages: int = 3) -> jax.Array:
+                     num_stages: int = 3, return_probs: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """GQA decode attention over a per-(row, kv head) subset of cache pages.
 
     Args:
@@ -251,9 +303,14 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         the fastest of a 12-point grid on an H200 at L=32k/B=8 and L=128k/B=1
         (docs/BENCHMARKS.md); stages are lowered automatically where tiles would overflow
         shared memory (float32).
+      return_probs: also return the step's attention probabilities (for policies that
+        accumulate them, e.g. H2O).
 
     Returns:
-      ``[B, Hq, D]`` in q's dtype.
+      ``[B, Hq, D]`` in q's dtype; with ``return_probs`` the pair ``(out, probs)``, ``probs``
+      ``[B, Hq, S]`` float32: the softmax weight (bias included) of each slot for each query
+      head -- of layer ``layer`` only in stacked mode -- and exactly 0 for every slot not read
+      (not in a listed page, at or past the length). Rows with nothing read are all zero.
 
     Raises:
       ValueError: on bad shapes/dtypes, and (for concrete arrays) ids out of range, counts
@@ -275,7 +332,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         raise ValueError(f"scale={scale} must be positive")
     return _decode_call(q, k, v, lengths, page_ids, page_counts, bias, layer, page_size=page_size,
                         scale=float(scale), interpret=interpret, block_k=block_k,
-                        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages)
+                        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+                        return_probs=bool(return_probs))
 
 
 def _check_stacked(k: jax.Array, v: jax.Array, bias: jax.Array | None, layer: int | jax.Array) -> None:
@@ -311,11 +369,13 @@ def selected_slot_mask(lengths: jax.Array, S: int, Hkv: int, *, page_size: int,
 def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
                                page_size: int, page_ids: jax.Array | None = None,
                                page_counts: jax.Array | None = None, bias: jax.Array | None = None,
-                               scale: float | None = None) -> jax.Array:
+                               scale: float | None = None,
+                               return_probs: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     """jnp reference: masked softmax over the selected slots, in float32 (HIGHEST precision).
 
     Unselected and out-of-length slots get weight exactly 0 (and their V is zeroed, so
-    garbage there cannot turn into NaN); rows with nothing selected return zeros.
+    garbage there cannot turn into NaN); rows with nothing selected return zeros. With
+    ``return_probs`` also returns the weights ``[B, Hq, S]`` float32, as `decode_attention`.
     """
     B, Hq, D = q.shape
     _, Hkv, S, _ = k.shape
@@ -334,5 +394,6 @@ def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, lengths
     m = jnp.max(logits, axis=-1, keepdims=True)
     p = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
     l = p.sum(-1, keepdims=True)
-    out = jnp.einsum("bhgs,bhsd->bhgd", p, vf, precision=hp) / jnp.where(l > 0, l, 1.0)
-    return out.reshape(B, Hq, D).astype(q.dtype)
+    l_safe = jnp.where(l > 0, l, 1.0)
+    out = (jnp.einsum("bhgs,bhsd->bhgd", p, vf, precision=hp) / l_safe).reshape(B, Hq, D).astype(q.dtype)
+    return (out, (p / l_safe).reshape(B, Hq, S)) if return_probs else out

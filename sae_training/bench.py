@@ -1,0 +1,241 @@
+"""SAE training speed: the model forward and the SAE step timed apart, and the step against its matmul floor.
+
+For each model's *shapes* (random bf16 weights: speed does not depend on their values) and the S³
+paper's SAE size scaled to its head dim (width = 128 x head_dim, k = head_dim, batch = 4,096 tokens
+x KV heads vectors per layer, 4 target layers):
+
+1. **forward** — `sparsekv_jax.sae.stream.chunk_vectors` (keys of the 4 target layers of a chunk
+   of rows): tokens/s;
+2. **SAE step** — `sparsekv_jax.sae.train.train_step` on a fixed batch, per variant: top-k
+   ``lax`` (XLA's sort) vs ``blocked`` (`sparsekv_jax.sae.topk`), fp32 vs bf16 encoder inputs,
+   and with half the latents dead (the AuxK branch runs); plus the shuffle-buffer draw;
+3. **components** — encoder matmul + ReLU, the top-k alone (both methods), the sparse decode, and
+   the decoder's forward + backward as gathered rows (what the step does) vs a dense ``z @ W_dec``;
+4. **matmul floor** — the five dense matmuls of a Top-K SAE step (encoder forward, encoder weight
+   gradient; decoder forward, its weight gradient and its input gradient, as a dense decoder would
+   run them: 10·L·N·D·W FLOPs), each timed alone at the step's shapes in the same run
+   ("floor"), and the same FLOPs at the rate of an 8k x 8k matmul ("peak floor"). The SAE step's
+   ratio to both is reported.
+
+Training throughput = tokens/s of (forward + the steps that consume its vectors).
+
+    python sae_training/bench.py --out $OUT             # GPU: smollm2 and llama3.1-8b shapes
+    python sae_training/bench.py --smoke                # any machine, toy sizes, checks it runs
+
+Prints a table last; writes ``sae_bench.json`` under ``--out`` (default ``$OUT`` or ``./out``).
+Timings are medians of ``--iters`` calls after a warm-up, each ``block_until_ready``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone without installing
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from sparsekv_jax.models import config as mc  # noqa: E402
+from sparsekv_jax.models.params import random_params  # noqa: E402
+from sparsekv_jax.sae.config import TrainConfig  # noqa: E402
+from sparsekv_jax.sae.model import decode, dense_latents, pre_activations, select  # noqa: E402
+from sparsekv_jax.sae.stream import ShuffleBuffer, chunk_vectors, draw  # noqa: E402
+from sparsekv_jax.sae.topk import top_k  # noqa: E402
+from sparsekv_jax.sae.train import init_train_state, train_step  # noqa: E402
+
+MODELS = {
+    # name: (config, target layers, SAE layers stacked in one step)
+    "smollm2": (mc.smollm2_135m_config, (0, 11, 15, 27), 4),
+    "llama3.1-8b": (mc.llama31_8b_config, (0, 12, 16, 29), 1),  # one layer per step: 4 would need ~60 GB
+}
+
+
+def median_time(fn, *args, iters: int) -> float:
+    jax.block_until_ready(fn(*args))  # compile + warm-up
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def peak_matmul_rate(dtype, n: int, iters: int) -> float:
+    a = jnp.ones((n, n), dtype)
+    t = median_time(jax.jit(lambda a: a @ a), a, iters=iters)
+    return 2 * n**3 / t
+
+
+def floor_matmuls(L: int, N: int, D: int, W: int, dtype, iters: int) -> dict[str, float]:
+    """Seconds of each dense matmul of a Top-K SAE step at its shapes (outputs fp32, like the step)."""
+    key = jax.random.key(0)
+    x = jax.random.normal(key, (L, N, D), dtype)
+    w_enc = jax.random.normal(key, (L, D, W), dtype)
+    z = jax.random.normal(key, (L, N, W), dtype)
+    w_dec = jax.random.normal(key, (L, W, D), dtype)
+    e = jax.random.normal(key, (L, N, D), dtype)
+    f32 = jnp.float32
+    mm = {
+        "enc_fwd": (lambda x, w: jnp.einsum("lnd,ldw->lnw", x, w, preferred_element_type=f32), (x, w_enc)),
+        "enc_wgrad": (lambda x, g: jnp.einsum("lnd,lnw->ldw", x, g, preferred_element_type=f32), (x, z)),
+        "dec_fwd": (lambda z, w: jnp.einsum("lnw,lwd->lnd", z, w, preferred_element_type=f32), (z, w_dec)),
+        "dec_wgrad": (lambda z, e: jnp.einsum("lnw,lnd->lwd", z, e, preferred_element_type=f32), (z, e)),
+        "dec_igrad": (lambda e, w: jnp.einsum("lnd,lwd->lnw", e, w, preferred_element_type=f32), (e, w_dec)),
+    }
+    return {name: median_time(jax.jit(f), *args, iters=iters) for name, (f, args) in mm.items()}
+
+
+def bench_model(name: str, *, rows: int, seq_len: int, iters: int, smoke: bool) -> dict:
+    make_cfg, layers, L = MODELS[name]
+    cfg = make_cfg()
+    D, H = cfg.head_dim, cfg.num_kv_heads
+    width, k, batch_tokens = 128 * D, D, 4096
+    if smoke:  # toy shapes with the same structure (blocked top-k still applies: width 2048)
+        cfg = dataclasses.replace(cfg, vocab_size=512, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                                  head_dim=16, intermediate_size=128)
+        layers, L, D, H = (0, 3), 2, 16, 2
+        width, k, batch_tokens = 2048, 16, 256
+    N = batch_tokens * H
+    row = {"model": name, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "layers": list(layers),
+           "sae_layers_per_step": L, "d_in": D, "width": width, "k": k, "batch_vectors": N,
+           "batch_tokens": batch_tokens}
+
+    # 1. forward: keys of the target layers for a chunk of rows
+    params = random_params(cfg, jax.random.key(1), jnp.bfloat16)
+    tokens = jax.random.randint(jax.random.key(2), (rows, seq_len), 0, cfg.vocab_size)
+    t_fwd = median_time(lambda p, t: chunk_vectors(p, t, layers, 4), params, tokens, iters=iters)
+    row["forward_tokens"] = rows * seq_len
+    row["forward_s"] = t_fwd
+    row["forward_tokens_per_s"] = rows * seq_len / t_fwd
+    del params
+    jax.clear_caches()
+
+    # 2. the SAE step (stacked over L layers), variants
+    x = jax.random.normal(jax.random.key(3), (L, N, D), jnp.float32) * 4 + 1
+    variants = {"lax_fp32": ("lax", "float32", False), "blocked_fp32": ("blocked", "float32", False),
+                "blocked_bf16": ("blocked", "bfloat16", False), "blocked_fp32_auxk": ("blocked", "float32", True)}
+    steps = {}
+    for vname, (method, cdt, dead) in variants.items():
+        tcfg = TrainConfig(width=width, k=k, batch_size=N, topk=method, compute_dtype=cdt)
+        state = init_train_state(jax.random.key(4), x, tcfg, 1000)
+        if dead:  # half the latents dead: AuxK's second top-k and decode run
+            since = jnp.where(jnp.arange(width) % 2 == 0, tcfg.dead_after_steps, 0).astype(jnp.int32)
+            state = state.replace(steps_since_fired=jnp.broadcast_to(since, (L, width)))
+        step = jax.jit(lambda s, x, tcfg=tcfg: train_step(s, x, tcfg))
+        try:
+            steps[vname] = median_time(step, state, x, iters=iters)
+        except Exception as e:  # e.g. out of memory: report, keep going
+            steps[vname] = None
+            row[f"error_{vname}"] = f"{type(e).__name__}: {str(e)[:200]}"
+        del state
+    row["sae_step_s"] = steps
+    buf = ShuffleBuffer(data=jnp.zeros((L, 8 * N, D)), chunk=jnp.zeros((L, 2 * N, D)), key=jax.random.PRNGKey(0))
+    row["buffer_draw_s"] = median_time(jax.jit(lambda b, c: draw(b, c, N)), buf, jnp.int32(0), iters=iters)
+    del buf
+
+    # 3. components
+    tcfg = TrainConfig(width=width, k=k, batch_size=N)
+    sae = init_train_state(jax.random.key(4), x, tcfg, 1).sae
+    pre = jax.jit(pre_activations)(sae, x)
+    r = jax.nn.relu(pre)
+    comp = {"encoder_relu": median_time(jax.jit(lambda s, x: jax.nn.relu(pre_activations(s, x))), sae, x,
+                                        iters=iters)}
+    for method in ("lax", "blocked"):
+        comp[f"topk_{method}"] = median_time(jax.jit(lambda r, m=method: top_k(r, k, m)), r, iters=iters)
+    ids, acts = jax.jit(lambda p: select(p, k, "lax"))(pre)
+    comp["decode_sparse"] = median_time(jax.jit(decode), sae, ids, acts, iters=iters)
+    # the decoder's forward + backward (grads of W_dec and the activations): gathered rows vs a dense z
+    target = x + 0.1
+
+    def sparse_loss(w_dec, acts):
+        return jnp.sum(jnp.square(decode(sae.replace(w_dec=w_dec), ids, acts) - target))
+
+    def dense_loss(w_dec, acts):
+        z = dense_latents(ids, acts, width)
+        return jnp.sum(jnp.square(jnp.einsum("lnw,lwd->lnd", z, w_dec) + sae.b_dec[:, None] - target))
+
+    for tag, f in (("sparse", sparse_loss), ("dense", dense_loss)):
+        comp[f"decode_fwd_bwd_{tag}"] = median_time(jax.jit(jax.grad(f, argnums=(0, 1))), sae.w_dec, acts,
+                                                    iters=iters)
+    row["components_s"] = comp
+    del pre, r
+
+    # 4. the matmul floor, in the same run
+    flops = 10 * L * N * D * width
+    for dtype in (jnp.float32, jnp.bfloat16):
+        tag = jnp.dtype(dtype).name
+        mms = floor_matmuls(L, N, D, width, dtype, iters)
+        peak = peak_matmul_rate(dtype, 512 if smoke else 8192, iters)
+        row[f"floor_{tag}"] = {"matmuls_s": mms, "floor_s": sum(mms.values()),
+                               "floor_tflops": flops / sum(mms.values()) / 1e12,
+                               "peak_tflops": peak / 1e12, "peak_floor_s": flops / peak}
+    row["step_flops_dense_equiv"] = flops
+
+    best = min((v, n) for n, v in steps.items() if v is not None and "auxk" not in n)
+    t_step, best_name = best
+    floor_tag = "bfloat16" if best_name.endswith("bf16") else "float32"
+    row["best_step"] = best_name
+    row["step_over_floor"] = t_step / row[f"floor_{floor_tag}"]["floor_s"]
+    row["step_over_peak_floor"] = t_step / row[f"floor_{floor_tag}"]["peak_floor_s"]
+    # tokens/s of training 4 target layers: each token gives H vectors per layer
+    sae_s_per_token = t_step * (4 / L) / batch_tokens
+    row["sae_step_tokens_per_s"] = 1 / sae_s_per_token
+    row["train_tokens_per_s"] = 1 / (sae_s_per_token + t_fwd / (rows * seq_len))
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | SAE (L x N x D -> W, k) | forward tok/s | SAE step ms (lax / blocked / bf16 / +AuxK) | "
+             "SAE tok/s | train tok/s | floor ms fp32 / bf16 | step / floor | step / peak floor |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s = r["sae_step_s"]
+
+        def ms(v):
+            return "fail" if v is None else f"{v * 1e3:.2f}"
+
+        lines.append(
+            f"| {r['model']} | {r['sae_layers_per_step']} x {r['batch_vectors']} x {r['d_in']} -> {r['width']}, "
+            f"{r['k']} | {r['forward_tokens_per_s']:,.0f} | {ms(s['lax_fp32'])} / {ms(s['blocked_fp32'])} / "
+            f"{ms(s['blocked_bf16'])} / {ms(s['blocked_fp32_auxk'])} | {r['sae_step_tokens_per_s']:,.0f} | "
+            f"{r['train_tokens_per_s']:,.0f} | {r['floor_float32']['floor_s'] * 1e3:.2f} / "
+            f"{r['floor_bfloat16']['floor_s'] * 1e3:.2f} | {r['step_over_floor']:.2f} ({r['best_step']}) | "
+            f"{r['step_over_peak_floor']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="smollm2,llama3.1-8b", help="comma-separated: smollm2, llama3.1-8b")
+    p.add_argument("--rows", type=int, default=None, help="rows per forward chunk (default 16 smollm2, 4 llama)")
+    p.add_argument("--seq-len", type=int, default=1028)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--smoke", action="store_true", help="toy shapes: checks the script end to end on any machine")
+    p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    args = p.parse_args(argv)
+    rows = []
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        if name not in MODELS:
+            p.error(f"unknown model {name!r}; expected {sorted(MODELS)}")
+        n_rows = args.rows or (16 if name == "smollm2" else 4)
+        seq = 68 if args.smoke else args.seq_len
+        rows.append(bench_model(name, rows=2 if args.smoke else n_rows, seq_len=seq, iters=2 if args.smoke else
+                                args.iters, smoke=args.smoke))
+        jax.clear_caches()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sae_bench.json").write_text(json.dumps(rows, indent=2) + "\n")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,196 @@
+"""The Top-K sparse autoencoder of S³-Attention (its Section 3.3; Gao et al., 2024).
+
+    z = TopK(ReLU(W_enc (x - b_dec) + b_enc), k)        x̂ = z W_dec + b_dec
+
+``x`` is one head's key (or query) vector, ``d_in = head_dim``. `TopKSAE` is a pytree usable
+inside ``jit``; ``k`` is static. Stacked SAEs — one per target layer, trained together — are the
+same class with leading axes on every leaf: `pre_activations`, `encode` and `decode` take ``x``
+whose leading axes are the SAE's stack axes followed by any batch axes.
+
+`encode` never builds the dense latent vector ``z``: it returns the ``k`` active ids and their
+activations. Only the pre-activations are dense (every latent must be scored to find the top k).
+`decode` gathers the ``k`` decoder rows of each input instead of multiplying by ``z``.
+
+Per-token features from per-head vectors: one SAE per layer is shared by a layer's KV heads
+(every head's key is a training sample), so all heads — and the query heads S³ encodes with the
+same SAE — speak one feature-id space; `merge_heads` turns a token's per-head features into one
+set of ``k`` features by summing each feature's activations over the heads (docs/SAE.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from sparsekv_jax.sae.topk import top_k
+
+
+@struct.dataclass
+class TopKSAE:
+    """Weights of a Top-K SAE (or of a stack of them: leading axes on every leaf).
+
+    Attributes:
+      w_enc: ``[..., d_in, width]`` encoder.
+      b_enc: ``[..., width]`` latent bias.
+      w_dec: ``[..., width, d_in]`` decoder; rows are unit-norm after training steps.
+      b_dec: ``[..., d_in]`` pre-encoder / output bias.
+      k: active latents per input (static).
+    """
+
+    w_enc: jax.Array
+    b_enc: jax.Array
+    w_dec: jax.Array
+    b_dec: jax.Array
+    k: int = struct.field(pytree_node=False)
+
+    @property
+    def d_in(self) -> int:
+        return self.w_enc.shape[-2]
+
+    @property
+    def width(self) -> int:
+        return self.w_enc.shape[-1]
+
+    @property
+    def stack_shape(self) -> tuple[int, ...]:
+        return tuple(self.w_enc.shape[:-2])
+
+    def validate(self) -> TopKSAE:
+        """Check shapes and k; returns ``self`` (call before jit, errors name the bad value)."""
+        S, D, W = self.stack_shape, self.d_in, self.width
+        want = {"w_enc": (*S, D, W), "b_enc": (*S, W), "w_dec": (*S, W, D), "b_dec": (*S, D)}
+        for name, shape in want.items():
+            got = tuple(getattr(self, name).shape)
+            if got != shape:
+                raise ValueError(f"TopKSAE.{name} has shape {got}, expected {shape}")
+        if not 1 <= self.k <= W:
+            raise ValueError(f"TopKSAE.k={self.k} must be in [1, width={W}]")
+        return self
+
+    def layer(self, i: int) -> TopKSAE:
+        """SAE ``i`` of a stack (first stack axis)."""
+        return jax.tree.map(lambda a: a[i], self)
+
+
+def init_sae(key: jax.Array, d_in: int, width: int, k: int, *, stack: tuple[int, ...] = (),
+             b_dec: jax.Array | None = None) -> TopKSAE:
+    """A freshly initialised SAE (or stack of ``stack`` SAEs).
+
+    Decoder rows are random unit vectors and the encoder is their transpose ("tied" init, Gao et
+    al. 2024 §A.1 and openai/sparse_autoencoder): every latent starts out detecting the direction
+    it writes. ``b_dec`` (default 0) is meant to be set from data (`sparsekv_jax.sae.train`).
+    """
+    if d_in < 1 or width < 1:
+        raise ValueError(f"d_in={d_in} and width={width} must be >= 1")
+    if not 1 <= k <= width:
+        raise ValueError(f"k={k} must be in [1, width={width}]")
+    w_dec = jax.random.normal(key, (*stack, width, d_in), jnp.float32)
+    w_dec = w_dec / jnp.linalg.norm(w_dec, axis=-1, keepdims=True)
+    b = jnp.zeros((*stack, d_in), jnp.float32) if b_dec is None else jnp.asarray(b_dec, jnp.float32)
+    return TopKSAE(w_enc=jnp.swapaxes(w_dec, -1, -2), b_enc=jnp.zeros((*stack, width), jnp.float32),
+                   w_dec=w_dec, b_dec=jnp.broadcast_to(b, (*stack, d_in)), k=k).validate()
+
+
+def _flat_stack(sae: TopKSAE, x: jax.Array) -> tuple[int, tuple[int, ...], jax.Array]:
+    S = sae.stack_shape
+    if tuple(x.shape[:len(S)]) != S or x.shape[-1] != sae.d_in:
+        raise ValueError(f"x of shape {tuple(x.shape)} does not fit SAEs of stack {S} and d_in {sae.d_in}: "
+                         f"expected {S} + batch axes + ({sae.d_in},)")
+    s = math.prod(S)
+    batch = tuple(x.shape[len(S):-1])
+    return s, batch, x.reshape(s, -1, sae.d_in)
+
+
+def pre_activations(sae: TopKSAE, x: jax.Array, compute_dtype: jnp.dtype | None = None) -> jax.Array:
+    """``W_enc (x - b_dec) + b_enc`` in fp32, ``[*stack, *batch, width]``.
+
+    ``compute_dtype`` (e.g. ``bfloat16``) casts the matmul inputs; it accumulates in fp32.
+    """
+    s, batch, xs = _flat_stack(sae, x)
+    S, D, W = sae.stack_shape, sae.d_in, sae.width
+    xc = xs.astype(jnp.float32) - sae.b_dec.reshape(s, 1, D)
+    w = sae.w_enc.reshape(s, D, W)
+    if compute_dtype is not None:
+        xc, w = xc.astype(compute_dtype), w.astype(compute_dtype)
+    pre = jnp.einsum("snd,sdw->snw", xc, w, preferred_element_type=jnp.float32)
+    pre = pre + sae.b_enc.reshape(s, 1, W)
+    return pre.reshape(*S, *batch, W)
+
+
+def select(pre: jax.Array, k: int, method: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """``TopK(ReLU(pre), k)`` as ``(ids int32, activations)``, activations in descending order.
+
+    The ids come from the (non-differentiable) selection; the activations are gathered from
+    ``ReLU(pre)`` so that gradients reach exactly the selected pre-activations.
+    """
+    r = jax.nn.relu(pre)
+    _, ids = top_k(jax.lax.stop_gradient(r), k, method)
+    return ids, jnp.take_along_axis(r, ids, axis=-1)
+
+
+def encode(sae: TopKSAE, x: jax.Array, *, method: str = "auto",
+           compute_dtype: jnp.dtype | None = None) -> tuple[jax.Array, jax.Array]:
+    """``(ids, activations)`` ``[*stack, *batch, k]`` of the k active latents of each vector of ``x``.
+
+    Exactly ``k`` distinct ids per vector; an activation is 0 only when fewer than ``k``
+    pre-activations are positive. ``method``: top-k algorithm (`sparsekv_jax.sae.topk`).
+    """
+    return select(pre_activations(sae, x, compute_dtype), sae.k, method)
+
+
+def decode(sae: TopKSAE, ids: jax.Array, acts: jax.Array) -> jax.Array:
+    """``x̂ = Σ_j acts_j · W_dec[ids_j] + b_dec`` (gathers the k rows; ``z`` is never built)."""
+    S, D, W = sae.stack_shape, sae.d_in, sae.width
+    s = math.prod(S)
+    kk = ids.shape[-1]
+    batch = tuple(ids.shape[len(S):-1])
+    rows = jax.vmap(lambda w, i: w[i])(sae.w_dec.reshape(s, W, D), ids.reshape(s, -1, kk))  # [s, n, k, D]
+    out = jnp.einsum("snk,snkd->snd", acts.reshape(s, -1, kk).astype(jnp.float32), rows)
+    return (out + sae.b_dec.reshape(s, 1, D)).reshape(*S, *batch, D)
+
+
+def reconstruct(sae: TopKSAE, x: jax.Array, *, method: str = "auto") -> jax.Array:
+    """``decode(encode(x))``."""
+    ids, acts = encode(sae, x, method=method)
+    return decode(sae, ids, acts)
+
+
+def dense_latents(ids: jax.Array, acts: jax.Array, width: int) -> jax.Array:
+    """The dense latent vector ``z`` ``[..., width]`` (analysis and tests; training never builds it)."""
+    z = jnp.zeros((*ids.shape[:-1], width), acts.dtype)
+    return jnp.put_along_axis(z, ids, acts, axis=-1, inplace=False)
+
+
+def merge_heads(ids: jax.Array, acts: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """One token's feature set from its heads' features: ``[..., H, k_in]`` → ``[..., k]``.
+
+    A feature's token activation is the sum of its activations over the heads; the token keeps the
+    ``k`` features of largest sum (descending). Sparse: sorts the ``H * k_in`` (id, act) pairs and
+    sums runs of equal ids, never a ``[width]`` vector. Rows with fewer than ``k`` distinct
+    features are padded with activation 0 (their ids are unspecified).
+    """
+    *lead, H, kin = ids.shape
+    n = H * kin
+    fid = ids.reshape(*lead, n)
+    a = acts.reshape(*lead, n).astype(jnp.float32)
+    fid, a = jax.lax.sort((fid, a), dimension=-1, num_keys=1)
+    starts = jnp.concatenate([jnp.ones((*lead, 1), bool), fid[..., 1:] != fid[..., :-1]], axis=-1)
+    ends = jnp.concatenate([starts[..., 1:], jnp.ones((*lead, 1), bool)], axis=-1)
+
+    def seg_add(left, right):  # segmented prefix sum: a run restarts at each start flag
+        fl, vl = left
+        fr, vr = right
+        return fl | fr, jnp.where(fr, vr, vl + vr)
+
+    _, run_sum = jax.lax.associative_scan(seg_add, (starts, a), axis=a.ndim - 1)
+    score = jnp.where(ends, run_sum, -1.0)  # one entry per distinct feature: its run's end
+    top, pos = jax.lax.top_k(score, min(k, n))
+    out_ids = jnp.take_along_axis(fid, pos, axis=-1)
+    out_acts = jnp.maximum(top, 0.0)
+    if k > n:
+        pad = [(0, 0)] * len(lead) + [(0, k - n)]
+        out_ids, out_acts = jnp.pad(out_ids, pad), jnp.pad(out_acts, pad)
+    return out_ids.astype(jnp.int32), out_acts

@@ -1,0 +1,269 @@
+"""The eval runner's plan / run / record on a tiny random model that reads SmolLM2's tokenizer:
+question placement (``question_start``), every stat a policy reports recorded, resume keys from
+``spec_key``, and ``--suite longbench`` on the shipped data with nothing beside the package."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import struct
+
+from sparsekv_jax import cli
+from sparsekv_jax.datasets import LONGBENCH_MINI_DIR
+from sparsekv_jax.eval import runner
+from sparsekv_jax.eval.specs import is_dense, policy_budget, policy_family
+from sparsekv_jax.models.config import ModelConfig
+from sparsekv_jax.models.params import random_params
+from sparsekv_jax.policies import ContextResult, Dense, Pipeline, Policy, Quest, SnapKV
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def tiny(smol) -> tuple[Any, Any]:
+    """A 3-layer random model over SmolLM2's vocabulary, with SmolLM2's tokenizer: real prompts
+    (chat template, LongBench truncation), model cost next to nothing (compiling each program,
+    ~10 s on 2 CPU cores, is what these tests pay: they keep the programs few)."""
+    real, tok = smol[1], smol[2]
+    cfg = ModelConfig(family="llama", vocab_size=real.config.vocab_size, hidden_size=64, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=16, intermediate_size=96, max_position_embeddings=2048,
+                      eos_token_ids=real.config.eos_token_ids)
+    return random_params(cfg, jax.random.key(0), jnp.float32, scale=0.3), tok
+
+
+@pytest.fixture
+def tiny_load(tiny, monkeypatch):
+    """`load("smollm2")` returns the tiny model (so the CLI runs on it)."""
+    import sparsekv_jax.models.embedded as embedded
+
+    monkeypatch.setattr(embedded, "load", lambda *a, **k: tiny)
+    return tiny
+
+
+# --------------------------------------------------------------------- policies that report what they saw
+
+
+@struct.dataclass
+class SeesQuestion(Policy):
+    """Reports, per row, the ``question_start`` its prefill observation saw (-1: none given), the
+    decode steps it was called for, and a scalar; holds an array leaf (like SAE weights)."""
+
+    stages = ("decode",)
+    needs_observations = True
+    weights: jax.Array = None
+
+    def observe(self, q, k, v, hidden, layer_index, prompt):
+        qs = prompt.question_start
+        return jnp.full(prompt.lengths.shape, -1, jnp.int32) if qs is None else qs
+
+    def decode_init(self, cache, observations):
+        return None, {"seen": observations[0], "steps": jnp.zeros_like(observations[0])}
+
+    def decode_update(self, shared_state, cache, logits):
+        return {**shared_state, "steps": shared_state["steps"] + 1}
+
+    def decode_stats(self, shared_state):
+        return {"seen_question_start": shared_state["seen"], "decode_calls": shared_state["steps"],
+                "weights_sum": jnp.sum(self.weights)}
+
+
+@struct.dataclass
+class ContextInfo(Policy):
+    """A context stage that keeps the prompt and reports host-side info (per-row array, scalars, a list)."""
+
+    stages = ("context",)
+
+    def context(self, params, tokens, lengths, question_start):
+        info = {"lengths": lengths.copy(), "question_start": question_start, "seconds": np.float64(0.25),
+                "spans": [[0, 1], [2, 3]], "method": "identity"}
+        return ContextResult(tokens, lengths, question_start, info)
+
+
+def _ruler_file(root: Path) -> Path:
+    """Three RULER-format records of different lengths (one task folder)."""
+    d = root / "qa_1"
+    d.mkdir(parents=True)
+    recs = []
+    for i, words in enumerate((30, 70, 50)):
+        doc = " ".join(f"Document {j}: the river of town {j} is called R{j}." for j in range(words // 10))
+        recs.append({"index": i, "input": f"{doc}\n\nQuestion: What is the river of town 1 called? Answer:",
+                     "outputs": ["R1"]})
+    (d / "validation.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return root
+
+
+# --------------------------------------------------------------------- pure pieces
+
+
+def test_row_stats_takes_each_rows_value_and_keeps_the_rest():
+    rng = np.random.default_rng()
+    per_row = rng.standard_normal(3).astype(np.float32)
+    counts = rng.integers(0, 9, (3, 2)).astype(np.int32)
+    stats = {"kv_stored_fraction": jnp.asarray(per_row), "prefill_block_fraction": jnp.float32(0.5),
+             "cache_bytes": 4096, "my_counter": jnp.asarray(counts), "half": jnp.ones((3,), jnp.bfloat16) * 1.5,
+             "context": {"spans": np.arange(6).reshape(3, 2), "seconds": np.float64(1.5), "names": ["a", "b", "c"],
+                         "per_layer": np.arange(4.0), "none": None}}
+    for row in range(3):
+        got = runner.row_stats(stats, row, 3)
+        json.dumps(got)  # JSON-ready
+        assert got["kv_stored_fraction"] == float(per_row[row])
+        assert got["prefill_block_fraction"] == 0.5 and got["cache_bytes"] == 4096
+        assert got["my_counter"] == counts[row].tolist() and isinstance(got["my_counter"][0], int)
+        assert got["half"] == 1.5
+        assert got["context"] == {"spans": [2 * row, 2 * row + 1], "seconds": 1.5, "names": ["a", "b", "c"],
+                                  "per_layer": [0.0, 1.0, 2.0, 3.0], "none": None}
+
+
+def test_policy_helpers_read_declared_stages():
+    assert is_dense(Dense()) and is_dense(Pipeline()) and not is_dense(Pipeline(context=ContextInfo()))
+    assert policy_budget(Pipeline(context=ContextInfo())) is None
+    assert policy_budget(Pipeline(compress=SnapKV(0.2), decode=Quest(0.5))) == 0.2
+    assert policy_budget(Pipeline(decode=Quest(0.5))) == 0.5
+    big = SeesQuestion(weights=jnp.arange(5000.0))
+    assert policy_family(big) == "seesquestion(weights=array[5000])"  # not the array's contents
+    assert policy_family(Pipeline(context=ContextInfo(), decode=big)) == \
+        "pipeline(context=contextinfo, decode=seesquestion(weights=array[5000]))"
+
+
+# --------------------------------------------------------------------- end to end on the tiny model
+
+
+@pytest.mark.parametrize("question", ["aware", "agnostic"])
+def test_question_start_reaches_the_policy_and_every_stat_is_recorded(tiny, tmp_path, question):
+    """Aware: the context stage and the prefill observation see ``question_start`` = each row's
+    context length; agnostic: none. Every ``decode_stats`` key and ``stats["context"]`` is recorded."""
+    data = _ruler_file(tmp_path / "data")
+    weights = jnp.asarray(np.random.default_rng().standard_normal(300), jnp.float32)
+    pol = Pipeline(context=ContextInfo(), decode=SeesQuestion(weights=weights))
+    out = tmp_path / "run"
+    # one padded width for every batch, no full-attention run: one compiled program
+    runner.run_eval(tiny, suite=str(data), policies=[pol], n=3, batch_size=2, out_dir=out, question=question,
+                    progress=False, pad_multiple=256, add_fullkv=False)
+    recs = _lines(out / "results.jsonl")
+    assert len(recs) == 3 and {r["policy"] for r in recs} == {"Pipeline(context=ContextInfo, decode=SeesQuestion)"}
+    assert len({r["context_tokens"] for r in recs}) == 3  # three different splits: each row got its own value
+    for r in recs:
+        assert r["question"] == question and json.loads(r["key"])[6] == r["policy_key"] == pol.spec_key()
+        s = r["stats"]
+        assert set(s) == {"kv_stored_fraction", "kv_read_fraction", "prefill_block_fraction", "cache_bytes",
+                          "cache_capacity", "seen_question_start", "decode_calls", "weights_sum", "context"}
+        assert s["seen_question_start"] == (r["context_tokens"] if question == "aware" else -1)
+        assert isinstance(s["decode_calls"], int) and s["decode_calls"] >= r["generated_tokens"] - 1
+        assert s["weights_sum"] == pytest.approx(float(jnp.sum(weights)), rel=1e-5)
+        c = s["context"]
+        assert c["lengths"] == (r["prompt_tokens"] if question == "aware" else r["context_tokens"])
+        assert c["question_start"] == (r["context_tokens"] if question == "aware" else None)
+        assert c["seconds"] == 0.25 and c["spans"] == [[0, 1], [2, 3]] and c["method"] == "identity"
+
+
+def test_resume_keys_come_from_spec_key(tiny, tmp_path, monkeypatch):
+    """A policy holding an array: an equal array (another object) resumes, a different one whose
+    repr is the same (numpy elides the middle) runs again."""
+    data = _ruler_file(tmp_path / "data")
+    a = np.arange(2000, dtype=np.float32)
+    b = a.copy()
+    b[1000] = -1.0
+    assert repr(SeesQuestion(weights=jnp.asarray(a))) == repr(SeesQuestion(weights=jnp.asarray(b)))
+    out = tmp_path / "run"
+    kw = dict(suite=str(data), n=2, batch_size=2, out_dir=out, question="aware", progress=False, pad_multiple=256,
+              add_fullkv=False)
+    runner.run_eval(tiny, policies=[SeesQuestion(weights=jnp.asarray(a))], **kw)
+    recs = _lines(out / "results.jsonl")
+    assert len(recs) == 2
+    assert {r["policy_key"] for r in recs} == {SeesQuestion(weights=jnp.asarray(a)).spec_key()}
+    assert "seesquestion(weights=array[2000])" == recs[0]["family"]
+
+    import sparsekv_jax.generate as gen
+
+    def boom(*a, **k):
+        raise AssertionError("a finished sample was recomputed")
+
+    monkeypatch.setattr(gen, "generate", boom)
+    summary = runner.run_eval(tiny, policies=[SeesQuestion(weights=jnp.asarray(a.copy()))], **kw)
+    assert len(_lines(out / "results.jsonl")) == 2 and len(summary["rows"]) == 1
+    with pytest.raises(AssertionError, match="recomputed"):
+        runner.run_eval(tiny, policies=[SeesQuestion(weights=jnp.asarray(b))], **kw)
+
+
+def test_plan_batches_pending_and_records(tiny, tmp_path):
+    """The three steps one by one: the plan names what is pending, a run generates it, a record
+    scores it; records already written are no longer pending."""
+    from sparsekv_jax.eval.suites import build_groups
+
+    params, tok = tiny
+    data = _ruler_file(tmp_path / "data")
+    specs = runner.policy_specs(["fullkv", "streamingllm(budget=16, sinks=4)"])
+    suite_id, groups = build_groups(str(data), None, None, 3, 0, tok, 2048, None, None)
+    plan = runner.plan_eval(groups, specs, tok, 2048, model="tiny", suite=suite_id, question="aware", seed=0)
+    batches = list(plan.batches(batch_size=2, pad_multiple=16))
+    assert [len(b.items) for b in batches] == [2, 1] and [b.rows for b in batches] == [2, 2]  # filled to 2
+    b = batches[1]
+    np.testing.assert_array_equal(b.inputs["question_start"], [len(b.items[0].context_ids)] * 2)
+    assert b.inputs["suffix"] is None and b.width % 16 == 0
+    pending = plan.pending(b, {}, fidelity=False)
+    assert pending == {specs[0].key: [0], specs[1].key: [0]}
+    stop = tuple(params.config.eos_token_ids)
+    run = runner.run_batch(params, tok, specs[1], b, stop_tokens=stop)
+    rec = runner.make_record(plan, specs[1], b, 0, run)
+    assert rec["key"] == plan.key(b.items[0], specs[1]) and rec["policy"] == "streamingllm(budget=16, sinks=4)"
+    assert rec["prediction"] == run.predictions[0] and rec["score"] in (0.0, 1.0)
+    assert rec["stats"]["kv_stored_fraction"] == pytest.approx(16 / b.items[0].num_tokens, abs=1e-6)
+    assert plan.pending(b, {rec["key"]: rec}, fidelity=False) == {specs[0].key: [0], specs[1].key: []}
+    assert plan.pending(b, {rec["key"]: rec}, fidelity=True)[specs[1].key] == [0]  # no fidelity measured yet
+
+
+# --------------------------------------------------------------------- the CLI on the shipped data
+
+
+def test_longbench_default_is_the_shipped_data(tiny_load, tmp_path, monkeypatch):
+    """``--suite longbench`` from another directory with another HOME: the package's own data."""
+    assert runner.DEFAULT_LONGBENCH_PATH == LONGBENCH_MINI_DIR
+    assert LONGBENCH_MINI_DIR.is_relative_to(Path(runner.__file__).resolve().parents[1])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    out = tmp_path / "lb"
+    assert cli.main(["eval", "--suite", "longbench", "--tasks", "passage_count", "--lengths", "512",
+                     "--policies", "fullkv", "--n", "2", "--out", str(out), "-q"]) == 0
+    recs = _lines(out / "results.jsonl")
+    assert len(recs) == 2 and {r["metric"] for r in recs} == {"count"}
+    assert {r["sample_id"] for r in recs} == {"passage_count-0", "passage_count-1"}
+    assert all(512 < r["prompt_tokens"] <= 512 + 64 for r in recs)  # truncated to 512, chat template added
+    assert all(r["suite"] == "longbench" and r["column"] == "passage_count@512" for r in recs)
+
+
+def test_eval_records_chess_counters_and_runs_stem(tiny, tmp_path):
+    out = tmp_path / "lb"
+    chess = "chess('aggressive', entropy_threshold=0.0, varentropy_threshold=0.0)"
+    runner.run_eval(tiny, suite="longbench", tasks=["samsum"], lengths="512", policies=f"{chess}, stem", n=1,
+                    out_dir=out, progress=False, add_fullkv=False)
+    recs = {r["policy"]: r for r in _lines(out / "results.jsonl")}
+    assert set(recs) == {chess, "stem"}
+    c = recs[chess]
+    assert c["generated_tokens"] <= 128  # exactly samsum's limit, no bucket, despite backtracking
+    # thresholds 0: every complete page of 32 generated tokens triggers a rebuild
+    assert c["stats"]["reselections"] >= (c["generated_tokens"] - 1) // 32 >= 1
+    assert c["stats"]["backtracks"] >= 0
+    assert "reselections" not in recs["stem"]["stats"]
+
+
+def test_eval_prefill_chunk(tiny_load, tmp_path, capsys):
+    """--prefill-chunk runs decode-stage policies in chunks and refuses one that observes the prefill."""
+    out = tmp_path / "chunked"
+    assert cli.main(["eval", "--suite", "longbench", "--tasks", "passage_count", "--lengths", "512",
+                     "--prefill-chunk", "128", "--policies", "snapkv(0.5)", "--out", str(out), "-q"]) == 2
+    assert "snapkv(0.5)" in capsys.readouterr().err
+    runner.run_eval(tiny_load, suite="longbench", tasks=["passage_count"], lengths="512", policies="quest(0.5)",
+                    prefill_chunk=128, n=1, out_dir=out, progress=False, add_fullkv=False)
+    (rec,) = _lines(out / "results.jsonl")
+    assert rec["policy"] == "quest(0.5)" and rec["prompt_tokens"] > 128  # more than one chunk
+    assert 0 < rec["stats"]["kv_read_fraction"] < 1
