@@ -102,6 +102,10 @@ def run(args) -> list[dict]:
     names = list(VARIANTS) if args.variants == "all" else [v.strip() for v in args.variants.split(";")]
     policies = {name: (SemantiCache(**VARIANTS[name]) if name in VARIANTS else parse_policy(name)).with_tokenizer(tok)
                 for name in names}
+    for name, pol in policies.items():  # every variant compresses a plain prefill, nothing observed
+        if pol.needs_observations or set(pol.stages) != {"compress"}:
+            raise SystemExit(f"{name}: this script runs compressors that observe nothing (SemantiCache, StreamingLLM); "
+                             "compare with SnapKV/H2O through `sparsekv eval` (docs/SEMANTICACHE.md)")
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "rows.jsonl")  # appended as rows come: a stopped run resumes
     rows = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
@@ -179,20 +183,21 @@ def run(args) -> list[dict]:
                     _, _, logp, agree = map(np.asarray, answer(params, logits, comp, suffix, reference))
                 on = np.arange(follow)[None] < ref_len[:, None]
                 seconds = time.perf_counter() - t0
+                scores = []
                 for i, s in enumerate(batch):
-                    if (task, s.index, name) in done:
-                        continue
                     ids = [t for t in out[i, : int(num[i])].tolist() if t not in stop]
                     pred = tok.decode(ids, skip_special_tokens=True)
-                    rows.append({"task": task, "index": s.index, "variant": name, "score": float(s.score(pred)),
+                    scores.append(float(s.score(pred)))
+                    if (task, s.index, name) in done:
+                        continue
+                    rows.append({"task": task, "index": s.index, "variant": name, "score": scores[-1],
                                  "kept": float(kept[i]), "level": int(level[i]), "prediction": pred,
                                  "answers": list(s.answers), "tokens": int(lengths[i]), "seconds": seconds / len(batch),
                                  "nll": float(-logp[i][on[i]].mean()), "agree": float(agree[i][on[i]].mean()),
                                  "prefill_seconds": prefill_s / len(batch)})
                     with open(path, "a") as f:
                         f.write(json.dumps(rows[-1]) + "\n")
-                print(f"{task} [{start}:{start + len(batch)}] {name}: "
-                      f"{np.mean([r['score'] for r in rows[-len(batch):]]):.2f} kept {kept.mean():.3f} "
+                print(f"{task} [{start}:{start + len(batch)}] {name}: {np.mean(scores):.2f} kept {kept.mean():.3f} "
                       f"({seconds:.1f}s)", flush=True)
     return rows
 
@@ -230,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch", type=int, default=4, help="prompts per prefill")
     p.add_argument("--variants", default="all",
-                   help="';'-separated names (" + ", ".join(VARIANTS) + ") or policy specs, e.g. 'semanticache(0.5, "
-                        "chunking=\"fixed\")'")
+                   help="';'-separated names (" + ", ".join(VARIANTS) + ") or specs of compressors that observe "
+                        "nothing, e.g. 'semanticache(0.5, chunking=\"fixed\")', 'streamingllm(0.2)'")
     p.add_argument("--question", choices=("agnostic", "aware"), default="agnostic")
     p.add_argument("--follow", type=int, default=32, help="tokens of full attention's answer teacher-forced")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
