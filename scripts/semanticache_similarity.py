@@ -24,7 +24,7 @@ from sparsekv_jax.generate import prefill
 from sparsekv_jax.models.rope import inverse_frequencies
 from sparsekv_jax.policies import Dense, SemantiCache
 from sparsekv_jax.policies.base import Prompt, Setup
-from sparsekv_jax.policies.semanticache import _rotate
+from sparsekv_jax.policies.clustering import rotate
 
 
 def pair_cosines(unit: np.ndarray, runs: list[list[int]]) -> np.ndarray:
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             cache = init_cache(cfg, 1, T, page_size=16, dtype=jnp.float32)
             _, cache, _, _ = jax.jit(lambda t, ln, c: prefill(params, Dense(), t, ln, c))(tokens, lengths, cache)
             k = cache.layers.k[:, 0, :, :T]  # [L, H, T, D]
-            pre = np.asarray(_rotate(k, -jnp.broadcast_to(jnp.arange(T), k.shape[:-1]), inverse_frequencies(cfg)))
+            pre = np.asarray(rotate(k, -jnp.broadcast_to(jnp.arange(T), k.shape[:-1]), inverse_frequencies(cfg)))
             unit = pre / np.linalg.norm(pre, axis=-1, keepdims=True)
             row = {"task": task, "index": s.index, "tokens": T, "answer": s.answers[0],
                    "digit_tokens": [pieces[t] for t in number],

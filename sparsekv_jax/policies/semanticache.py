@@ -25,10 +25,12 @@ Choices where the paper is silent (docs/SEMANTICACHE.md shows them in ablations)
   GSC is a loop over the places in a chunk (to the longest chunk present, at most ``chunk_size``
   steps), vectorised over all chunks, heads, rows and thresholds (one band of ``chunk_size``
   cosines per token, computed once; one gather per step).
-* **Keys.** Similarity and merging use *pre-RoPE* keys by default (each cached key is rotated back
-  by its position): the cosine of contents, without RoPE's position phase. A cluster's key is the
-  mean content rotated to the cluster's *mean position* (rounded); a singleton keeps its stored key
-  bit for bit. ``keys="post_rope"`` compares and averages the stored keys (position: the mean too).
+* **Keys and the merged entry's RoPE position.** Similarity and merging use *pre-RoPE* keys by
+  default (each cached key is rotated back by its position): the cosine of contents, without
+  RoPE's position phase. A cluster's key is the mean content rotated to the cluster's *mean
+  position* (rounded half up), which is also the entry's position; a singleton keeps its stored
+  key, value and position bit for bit. Entries are stored in the order of their first slot.
+  ``keys="post_rope"`` compares and averages the stored keys (position: the mean too).
 * **Budget mode** (``tau=None``): per (layer, row, KV head) the *largest* ``tau`` whose clusters fit
   the budget: a pass of ``search_steps`` thresholds log-spaced below the top (`search_grid`), then
   a linear pass between the last that did not fit and the first that did; each pass evaluates all
@@ -43,6 +45,9 @@ Choices where the paper is silent (docs/SEMANTICACHE.md shows them in ablations)
 
 On SmolLM2 the digits of RULER's needles (one token each) have more similar keys than a clause's
 words, so GSC merges a needle's number before the haystack around it (docs/SEMANTICACHE.md).
+
+The mechanics (layout, GSC, the threshold search, the merged entries) are `policies/clustering.py`;
+the cache write is `common.write_entries`. This file holds the settings and the order of the steps.
 """
 
 from __future__ import annotations
@@ -56,114 +61,13 @@ import numpy as np
 from flax import struct
 
 from sparsekv_jax.cache import KVCache
-from sparsekv_jax.models.rope import apply_rope, inverse_frequencies
+from sparsekv_jax.models.rope import inverse_frequencies
+from sparsekv_jax.policies import clustering
 from sparsekv_jax.policies.base import Policy, Prompt, Setup
 from sparsekv_jax.policies.common import budget_tokens, check_budget, check_sinks_window, row_budgets, write_entries
 
-DELIMITERS = ".,?!;: \t\n"  # the paper's set: . , ? ! ; : space tab newline
 CHUNKINGS = ("delimiters", "fixed", "none")
 KEYS = ("pre_rope", "post_rope")
-MERGE_ALL = -2.0  # below every cosine: one cluster per chunk
-
-
-def delimiter_mask(tokenizer: Any, delimiters: str = DELIMITERS) -> np.ndarray:
-    """``[V]`` bool over the tokenizer's ids: the decoded token is non-empty and made only of
-    ``delimiters`` characters."""
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False)
-    chars = set(delimiters)
-    return np.array([bool(s) and set(s) <= chars for s in texts], bool)
-
-
-def chunk_layout(is_delim: jax.Array, lengths: jax.Array, sinks: jax.Array, window: jax.Array, level: jax.Array,
-                 chunk_size: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Where each prompt slot goes, per row (``[B, T]`` each): ``(forced, anchor, member, place)``.
-
-    ``forced``: sinks and window (kept as they are); ``anchor``: delimiters kept unmerged;
-    ``member``: clustered; ``place``: its index in its chunk (``-1`` off members). ``level`` ``[B]``:
-    0 = the paper (chunks between delimiters, delimiters anchors), 1 = a chunk is a run of words and
-    the delimiters after it (no anchors), 2 = ``chunk_size`` blocks of the middle. Chunks longer
-    than ``chunk_size`` are split.
-    """
-    T = is_delim.shape[1]
-    t = jnp.arange(T)[None]
-    live = t < lengths[:, None]
-    forced = live & ((t < sinks[:, None]) | (t >= (lengths - window)[:, None]))
-    middle = live & ~forced
-    delim = is_delim & middle
-    lvl = level[:, None]
-    anchor = delim & (lvl == 0)
-    member = middle & ~anchor
-
-    def prev(x):
-        return jnp.pad(x[:, :-1], ((0, 0), (1, 0)))
-
-    clause = ~prev(middle) | (prev(delim) & ~delim)  # level 1: words, then the delimiters closing them
-    block = (t - sinks[:, None]) % chunk_size == 0
-    start = jnp.where(lvl == 0, ~prev(member), jnp.where(lvl == 1, clause, block))
-    run_start = jax.lax.cummax(jnp.where(member & start, t, -1), axis=1)
-    place = jnp.where(member, (t - run_start) % chunk_size, -1)
-    return forced, anchor, member, place
-
-
-def similarity_band(keys: jax.Array, width: int) -> jax.Array:
-    """``[..., T, width]`` cosines ``band[t, o] = cos(k_t, k_{t-o})`` of ``keys`` ``[..., T, D]``
-    (one matmul per block of ``width`` tokens against itself and the block before)."""
-    *lead, T, D = keys.shape
-    u = keys.astype(jnp.float32)
-    u = u / jnp.maximum(jnp.linalg.norm(u, axis=-1, keepdims=True), 1e-12)
-    n = -(-T // width)
-    blocks = jnp.pad(u, [(0, 0)] * len(lead) + [(0, n * width - T), (0, 0)]).reshape(*lead, n, width, D)
-    before = jnp.pad(blocks, [(0, 0)] * len(lead) + [(1, 0), (0, 0), (0, 0)])[..., :n, :, :]
-    both = jnp.concatenate([before, blocks], axis=-2)  # [..., n, 2w, D]
-    sims = jnp.einsum("...ad,...cd->...ac", blocks, both, preferred_element_type=jnp.float32)  # [..., n, w, 2w]
-    a, o = np.arange(width)[:, None], np.arange(width)[None, :]
-    index = jnp.broadcast_to(jnp.asarray(width + a - o), sims.shape[:-1] + (width,))
-    band = jnp.take_along_axis(sims, index, axis=-1).reshape(*lead, n * width, width)[..., :T, :]
-    return jnp.clip(band, -1.0, 1.0)  # a cosine never exceeds 1: tau = 1 merges nothing, not even duplicates
-
-
-def greedy_seed_clustering(band: jax.Array, member: jax.Array, place: jax.Array, taus: jax.Array) -> jax.Array:
-    """Algorithm 1 in every chunk at once: ``[K, B, H, T]`` each member's distance back to its
-    cluster's seed (0 for a seed and off members), for ``K`` thresholds ``taus`` ``[K, B, H]``.
-
-    ``band`` ``[B, H, T, width]`` (`similarity_band`), ``member``/``place`` ``[B, T]``
-    (`chunk_layout`). Step ``s`` makes every still unassigned member at place ``s`` a seed, and
-    each seed absorbs the later unassigned members of its chunk whose cosine with it exceeds tau.
-    At step ``s`` a member at a later place is unassigned exactly when its distance is still 0, so
-    that distance (1 byte for chunks up to 127 tokens) is the loop's whole state; the loop runs to
-    the longest chunk present, not to ``width``.
-    """
-    T, width = band.shape[2:]
-    slot = jnp.arange(T)
-    dtype = jnp.int8 if width <= 127 else jnp.int16 if width <= 32767 else jnp.int32
-    member, place = member[:, None], place[:, None]  # [B, 1, T]
-    taus = taus[..., None]
-
-    def step(s, back):
-        is_seed = member & (place == s) & (back == 0)
-        delta = place - s  # how far back this member's candidate seed sits
-        src = jnp.clip(slot - delta, 0, T - 1)
-        cos = jnp.take_along_axis(band, jnp.clip(delta, 0, width - 1)[..., None], axis=-1)[..., 0]
-        from_seed = jnp.take_along_axis(is_seed, jnp.broadcast_to(src, is_seed.shape), axis=-1)
-        absorb = member & (delta > 0) & (back == 0) & from_seed & (cos > taus)
-        return jnp.where(absorb, delta.astype(dtype), back)
-
-    init = jnp.zeros(taus.shape[:-1] + (T,), dtype)
-    return jax.lax.fori_loop(0, place.max() + 1, step, init)
-
-
-def search_grid(top: float, steps: int) -> np.ndarray:
-    """The first pass's thresholds, descending: ``top``, then ``steps - 1`` more whose distance
-    below ``top`` grows geometrically from ``3e-4`` to ``top - MERGE_ALL`` (the last merges every
-    chunk into one cluster). Near-duplicate keys (cosines of 0.99+, e.g. a repeated haystack
-    sentence) need the fine steps near 1; a second, linear pass refines between two points."""
-    gaps = (top - MERGE_ALL) * np.geomspace(1e-4, 1.0, steps - 1)
-    return np.concatenate([[top], top - gaps]).astype(np.float32)
-
-
-def seeds_of(back: jax.Array, member: jax.Array) -> jax.Array:
-    """``[..., B, H, T]`` bool: the members that seeded a cluster (``back`` from GSC)."""
-    return member[:, None] & (back == 0)
 
 
 @struct.dataclass
@@ -228,7 +132,7 @@ class SemantiCache(Policy):
         return cls(*args, **kwargs).with_tokenizer(tokenizer)
 
     def with_tokenizer(self, tokenizer: Any) -> SemantiCache:
-        return self.replace(delimiter_mask=jnp.asarray(delimiter_mask(tokenizer)))
+        return self.replace(delimiter_mask=jnp.asarray(clustering.delimiter_mask(tokenizer)))
 
     def bind(self, setup: Setup) -> SemantiCache:
         if self.chunking == "delimiters" and self.delimiter_mask is None:
@@ -265,137 +169,51 @@ class SemantiCache(Policy):
     def _width(self, T: int) -> int:
         return T if self.chunking == "none" else min(self.chunk_size, T)
 
-    def _forced_counts(self, keep: jax.Array, lengths: jax.Array, width: int) -> tuple[jax.Array, jax.Array]:
-        """Per-row sinks and window: as many as asked, fewer where the budget then could not hold
-        one entry per block of the rest (short rows under a fraction budget); sinks first."""
-        def blocks(n):
-            return -(-n // width)
-
-        n, keep = lengths[:, None], keep[:, None]
-        s = jnp.arange(self.sinks + 1)[None]
-        s_ok = (s <= n) & (s + blocks(jnp.maximum(n - s, 0)) <= keep)
-        sinks = jnp.max(jnp.where(s_ok, s, 0), axis=1)
-        w = jnp.arange(self.window + 1)[None]
-        rest = n - sinks[:, None] - w
-        w_ok = (rest >= 0) & (sinks[:, None] + w + blocks(jnp.maximum(rest, 0)) <= keep)
-        return sinks, jnp.max(jnp.where(w_ok, w, 0), axis=1)
-
     def layout(self, prompt: Prompt) -> tuple[jax.Array, ...]:
-        """``(forced, anchor, member, place, level)`` of each prompt slot (`chunk_layout`) and each
-        row's level (0 = the paper's layout; 1, 2 = the fallbacks) under this policy's budget."""
+        """``(forced, anchor, member, place, level)`` of each prompt slot (`clustering.chunk_layout`)
+        and each row's level (0 = the paper's layout; 1, 2 = the fallbacks) under this budget."""
         return self._layout(prompt, row_budgets(self.budget, prompt.lengths), prompt.tokens.shape[1])
 
-    def _layout(self, prompt: Prompt, keep: jax.Array, T: int):
-        width = self._width(T)
-        lengths = prompt.lengths
-        sinks, window = self._forced_counts(keep, lengths, width)
+    def _layout(self, prompt: Prompt, keep: jax.Array, T: int) -> tuple[jax.Array, ...]:
+        tokens = prompt.tokens[:, :T]
         if self.chunking == "delimiters":
-            mask = self.delimiter_mask
-            is_delim = jnp.take(mask, prompt.tokens[:, :T], mode="fill", fill_value=False)
-            levels = (0, 1, 2)
+            is_delim, levels = jnp.take(self.delimiter_mask, tokens, mode="fill", fill_value=False), (0, 1, 2)
         else:
-            is_delim = jnp.zeros(prompt.tokens[:, :T].shape, bool)
-            levels = (2,)
-        # the first level whose coarsest clustering (one cluster per chunk) fits each row's budget
-        level = jnp.full(lengths.shape, levels[-1], jnp.int32)
-        for lv in reversed(levels[:-1]):
-            forced, anchor, _, place = chunk_layout(is_delim, lengths, sinks, window, jnp.full_like(level, lv), width)
-            least = (forced | anchor | (place == 0)).sum(1)
-            level = jnp.where(least <= keep, lv, level)
-        return (*chunk_layout(is_delim, lengths, sinks, window, level, width), level)
+            is_delim, levels = jnp.zeros(tokens.shape, bool), (2,)
+        return clustering.fitting_layout(is_delim, prompt.lengths, keep, self.sinks, self.window, self._width(T),
+                                         levels)
 
     def compress(self, cache: KVCache, observations: Any, capacity: int, prompt: Prompt) -> KVCache:
         if self.chunking == "delimiters" and self.delimiter_mask is None:
             raise ValueError("SemantiCache needs the tokenizer's delimiter mask: SemantiCache.from_tokenizer(tok) "
                              "or policy.with_tokenizer(tok)")
+        if self.keys == "pre_rope" and self.inv_freq is None:
+            raise ValueError("SemantiCache(keys='pre_rope') needs the RoPE frequencies: policy.bind(Setup(config)) "
+                             "first (generate and sparsekv eval do)")
         T = prompt.tokens.shape[1]
         keep = row_budgets(self.budget, prompt.lengths)
         n_out = min(T, budget_tokens(self.budget, T))
-        width = self._width(T)
         forced, anchor, member, place, _ = self._layout(prompt, keep, T)
         kept_as_is = forced | anchor  # [B, T]
         search = not self.threshold_mode or n_out < T  # a cap that binds needs the search
         top = 1.0 if self.tau is None else float(self.tau)
-        K = self.search_steps
-
-        def first_fit(back):  # the clustering of the largest fitting threshold (taus descending)
-            n = kept_as_is.sum(1)[:, None] + seeds_of(back, member).sum(-1)  # [K, B, H] entries kept
-            k = jnp.argmax(n <= keep[:, None], axis=0)  # [B, H]
-            return jnp.take_along_axis(back, k[None, ..., None], axis=0)[0], k
-
-        inv_freq = None if self.inv_freq is None else np.asarray(self.inv_freq)
-        if self.keys == "pre_rope" and inv_freq is None:
-            raise ValueError("SemantiCache(keys='pre_rope') needs the RoPE frequencies: policy.bind(Setup(config)) "
-                             "first (generate and sparsekv eval do)")
+        inv_freq = None if self.keys == "post_rope" else np.asarray(self.inv_freq)
 
         def layer(xs):
-            k, v, pos = xs  # [B, H, S, D], [B, H, S]
-            k, v, pos = k[:, :, :T], v[:, :, :T], pos[:, :, :T]
+            k, v, pos = (x[:, :, :T] for x in xs)  # [B, H, T, D], [B, H, T]
             content = k.astype(jnp.float32)
-            if self.keys == "pre_rope":
-                content = _rotate(content, -pos, inv_freq)
-            band = similarity_band(content, width)
-            B, H = k.shape[:2]
+            if inv_freq is not None:
+                content = clustering.rotate(content, -pos, inv_freq)
+            band = clustering.similarity_band(content, self._width(T))
             if search:
-                taus = jnp.asarray(search_grid(top, K))
-                taus1 = jnp.broadcast_to(taus[:, None, None], (K, B, H))
-                _, k1 = first_fit(greedy_seed_clustering(band, member, place, taus1))
-                # second pass between the last threshold that did not fit and the first that did;
-                # it ends on that one exactly, so a fitting clustering is always among its results
-                lo, hi = taus[k1], taus[jnp.maximum(k1 - 1, 0)]
-                between = hi[None] + (lo - hi)[None] * (jnp.arange(1, K) / K)[:, None, None]
-                taus2 = jnp.concatenate([between, lo[None]])
-                back, _ = first_fit(greedy_seed_clustering(band, member, place, taus2))
+                back = clustering.largest_fitting_clustering(band, member, place, kept_as_is, keep, top,
+                                                             self.search_steps)
             else:
-                back = greedy_seed_clustering(band, member, place, jnp.full((1, B, H), top))[0]
+                back = clustering.greedy_seed_clustering(band, member, place, jnp.full((1,) + k.shape[:2], top))[0]
             seed_of = jnp.where(member[:, None], jnp.arange(T) - back.astype(jnp.int32), -1)
-            return _merge(k, v, pos, content, seed_of, kept_as_is, prompt.lengths, n_out, self.keys, inv_freq)
+            return clustering.merge_clusters(k, v, pos, content, seed_of, kept_as_is, prompt.lengths, n_out, inv_freq)
 
         layers = cache.layers
         k, v, pos, bias, counts = jax.lax.map(layer, (layers.k, layers.v, layers.positions),
                                               batch_size=min(self.layer_batch, layers.k.shape[0]))
         return write_entries(cache, k, v, pos, bias, counts, capacity)
-
-
-def _rotate(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """RoPE ``x`` ``[..., T, D]`` by ``positions`` ``[..., T]`` (negative: rotate back), fp32."""
-    return apply_rope(x[..., None, :], positions, inv_freq)[..., 0, :]
-
-
-def _merge(k, v, pos, content, seed_of, kept_as_is, lengths, n_out: int, keys: str, inv_freq):
-    """One layer's entries: ``(k, v [B, H, n_out, D], positions, bias [B, H, n_out], counts [B, H])``.
-
-    Each kept-as-is slot and each cluster is an entry, in the order of its first slot; a cluster's
-    key/value are the means (keys: of ``content``, rotated to the mean position for pre-RoPE), its
-    position the rounded mean, its bias ``log size``. Singletons keep their stored key bit for bit.
-    """
-    B, H, T, D = k.shape
-    slot = jnp.arange(T)
-    live = slot[None] < lengths[:, None]
-    head_of = jnp.where(kept_as_is[:, None] | (seed_of < 0), slot, seed_of)  # [B, H, T] its entry's first slot
-    head_of = jnp.where(live[:, None], head_of, T)  # padding goes to a spill row
-    is_head = live[:, None] & (head_of == slot)
-    b, h = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
-
-    def total(x):  # per-first-slot sums [B, H, T(+spill), ...]
-        return jnp.zeros((B, H, T + 1) + x.shape[3:], jnp.float32).at[b, h, head_of].add(x)[:, :, :T]
-
-    size = total(jnp.ones((B, H, T), jnp.float32))
-    mean_pos = jnp.floor(total(pos.astype(jnp.float32)) / jnp.maximum(size, 1.0) + 0.5).astype(jnp.int32)
-    mean_key = total(content) / jnp.maximum(size, 1.0)[..., None]
-    if keys == "pre_rope":
-        mean_key = _rotate(mean_key, mean_pos, inv_freq)
-    mean_val = total(v.astype(jnp.float32)) / jnp.maximum(size, 1.0)[..., None]
-    single = (size == 1.0)[..., None]
-    # the entries' first slots in order (as `common.keep_slots`: padded with T past the count)
-    firsts = jnp.sort(jnp.where(is_head, slot, T), axis=-1)[..., :n_out]
-    at = jnp.minimum(firsts, T - 1)
-
-    def take(x):
-        return jnp.take_along_axis(x, at.reshape(at.shape + (1,) * (x.ndim - 3)), axis=2)
-
-    key = take(jnp.where(single, k.astype(jnp.float32), mean_key)).astype(k.dtype)
-    val = take(jnp.where(single, v.astype(jnp.float32), mean_val)).astype(v.dtype)
-    position = take(jnp.where(size == 1.0, pos, mean_pos))
-    bias = take(jnp.log(jnp.maximum(size, 1.0)))
-    return key, val, position, bias, jnp.minimum(is_head.sum(-1), n_out).astype(jnp.int32)
