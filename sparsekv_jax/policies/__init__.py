@@ -10,6 +10,7 @@ from sparsekv_jax.policies.h2o import H2O
 from sparsekv_jax.policies.pipeline import Pipeline
 from sparsekv_jax.policies.quest import Quest
 from sparsekv_jax.policies.scored import ScoredCompression
+from sparsekv_jax.policies.semanticache import SemantiCache
 from sparsekv_jax.policies.snapkv import SnapKV
 from sparsekv_jax.policies.spec import parse_policies, parse_policy, register
 from sparsekv_jax.policies.stem import Stem
@@ -17,8 +18,10 @@ from sparsekv_jax.policies.streaming_llm import StreamingLLM
 
 for _name, _factory in (("fullkv", FullKV), ("dense", Dense), ("streamingllm", StreamingLLM),
                         ("streaming_llm", StreamingLLM), ("snapkv", SnapKV), ("h2o", H2O), ("quest", Quest),
-                        ("pipeline", Pipeline), ("stem", Stem), ("chess", CHESS.from_spec), ("bser", BSER)):
+                        ("pipeline", Pipeline), ("stem", Stem), ("chess", CHESS.from_spec), ("bser", BSER),
+                        ("semanticache", SemantiCache)):
     register(_name, _factory)
 
 __all__ = ["BSER", "CHESS", "H2O", "ContextResult", "Dense", "FullKV", "Pipeline", "Policy", "Prompt", "Quest",
-           "ScoredCompression", "Setup", "SnapKV", "Stem", "StreamingLLM", "parse_policies", "parse_policy", "register"]
+           "ScoredCompression", "SemantiCache", "Setup", "SnapKV", "Stem", "StreamingLLM", "parse_policies",
+           "parse_policy", "register"]

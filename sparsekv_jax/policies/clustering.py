@@ -1,0 +1,221 @@
+"""Clustering mechanics for merging compressors (SemantiCache): the delimiter mask over a
+vocabulary, the chunk layout of a prompt, greedy seed-based clustering (GSC) in every chunk at once,
+the threshold search that fits a budget, and the merged entries of each cluster.
+
+Everything here is vectorised over rows, KV heads and chunks; there is no per-token Python loop.
+Shapes: ``B`` rows, ``H`` KV heads, ``T`` prompt slots, ``D`` head dim, ``K`` thresholds.
+The write of the merged entries into a new cache is `common.write_entries`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparsekv_jax.models.rope import apply_rope
+
+DELIMITERS = ".,?!;: \t\n"  # SemantiCache's set: . , ? ! ; : space tab newline
+MERGE_ALL = -2.0  # below every cosine: one cluster per chunk
+
+
+def delimiter_mask(tokenizer: Any, delimiters: str = DELIMITERS) -> np.ndarray:
+    """``[V]`` bool over the tokenizer's ids: the decoded token is non-empty and made only of
+    ``delimiters`` characters."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False)
+    chars = set(delimiters)
+    return np.array([bool(s) and set(s) <= chars for s in texts], bool)
+
+
+def forced_counts(keep: jax.Array, lengths: jax.Array, sinks: int, window: int,
+                  width: int) -> tuple[jax.Array, jax.Array]:
+    """Per-row sinks and window ``([B], [B])``: as many as asked, fewer where the row's budget
+    ``keep`` then could not hold one entry per ``width`` block of the rest; sinks first."""
+    def blocks(n):
+        return -(-n // width)
+
+    n, keep = lengths[:, None], keep[:, None]
+    s = jnp.arange(sinks + 1)[None]
+    s_ok = (s <= n) & (s + blocks(jnp.maximum(n - s, 0)) <= keep)
+    sinks_b = jnp.max(jnp.where(s_ok, s, 0), axis=1)
+    w = jnp.arange(window + 1)[None]
+    rest = n - sinks_b[:, None] - w
+    w_ok = (rest >= 0) & (sinks_b[:, None] + w + blocks(jnp.maximum(rest, 0)) <= keep)
+    return sinks_b, jnp.max(jnp.where(w_ok, w, 0), axis=1)
+
+
+def chunk_layout(is_delim: jax.Array, lengths: jax.Array, sinks: jax.Array, window: jax.Array, level: jax.Array,
+                 chunk_size: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Where each prompt slot goes, per row (``[B, T]`` each): ``(forced, anchor, member, place)``.
+
+    ``forced``: sinks and window (kept as they are); ``anchor``: delimiters kept unmerged;
+    ``member``: clustered; ``place``: its index in its chunk (``-1`` off members). ``level`` ``[B]``:
+    0 = chunks between delimiters, delimiters anchors; 1 = a chunk is a run of words and the
+    delimiters after it (no anchors); 2 = ``chunk_size`` blocks of the middle. Chunks longer than
+    ``chunk_size`` are split.
+    """
+    T = is_delim.shape[1]
+    t = jnp.arange(T)[None]
+    live = t < lengths[:, None]
+    forced = live & ((t < sinks[:, None]) | (t >= (lengths - window)[:, None]))
+    middle = live & ~forced
+    delim = is_delim & middle
+    lvl = level[:, None]
+    anchor = delim & (lvl == 0)
+    member = middle & ~anchor
+
+    def prev(x):
+        return jnp.pad(x[:, :-1], ((0, 0), (1, 0)))
+
+    clause = ~prev(middle) | (prev(delim) & ~delim)  # level 1: words, then the delimiters closing them
+    block = (t - sinks[:, None]) % chunk_size == 0
+    start = jnp.where(lvl == 0, ~prev(member), jnp.where(lvl == 1, clause, block))
+    run_start = jax.lax.cummax(jnp.where(member & start, t, -1), axis=1)
+    place = jnp.where(member, (t - run_start) % chunk_size, -1)
+    return forced, anchor, member, place
+
+
+def fitting_layout(is_delim: jax.Array, lengths: jax.Array, keep: jax.Array, sinks: int, window: int,
+                   chunk_size: int, levels: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """``(forced, anchor, member, place, level)``: `chunk_layout` at each row's first level of
+    ``levels`` whose coarsest clustering (one cluster per chunk) fits the row's budget ``keep``
+    (the last level when none does)."""
+    sinks_b, window_b = forced_counts(keep, lengths, sinks, window, chunk_size)
+    level = jnp.full(lengths.shape, levels[-1], jnp.int32)
+    for lv in reversed(levels[:-1]):
+        forced, anchor, _, place = chunk_layout(is_delim, lengths, sinks_b, window_b, jnp.full_like(level, lv),
+                                                chunk_size)
+        least = (forced | anchor | (place == 0)).sum(1)
+        level = jnp.where(least <= keep, lv, level)
+    return (*chunk_layout(is_delim, lengths, sinks_b, window_b, level, chunk_size), level)
+
+
+def similarity_band(keys: jax.Array, width: int) -> jax.Array:
+    """``[..., T, width]`` cosines ``band[t, o] = cos(k_t, k_{t-o})`` of ``keys`` ``[..., T, D]``
+    (one matmul per block of ``width`` tokens against itself and the block before)."""
+    *lead, T, D = keys.shape
+    u = keys.astype(jnp.float32)
+    u = u / jnp.maximum(jnp.linalg.norm(u, axis=-1, keepdims=True), 1e-12)
+    n = -(-T // width)
+    blocks = jnp.pad(u, [(0, 0)] * len(lead) + [(0, n * width - T), (0, 0)]).reshape(*lead, n, width, D)
+    before = jnp.pad(blocks, [(0, 0)] * len(lead) + [(1, 0), (0, 0), (0, 0)])[..., :n, :, :]
+    both = jnp.concatenate([before, blocks], axis=-2)  # [..., n, 2w, D]
+    sims = jnp.einsum("...ad,...cd->...ac", blocks, both, preferred_element_type=jnp.float32)  # [..., n, w, 2w]
+    a, o = np.arange(width)[:, None], np.arange(width)[None, :]
+    index = jnp.broadcast_to(jnp.asarray(width + a - o), sims.shape[:-1] + (width,))
+    band = jnp.take_along_axis(sims, index, axis=-1).reshape(*lead, n * width, width)[..., :T, :]
+    return jnp.clip(band, -1.0, 1.0)  # a cosine never exceeds 1: tau = 1 merges nothing, not even duplicates
+
+
+def greedy_seed_clustering(band: jax.Array, member: jax.Array, place: jax.Array, taus: jax.Array) -> jax.Array:
+    """Algorithm 1 in every chunk at once: ``[K, B, H, T]`` each member's distance back to its
+    cluster's seed (0 for a seed and off members), for ``K`` thresholds ``taus`` ``[K, B, H]``.
+
+    ``band`` ``[B, H, T, width]`` (`similarity_band`), ``member``/``place`` ``[B, T]``
+    (`chunk_layout`). Step ``s`` makes every still unassigned member at place ``s`` a seed, and
+    each seed absorbs the later unassigned members of its chunk whose cosine with it exceeds tau.
+    At step ``s`` a member at a later place is unassigned exactly when its distance is still 0, so
+    that distance (1 byte for chunks up to 127 tokens) is the loop's whole state; the loop runs to
+    the longest chunk present, not to ``width``.
+    """
+    T, width = band.shape[2:]
+    slot = jnp.arange(T)
+    dtype = jnp.int8 if width <= 127 else jnp.int16 if width <= 32767 else jnp.int32
+    member, place = member[:, None], place[:, None]  # [B, 1, T]
+    taus = taus[..., None]
+
+    def step(s, back):
+        is_seed = member & (place == s) & (back == 0)
+        delta = place - s  # how far back this member's candidate seed sits
+        src = jnp.clip(slot - delta, 0, T - 1)
+        cos = jnp.take_along_axis(band, jnp.clip(delta, 0, width - 1)[..., None], axis=-1)[..., 0]
+        from_seed = jnp.take_along_axis(is_seed, jnp.broadcast_to(src, is_seed.shape), axis=-1)
+        absorb = member & (delta > 0) & (back == 0) & from_seed & (cos > taus)
+        return jnp.where(absorb, delta.astype(dtype), back)
+
+    init = jnp.zeros(taus.shape[:-1] + (T,), dtype)
+    return jax.lax.fori_loop(0, place.max() + 1, step, init)
+
+
+def search_grid(top: float, steps: int) -> np.ndarray:
+    """The first pass's thresholds, descending: ``top``, then ``steps - 1`` more whose distance
+    below ``top`` grows geometrically from ``3e-4`` to ``top - MERGE_ALL`` (the last merges every
+    chunk into one cluster). Near-duplicate keys (cosines of 0.99+, e.g. a repeated haystack
+    sentence) need the fine steps near 1; a second, linear pass refines between two points."""
+    gaps = (top - MERGE_ALL) * np.geomspace(1e-4, 1.0, steps - 1)
+    return np.concatenate([[top], top - gaps]).astype(np.float32)
+
+
+def largest_fitting_clustering(band: jax.Array, member: jax.Array, place: jax.Array, kept_as_is: jax.Array,
+                               keep: jax.Array, top: float, steps: int) -> jax.Array:
+    """``[B, H, T]`` GSC (distances back to seeds) at, per (row, head), the largest threshold
+    ``<= top`` whose entries (``kept_as_is`` slots + clusters) fit ``keep`` ``[B]``.
+
+    Two passes of ``steps`` thresholds, each evaluated at once: `search_grid`, then a linear
+    grid between the last threshold that did not fit and the first that did, ending on that one,
+    so a fitting clustering is always among its results (the last of the grid merges each chunk
+    into one cluster, which fits whenever the layout does: `fitting_layout`)."""
+    B, H = band.shape[:2]
+    fixed = kept_as_is.sum(1)[:, None]  # [B, 1]
+
+    def first_fit(taus):  # taus [K, B, H], descending
+        back = greedy_seed_clustering(band, member, place, taus)
+        n = fixed + (member[:, None] & (back == 0)).sum(-1)  # [K, B, H] entries kept
+        k = jnp.argmax(n <= keep[:, None], axis=0)  # [B, H]
+        return jnp.take_along_axis(back, k[None, ..., None], axis=0)[0], k
+
+    grid = jnp.asarray(search_grid(top, steps))
+    _, k1 = first_fit(jnp.broadcast_to(grid[:, None, None], (steps, B, H)))
+    lo, hi = grid[k1], grid[jnp.maximum(k1 - 1, 0)]
+    between = hi[None] + (lo - hi)[None] * (jnp.arange(1, steps) / steps)[:, None, None]
+    return first_fit(jnp.concatenate([between, lo[None]]))[0]
+
+
+def rotate(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """RoPE ``x`` ``[..., T, D]`` by ``positions`` ``[..., T]`` (negative: rotate back), fp32."""
+    return apply_rope(x[..., None, :], positions, inv_freq)[..., 0, :]
+
+
+def merge_clusters(k: jax.Array, v: jax.Array, pos: jax.Array, content: jax.Array, seed_of: jax.Array,
+                   kept_as_is: jax.Array, lengths: jax.Array, n_out: int,
+                   inv_freq: np.ndarray | None) -> tuple[jax.Array, ...]:
+    """One layer's entries: ``(k, v [B, H, n_out, D], positions, bias [B, H, n_out], counts [B, H])``.
+
+    ``seed_of`` ``[B, H, T]``: each member's seed slot (``-1`` off members). Each kept-as-is slot
+    and each cluster is an entry, in the order of its first slot; a cluster's key/value are the
+    means (keys: of ``content``; rotated to the mean position when ``inv_freq`` is given, i.e.
+    ``content`` is pre-RoPE), its position the rounded mean, its bias ``log size``. Singletons keep
+    their stored key, value and position bit for bit.
+    """
+    B, H, T, D = k.shape
+    slot = jnp.arange(T)
+    live = slot[None] < lengths[:, None]
+    head_of = jnp.where(kept_as_is[:, None] | (seed_of < 0), slot, seed_of)  # [B, H, T] its entry's first slot
+    head_of = jnp.where(live[:, None], head_of, T)  # padding goes to a spill row
+    is_head = live[:, None] & (head_of == slot)
+    b, h = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
+
+    def total(x):  # per-first-slot sums [B, H, T(+spill), ...]
+        return jnp.zeros((B, H, T + 1) + x.shape[3:], jnp.float32).at[b, h, head_of].add(x)[:, :, :T]
+
+    size = total(jnp.ones((B, H, T), jnp.float32))
+    mean_pos = jnp.floor(total(pos.astype(jnp.float32)) / jnp.maximum(size, 1.0) + 0.5).astype(jnp.int32)
+    mean_key = total(content) / jnp.maximum(size, 1.0)[..., None]
+    if inv_freq is not None:
+        mean_key = rotate(mean_key, mean_pos, inv_freq)
+    mean_val = total(v.astype(jnp.float32)) / jnp.maximum(size, 1.0)[..., None]
+    single = (size == 1.0)[..., None]
+    # the entries' first slots in order (as `common.keep_slots`: padded with T past the count)
+    firsts = jnp.sort(jnp.where(is_head, slot, T), axis=-1)[..., :n_out]
+    at = jnp.minimum(firsts, T - 1)
+
+    def take(x):
+        return jnp.take_along_axis(x, at.reshape(at.shape + (1,) * (x.ndim - 3)), axis=2)
+
+    key = take(jnp.where(single, k.astype(jnp.float32), mean_key)).astype(k.dtype)
+    val = take(jnp.where(single, v.astype(jnp.float32), mean_val)).astype(v.dtype)
+    position = take(jnp.where(size == 1.0, pos, mean_pos))
+    bias = take(jnp.log(jnp.maximum(size, 1.0)))
+    return key, val, position, bias, jnp.minimum(is_head.sum(-1), n_out).astype(jnp.int32)

@@ -1,0 +1,219 @@
+"""SemantiCache (Wu et al., 2025): delimiter chunking, greedy seed-based clustering (GSC), merged
+semantic cores with proportional attention. A compressor that *merges* KV entries.
+
+The paper (``../shared/papers/002_*``), per (layer, KV head), on the prompt's entries:
+
+* **Semantic chunking.** The prompt is cut at delimiter tokens into chunks; delimiters are kept
+  unmerged as anchors (Eq. 1).
+* **GSC** (Algorithm 1) inside each chunk: the first unassigned token seeds a cluster that absorbs
+  every *later* unassigned token whose key cosine with the seed exceeds ``tau`` (Eq. 2).
+* **Merging.** A cluster becomes one entry: the mean key and mean value (Eq. 3), with bias
+  ``log |S|`` in the cache's per-slot bias, so every decode path computes
+  ``softmax(q·k/√d + log s)·V`` (proportional attention, Eq. 4) — the Pallas decode kernel included.
+
+Choices where the paper is silent (docs/SEMANTICACHE.md shows them in ablations):
+
+* **Delimiter tokens.** A token is a delimiter when its decoded text is non-empty and consists only
+  of the paper's characters ``. , ? ! ; :`` space, tab, newline (SmolLM2: 177 of 49,152 tokens, e.g.
+  ``"."``, ``" "``, ``"\\n\\n"``, ``" ."``). "Space" is read as a token that *is* whitespace, not one
+  that starts with a space: SmolLM2's BPE glues the leading space to 65% of its vocabulary (every
+  word after the first), so that reading would make nearly every word an unmerged anchor. The mask
+  over the vocabulary is computed once (`delimiter_mask`) and held as a leaf.
+* **Sinks and window.** The first ``sinks`` (4) and last ``window`` (32) prompt entries are kept as
+  they are, counted inside the budget (as every compressor here).
+* **Bounded chunks.** A run of more than ``chunk_size`` (64) tokens without a delimiter is split, so
+  GSC is a loop over the places in a chunk (to the longest chunk present, at most ``chunk_size``
+  steps), vectorised over all chunks, heads, rows and thresholds (one band of ``chunk_size``
+  cosines per token, computed once; one gather per step).
+* **Keys and the merged entry's RoPE position.** Similarity and merging use *pre-RoPE* keys by
+  default (each cached key is rotated back by its position): the cosine of contents, without
+  RoPE's position phase. A cluster's key is the mean content rotated to the cluster's *mean
+  position* (rounded half up), which is also the entry's position; a singleton keeps its stored
+  key, value and position bit for bit. Entries are stored in the order of their first slot.
+  ``keys="post_rope"`` compares and averages the stored keys (position: the mean too).
+* **Budget mode** (``tau=None``): per (layer, row, KV head) the *largest* ``tau`` whose clusters fit
+  the budget: a pass of ``search_steps`` thresholds log-spaced below the top (`search_grid`), then
+  a linear pass between the last that did not fit and the first that did; each pass evaluates all
+  its thresholds at once. When even one cluster per chunk does not fit (dense punctuation: about a
+  quarter of RULER's noise haystack is delimiters), the row falls back, in order: delimiters stop
+  being anchors and close their chunk (a chunk = a clause and its delimiters); then fixed
+  ``chunk_size`` blocks (`SemantiCache.layout` reports the level). The kept count never exceeds
+  the budget.
+* **Threshold mode** (``tau=x``): GSC at ``x`` (the paper's); ``budget`` is then a cap (the static
+  cache capacity): heads that would keep more merge at the largest lower threshold that fits.
+  ``SemantiCache(budget=1.0, tau=x)`` is the paper's pure threshold (room for the whole prompt).
+
+On SmolLM2 the digits of RULER's needles (one token each) have more similar keys than a clause's
+words, so GSC merges a needle's number before the haystack around it (docs/SEMANTICACHE.md).
+
+The mechanics (layout, GSC, the threshold search, the merged entries) are `policies/clustering.py`;
+the cache write is `common.write_entries`. This file holds the settings and the order of the steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from sparsekv_jax.cache import KVCache
+from sparsekv_jax.models.rope import inverse_frequencies
+from sparsekv_jax.policies import clustering
+from sparsekv_jax.policies.base import Policy, Prompt, Setup
+from sparsekv_jax.policies.common import budget_tokens, check_budget, check_sinks_window, row_budgets, write_entries
+
+CHUNKINGS = ("delimiters", "fixed", "none")
+KEYS = ("pre_rope", "post_rope")
+
+
+@struct.dataclass
+class SemantiCache(Policy):
+    """SemantiCache compression after prefill (module docstring for the choices).
+
+    Args:
+      budget: entries kept per (layer, row, KV head): fraction of the prompt or token count, sinks
+        and window included. In threshold mode, the cap (the cache's static capacity).
+      tau: ``None`` = budget mode (the largest threshold that fits, per head); a float = GSC at
+        that threshold (paper: 0.5-0.9), capped by ``budget``.
+      sinks, window: first / last prompt entries kept unmerged (4 / 32).
+      chunking: ``"delimiters"`` (the paper), ``"fixed"`` (``chunk_size`` blocks, no anchors) or
+        ``"none"`` (one chunk: global clustering) — the paper's Table 4 variants.
+      chunk_size: longest chunk (longer delimiter-free runs are split); the fixed block size.
+      keys: ``"pre_rope"`` (content similarity, merged at the mean position) or ``"post_rope"``.
+      search_steps: thresholds tried per grid pass in budget mode (two passes).
+      layer_batch: layers compressed together (`jax.lax.map` batch: memory against launches).
+      delimiter_mask: ``[V]`` bool leaf (`from_tokenizer` / `with_tokenizer`).
+      inv_freq: RoPE frequencies, set by `bind` for ``keys="pre_rope"``.
+    """
+
+    budget: float | int = struct.field(pytree_node=False, default=0.25)
+    tau: float | None = struct.field(pytree_node=False, default=None)
+    sinks: int = struct.field(pytree_node=False, default=4)
+    window: int = struct.field(pytree_node=False, default=32)
+    chunking: str = struct.field(pytree_node=False, default="delimiters")
+    chunk_size: int = struct.field(pytree_node=False, default=64)
+    keys: str = struct.field(pytree_node=False, default="pre_rope")
+    search_steps: int = struct.field(pytree_node=False, default=16)
+    layer_batch: int = struct.field(pytree_node=False, default=4)
+    delimiter_mask: jax.Array | None = None
+    inv_freq: tuple[float, ...] | None = struct.field(pytree_node=False, default=None)
+
+    stages = ("compress",)
+    # the delimiters come from the prompt's ids: nothing observed, chunked prefill works
+    needs_whole_prefill = False
+    needs_observations = False
+
+    def __post_init__(self) -> None:
+        check_budget(self.budget)
+        check_sinks_window(self.budget, self.sinks, self.window)
+        if self.tau is not None and (isinstance(self.tau, bool) or not -1.0 <= self.tau <= 1.0):
+            raise ValueError(f"tau={self.tau!r} must be None (budget mode) or a cosine threshold in [-1, 1]")
+        if self.chunking not in CHUNKINGS:
+            raise ValueError(f"chunking={self.chunking!r} must be one of {CHUNKINGS}")
+        if self.keys not in KEYS:
+            raise ValueError(f"keys={self.keys!r} must be one of {KEYS}")
+        if self.chunk_size < 2:
+            raise ValueError(f"chunk_size={self.chunk_size} must be >= 2")
+        if self.search_steps < 3:
+            raise ValueError(f"search_steps={self.search_steps} must be >= 3")
+        if self.layer_batch < 1:
+            raise ValueError(f"layer_batch={self.layer_batch} must be >= 1")
+        if self.chunking != "none" and isinstance(self.budget, float) and self.budget < 2 / self.chunk_size:
+            raise ValueError(f"budget={self.budget} is below 2/chunk_size={2 / self.chunk_size:.4f}: one entry per "
+                             f"{self.chunk_size}-token block would not fit; raise chunk_size or use chunking='none'")
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, *args: Any, **kwargs: Any) -> SemantiCache:
+        """``SemantiCache(*args, **kwargs)`` with the delimiter mask of ``tokenizer``."""
+        return cls(*args, **kwargs).with_tokenizer(tokenizer)
+
+    def with_tokenizer(self, tokenizer: Any) -> SemantiCache:
+        return self.replace(delimiter_mask=jnp.asarray(clustering.delimiter_mask(tokenizer)))
+
+    def bind(self, setup: Setup) -> SemantiCache:
+        if self.chunking == "delimiters" and self.delimiter_mask is None:
+            raise ValueError("SemantiCache(chunking='delimiters') needs the tokenizer's delimiter mask: build it with "
+                             "SemantiCache.from_tokenizer(tokenizer, ...) or call policy.with_tokenizer(tokenizer)")
+        T = setup.prompt_len
+        check_sinks_window(self.budget, self.sinks, self.window, T)
+        if T and self.chunking != "none" and budget_tokens(self.budget, T) < -(-T // self.chunk_size):
+            raise ValueError(f"budget={self.budget} keeps {budget_tokens(self.budget, T)} entries of a {T}-token "
+                             f"prompt, fewer than its {-(-T // self.chunk_size)} blocks of chunk_size="
+                             f"{self.chunk_size}")
+        if self.keys == "pre_rope":
+            return self.replace(inv_freq=tuple(float(f) for f in inverse_frequencies(setup.config)))
+        return self
+
+    @property
+    def name(self) -> str:
+        defaults = {f.name: f.default for f in dataclasses.fields(SemantiCache)}
+        shown = [f"{n}={getattr(self, n)!r}" for n in ("tau", "sinks", "window", "chunking", "chunk_size", "keys")
+                 if getattr(self, n) != defaults[n]]
+        return f"SemantiCache({', '.join([repr(self.budget), *shown])})"
+
+    @property
+    def threshold_mode(self) -> bool:
+        return self.tau is not None
+
+    def compressed_capacity(self, prompt_len: int, max_new_tokens: int, suffix_tokens: int = 0) -> int | None:
+        kept = budget_tokens(self.budget, prompt_len)
+        if kept >= prompt_len and not self.threshold_mode:
+            return None  # the budget covers the prompt: nothing merges (tau = 1 fits)
+        return kept + max_new_tokens
+
+    # -- compress -----------------------------------------------------------------------
+    def _width(self, T: int) -> int:
+        return T if self.chunking == "none" else min(self.chunk_size, T)
+
+    def layout(self, prompt: Prompt) -> tuple[jax.Array, ...]:
+        """``(forced, anchor, member, place, level)`` of each prompt slot (`clustering.chunk_layout`)
+        and each row's level (0 = the paper's layout; 1, 2 = the fallbacks) under this budget."""
+        return self._layout(prompt, row_budgets(self.budget, prompt.lengths), prompt.tokens.shape[1])
+
+    def _layout(self, prompt: Prompt, keep: jax.Array, T: int) -> tuple[jax.Array, ...]:
+        tokens = prompt.tokens[:, :T]
+        if self.chunking == "delimiters":
+            is_delim, levels = jnp.take(self.delimiter_mask, tokens, mode="fill", fill_value=False), (0, 1, 2)
+        else:
+            is_delim, levels = jnp.zeros(tokens.shape, bool), (2,)
+        return clustering.fitting_layout(is_delim, prompt.lengths, keep, self.sinks, self.window, self._width(T),
+                                         levels)
+
+    def compress(self, cache: KVCache, observations: Any, capacity: int, prompt: Prompt) -> KVCache:
+        if self.chunking == "delimiters" and self.delimiter_mask is None:
+            raise ValueError("SemantiCache needs the tokenizer's delimiter mask: SemantiCache.from_tokenizer(tok) "
+                             "or policy.with_tokenizer(tok)")
+        if self.keys == "pre_rope" and self.inv_freq is None:
+            raise ValueError("SemantiCache(keys='pre_rope') needs the RoPE frequencies: policy.bind(Setup(config)) "
+                             "first (generate and sparsekv eval do)")
+        T = prompt.tokens.shape[1]
+        keep = row_budgets(self.budget, prompt.lengths)
+        n_out = min(T, budget_tokens(self.budget, T))
+        forced, anchor, member, place, _ = self._layout(prompt, keep, T)
+        kept_as_is = forced | anchor  # [B, T]
+        search = not self.threshold_mode or n_out < T  # a cap that binds needs the search
+        top = 1.0 if self.tau is None else float(self.tau)
+        inv_freq = None if self.keys == "post_rope" else np.asarray(self.inv_freq)
+
+        def layer(xs):
+            k, v, pos = (x[:, :, :T] for x in xs)  # [B, H, T, D], [B, H, T]
+            content = k.astype(jnp.float32)
+            if inv_freq is not None:
+                content = clustering.rotate(content, -pos, inv_freq)
+            band = clustering.similarity_band(content, self._width(T))
+            if search:
+                back = clustering.largest_fitting_clustering(band, member, place, kept_as_is, keep, top,
+                                                             self.search_steps)
+            else:
+                back = clustering.greedy_seed_clustering(band, member, place, jnp.full((1,) + k.shape[:2], top))[0]
+            seed_of = jnp.where(member[:, None], jnp.arange(T) - back.astype(jnp.int32), -1)
+            return clustering.merge_clusters(k, v, pos, content, seed_of, kept_as_is, prompt.lengths, n_out, inv_freq)
+
+        layers = cache.layers
+        k, v, pos, bias, counts = jax.lax.map(layer, (layers.k, layers.v, layers.positions),
+                                              batch_size=min(self.layer_batch, layers.k.shape[0]))
+        return write_entries(cache, k, v, pos, bias, counts, capacity)

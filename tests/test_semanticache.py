@@ -1,0 +1,367 @@
+"""SemantiCache: chunking, GSC and merging against a plain-numpy reference (Algorithm 1 as loops),
+exactness where nothing merges, proportional attention of merged duplicates, budgets, composition
+with decode policies, the delimiter mask of SmolLM2's tokenizer, bad input."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparsekv_jax import attention
+from sparsekv_jax.backend import Backend
+from sparsekv_jax.cache import init_cache, pages_for, summarize_pages
+from sparsekv_jax.generate import generate, teacher_force
+from sparsekv_jax.models.config import ModelConfig
+from sparsekv_jax.models.params import random_params
+from sparsekv_jax.models.rope import inverse_frequencies
+from sparsekv_jax.policies import CHESS, Dense, Pipeline, Quest, SemantiCache, parse_policy
+from sparsekv_jax.policies.base import Prompt, Setup
+from sparsekv_jax.policies.common import budget_tokens, row_budgets
+
+CFG = ModelConfig(family="llama", vocab_size=23, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=16, intermediate_size=48, max_position_embeddings=512, eos_token_ids=(0,))
+DELIMS = (1, 2, 3)  # ids that are delimiters in the synthetic vocabulary
+MASK = np.isin(np.arange(CFG.vocab_size), DELIMS)
+INV_FREQ = inverse_frequencies(CFG)
+
+
+# -- the numpy reference --------------------------------------------------------------------------
+
+def rope(x: np.ndarray, pos) -> np.ndarray:
+    """RoPE (rotate-half layout) of ``x`` ``[..., D]`` by ``pos`` ``[...]`` in float64."""
+    ang = np.asarray(pos, np.float64)[..., None] * INV_FREQ
+    x1, x2 = np.split(np.asarray(x, np.float64), 2, axis=-1)
+    return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], -1)
+
+
+def ref_forced(n: int, keep: int, sinks: int, window: int, width: int) -> tuple[int, int]:
+    s = next(s for s in range(sinks, -1, -1) if s <= n and s + math.ceil((n - s) / width) <= keep or s == 0)
+    w = next(w for w in range(window, -1, -1) if w <= n - s and s + w + math.ceil((n - s - w) / width) <= keep
+             or w == 0)
+    return s, w
+
+
+def ref_chunks(delim: np.ndarray, n: int, s: int, w: int, level: int, width: int):
+    """``(kept-as-is slots, chunks as lists of slots)`` of one row, built token by token."""
+    kept = list(range(s)) + list(range(n - w, n))
+    chunks: list[list[int]] = []
+    current: list[int] = []
+
+    def close():
+        nonlocal current
+        if current:
+            chunks.append(current)
+        current = []
+
+    for t in range(s, n - w):
+        if level == 0 and delim[t]:
+            kept.append(t)
+            close()
+            continue
+        if level == 1 and current and delim[current[-1]] and not delim[t]:
+            close()
+        if level == 2 and (t - s) % width == 0:
+            close()
+        if len(current) == width:
+            close()
+        current.append(t)
+    close()
+    return sorted(kept), chunks
+
+
+def ref_gsc(chunk: list[int], cos, tau: float, margins: list[float]) -> list[list[int]]:
+    """Algorithm 1, literally."""
+    assigned, clusters = set(), []
+    for i, seed in enumerate(chunk):
+        if seed in assigned:
+            continue
+        cluster = [seed]
+        assigned.add(seed)
+        for j in chunk[i + 1:]:
+            if j not in assigned:
+                c = cos(seed, j)
+                margins.append(abs(c - tau))
+                if c > tau:
+                    cluster.append(j)
+                    assigned.add(j)
+        clusters.append(cluster)
+    return clusters
+
+
+def ref_compress(k, v, pos, tokens, lengths, pol: SemantiCache, margins: list[float]):
+    """``({(layer, row, head): the entries (position, log size, key, value) in order}, level per row)``."""
+    L, B, H, _, D = k.shape
+    T = tokens.shape[1]
+    width = T if pol.chunking == "none" else min(pol.chunk_size, T)
+    n_out = min(T, budget_tokens(pol.budget, T))
+    top = 1.0 if pol.tau is None else pol.tau
+    K = pol.search_steps
+    out, levels = {}, []
+    for b in range(B):
+        n = int(lengths[b])
+        keep = budget_tokens(pol.budget, n)
+        s, w = ref_forced(n, keep, pol.sinks, pol.window, width)
+        delim = MASK[tokens[b]] if pol.chunking == "delimiters" else np.zeros(T, bool)
+        order = (0, 1, 2) if pol.chunking == "delimiters" else (2,)
+        for level in order:
+            kept, chunks = ref_chunks(delim, n, s, w, level, width)
+            if len(kept) + len(chunks) <= keep or level == order[-1]:
+                break
+        levels.append(level)
+        for l in range(L):
+            for h in range(H):
+                stored = np.asarray(k[l, b, h], np.float64)
+                content = rope(stored, -np.asarray(pos[l, b, h])) if pol.keys == "pre_rope" else stored
+                unit = content / np.linalg.norm(content, axis=-1, keepdims=True)
+
+                def cos(i, j, unit=unit):
+                    return float(unit[i] @ unit[j])
+
+                def cluster_at(tau, chunks=chunks, cos=cos):
+                    return [c for ch in chunks for c in ref_gsc(ch, cos, tau, margins)]
+
+                if pol.tau is not None and n_out >= T:
+                    clusters = cluster_at(np.float32(top))
+                else:
+                    gaps = (top + 2.0) * np.geomspace(1e-4, 1.0, K - 1)  # the documented grid, in float32
+                    grid = np.concatenate([[top], top - gaps]).astype(np.float32)
+                    fits = [len(kept) + len(cluster_at(t)) <= keep for t in grid]
+                    k1 = fits.index(True)
+                    lo, hi = grid[k1], grid[max(k1 - 1, 0)]
+                    grid2 = [np.float32(hi + (lo - hi) * np.float32(j / K)) for j in range(1, K)] + [lo]
+                    clusters = next(c for c in map(cluster_at, grid2) if len(kept) + len(c) <= keep)
+                entries = []
+                for group in sorted([[t] for t in kept] + clusters):
+                    size = len(group)
+                    p = int(np.floor(np.mean([pos[l, b, h, t] for t in group]) + 0.5))
+                    if size == 1:
+                        key = stored[group[0]]
+                    else:
+                        key = content[group].mean(0)
+                        key = rope(key, p) if pol.keys == "pre_rope" else key
+                    entries.append((p, math.log(size), key, np.asarray(v[l, b, h, group], np.float64).mean(0)))
+                out[l, b, h] = entries
+    return out, levels
+
+
+# -- synthetic caches with planted clusters ----------------------------------------------------------
+
+def planted(seed: int, lengths, T: int, delim_rate: float, L: int = 2, H: int = 2):
+    """Prefilled cache whose pre-RoPE keys are noisy copies of a few directions per head."""
+    rng = np.random.default_rng(seed)
+    B, D = len(lengths), CFG.head_dim
+    centers = rng.normal(size=(L, B, H, 4, D))
+    group = rng.integers(0, 4, (L, B, H, T))
+    content = np.take_along_axis(centers, group[..., None], axis=3) + 0.3 * rng.normal(size=(L, B, H, T, D))
+    positions = np.broadcast_to(np.arange(T), (L, B, H, T))
+    keys = rope(content, positions).astype(np.float32)
+    values = rng.normal(size=(L, B, H, T, D)).astype(np.float32)
+    tokens = rng.integers(4, CFG.vocab_size, (B, T))
+    tokens[rng.uniform(size=(B, T)) < delim_rate] = rng.choice(DELIMS)
+    cfg = ModelConfig(**{**CFG.__dict__, "num_layers": L, "num_kv_heads": H, "num_heads": 2 * H})
+    cache = init_cache(cfg, B, T + 8, page_size=8, dtype=jnp.float32)
+    S = cache.capacity
+    pad = ((0, 0),) * 3 + ((0, S - T),)
+    ln = jnp.asarray(lengths, jnp.int32)
+    live = np.arange(S)[None, :] < np.asarray(lengths)[:, None]
+    pos = np.where(live[None, :, None], np.pad(positions, pad), -1)
+    layers = cache.layers.replace(k=jnp.asarray(np.pad(keys, pad + ((0, 0),))),
+                                  v=jnp.asarray(np.pad(values, pad + ((0, 0),))), positions=jnp.asarray(pos))
+    cache = cache.replace(layers=summarize_pages(layers, ln, 8), length=ln, next_position=ln)
+    return cache, keys, values, positions, tokens
+
+
+def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, delim_rate: float = 0.15):
+    pol = pol.replace(delimiter_mask=jnp.asarray(MASK)).bind(Setup(CFG, prompt_len=T))
+    for attempt in range(6):  # redraw when a cosine lies within rounding of a threshold
+        cache, keys, values, positions, tokens = planted(seed + attempt, lengths, T, delim_rate)
+        margins: list[float] = []
+        ref, levels = ref_compress(keys, values, positions, tokens, np.asarray(lengths), pol, margins)
+        if min(margins, default=1.0) > 2e-6:
+            break
+    else:
+        pytest.fail("no draw without near-ties")
+    cap = pol.compressed_capacity(T, 4)
+    prompt = Prompt(tokens=jnp.asarray(tokens, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32))
+    got = jax.jit(lambda c, p: pol.compress(c, None, cap, p))(cache, prompt)
+    assert np.asarray(pol.layout(prompt)[-1]).tolist() == levels
+    lay = jax.tree.map(np.asarray, got.layers)
+    L, B, H = lay.positions.shape[:3]
+    sizes = []
+    keep = row_budgets(pol.budget, jnp.asarray(lengths))
+    for (l, b, h), entries in ref.items():
+        n = len(entries)
+        assert n <= int(keep[b]), "the budget holds"
+        assert (lay.positions[l, b, h, :n] >= 0).all() and (lay.positions[l, b, h, n:] == -1).all(), (l, b, h)
+        np.testing.assert_array_equal(lay.positions[l, b, h, :n], [e[0] for e in entries])
+        np.testing.assert_allclose(lay.bias[l, b, h, :n], [e[1] for e in entries], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(lay.k[l, b, h, :n], np.stack([e[2] for e in entries]), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(lay.v[l, b, h, :n], np.stack([e[3] for e in entries]), rtol=1e-4, atol=1e-5)
+        assert np.isneginf(lay.bias[l, b, h, n:int(got.length[b])]).all()  # holes below the row's length
+        sizes.append(n)
+    assert [int(x) for x in got.length] == [max(len(ref[l, b, h]) for l in range(L) for h in range(H))
+                                            for b in range(B)]
+    return sizes, levels
+
+
+@pytest.mark.parametrize("pol, delim_rate", [
+    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4), 0.15),  # the paper's threshold mode
+    # budget mode; 40% delimiters: the paper's layout cannot fit 30%, rows fall back to coarser chunks
+    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5), 0.4),
+    (SemantiCache(0.5, tau=0.8, chunk_size=8, window=4, search_steps=5, chunking="fixed", keys="post_rope"), 0.15),
+    (SemantiCache(12, window=4, search_steps=5, chunking="none"), 0.15),
+], ids=["threshold", "budget-fallback", "capped-fixed-post_rope", "none"])
+def test_chunking_gsc_and_merging_equal_the_numpy_reference(pol, delim_rate):
+    sizes, levels = compare(pol, int(np.random.default_rng().integers(1 << 30)), delim_rate=delim_rate)
+    assert min(sizes) < 40  # clusters did merge
+    if delim_rate > 0.3:
+        assert max(levels) > 0  # the fallback was taken
+
+
+# -- through the model ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(CFG, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
+
+
+def _prompt(B: int = 2, T: int = 64):
+    rng = np.random.default_rng()
+    tokens = rng.integers(4, CFG.vocab_size, (B, T))
+    tokens[rng.uniform(size=(B, T)) < 0.15] = 1
+    return tokens, np.array([T, T - 17])[:B]
+
+
+def test_tau_above_every_similarity_is_full_attention(params):
+    """tau = 1: every cluster a singleton, kept bit for bit with bias log 1 = 0 (proportional
+    attention of singletons is plain attention): logits identical to full attention."""
+    tokens, lengths = _prompt()
+    forced = np.random.default_rng().integers(4, CFG.vocab_size, (2, 4))
+    pol = SemantiCache(1.0, tau=1.0, window=8).replace(delimiter_mask=jnp.asarray(MASK))
+    dense = teacher_force(params, Dense(), tokens, forced, lengths=lengths)[0]
+    got = teacher_force(params, pol, tokens, forced, lengths=lengths)[0]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(dense))
+
+
+def test_merged_duplicates_attend_like_the_originals():
+    """A chunk of n identical (key, value) pairs becomes one entry with bias log n whose attention
+    output equals the n copies', on both decode paths; without the bias it would not."""
+    rng = np.random.default_rng()
+    L, B, H, T, D = 1, 2, 2, 40, CFG.head_dim
+    runs = rng.integers(1, 6, (B, H, T))  # run lengths of duplicates, cut at the chunk boundaries below
+    keys, values = np.zeros((L, B, H, T, D), np.float32), np.zeros((L, B, H, T, D), np.float32)
+    for b in range(B):
+        for h in range(H):
+            t = 0
+            for r in runs[b, h]:
+                keys[0, b, h, t:t + r] = rng.normal(size=D)
+                values[0, b, h, t:t + r] = rng.normal(size=D)
+                t += r
+                if t >= T:
+                    break
+    cfg = ModelConfig(**{**CFG.__dict__, "num_layers": L})
+    cache = init_cache(cfg, B, T, page_size=8, dtype=jnp.float32)
+    ln = jnp.asarray([T, T], jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(T), (L, B, H, T))
+    cache = cache.replace(layers=summarize_pages(cache.layers.replace(k=jnp.asarray(keys), v=jnp.asarray(values),
+                                                                      positions=pos), ln, 8),
+                          length=ln, next_position=ln)
+    pol = SemantiCache(1.0, tau=0.999, sinks=0, window=0, chunking="none", keys="post_rope")
+    merged = pol.compress(cache, None, T, Prompt(jnp.zeros((B, T), jnp.int32), ln))
+    assert int(merged.length.max()) < T / 2 and float(merged.layers.bias.max()) > 1.0
+    q = jnp.asarray(rng.normal(size=(B, 4, D)), jnp.float32)
+    at = jnp.asarray([T + 3, T + 3])
+    for impl in ("jnp", "pallas"):
+        backend = Backend(decode_attention=impl)
+        ref = attention.decode(q, at, jax.tree.map(lambda x: x[0], cache.layers), cache.length, 8, None,
+                               backend=backend)[0]
+        got = attention.decode(q, at, jax.tree.map(lambda x: x[0], merged.layers), merged.length, 8, None,
+                               backend=backend)[0]
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-6)
+    unbiased = jax.tree.map(lambda x: x[0], merged.layers)
+    unbiased = unbiased.replace(bias=jnp.where(jnp.isneginf(unbiased.bias), -jnp.inf, 0.0))
+    plain = attention.decode(q, at, unbiased, merged.length, 8, None)[0]
+    assert not np.allclose(np.asarray(plain), np.asarray(ref), atol=1e-3)
+
+
+def test_budget_is_never_exceeded_and_memory_is_the_kept_count(params):
+    """Per (layer, row, KV head) at most the row's budget; the cache holds the largest kept count
+    plus the tokens to come, nothing more. Nothing is observed, so chunked prefill is accepted."""
+    assert not SemantiCache().needs_whole_prefill and not SemantiCache().needs_observations
+    tokens, lengths = _prompt(T=96)
+    tokens[1, 20:60] = 1  # a delimiter-dense stretch
+    new, budget = 5, 0.2
+    pol = SemantiCache(budget, window=8).replace(delimiter_mask=jnp.asarray(MASK))
+    out = generate(params, pol, tokens, lengths=lengths, max_new_tokens=new, stop_tokens=(), page_size=8,
+                   prefill_chunk=32)
+    keep = np.asarray([budget_tokens(budget, int(n)) for n in lengths])
+    pos = np.asarray(out.cache.layers.positions)
+    prompt_entries = ((pos >= 0) & (pos < lengths[None, :, None, None])).sum(-1)  # [L, B, H]
+    assert (prompt_entries <= keep[None, :, None]).all()
+    assert (prompt_entries.max((0, 2)) >= 0.9 * keep).all()  # and the search uses the budget
+    cap = pages_for(budget_tokens(budget, 96) + new, 8) * 8
+    L, B, H, D = CFG.num_layers, 2, CFG.num_kv_heads, CFG.head_dim
+    assert out.cache.capacity == cap
+    assert out.cache.kv_nbytes() == 2 * L * B * H * cap * D * 4
+    np.testing.assert_array_equal(np.asarray(out.cache.length) - (new - 1), prompt_entries.max((0, 2)))
+    stored = np.asarray(out.stats["kv_stored_fraction"])
+    np.testing.assert_allclose(stored * lengths, prompt_entries.mean((0, 2)), rtol=1e-5)
+
+
+def test_composes_with_quest_and_chess(params):
+    """Merged caches through the decode policies: a covering CHESS changes nothing (it reads every
+    page; the kernel path applies the biases, `test_merged_duplicates_attend_like_the_originals`);
+    Quest at its budget runs on the merged cache and reads fewer pages. (tests/test_contract.py
+    runs every compress x decode pair at the defaults.)"""
+    tokens, lengths = _prompt(T=96)
+    forced = np.random.default_rng().integers(4, CFG.vocab_size, (2, 4))
+    sc = SemantiCache(0.35, window=8).replace(delimiter_mask=jnp.asarray(MASK))
+    alone = np.asarray(teacher_force(params, sc, tokens, forced, lengths=lengths, page_size=8)[0])
+    got = teacher_force(params, Pipeline(compress=sc, decode=CHESS.covering()), tokens, forced, lengths=lengths,
+                        page_size=8)[0]
+    np.testing.assert_array_equal(np.asarray(got), alone)
+    out = generate(params, Pipeline(compress=sc, decode=Quest(0.2, page_size=8, dense_layers=0)), tokens,
+                   lengths=lengths, max_new_tokens=4, stop_tokens=(), page_size=8)
+    assert (np.asarray(out.num_generated) == 4).all() and (np.asarray(out.stats["kv_read_fraction"]) < 1).all()
+
+
+# -- the tokenizer, specs, bad input -------------------------------------------------------------
+
+def test_delimiter_mask_of_smollm2(smol):
+    tok = smol[2]
+    pol = SemantiCache.from_tokenizer(tok, 0.2)
+    mask = np.asarray(pol.delimiter_mask)
+    assert mask.shape == (len(tok),)
+
+    def ids(text):
+        return tok.encode(text, add_special_tokens=False)
+
+    for text in (".", ",", ":", ";", "?", "!", "\n", " ", "\t"):
+        assert all(mask[i] for i in ids(text)), text
+    for text in ("The", " the", " green", "1", "-", "<|im_start|>"):
+        assert not any(mask[i] for i in ids(text)), text
+    sentence = ids("The grass is green. Here: 12, go!\n")
+    assert [tok.decode([i]) for i in sentence if mask[i]] == [".", ":", " ", ",", "!", "\n"]
+
+
+def test_spec_and_bad_settings():
+    pol = parse_policy("semanticache(0.2, chunking='fixed', tau=0.7)")
+    assert isinstance(pol, SemantiCache) and pol.budget == 0.2 and pol.tau == 0.7 and pol.chunking == "fixed"
+    for kwargs, match in [(dict(tau=1.5), "tau=1.5"), (dict(chunking="words"), "chunking='words'"),
+                          (dict(keys="both"), "keys='both'"), (dict(budget=0.01), "budget=0.01"),
+                          (dict(budget=10, window=32), "window=32"), (dict(chunk_size=1), "chunk_size=1")]:
+        with pytest.raises(ValueError, match=match):
+            SemantiCache(**kwargs)
+
+
+def test_without_a_tokenizer_generate_says_what_to_call(params):
+    tokens, lengths = _prompt()
+    with pytest.raises(ValueError, match="with_tokenizer"):
+        generate(params, SemantiCache(0.5, window=8), tokens, lengths=lengths, max_new_tokens=2)
+    with pytest.raises(ValueError, match="with_tokenizer"):
+        generate(params, Pipeline(compress=SemantiCache(0.5, window=8), decode=Quest(0.5)), tokens, lengths=lengths,
+                 max_new_tokens=2)
