@@ -74,7 +74,7 @@ def resolve_policies(specs: list[str], budget: float, tokenizer: Any) -> tuple[l
             continue
         policy = parse_policy(text).with_tokenizer(tokenizer)
         budget_field = getattr(policy, "budget", None)
-        label = policy.name if budget_field is None else f"{policy.name}({budget_field:g})"
+        label = policy.name if budget_field is None or "(" in policy.name else f"{policy.name}({budget_field:g})"
         out.append((label, policy))
     return out, notes
 
