@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(BIN)/python -m sparsekv_jax.demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check sparsekv_jax tests
+	$(BIN)/ruff check sparsekv_jax tests scripts notebooks
 
 test: $(STAMP) $(PEER)/.installed lint
 	$(BIN)/python -m pytest -q --durations=15 tests

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from sparsekv_jax.backend import Backend, on_gpu
 from sparsekv_jax.cache import layer_view
 
-__all__ = ["Backend", "cached_attention", "decode", "dense_causal_attention", "on_gpu", "prefill"]
+__all__ = ["Backend", "blocked_causal_attention", "cached_attention", "decode", "dense_causal_attention", "on_gpu",
+           "prefill"]
 
 NEG_INF = -1e30  # finite: a fully masked row gives zeros, never NaN
 
@@ -29,14 +30,82 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                            implementation: str | None = None) -> jax.Array:
     """Causal self-attention within one chunk that starts at slot 0.
 
-    ``q`` ``[B, T, Hq, D]``, ``k``/``v`` ``[B, T, Hkv, D]`` → ``[B, T, Hq, D]``. cuDNN on the
-    GPU for bf16/fp16 (the strongest dense baseline), XLA otherwise.
+    ``q`` ``[B, T, Hq, D]``, ``k``/``v`` ``[B, T, Hkv, D]`` → ``[B, T, Hq, D]``.
+    ``implementation``: ``"cudnn"``, ``"xla"`` (`jax.nn.dot_product_attention`), ``"blocked"``
+    (`blocked_causal_attention`) or ``None``/``"auto"``: cuDNN on the GPU for bf16/fp16 (the strongest
+    dense baseline), ``"blocked"`` on the CPU for prompts longer than one block, XLA otherwise.
     """
-    if implementation is None:
-        implementation = "cudnn" if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
+    if implementation in (None, "auto"):
+        if on_gpu():
+            implementation = "cudnn" if q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
+        else:
+            implementation = "blocked" if q.shape[1] > PREFILL_BLOCK else "xla"
+    if implementation == "blocked":
+        return blocked_causal_attention(q, k, v, sliding_window=sliding_window)
     window = None if sliding_window is None else (sliding_window - 1, 0)
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window,
                                         implementation=implementation)
+
+
+PREFILL_BLOCK = 256  # query/key block of the CPU prefill: a [G*256, 256] fp32 score tile stays in L2
+
+
+def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = PREFILL_BLOCK,
+                             sliding_window: int | None = None) -> jax.Array:
+    """Causal attention as a loop over key blocks with an online softmax (flash-style), for the CPU.
+
+    XLA:CPU's `dot_product_attention` materialises the ``[B, Hq, T, T]`` fp32 scores and reads them
+    back several times (mask, max, exp, sum, divide): at T = 4k that is 0.6 GB per layer, far out of
+    cache, and it also computes the masked upper triangle. Here each query block visits only the
+    key blocks at or before it (inside the sliding window, if any) and the ``[G*block, block]`` tile
+    of scores stays in cache (SmolLM2's prefill at 4k on a CPU: docs/BENCHMARKS.md, "CPU speed
+    against transformers"). Same shapes and semantics as
+    `dense_causal_attention` (GQA grouped, no repeated keys); fp32 accumulation. The inner loop has
+    a data-dependent trip count, so it is not reverse-differentiable (nothing here differentiates
+    through attention).
+    """
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    n = -(-T // block)
+    pad = ((0, 0), (0, n * block - T), (0, 0), (0, 0))  # padded keys sit after every real query
+    scale = 1.0 / float(D) ** 0.5
+    # [n, B, Hkv, G*block, D]: a query block's G heads of one KV head as one matrix
+    qb = jnp.pad(q, pad).reshape(B, n, block, Hkv, G, D).transpose(1, 0, 3, 4, 2, 5).reshape(n, B, Hkv, G * block, D)
+    kb = jnp.pad(k, pad).reshape(B, n, block, Hkv, D).transpose(1, 0, 3, 2, 4)  # [n, B, Hkv, block, D]
+    vb = jnp.pad(v, pad).reshape(B, n, block, Hkv, D).transpose(1, 0, 3, 2, 4)
+    q_off = jnp.tile(jnp.arange(block), G)[:, None]  # each row's query position within its block
+    k_off = jnp.arange(block)[None, :]
+
+    def query_block(_, xs):
+        qi, i = xs
+        qi = qi.astype(k.dtype)
+
+        def key_block(j, carry):
+            m, l, acc = carry
+            kj = jax.lax.dynamic_index_in_dim(kb, j, keepdims=False)
+            vj = jax.lax.dynamic_index_in_dim(vb, j, keepdims=False)
+            s = jnp.einsum("bhqd,bhkd->bhqk", qi, kj, preferred_element_type=jnp.float32) * scale
+            delta = (i - j) * block + q_off - k_off  # query position - key position
+            visible = delta >= 0
+            if sliding_window is not None:
+                visible = visible & (delta < sliding_window)
+            s = jnp.where(visible, s, NEG_INF)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            rescale = jnp.exp(m - m_new)
+            pv = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
+            return m_new, l * rescale + p.sum(-1), acc * rescale[..., None] + pv
+
+        first = 0 if sliding_window is None else jnp.maximum(0, (i * block - sliding_window + 1) // block)
+        init = (jnp.full((B, Hkv, G * block), NEG_INF, jnp.float32), jnp.zeros((B, Hkv, G * block), jnp.float32),
+                jnp.zeros((B, Hkv, G * block, D), jnp.float32))
+        _, l, acc = jax.lax.fori_loop(first, i + 1, key_block, init)
+        return None, (acc / l[..., None]).astype(q.dtype)  # every query sees itself: l > 0
+
+    _, out = jax.lax.scan(query_block, None, (qb, jnp.arange(n)))
+    out = out.reshape(n, B, Hkv, G, block, D).transpose(1, 0, 4, 2, 3, 5).reshape(B, n * block, Hq, D)
+    return out[:, :T]
 
 
 def _grouped(q: jax.Array, num_kv_heads: int) -> jax.Array:
@@ -105,9 +174,9 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, pattern, *,
     ``pattern`` is ``None`` (dense causal) or ``(block_ids, block_counts, block_size)``;
     ``backend.sparse_prefill`` picks the Pallas kernel or the jnp path for a pattern.
     """
-    if pattern is None:
-        return dense_causal_attention(q, k, v, sliding_window=sliding_window)
     backend = _resolved(backend)
+    if pattern is None:
+        return dense_causal_attention(q, k, v, sliding_window=sliding_window, implementation=backend.dense_prefill)
     block_ids, block_counts, block_size = pattern
     B, T = q.shape[:2]
     if backend.sparse_prefill == "pallas":

@@ -24,6 +24,7 @@ __all__ = ["Backend", "on_gpu"]
 
 _IMPLS = ("auto", "pallas", "jnp")
 _MATMULS = ("auto", "xla", "pallas")
+_DENSE = ("auto", "xla", "cudnn", "blocked")
 _WEIGHT_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
@@ -45,8 +46,14 @@ class Backend:
     Attributes:
       decode_attention: page-sparse decode attention: ``"pallas"`` (the kernel of
         `sparsekv_jax.pallas.decode`), ``"jnp"`` (its reference path) or ``"auto"``.
+      dense_prefill: dense prefill attention: ``"cudnn"``, ``"xla"`` (`jax.nn.dot_product_attention`),
+        ``"blocked"`` (`attention.blocked_causal_attention`, a flash-style loop over key blocks in jnp) or
+        ``"auto"`` = cuDNN on a GPU for bf16/fp16, blocked on a CPU past one block (XLA:CPU's attention
+        materialises the full score matrix; docs/BENCHMARKS.md, "CPU speed against transformers"), XLA
+        otherwise. Left ``"auto"`` by `resolve`: the choice depends on the dtype and length, which
+        `attention` sees.
       sparse_prefill: block-sparse prefill attention (a policy's prefill pattern): the same choice
-        for `sparsekv_jax.pallas.prefill`. Dense prefill is cuDNN on a GPU, XLA elsewhere.
+        for `sparsekv_jax.pallas.prefill`.
       decode_carry: carry the whole cache through the decode layer scan (in-place writes; the
         kernel reads the layer by index) instead of scanning it as xs/ys. ``"auto"`` = on a GPU
         (XLA:CPU does not update a carried stack in place: decode ran 2x slower).
@@ -64,6 +71,7 @@ class Backend:
     """
 
     decode_attention: str = "auto"
+    dense_prefill: str = "auto"
     sparse_prefill: str = "auto"
     decode_carry: bool | str = "auto"
     decode_matmul: str = dataclasses.field(default_factory=_env_decode_matmul)
@@ -76,6 +84,8 @@ class Backend:
         for name in ("decode_attention", "sparse_prefill", "page_sums"):
             if getattr(self, name) not in _IMPLS:
                 raise ValueError(f"Backend {name}={getattr(self, name)!r}: expected one of {_IMPLS}")
+        if self.dense_prefill not in _DENSE:
+            raise ValueError(f"Backend dense_prefill={self.dense_prefill!r}: expected one of {_DENSE}")
         if self.decode_matmul not in _MATMULS:
             raise ValueError(f"Backend decode_matmul={self.decode_matmul!r}: expected one of {_MATMULS}")
         if self.decode_carry not in ("auto", True, False):

@@ -111,9 +111,9 @@ def _observers(policy: Policy) -> dict[str, Policy]:
     return out
 
 
-def _unique(observers: dict[str, Policy]) -> dict[str, str]:
-    """``{stage: stage whose observation it shares}`` (the same policy observes once)."""
-    first: dict[str, str] = {}
+def _unique(observers: dict[Any, Policy]) -> dict[Any, Any]:
+    """``{key: key whose observation it shares}`` (the same policy observes once)."""
+    first: dict[Any, Any] = {}
     for name, pol in observers.items():
         same = [n for n in first.values() if observers[n] is pol or (
             type(observers[n]) is type(pol) and not jax.tree.leaves(pol) and observers[n] == pol)]
@@ -132,13 +132,44 @@ def prefill(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Arra
     policies that need the whole prompt in one pass are refused before jit); ``None`` runs it in one
     pass with dense (cuDNN on the GPU) or the prefill stage's block-sparse attention.
     """
+    return _prefill(params, policy.stage("prefill"), _observers(policy), tokens, lengths, cache, chunk=chunk,
+                    question_start=question_start, backend=backend)
+
+
+def prefill_shared(params: Params, policies: list[Policy], tokens: jax.Array, lengths: jax.Array, cache: KVCache,
+                   *, chunk: int | None = None, question_start: jax.Array | None = None,
+                   backend: Backend | None = None):
+    """One dense prefill serving several policies, each observing what it needs during it.
+
+    Prefill and compression are separate stages: policies whose prefill is dense (no prefill pattern)
+    see the same prefill cache, so comparing several of them needs the prompt's forward pass once
+    (`sparsekv_jax.demo` does). The observers of every policy (its compress and decode stages that
+    ``needs_observations``) observe in that one pass; an observer equal to another policy's observes
+    once. Returns ``(logits, cache, [observations of each policy], block_fraction)``: ``observations[i]``
+    is what `prefill` would return for ``policies[i]``; hand it to `compress_prefilled` (which leaves
+    ``cache`` as it is: each policy compresses its own copy).
+    """
+    bad = [p.name for p in policies if type(p.stage("prefill")) is not Dense or type(p.stage("context")) is not Dense]
+    if bad:
+        raise ValueError(f"prefill_shared: {', '.join(bad)} have a prefill pattern or a context stage of their own; "
+                         "prefill them with `prefill`")
+    observers = {(i, stage): pol for i, p in enumerate(policies) for stage, pol in _observers(p).items()}
+    logits, cache, seen, block_fraction = _prefill(params, Dense(), observers, tokens, lengths, cache,
+                                                   chunk=chunk, question_start=question_start, backend=backend)
+    per_policy = [{stage: obs for (j, stage), obs in seen.items() if j == i} for i in range(len(policies))]
+    return logits, cache, per_policy, block_fraction
+
+
+def _prefill(params: Params, pattern_stage: Policy, observers: dict[Any, Policy], tokens: jax.Array,
+             lengths: jax.Array, cache: KVCache, *, chunk: int | None, question_start: jax.Array | None,
+             backend: Backend | None):
+    """`prefill` with ``pattern_stage`` choosing the attention pattern and each of ``observers``
+    (``{key: policy}``) observing; returns the observations keyed like ``observers``."""
     backend = (Backend() if backend is None else backend)
     backend = backend if backend.resolved else backend.resolve(params)
     cfg = params.config
     B, T = tokens.shape
     window = cfg.sliding_window
-    pattern_stage = policy.stage("prefill")
-    observers = _observers(policy)
     shares = _unique(observers)
     observing = {n: observers[n] for n in dict.fromkeys(shares.values())}
 
@@ -151,7 +182,7 @@ def prefill(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Arra
             out = attention.prefill(q, k, v, pattern, sliding_window=window, backend=backend)
             kv = write_chunk(kv, _transpose_heads(k), _transpose_heads(v), 0, positions)
             fraction = jnp.float32(1.0) if pattern is None else attention.block_fraction(pattern, T)
-            seen = {n: p.observe(q, k, v, hidden, idx, prompt) for n, p in observing.items()}
+            seen = [p.observe(q, k, v, hidden, idx, prompt) for p in observing.values()]
             return out, kv, (seen, fraction)
 
         hidden, layers, (seen, fractions) = forward(params, tokens, positions, cache.layers, attend,
@@ -178,7 +209,7 @@ def prefill(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Arra
                 out = attention.cached_attention(
                     _transpose_heads(q), kv.k, kv.v, positions, kv.positions, slot_ok,
                     bias=None, sliding_window=window)
-                seen = {n: p.observe(q, k, v, hidden, idx, prompt) for n, p in observing.items()}
+                seen = [p.observe(q, k, v, hidden, idx, prompt) for p in observing.values()]
                 return _transpose_heads(out), kv, seen
 
             hidden, layers, seen = forward(params, chunk_tokens, positions, layers, attend,
@@ -188,6 +219,7 @@ def prefill(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Arra
         layers, (hiddens, seen) = jax.lax.scan(run_chunk, cache.layers, (chunks, jnp.arange(n_chunks)))
         hidden = hiddens.transpose(1, 0, 2, 3).reshape(B, n_chunks * chunk, -1)[:, :T]
         block_fraction = jnp.float32(1.0)
+    seen = dict(zip(observing, seen, strict=True))  # (a list inside jit: keys may be tuples, not pytree-sortable)
     observations = {n: seen[shares[n]] for n in observers}
     last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     logits = logits_from_hidden(params, last_hidden)
@@ -312,13 +344,26 @@ def prepare(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Arra
     ``prompt_lengths`` the user's prompt lengths before a context stage rewrote it (stats are
     fractions of those). Returns ``(logits [B, V], cache, state, stats)``.
     """
-    B, T = tokens.shape
     backend = (Backend() if backend is None else backend)
     backend = backend if backend.resolved else backend.resolve(params)
-    cache = init_cache(params.config, B, capacity, page_size=page_size, dtype=params.dtype)
+    cache = init_cache(params.config, tokens.shape[0], capacity, page_size=page_size, dtype=params.dtype)
     logits, cache, observations, block_fraction = prefill(params, policy, tokens, lengths, cache,
                                                           chunk=prefill_chunk, question_start=question_start,
                                                           backend=backend)
+    return compress_prefilled(params, policy, logits, cache, observations, block_fraction, tokens, lengths, suffix,
+                              suffix_lengths, extra_tokens=extra_tokens, question_start=question_start,
+                              prompt_lengths=prompt_lengths)
+
+
+def compress_prefilled(params: Params, policy: Policy, logits: jax.Array, cache: KVCache, observations: dict,
+                       block_fraction: jax.Array, tokens: jax.Array, lengths: jax.Array, suffix: jax.Array | None,
+                       suffix_lengths: jax.Array | None, *, extra_tokens: int,
+                       question_start: jax.Array | None = None, prompt_lengths: jax.Array | None = None):
+    """What `prepare` does after the prefill: compress (a new, smaller cache: the prefill ``cache``
+    is left as it is), read the suffix, set up the decode state. ``logits``, ``cache``,
+    ``observations`` and ``block_fraction`` come from `prefill` (or `prefill_shared`) of ``policy``.
+    Returns ``(logits [B, V], cache, state, stats)``."""
+    T = tokens.shape[1]
     tq = 0 if suffix is None else suffix.shape[1]
     squeezer = policy.stage("compress")
     compressed = squeezer.compressed_capacity(T, extra_tokens + tq, suffix_tokens=tq)
