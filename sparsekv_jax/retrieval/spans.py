@@ -7,7 +7,8 @@ All host-side numpy over one row's context (at most a few dozen spans per source
   "variable-length spans cut at natural semantic boundaries").
 * `passages`: whole sentences packed greedily into passages of at most ``size`` tokens (a longer
   sentence is cut into ``size`` pieces): the units BM25 and dense RAG rank.
-* `assemble`: the lead and tail tokens first, then the sources' spans round-robin in rank order
+* `assemble`: the lead and tail tokens first (scaled down to a quarter of the budget when they
+  would take more), then the sources' spans round-robin in rank order
   (S³ #1, BM25 #1, S³ #2, ...: the union of Eq. 8 under a budget) until ``budget`` tokens are
   kept; the span that would overflow keeps its tokens nearest its centre.
 * `gather_prompt`: kept context tokens in their original order, then the question.
@@ -80,9 +81,9 @@ def assemble(length: int, budget: int, lead: int, tail: int, sources: Sequence[S
     if budget >= length:
         kept[:] = True
         return kept
-    lead = min(lead, budget)
+    if lead + tail > budget // 4:  # the positional prior takes at most a quarter of the budget
+        lead, tail = lead * (budget // 4) // (lead + tail), tail * (budget // 4) // (lead + tail)
     kept[:lead] = True
-    tail = min(tail, budget - lead)
     if tail:
         kept[length - tail:] = True
     room = budget - int(kept.sum())
