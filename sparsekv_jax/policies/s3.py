@@ -69,8 +69,10 @@ class ContextRetrieval(Policy):
         qs = np.asarray(question_start, np.int32)
         return qs, lengths - qs
 
-    def context(self, params: Any, tokens: np.ndarray, lengths: np.ndarray,
-                question_start: np.ndarray | None) -> ContextResult:
+    def context(self, params: Any, tokens: np.ndarray, lengths: np.ndarray, question_start: np.ndarray | None,
+                *, scan: Any = None) -> ContextResult:
+        """The rewritten prompt (see the module docstring). ``scan``: an S³ `ScanResult` of these rows
+        to reuse (ablations score one scan several ways); other rankers ignore it."""
         if isinstance(self.budget, bool) or self.budget <= 0:
             raise ValueError(f"{self.name} budget={self.budget!r} must be a positive count or fraction")
         ctx, ql = self.split(lengths, question_start)
@@ -81,7 +83,7 @@ class ContextRetrieval(Policy):
         if self.codec is None:
             raise ValueError(f"{self.name} needs a tokenizer: call policy.with_tokenizer(tokenizer) first")
         t0 = time.perf_counter()
-        sources, seconds = self.rank(params, tokens, ctx, ql, budgets)
+        sources, seconds = self.rank(params, tokens, ctx, ql, budgets, scan=scan)
         t1 = time.perf_counter()
         rows, kept_n = [], []
         for b in range(tokens.shape[0]):
@@ -94,8 +96,8 @@ class ContextRetrieval(Policy):
         info.update(kept_tokens=np.array(kept_n), spans=per_source, seconds=seconds)
         return ContextResult(new, new_lengths, np.array(kept_n, np.int32), info)
 
-    def rank(self, params: Any, tokens: np.ndarray, ctx: np.ndarray, ql: np.ndarray,
-             budgets: np.ndarray) -> tuple[list[list[list[spans.Span]]], dict[str, float]]:
+    def rank(self, params: Any, tokens: np.ndarray, ctx: np.ndarray, ql: np.ndarray, budgets: np.ndarray,
+             scan: Any = None) -> tuple[list[list[list[spans.Span]]], dict[str, float]]:
         """``(sources, seconds)``: per source, per row, its spans in rank order."""
         raise NotImplementedError
 
@@ -120,7 +122,7 @@ class BM25Retrieval(ContextRetrieval):
 
     passage: int = struct.field(pytree_node=False, default=64)
 
-    def rank(self, params, tokens, ctx, ql, budgets):
+    def rank(self, params, tokens, ctx, ql, budgets, scan=None):
         t0 = time.perf_counter()
         # alone, BM25 fills the budget (passages without a query term last, in context order)
         ranking = self.passage_ranking(tokens, ctx, ql, self.passage, rankers.bm25_scores, positive_only=False)
@@ -133,7 +135,7 @@ class DenseRAG(ContextRetrieval):
 
     passage: int = struct.field(pytree_node=False, default=256)
 
-    def rank(self, params, tokens, ctx, ql, budgets):
+    def rank(self, params, tokens, ctx, ql, budgets, scan=None):
         t0 = time.perf_counter()
         ranking = self.passage_ranking(tokens, ctx, ql, self.passage, rankers.dense_scores, positive_only=False)
         return [ranking], {"dense": time.perf_counter() - t0}
@@ -215,11 +217,11 @@ class S3Pure(ContextRetrieval):
         return [spans.sentence_spans(centres[b], self.codec.ends(tokens[b, : ctx[b]]), int(half[b]), self.max_extend)
                 for b in range(len(ctx))]
 
-    def rank(self, params, tokens, ctx, ql, budgets):
-        result = self.scan(params, tokens, ctx, ql)
+    def rank(self, params, tokens, ctx, ql, budgets, scan=None):
+        result = self.scan(params, tokens, ctx, ql) if scan is None else scan
         t0 = time.perf_counter()
         ranking = self.s3_spans(result, tokens, ctx, budgets)
-        return [ranking], {**result.seconds, "score": time.perf_counter() - t0}
+        return [ranking], {**(result.seconds if scan is None else {}), "score": time.perf_counter() - t0}
 
 
 @struct.dataclass
@@ -228,8 +230,8 @@ class S3Hybrid(S3Pure):
 
     passage: int = struct.field(pytree_node=False, default=64)
 
-    def rank(self, params, tokens, ctx, ql, budgets):
-        (s3,), seconds = S3Pure.rank(self, params, tokens, ctx, ql, budgets)
+    def rank(self, params, tokens, ctx, ql, budgets, scan=None):
+        (s3,), seconds = S3Pure.rank(self, params, tokens, ctx, ql, budgets, scan)
         t0 = time.perf_counter()
         bm25 = self.passage_ranking(tokens, ctx, ql, self.passage, rankers.bm25_scores)
         return [s3, bm25], {**seconds, "bm25": time.perf_counter() - t0}

@@ -117,16 +117,17 @@ def _roll(old: jax.Array, new: jax.Array, first: jax.Array, used: jax.Array, sin
     return jnp.concatenate([sink, win], 1)
 
 
-@partial(jax.jit, static_argnames=("layers", "scan", "queries"))
+@partial(jax.jit, static_argnames=("layers", "scan", "queries", "return_keys"))
 def scan_step(params: Params, saes: TopKSAE, carry: dict[str, jax.Array], tokens: jax.Array,
               positions: jax.Array, limit: jax.Array, *, layers: tuple[int, ...], scan: ScanConfig,
-              queries: bool = False):
+              queries: bool = False, return_keys: bool = False):
     """One chunk ``tokens`` ``[B, C]`` at ``positions`` ``[B, C]`` through the model.
 
     Context chunk (``queries=False``): returns ``(carry, postings [n, B, C·k], counts [n, B, W])``
     (`chunk_postings`; positions ``>= limit [B]`` are not indexed). Question chunk
     (``queries=True``): returns ``[n, B, W]`` fp32, the question tokens' summed feature activations
-    (tokens at positions ``>= limit`` do not count).
+    (tokens at positions ``>= limit`` do not count). ``return_keys`` (context chunks) also returns
+    the chunk's pre-RoPE keys ``[n, B, C, Hkv, D]`` (analysis).
     """
     cfg = params.config
     B, C = tokens.shape
@@ -170,7 +171,10 @@ def scan_step(params: Params, saes: TopKSAE, carry: dict[str, jax.Array], tokens
 
     (_, store), (ks, vs) = jax.lax.scan(layer, (embed(params, tokens), store0),
                                         (params.layers, jnp.arange(cfg.num_layers), carry["k"], carry["v"]))
-    ids, acts = stacked_token_features(saes, store, saes.k, scan.features)  # [n, B, C, k]
+    if return_keys:  # analysis (docs/S3.md's agreement with full-context keys): the chunk's pre-RoPE keys
+        store = {"keys": store}
+    keys = store["keys"] if return_keys else store
+    ids, acts = stacked_token_features(saes, keys, saes.k, scan.features)  # [n, B, C, k]
     if queries:
         live = (positions < limit[:, None])[None, :, :, None]
         flat_ids, flat_acts = ids.reshape(n, B, -1), jnp.where(live, acts, 0.0).reshape(n, B, -1)
@@ -183,6 +187,8 @@ def scan_step(params: Params, saes: TopKSAE, carry: dict[str, jax.Array], tokens
                                                            new_pos[:, scan.sinks:]))  # the sinks hold those
         carry = {"k": ks, "v": vs, "pos": new_pos}
     postings, counts = chunk_postings(ids, acts, positions, limit, saes.width)
+    if return_keys:
+        return carry, postings, counts, keys
     return carry, postings, counts
 
 
