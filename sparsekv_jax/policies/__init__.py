@@ -4,6 +4,7 @@ See `base.Policy` for the stages and `spec` for naming policies on the command l
 """
 
 from sparsekv_jax.policies.base import ContextResult, Dense, FullKV, Policy, Prompt, Setup
+from sparsekv_jax.policies.bser import BSER
 from sparsekv_jax.policies.chess import CHESS
 from sparsekv_jax.policies.h2o import H2O
 from sparsekv_jax.policies.pipeline import Pipeline
@@ -17,10 +18,10 @@ from sparsekv_jax.policies.streaming_llm import StreamingLLM
 
 for _name, _factory in (("fullkv", FullKV), ("dense", Dense), ("streamingllm", StreamingLLM),
                         ("streaming_llm", StreamingLLM), ("snapkv", SnapKV), ("h2o", H2O), ("quest", Quest),
-                        ("pipeline", Pipeline), ("stem", Stem), ("chess", CHESS.from_spec),
+                        ("pipeline", Pipeline), ("stem", Stem), ("chess", CHESS.from_spec), ("bser", BSER),
                         ("s3pure", S3Pure), ("s3hybrid", S3Hybrid), ("bm25", BM25Retrieval), ("rag", DenseRAG)):
     register(_name, _factory)
 
-__all__ = ["BM25Retrieval", "CHESS", "H2O", "ContextResult", "Dense", "DenseRAG", "FullKV", "Pipeline", "Policy",
-           "Prompt", "Quest", "S3Hybrid", "S3Pure", "ScoredCompression", "Setup", "SnapKV", "Stem", "StreamingLLM",
-           "parse_policies", "parse_policy", "register"]
+__all__ = ["BM25Retrieval", "BSER", "CHESS", "H2O", "ContextResult", "Dense", "DenseRAG", "FullKV", "Pipeline",
+           "Policy", "Prompt", "Quest", "S3Hybrid", "S3Pure", "ScoredCompression", "Setup", "SnapKV", "Stem",
+           "StreamingLLM", "parse_policies", "parse_policy", "register"]

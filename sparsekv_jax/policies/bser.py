@@ -1,0 +1,326 @@
+"""BSER (Block-aware Semantic Efficient Retention): question-guided block probing, (α, β) gating and
+local expansion, as a question-aware compressor after one prefill pass (docs/BSER.md: ablations).
+
+* **Stage I.** The context (the prompt before ``question_start``) is cut into blocks of
+  ``block_size`` tokens from position 0 (paper: 128; default 64 for SmolLM2-sized models, whose
+  8k window holds 64 blocks at 4k: a needle-sized span is less diluted in 64 tokens).
+* **Stage II.** The question ``Q``: the last ``min(m, max_question)`` tokens from
+  ``question_start`` on. Without a split (``question_start=None``, or an empty question) the last
+  ``tail`` prompt tokens stand in for it — a *fallback*: question-agnostic, the real question is
+  not in the prompt. In the top ``probe_layers`` layers the question's queries attend to every key
+  (their causal softmax rows, 16 queries at a time: ``[16, T]`` scores, never ``[T, T]``),
+  averaged over those layers, all query heads and the question: ``ā`` (Eq. 3, 4). Salience ``w``
+  in each block (Eq. 4): ``"attention"`` (default) = ``ā`` renormalised in the block, i.e. the
+  softmax of log-attention; ``"softmax"`` = the softmax of ``ā`` itself, as Eq. 4 is written —
+  attention probabilities are ≪ 1, so that is uniform to 3 decimals (= mean pooling, measured);
+  ``"mean"`` = uniform (the "without Stage II" ablation). ``R = Σ w·E`` (Eq. 5) and relevance
+  ``s = cos(R, mean E of Q)``. ``E`` (``embedding``): ``"input"`` (default) = the token
+  embeddings (the input of layer 0); ``"hidden"`` = the hidden states entering the first probed
+  layer, scaled to unit RMS. ``centred`` subtracts the context's mean ``E`` first (spreads the
+  cosines; off by default: with it the paper's thresholds refine the needle blocks). Attention
+  sinks are left out of block representations (outlying states and attention mass; kept anyway).
+* **Gating** with ``(alpha, beta)``: discard ``s ≤ α``, retain ``s ≥ β``, refine otherwise. A
+  refined block keeps its ``anchors`` top-``ā`` tokens and every token within ``radius`` of one,
+  inside the block. ρ (``expansion`` = 0.5, the paper's local expansion factor) is the share of a
+  block a refinement keeps at most: ``anchors = round(ρ · block_size / (2·radius + 1))`` (radius 2:
+  6 anchors, ≤ 30 of 64 tokens). ``refine="drop"``/``"keep"``: refined blocks discarded / kept
+  whole (the "without Stage III" ablations). The question, the first ``sinks`` and the last
+  ``window`` prompt tokens are always kept (when a budget is short: sinks, window, then the
+  question's last tokens). Kept entries keep their RoPE positions; one index set per row, shared
+  by all layers and KV heads (the paper's ``I``).
+
+Two modes. **Thresholds** (``budget=None``, the paper's): the gated entries are kept. A cache's size
+is static, so it is sized for ``max_kept`` (default 50%) of the prompt; a row whose gated set is
+larger keeps its ``max_kept`` best (retained blocks by ``s``, then refined ones). **Budget** (a
+fraction or token count, for matched comparisons): entries are taken in the order retained blocks,
+refined anchors and neighbours, then the rest, each by block ``s`` (by ``ā`` inside a block), up to
+the budget.
+
+Cost: the probe runs only in the probed layers and the Gram matrices of ``E``'s blocks
+(``[B, T, block_size]``: ``|R|`` for any ``w`` chosen later) only in ``E``'s layer, each under a
+``lax.cond`` (one predicate read per layer on a GPU, against ``[Hq, max_question, T]`` softmax rows
+in every layer with ``gate="mask"``); the observations are stacked over all layers (zeros
+elsewhere): ``num_layers × B × T × (block_size + 2) × 4`` bytes during the prefill.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from sparsekv_jax.cache import KVCache
+from sparsekv_jax.policies.base import Policy, Prompt, Setup
+from sparsekv_jax.policies.common import (
+    KEEP,
+    budget_tokens,
+    check_budget,
+    check_sinks_window,
+    compact,
+    force_sinks_and_window,
+    row_budgets,
+)
+
+QUERY_CHUNK = 16  # question queries per softmax slab: [B, Hq, 16, T] fp32 at a time
+
+
+def question_start(prompt: Prompt, tail: int) -> jax.Array:
+    """``[B]`` where each row's question starts; the last ``tail`` tokens where no split is given."""
+    fallback = jnp.maximum(prompt.lengths - tail, 0)
+    if prompt.question_start is None:
+        return fallback
+    return jnp.where(prompt.question_start < prompt.lengths, prompt.question_start, fallback)
+
+
+def probe_queries(prompt: Prompt, tail: int, max_question: int, T: int) -> tuple[jax.Array, jax.Array]:
+    """``(positions [B, M], valid [B, M])``: the last ``min(m, M)`` question tokens of each row."""
+    M = -(-min(max_question, T) // QUERY_CHUNK) * QUERY_CHUNK
+    pos = prompt.lengths[:, None] - M + jnp.arange(M)
+    valid = pos >= question_start(prompt, tail)[:, None]
+    return jnp.clip(pos, 0, T - 1), valid
+
+
+def question_attention(q: jax.Array, k: jax.Array, qpos: jax.Array, valid: jax.Array) -> jax.Array:
+    """``[B, T]``: the causal softmax rows of the queries at ``qpos`` over all keys, averaged over
+    query heads and valid queries. ``q`` ``[B, T, Hq, D]``, ``k`` ``[B, T, Hkv, D]`` (GQA groups
+    share their key head: no repeated keys)."""
+    B, T, Hq, D = q.shape
+    Hkv = k.shape[2]
+    M = qpos.shape[1]
+    qq = jnp.take_along_axis(q, qpos[:, :, None, None], axis=1)  # [B, M, Hq, D]
+    qq = qq.reshape(B, M // QUERY_CHUNK, QUERY_CHUNK, Hkv, Hq // Hkv, D).swapaxes(0, 1)
+    pos = qpos.reshape(B, M // QUERY_CHUNK, QUERY_CHUNK).swapaxes(0, 1)
+    weight = valid.astype(jnp.float32).reshape(B, M // QUERY_CHUNK, QUERY_CHUNK).swapaxes(0, 1)
+    t = jnp.arange(T)
+
+    def chunk(xs):
+        qc, pc, wc = xs
+        s = jnp.einsum("bchgd,bthd->bhgct", qc, k, preferred_element_type=jnp.float32) / math.sqrt(D)
+        s = jnp.where(t <= pc[:, None, None, :, None], s, -jnp.inf)
+        return jnp.einsum("bhgct,bc->bt", jax.nn.softmax(s, axis=-1), wc)
+
+    total = jax.lax.map(chunk, (qq, pos, weight)).sum(0)
+    return total / (Hq * jnp.maximum(valid.sum(1), 1))[:, None].astype(jnp.float32)
+
+
+def embedding_stats(hidden: jax.Array, qpos: jax.Array, valid: jax.Array, block_size: int,
+                    unit_rms: bool, context: jax.Array | None = None) -> dict[str, jax.Array]:
+    """What ``cos(Σ w·E, ē)`` needs of ``E`` = ``hidden`` for any weights ``w`` chosen later:
+    ``dot`` ``[B, T]`` = ``E·ē``, block Gram matrices ``gram`` ``[B, nb, bs, bs]`` and ``|ē|`` ``[B]``
+    (``ē`` = the mean of ``E`` over the valid question tokens)."""
+    B, T, H = hidden.shape
+    x = hidden.astype(jnp.float32)
+    if unit_rms:
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+    if context is not None:  # centre on the context's mean: cosines of anisotropic embeddings all sit near 1
+        c = context.astype(jnp.float32)
+        x = x - jnp.einsum("bth,bt->bh", x, c)[:, None] / jnp.maximum(c.sum(1), 1)[:, None, None]
+    xq = jnp.take_along_axis(x, qpos[:, :, None], axis=1)
+    mean_q = jnp.einsum("bmh,bm->bh", xq, valid.astype(jnp.float32)) / jnp.maximum(valid.sum(1), 1)[:, None]
+    x = x.astype(hidden.dtype)
+    nb = -(-T // block_size)
+    xb = jnp.pad(x, ((0, 0), (0, nb * block_size - T), (0, 0))).reshape(B, nb, block_size, H)
+    return {"dot": jnp.einsum("bth,bh->bt", x, mean_q.astype(x.dtype), preferred_element_type=jnp.float32),
+            "gram": jnp.einsum("bnih,bnjh->bnij", xb, xb, preferred_element_type=jnp.float32),
+            "qnorm": jnp.linalg.norm(mean_q, axis=-1)}
+
+
+def _rank(x: jax.Array) -> jax.Array:
+    """Descending rank along the last axis (0 = largest)."""
+    return jnp.argsort(jnp.argsort(-x, axis=-1, stable=True), axis=-1, stable=True)
+
+
+def dilate(mask: jax.Array, radius: int) -> jax.Array:
+    """Every position within ``radius`` of a marked one, along the last axis (not past its ends)."""
+    if radius == 0:
+        return mask
+    dims = (1,) * (mask.ndim - 1) + (2 * radius + 1,)
+    pad = ((0, 0),) * (mask.ndim - 1) + ((radius, radius),)
+    return jax.lax.reduce_window(mask.astype(jnp.int32), 0, jax.lax.max, dims, (1,) * mask.ndim, pad) > 0
+
+
+@struct.dataclass
+class BSER(Policy):
+    """BSER compression (see the module docstring for every choice).
+
+    Args:
+      budget: ``None`` = threshold mode (the paper's); a fraction or token count = budget mode.
+      alpha, beta: gating thresholds on the cosine relevance (paper: 0.3, 0.7).
+      block_size: tokens per block (paper 128; 64 for SmolLM2-sized models).
+      probe_layers: the top ``L`` layers probed (paper: 4; all layers of a shallower model).
+      expansion: ρ, the share of a refined block kept at most (paper: 0.5).
+      radius: neighbourhood radius around anchors, inside the block.
+      embedding: ``E``: ``"input"`` (token embeddings) or ``"hidden"`` (entering the first probed layer).
+      salience: ``"attention"`` (ā renormalised per block), ``"softmax"`` (Eq. 4 on ā) or ``"mean"``.
+      centred: centre ``E`` on the context's mean before the cosine.
+      refine: ``"expand"`` (Stage III), ``"drop"`` or ``"keep"`` (ablations).
+      max_kept: threshold mode: the cache holds at most this share of the prompt.
+      sinks, window: first / last prompt tokens always kept (inside the budget).
+      tail: stand-in question length when no split is given (fallback).
+      max_question: question tokens probed at most (the last ones).
+      gate: ``"cond"`` (probe only in probed layers) or ``"mask"`` (computed everywhere, masked).
+      num_layers: the model's layers, set by `bind`.
+    """
+
+    budget: float | int | None = struct.field(pytree_node=False, default=None)
+    alpha: float = struct.field(pytree_node=False, default=0.3)
+    beta: float = struct.field(pytree_node=False, default=0.7)
+    block_size: int = struct.field(pytree_node=False, default=64)
+    probe_layers: int = struct.field(pytree_node=False, default=4)
+    expansion: float = struct.field(pytree_node=False, default=0.5)
+    radius: int = struct.field(pytree_node=False, default=2)
+    embedding: str = struct.field(pytree_node=False, default="input")
+    salience: str = struct.field(pytree_node=False, default="attention")
+    refine: str = struct.field(pytree_node=False, default="expand")
+    max_kept: float = struct.field(pytree_node=False, default=0.5)
+    sinks: int = struct.field(pytree_node=False, default=4)
+    window: int = struct.field(pytree_node=False, default=32)
+    tail: int = struct.field(pytree_node=False, default=32)
+    max_question: int = struct.field(pytree_node=False, default=128)
+    gate: str = struct.field(pytree_node=False, default="cond")
+    centred: bool = struct.field(pytree_node=False, default=False)
+    num_layers: int = struct.field(pytree_node=False, default=0)
+
+    stages = ("compress",)
+    needs_whole_prefill = True
+    needs_observations = True
+    needs_question = True
+
+    def __post_init__(self) -> None:
+        if self.budget is not None:
+            check_budget(self.budget)
+        for name, options in (("embedding", ("input", "hidden")), ("salience", ("softmax", "attention", "mean")),
+                              ("refine", ("expand", "drop", "keep")), ("gate", ("cond", "mask"))):
+            if getattr(self, name) not in options:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {options}")
+        if not self.alpha <= self.beta:
+            raise ValueError(f"alpha={self.alpha} must be <= beta={self.beta}")
+        for name in ("block_size", "probe_layers", "tail", "max_question"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.radius < 0:
+            raise ValueError(f"radius={self.radius} must be >= 0")
+        if not 0.0 < self.expansion <= 1.0:
+            raise ValueError(f"expansion={self.expansion} must be in (0, 1]")
+        if not 0.0 < self.max_kept <= 1.0:
+            raise ValueError(f"max_kept={self.max_kept} must be in (0, 1]")
+        check_sinks_window(self.cap, self.sinks, self.window)
+
+    @classmethod
+    def covering(cls) -> BSER:
+        return cls(budget=1.0)
+
+    @property
+    def name(self) -> str:
+        return f"BSER({self.budget})" if self.budget is not None else f"BSER(α={self.alpha}, β={self.beta})"
+
+    @property
+    def cap(self) -> float | int:
+        """The most entries a row keeps: the budget, or ``max_kept`` in threshold mode."""
+        return self.max_kept if self.budget is None else self.budget
+
+    @property
+    def anchors(self) -> int:
+        return max(1, min(self.block_size, round(self.expansion * self.block_size / (2 * self.radius + 1))))
+
+    @property
+    def probed(self) -> int:
+        """Layers probed: the top ``probe_layers``, or all of a shallower model."""
+        return min(self.probe_layers, self.num_layers)
+
+    @property
+    def embedding_layer(self) -> int:
+        return 0 if self.embedding == "input" else self.num_layers - self.probed
+
+    def bind(self, setup: Setup) -> BSER:
+        check_sinks_window(self.cap, self.sinks, self.window, setup.prompt_len)
+        return self.replace(num_layers=setup.config.num_layers)
+
+    def compressed_capacity(self, prompt_len: int, max_new_tokens: int, suffix_tokens: int = 0) -> int | None:
+        kept = budget_tokens(self.cap, prompt_len)
+        if self.budget is not None and kept >= prompt_len:
+            return None  # the budget covers the prompt: nothing is dropped
+        return kept + max_new_tokens  # thresholds decide per prompt: compress even at a covering cap
+
+    # -- Stage II inside the prefill --------------------------------------------------------
+    def observe(self, q, k, v, hidden, layer_index, prompt: Prompt) -> dict[str, jax.Array]:
+        if not self.num_layers:
+            raise ValueError("BSER.observe: bind(Setup) first (generate does) to fix num_layers")
+        B, T = q.shape[:2]
+        qpos, valid = probe_queries(prompt, self.tail, self.max_question, T)
+        first = self.num_layers - self.probed
+        t = jnp.arange(T)
+        context = (t < question_start(prompt, self.tail)[:, None]) & (t >= self.sinks)
+
+        def gated(on, fn):
+            if self.gate == "mask":
+                return jax.tree.map(lambda x: jnp.where(on, x, 0.0), fn())
+            zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn))  # noqa: E731
+            return jax.lax.cond(on, fn, zeros)
+
+        attn = gated(layer_index >= first, lambda: question_attention(q, k, qpos, valid))
+        stats = gated(layer_index == self.embedding_layer,
+                      lambda: embedding_stats(hidden, qpos, valid, self.block_size, self.embedding == "hidden",
+                                              context if self.centred else None))
+        return {"attn": attn, **stats}
+
+    # -- gating and selection ---------------------------------------------------------------
+    def select(self, observations: dict[str, jax.Array], prompt: Prompt) -> dict[str, jax.Array]:
+        """The selection from the stacked observations: ``scores`` ``[B, T]`` (higher = kept first),
+        ``keep`` ``[B]`` entries kept, ``gated`` ``[B]`` entries the gates choose (threshold mode,
+        before the cap), and per block ``s`` ``[B, nb]`` and ``tier`` (2 retain, 1 refine, 0 discard)."""
+        attn = observations["attn"].sum(0) / self.probed
+        e = self.embedding_layer
+        dot, gram, qnorm = observations["dot"][e], observations["gram"][e], observations["qnorm"][e]
+        B, T = attn.shape
+        nb, bs = gram.shape[1], self.block_size
+        pos = jnp.arange(nb * bs)
+        lengths, qs = prompt.lengths, question_start(prompt, self.tail)
+        context = (pos < qs[:, None]) & (pos >= self.sinks)
+        blocks = lambda x: jnp.pad(x, ((0, 0), (0, nb * bs - T))).reshape(B, nb, bs)  # noqa: E731
+        a, d, m = blocks(attn), blocks(dot), context.reshape(B, nb, bs)
+        if self.salience == "softmax":
+            w = jnp.exp(a - jnp.max(jnp.where(m, a, -jnp.inf), -1, keepdims=True)) * m
+        elif self.salience == "attention":
+            w = jnp.where(m, a, 0.0)
+            w = jnp.where(w.sum(-1, keepdims=True) > 0, w, m)
+        else:
+            w = m.astype(jnp.float32)
+        w = w / jnp.maximum(w.sum(-1, keepdims=True), 1e-30)
+        norm = jnp.sqrt(jnp.maximum(jnp.einsum("bni,bnij,bnj->bn", w, gram, w), 0.0)) * qnorm[:, None]
+        has = m.any(-1)
+        s = jnp.where(has, (w * d).sum(-1) / jnp.maximum(norm, 1e-30), -jnp.inf)
+
+        discard = s <= self.alpha
+        retain = ~discard & (s >= self.beta)
+        refine = has & ~discard & ~retain
+        a_ctx = jnp.where(m, a, -jnp.inf)
+        token_rank = _rank(a_ctx)
+        expanded = dilate((token_rank < self.anchors) & m, self.radius) & m
+        refined = {"expand": refine[..., None] & expanded, "drop": jnp.zeros_like(m),
+                   "keep": refine[..., None] & m}[self.refine]
+        tier = jnp.where(retain[..., None] & m, 2, jnp.where(refined, 1, 0))
+        block_order = nb - 1 - _rank(s)
+        key = ((tier * nb + block_order[..., None]) * bs + (bs - 1 - token_rank)).astype(jnp.float32)
+        key = key.reshape(B, nb * bs)[:, :T]
+
+        t = jnp.arange(T)
+        question = (t >= qs[:, None]) & (t < lengths[:, None])
+        key = jnp.where(question, 0.5 * KEEP * (1.0 + t / T), key)
+        scores = force_sinks_and_window(key[:, None], lengths, self.sinks, self.window)[:, 0]
+        cap = row_budgets(self.cap, lengths)
+        gated = ((scores >= 0.5 * KEEP) | (tier.reshape(B, nb * bs)[:, :T] > 0)) & (t < lengths[:, None])
+        gated = gated.sum(-1).astype(jnp.int32)
+        keep = cap if self.budget is not None else jnp.minimum(gated, cap)
+        return {"scores": scores, "keep": keep, "gated": gated, "s": s,
+                "tier": jnp.where(retain, 2, jnp.where(refine, 1, 0))}
+
+    def compress(self, cache: KVCache, observations: Any, capacity: int, prompt: Prompt) -> KVCache:
+        sel = self.select(observations, prompt)
+        scores = jnp.pad(sel["scores"], ((0, 0), (0, cache.capacity - sel["scores"].shape[1])),
+                         constant_values=-jnp.inf)
+        # one index set per row: [1, B, 1, S] scores broadcast over layers and KV heads
+        return compact(cache, scores[None, :, None], sel["keep"], capacity)

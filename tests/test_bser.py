@@ -1,0 +1,325 @@
+"""BSER: probing, gating and local expansion against numpy brute force; planted blocks; exactness
+with thresholds that keep everything; budget mode never over its budget; the tail fallback."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparsekv_jax.generate import generate, teacher_force
+from sparsekv_jax.models.config import ModelConfig
+from sparsekv_jax.models.params import random_params
+from sparsekv_jax.policies import BSER, Dense, parse_policy
+from sparsekv_jax.policies.base import Prompt, Setup
+from sparsekv_jax.policies.bser import embedding_stats, probe_queries, question_start
+from sparsekv_jax.policies.common import budget_tokens
+
+CFG = ModelConfig(family="llama", vocab_size=61, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                  head_dim=8, intermediate_size=48, max_position_embeddings=256, eos_token_ids=(0,))
+
+
+def _bound(**kw) -> BSER:
+    return BSER(**{"window": 8, **kw}).bind(Setup(CFG, prompt_len=64))
+
+
+# -- numpy references ---------------------------------------------------------------------------
+def np_question_attention(q, k, lengths, qs, m):
+    """ā [B, T]: softmax rows of the last <= m question queries, mean over query heads and queries."""
+    B, T, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    out = np.zeros((B, T))
+    for b in range(B):
+        probe = list(range(qs[b], lengths[b]))[-m:]
+        for p in probe:
+            for h in range(Hq):
+                s = k[b, : p + 1, h // G] @ q[b, p, h] / math.sqrt(D)
+                e = np.exp(s - s.max())
+                out[b, : p + 1] += e / e.sum()
+        out[b] /= Hq * len(probe)
+    return out
+
+
+def np_relevance(a, E, lengths, qs, m, bs, sinks, salience, centred, unit_rms):
+    """s [B, nb] by Eqs. 3-5 and a cosine, one block at a time."""
+    B, T = a.shape
+    nb = -(-T // bs)
+    s = np.full((B, nb), -np.inf)
+    for b in range(B):
+        x = E[b].astype(np.float64)
+        if unit_rms:
+            x = x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6)
+        ctx = [j for j in range(T) if sinks <= j < qs[b]]
+        if centred:
+            x = x - x[ctx].mean(0)
+        q_mean = x[list(range(qs[b], lengths[b]))[-m:]].mean(0)
+        for i in range(nb):
+            tok = [j for j in ctx if i * bs <= j < (i + 1) * bs]
+            if not tok:
+                continue
+            if salience == "attention":
+                w = a[b, tok] / a[b, tok].sum()
+            elif salience == "softmax":
+                w = np.exp(a[b, tok]) / np.exp(a[b, tok]).sum()
+            else:
+                w = np.full(len(tok), 1 / len(tok))
+            r = w @ x[tok]
+            s[b, i] = r @ q_mean / (np.linalg.norm(r) * np.linalg.norm(q_mean))
+    return s
+
+
+def np_refined(a_row, tok, anchors, radius):
+    """Anchors (top ā among the block's context tokens) and every context token within radius."""
+    top = sorted(tok, key=lambda j: (-a_row[j], j))[:anchors]
+    return {j for j in tok if any(abs(j - t) <= radius for t in top)}
+
+
+def np_order(policy, a, s, lengths, qs, T):
+    """Every used slot of each row, most wanted first: sinks, window, question, then by tier,
+    block relevance, token salience (the budget mode's order)."""
+    bs = policy.block_size
+    orders = []
+    for b in range(len(lengths)):
+        ln = lengths[b]
+        prio = {}
+        for t in range(ln):
+            ctx = policy.sinks <= t < qs[b]
+            blk = t // bs
+            tier = 0
+            if ctx and s[b, blk] > policy.alpha:
+                tok = [j for j in range(blk * bs, min(blk * bs + bs, T)) if policy.sinks <= j < qs[b]]
+                if s[b, blk] >= policy.beta:
+                    tier = 2
+                elif t in np_refined(a[b], tok, policy.anchors, policy.radius):
+                    tier = 1
+            forced = 3 if t < policy.sinks else 2 if t >= ln - policy.window else 1 if t >= qs[b] else 0
+            prio[t] = (forced, t if forced else 0, tier, s[b, blk], a[b, t], -t)
+        orders.append(sorted(prio, key=lambda t: prio[t], reverse=True))
+    return orders
+
+
+def _obs(policy, a, E, qpos, valid, centred_ctx):
+    """Stacked observations with ā in every probed layer and E's statistics in E's layer."""
+    n, e = policy.num_layers, policy.embedding_layer
+    stats = embedding_stats(jnp.asarray(E), qpos, valid, policy.block_size, policy.embedding == "hidden", centred_ctx)
+    first = n - policy.probed
+    attn = jnp.stack([jnp.asarray(a, jnp.float32) if i >= first else jnp.zeros(a.shape) for i in range(n)])
+    return {"attn": attn, **{k: jnp.stack([v if i == e else jnp.zeros_like(v) for i in range(n)])
+                             for k, v in stats.items()}}
+
+
+def _prompt(lengths, qs, T):
+    return Prompt(tokens=jnp.zeros((len(lengths), T), jnp.int32), lengths=jnp.asarray(lengths, jnp.int32),
+                  question_start=None if qs is None else jnp.asarray(qs, jnp.int32))
+
+
+# -- Stage II -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("salience, embedding, centred", [("attention", "input", True), ("softmax", "hidden", False),
+                                                          ("mean", "hidden", True)])
+def test_observe_and_relevance_match_brute_force(salience, embedding, centred):
+    """observe (per layer, inside a layer loop) + select's s against Eqs. 3-5 computed in numpy from
+    the raw queries, keys and hidden states; non-probed layers contribute nothing."""
+    rng = np.random.default_rng()
+    B, T, Hq, Hkv, D, H = 2, 64, 4, 2, 8, 32
+    policy = _bound(block_size=8, probe_layers=2, salience=salience, embedding=embedding, centred=centred,
+                    max_question=16, sinks=2)
+    lengths, qs = np.array([64, 50]), np.array([52, 31])
+    q = rng.normal(size=(CFG.num_layers, B, T, Hq, D)).astype(np.float32)
+    k = rng.normal(size=(CFG.num_layers, B, T, Hkv, D)).astype(np.float32)
+    hid = (rng.normal(size=(CFG.num_layers, B, T, H)) + 0.5).astype(np.float32)
+    prompt = _prompt(lengths, qs, T)
+    observe = jax.jit(lambda q, k, h, i: policy.observe(q, k, None, h, i, prompt))
+    obs = [observe(q[i], k[i], hid[i], jnp.int32(i)) for i in range(CFG.num_layers)]
+    obs = jax.tree.map(lambda *x: jnp.stack(x), *obs)
+    assert not np.asarray(obs["attn"][0]).any(), "layer 0 is not probed"
+    a = np.mean([np_question_attention(q[i], k[i], lengths, qs, 16) for i in (1, 2)], axis=0)
+    np.testing.assert_allclose(np.asarray(obs["attn"]).sum(0) / 2, a, rtol=1e-4, atol=1e-7)
+    E = hid[policy.embedding_layer]
+    want = np_relevance(a, E, lengths, qs, 16, 8, 2, salience, centred, embedding == "hidden")
+    got = np.asarray(policy.select(obs, prompt)["s"])
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+def test_mask_gate_observes_the_same():
+    rng = np.random.default_rng()
+    q, k = rng.normal(size=(2, 32, 4, 8)).astype(np.float32), rng.normal(size=(2, 32, 2, 8)).astype(np.float32)
+    h = rng.normal(size=(2, 32, 32)).astype(np.float32)
+    prompt = _prompt([32, 30], [20, 25], 32)
+    both = jax.jit(lambda i: [_bound(block_size=8, probe_layers=1, gate=g).observe(q, k, None, h, i, prompt)
+                              for g in ("cond", "mask")])
+    for i in range(3):  # 0: E's layer only, 1: neither, 2: probed only
+        a, b = both(jnp.int32(i))
+        assert bool(np.asarray(a["attn"]).any()) == (i == 2) and bool(np.asarray(a["gram"]).any()) == (i == 0)
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6), a, b)
+
+
+def test_without_a_split_the_tail_stands_in_for_the_question():
+    lengths = jnp.asarray([40, 40, 12], jnp.int32)
+    np.testing.assert_array_equal(question_start(_prompt(lengths, None, 48), 16), [24, 24, 0])
+    # an empty question (split at the row's end) falls back too
+    np.testing.assert_array_equal(question_start(_prompt(lengths, [30, 40, 5], 48), 16), [30, 24, 5])
+    pos, valid = probe_queries(_prompt(lengths, [30, 40, 5], 48), 16, 16, 48)
+    np.testing.assert_array_equal(np.asarray(pos)[valid], np.r_[30:40, 24:40, 5:12])
+
+
+# -- gating and Stage III -----------------------------------------------------------------------
+def _random_case(rng, policy, lengths, qs, T):
+    a = rng.uniform(0, 1, (len(lengths), T)).astype(np.float32) / T
+    E = rng.normal(size=(len(lengths), T, 16)).astype(np.float32) + rng.normal(size=16).astype(np.float32)
+    prompt = _prompt(lengths, qs, T)
+    qpos, valid = probe_queries(prompt, policy.tail, policy.max_question, T)
+    ctx = (jnp.arange(T) < jnp.asarray(qs)[:, None]) & (jnp.arange(T) >= policy.sinks)
+    return a, _obs(policy, a, E, qpos, valid, ctx), prompt
+
+
+@pytest.mark.parametrize("radius", [0, 1, 3])
+def test_anchors_and_radius_at_block_edges(radius):
+    """Every block refined (α < s < β): the kept set is the forced tokens plus, per block, the top-p
+    ā anchors and their neighbours within the block; anchors planted on block edges (and next to
+    the question and the sinks) must not spill into the neighbouring block."""
+    rng = np.random.default_rng()
+    T, bs = 64, 8
+    lengths, qs = np.array([64, 61]), np.array([50, 45])
+    policy = _bound(block_size=bs, alpha=-2.0, beta=2.0, radius=radius, expansion=0.5, max_kept=1.0, sinks=3,
+                    window=4, max_question=16)
+    a, obs, prompt = _random_case(rng, policy, lengths, qs, T)
+    a[:, [8, 15, 16, 23, 3, 47, 44]] += 1.0  # edges of blocks 1, 2; after the sinks; before the questions
+    obs["attn"] = jnp.broadcast_to(jnp.asarray(a), obs["attn"].shape)  # every layer is probed (3 < 4)
+    sel = policy.select(obs, prompt)
+    scores = np.asarray(sel["scores"])
+    for b in range(2):
+        want = set(range(3)) | set(range(lengths[b] - 4, lengths[b])) | set(range(qs[b], lengths[b]))
+        for i in range(T // bs):
+            tok = [j for j in range(i * bs, i * bs + bs) if 3 <= j < qs[b]]
+            if tok:
+                want |= np_refined(a[b], tok, policy.anchors, radius)
+        kept = set(np.argsort(-scores[b, : lengths[b]], kind="stable")[: int(sel["keep"][b])].tolist())
+        assert int(sel["gated"][b]) == len(want)
+        assert kept == want
+
+
+@pytest.mark.parametrize("budget", [0.2, 0.35, 0.5, 23])
+def test_budget_mode_takes_retain_then_refine_then_the_rest(budget):
+    """Budget mode keeps exactly the budget (never more) in the brute-force order; thresholds chosen
+    so that some blocks retain, some refine and some are discarded."""
+    rng = np.random.default_rng()
+    T, bs = 64, 8
+    lengths, qs = np.array([64, 57]), np.array([48, 40])
+    base = _bound(block_size=bs, budget=budget, radius=1, sinks=2, window=4, max_question=16)
+    a, obs, prompt = _random_case(rng, base, lengths, qs, T)
+    s = np.asarray(base.select(obs, prompt)["s"])
+    lo, hi = np.quantile(s[np.isfinite(s)], [0.3, 0.7])
+    policy = base.replace(alpha=float(lo), beta=float(hi))
+    sel = policy.select(obs, prompt)
+    orders = np_order(policy, a, s, lengths, qs, T)
+    for b in range(2):
+        n = budget_tokens(budget, int(lengths[b]))
+        assert int(sel["keep"][b]) == n
+        top = np.argsort(-np.asarray(sel["scores"][b, : lengths[b]]), kind="stable")[:n]
+        assert set(top.tolist()) == set(orders[b][:n])
+
+
+# -- planted blocks -----------------------------------------------------------------------------
+def _planted(attend_quarter: bool):
+    """Queries/keys/embeddings by hand: the question (tokens 56..63) has embedding u and its queries
+    look along key direction d. Block 2 (16..23): keys along d, embeddings u (with
+    ``attend_quarter``: only tokens 16, 17 have both, the other six have embedding v and plain keys).
+    Block 4 (32..39): embedding v ⟂ u, keys not along d. Everything else: random background."""
+    rng = np.random.default_rng()
+    T, H, D = 64, 32, 8
+    u, v = np.eye(H)[0], np.eye(H)[1]
+    E = rng.normal(0, 0.3, (T, H)) * (np.arange(H) >= 2)  # background ⟂ u, v
+    E[56:] += 4 * u
+    E[16:24] = 4 * u + rng.normal(0, 0.1, (8, H))
+    if attend_quarter:
+        E[18:24] = 4 * v + rng.normal(0, 0.1, (6, H))
+    E[32:40] = 4 * v + rng.normal(0, 0.1, (8, H))
+    d = np.eye(D)[0]
+    k = rng.normal(0, 0.3, (T, 2, D))
+    k[16:18 if attend_quarter else 24] += 3 * d
+    q = rng.normal(0, 0.3, (T, 4, D))
+    q[56:] += 3 * d
+    stack = lambda x: np.broadcast_to(x, (2,) + x.shape).astype(np.float32)  # noqa: E731  two rows
+    return stack(q), stack(k), stack(E)
+
+
+def _select_planted(policy, q, k, E):
+    prompt = _prompt([64, 64], [56, 56], 64)
+    observe = jax.jit(lambda i: policy.observe(q, k, None, E, i, prompt))
+    obs = [observe(jnp.int32(i)) for i in range(CFG.num_layers)]
+    obs = jax.tree.map(lambda *x: jnp.stack(x), *obs)
+    return policy.select(obs, prompt), obs, prompt
+
+
+def test_planted_relevant_block_is_retained_and_irrelevant_block_discarded():
+    q, k, E = _planted(attend_quarter=False)
+    policy = _bound(block_size=8, sinks=2, window=4)
+    sel, obs, prompt = _select_planted(policy, q, k, E)
+    tier = np.asarray(sel["tier"])
+    assert (tier[:, 2] == 2).all() and (tier[:, 4] == 0).all(), np.asarray(sel["s"])
+    # through compress: the planted block's entries are in the smaller cache, the irrelevant ones not
+    from sparsekv_jax.cache import init_cache, summarize_pages
+
+    cache = init_cache(CFG, 2, 80, page_size=8, dtype=jnp.float32)
+    pos = jnp.where(jnp.arange(80) < 64, jnp.arange(80), -1)
+    layers = cache.layers.replace(positions=jnp.broadcast_to(pos, cache.layers.positions.shape))
+    length = jnp.full((2,), 64, jnp.int32)
+    cache = cache.replace(layers=summarize_pages(layers, length, 8), length=length, next_position=length)
+    out = policy.compress(cache, obs, policy.compressed_capacity(64, 16), prompt)
+    kept = np.asarray(out.layers.positions)[:, :, :, : int(out.length[0])]
+    assert out.capacity < cache.capacity
+    assert np.isin(np.arange(16, 24), kept).all() and not np.isin(np.arange(32, 40), kept).any()
+
+
+def test_attention_weighting_lifts_a_block_whose_attended_tokens_match():
+    """Stage II matters: in block 2 only the two attended tokens have the question's embedding;
+    attention-weighted the block is retained, mean-pooled it is not."""
+    q, k, E = _planted(attend_quarter=True)
+    s_att = np.asarray(_select_planted(_bound(block_size=8, sinks=2, window=4), q, k, E)[0]["s"])
+    s_mean = np.asarray(_select_planted(_bound(block_size=8, sinks=2, window=4, salience="mean"), q, k, E)[0]["s"])
+    assert (s_att[:, 2] >= 0.7).all() and (s_mean[:, 2] < 0.7).all() and (s_att[:, 2] > s_mean[:, 2] + 0.1).all()
+
+
+# -- through generate ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model():
+    params = random_params(CFG, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
+    tokens = np.random.default_rng().integers(1, CFG.vocab_size, (2, 96))
+    return params, tokens, np.array([96, 77]), np.array([80, 60])
+
+
+def test_infinite_thresholds_keep_everything_identical_logits(model):
+    params, tokens, lengths, qs = model
+    forced = np.random.default_rng().integers(1, CFG.vocab_size, (2, 4))
+    ref = teacher_force(params, Dense(), tokens, forced, lengths=lengths)[0]
+    policy = BSER(alpha=-math.inf, beta=-math.inf, max_kept=1.0, block_size=16)
+    assert policy.compressed_capacity(96, 4) is not None  # compression really runs
+    got = teacher_force(params, policy, tokens, forced, lengths=lengths, question_start=qs)[0]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+
+
+def test_budget_mode_through_generate_keeps_question_sinks_window(model):
+    params, tokens, lengths, qs = model
+    policy = parse_policy("bser(0.3, block_size=16, window=8)")
+    out = generate(params, policy, tokens, lengths=lengths, question_start=qs, max_new_tokens=3, stop_tokens=())
+    stored = np.asarray(out.stats["kv_stored_fraction"])
+    for b in range(2):
+        assert round(stored[b] * lengths[b]) == budget_tokens(0.3, int(lengths[b]))
+        pos = np.asarray(out.cache.layers.positions)[:, b]  # [L, H, S]
+        for t in [*range(4), *range(qs[b], lengths[b])]:
+            assert (pos == t).any(-1).all(), t  # in every layer and head
+    assert out.cache.capacity < 96
+
+
+def test_bad_settings_are_refused():
+    for kw in (dict(alpha=0.8, beta=0.2), dict(salience="max"), dict(embedding="keys"), dict(refine="all"),
+               dict(budget=1.5), dict(expansion=0.0), dict(block_size=0), dict(radius=-1), dict(max_kept=0.0),
+               dict(budget=16, sinks=8, window=16)):
+        with pytest.raises(ValueError):
+            BSER(**kw)
+    with pytest.raises(ValueError, match="bind"):
+        BSER().observe(jnp.zeros((1, 8, 4, 8)), jnp.zeros((1, 8, 2, 8)), None, jnp.zeros((1, 8, 32)), 0,
+                       _prompt([8], None, 8))
