@@ -54,13 +54,12 @@ def select_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     above = x > sigma
     tie = x == sigma
     room = k - above.sum(-1, keepdims=True)
-    take = above | (tie & (jnp.cumsum(tie, axis=-1) <= room))
-    slot = jnp.where(take, jnp.cumsum(take, axis=-1) - 1, k)  # compaction: k = spill slot
-    lead = x.shape[:-1]
-    flat_slot = slot.reshape(-1, W)
-    rows = jnp.arange(flat_slot.shape[0])[:, None]
-    ids = jnp.zeros((flat_slot.shape[0], k + 1), jnp.int32).at[rows, flat_slot].set(
-        jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), flat_slot.shape))[:, :k].reshape(*lead, k)
+    take = above | (tie & (jnp.cumsum(tie, axis=-1) <= room))  # exactly k per row
+    # compaction without a scatter: the j-th taken entry is where the running count first reaches j
+    count = jnp.cumsum(take, axis=-1, dtype=jnp.int32).reshape(-1, W)
+    want = jnp.arange(1, k + 1, dtype=jnp.int32)
+    ids = jax.vmap(lambda c: jnp.searchsorted(c, want, side="left"))(count).astype(jnp.int32)
+    ids = ids.reshape(*x.shape[:-1], k)
     return ids, jnp.take_along_axis(x, ids, axis=-1)
 
 

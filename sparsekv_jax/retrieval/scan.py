@@ -171,9 +171,7 @@ def scan_step(params: Params, saes: TopKSAE, carry: dict[str, jax.Array], tokens
 
     (_, store), (ks, vs) = jax.lax.scan(layer, (embed(params, tokens), store0),
                                         (params.layers, jnp.arange(cfg.num_layers), carry["k"], carry["v"]))
-    if return_keys:  # analysis (docs/S3.md's agreement with full-context keys): the chunk's pre-RoPE keys
-        store = {"keys": store}
-    keys = store["keys"] if return_keys else store
+    keys = store  # [n, B, C, heads, D] pre-RoPE keys (queries for a question chunk) of the target layers
     ids, acts = stacked_token_features(saes, keys, saes.k, scan.features)  # [n, B, C, k]
     if queries:
         live = (positions < limit[:, None])[None, :, :, None]
