@@ -9,7 +9,8 @@ from sparsekv_jax.policies.chess import CHESS
 from sparsekv_jax.policies.h2o import H2O
 from sparsekv_jax.policies.pipeline import Pipeline
 from sparsekv_jax.policies.quest import Quest
-from sparsekv_jax.policies.s3 import BM25Retrieval, DenseRAG, S3Hybrid, S3Pure
+from sparsekv_jax.policies.retrieval import BM25Retrieval, DenseRAG
+from sparsekv_jax.policies.s3 import S3Hybrid, S3Pure
 from sparsekv_jax.policies.scored import ScoredCompression
 from sparsekv_jax.policies.snapkv import SnapKV
 from sparsekv_jax.policies.spec import parse_policies, parse_policy, register

@@ -1,25 +1,33 @@
-"""S³-Attention (Ma et al., 2026) and its baselines as ``context``-stage policies.
+"""S³-Attention (Ma et al., 2026; Algorithm 1, §3.4-3.6) as ``context``-stage policies.
 
-Each rewrites the prompt on the host before the jitted ``generate``: the context is ranked, the
-best evidence is kept up to ``budget`` tokens (with the context's ``lead`` first and ``tail`` last
-tokens, the paper's positional prior), and the kept tokens, in their original order, followed by
-the question become the new prompt. Any prefill/compress/decode policy may follow
-(``Pipeline(context=S3Hybrid(), decode=CHESS())``).
+* `S3Pure`: the context is scanned in chunks by the model; every chunk's target-layer pre-RoPE
+  keys become SAE feature ids in a host-side inverted index (`sparsekv_jax.retrieval.scan`) and the
+  chunk's KV is dropped; the question's own pre-RoPE query features score every position
+  (`sparsekv_jax.retrieval.scoring`, on the device) and sentence-aligned spans around the peaks are
+  kept (`sparsekv_jax.retrieval.spans`).
+* `S3Hybrid`: S³'s spans ∪ BM25's passages ∪ lead/tail (Eq. 8).
 
-* `S3Pure`: the streaming SAE index (`sparsekv_jax.retrieval.scan`) and the question's own query
-  features (`sparsekv_jax.retrieval.scoring`): endogenous retrieval, sentence-aligned spans.
-* `S3Hybrid`: S³'s spans ∪ BM25's passages ∪ lead/tail (Eq. 8), taken round-robin in rank order.
-* `BM25Retrieval`: BM25 passages alone (bm25s). `DenseRAG`: all-MiniLM-L6-v2 passages of 256
-  tokens (the optional extra ``rag``).
+The budget, lead/tail and prompt assembly are shared with the baselines (`policies.retrieval`).
 
-The question: with ``question_start`` (the harness' question-aware mode) the question is
-``tokens[b, question_start[b]:lengths[b]]``. Without one (question-agnostic mode, where the real
-question arrives later as ``suffix``) the last ``question_tail`` tokens of the prompt stand in for
-it — a documented fallback that retrieves by the context's end; use question-aware mode.
+Choices the paper leaves open (defaults; docs/S3.md measures them):
 
-A budget covering a row's context keeps that row unchanged; when it covers every row the prompt
-is returned as given (full attention's logits exactly). Call ``with_tokenizer`` first (sentence
-boundaries, passage text): the eval harness and the generate CLI do.
+* **What a scan chunk attends to**: only itself (``sinks = window = 0``: the paper's
+  "chunk-independent" prefill, one causal attention per chunk, the cheapest scan); a carried sink +
+  window is an option (``sinks=``, ``window=``). Positions stay absolute (RoPE is relative).
+* **The question's features**: its pre-RoPE *queries* at the target layers, encoded by the key
+  SAEs (the shared codebook), activations summed over the question's tokens.
+* **Frequent-feature exclusion**: features active at more than ``stop_df`` = 50% of a row's context
+  positions get weight 0 (the paper's absolute ``df > 5000`` does not scale with the length).
+* **Span cutting**: a centre ``c`` becomes ``[c - h, c + h]``, ``h = span / 2`` (default
+  ``span = budget // n_centres``, ~25 tokens at 1,024 / 40), each end moved to the enclosing
+  sentence boundary when it lies within ``max_extend`` = 32 tokens; NMS suppresses ``2h``.
+* **Budget**: ``budget`` context tokens (default 1,024, the paper's "about 1-2k"; an int or a
+  fraction of each row's context), the same for every method; the span that overflows keeps the
+  tokens nearest its centre.
+* **Lead / tail share**: the first 64 and last 32 context tokens (chat template, instruction, the
+  context's end), scaled down to at most a quarter of the budget; the rest goes to the sources,
+  round-robin by rank (S³ #1, BM25 #1, S³ #2, ...: an equal share without a tuned weight).
+* **Smoothing kernel**: 48 (Table 6); pass ``kernel=8`` for QA (the policy does not know the task).
 """
 
 from __future__ import annotations
@@ -32,113 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from sparsekv_jax.policies.base import ContextResult, Policy
-from sparsekv_jax.policies.common import budget_tokens
+from sparsekv_jax.policies.retrieval import ContextRetrieval
 from sparsekv_jax.retrieval import rankers, spans
-from sparsekv_jax.retrieval.text import TextCodec
-
-
-@struct.dataclass
-class ContextRetrieval(Policy):
-    """Shared mechanics of the retrieval policies: split, budget, assemble, gather (subclasses rank).
-
-    Args:
-      budget: context tokens kept (int) or a fraction of each row's context (float).
-      lead, tail: the context's first / last tokens always kept (within the budget).
-      question_tail: prompt tokens taken as the question when no ``question_start`` is given.
-    """
-
-    budget: float | int = struct.field(pytree_node=False, default=1024)
-    lead: int = struct.field(pytree_node=False, default=64)
-    tail: int = struct.field(pytree_node=False, default=32)
-    question_tail: int = struct.field(pytree_node=False, default=32)
-    codec: TextCodec | None = struct.field(pytree_node=False, default=None)
-
-    stages = ("context",)
-    needs_question = True
-
-    def with_tokenizer(self, tokenizer: Any) -> ContextRetrieval:
-        return self.replace(codec=TextCodec(tokenizer))
-
-    def split(self, lengths: np.ndarray, question_start: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
-        """``(context lengths, question lengths)`` per row (see the module docstring's fallback)."""
-        lengths = np.asarray(lengths, np.int32)
-        if question_start is None:
-            q = np.minimum(self.question_tail, lengths - 1)
-            return lengths - q, q
-        qs = np.asarray(question_start, np.int32)
-        return qs, lengths - qs
-
-    def context(self, params: Any, tokens: np.ndarray, lengths: np.ndarray, question_start: np.ndarray | None,
-                *, scan: Any = None) -> ContextResult:
-        """The rewritten prompt (see the module docstring). ``scan``: an S³ `ScanResult` of these rows
-        to reuse (ablations score one scan several ways); other rankers ignore it."""
-        if isinstance(self.budget, bool) or self.budget <= 0:
-            raise ValueError(f"{self.name} budget={self.budget!r} must be a positive count or fraction")
-        ctx, ql = self.split(lengths, question_start)
-        budgets = np.array([budget_tokens(self.budget, max(int(c), 1)) for c in ctx])
-        info: dict[str, Any] = {"context_tokens": ctx.copy(), "budget_tokens": budgets}
-        if (budgets >= ctx).all():
-            return ContextResult(tokens, lengths, question_start, {**info, "kept_tokens": ctx.copy()})
-        if self.codec is None:
-            raise ValueError(f"{self.name} needs a tokenizer: call policy.with_tokenizer(tokenizer) first")
-        t0 = time.perf_counter()
-        sources, seconds = self.rank(params, tokens, ctx, ql, budgets, scan=scan)
-        t1 = time.perf_counter()
-        rows, kept_n = [], []
-        for b in range(tokens.shape[0]):
-            kept = spans.assemble(int(ctx[b]), int(budgets[b]), self.lead, self.tail, [s[b] for s in sources])
-            rows.append(np.concatenate([tokens[b, : ctx[b]][kept], tokens[b, ctx[b]: ctx[b] + ql[b]]]))
-            kept_n.append(int(kept.sum()))
-        new, new_lengths = spans.gather_prompt(rows, 64, tokens.shape[1])
-        seconds = {**seconds, "rank": t1 - t0, "assemble": time.perf_counter() - t1}
-        per_source = np.array([[len(s[b]) for s in sources] for b in range(len(ctx))])
-        info.update(kept_tokens=np.array(kept_n), spans=per_source, seconds=seconds)
-        return ContextResult(new, new_lengths, np.array(kept_n, np.int32), info)
-
-    def rank(self, params: Any, tokens: np.ndarray, ctx: np.ndarray, ql: np.ndarray, budgets: np.ndarray,
-             scan: Any = None) -> tuple[list[list[list[spans.Span]]], dict[str, float]]:
-        """``(sources, seconds)``: per source, per row, its spans in rank order."""
-        raise NotImplementedError
-
-    def passage_ranking(self, tokens: np.ndarray, ctx: np.ndarray, ql: np.ndarray, size: int, score,
-                        positive_only: bool = True) -> list[list[spans.Span]]:
-        """Per row: sentence-packed passages of ``size`` tokens ranked by ``score(texts, query)``
-        (with ``positive_only``, passages scoring <= 0 are no hits)."""
-        out = []
-        for b in range(tokens.shape[0]):
-            row = tokens[b, : ctx[b]]
-            units = spans.passages(self.codec.ends(row), size)
-            texts = self.codec.decode([row[a:e] for a, e in units])
-            query = self.codec.decode([tokens[b, ctx[b]: ctx[b] + ql[b]]])[0]
-            out.append(rankers.ranked(units, score(texts, query), positive_only))
-        return out
-
-
-@struct.dataclass
-class BM25Retrieval(ContextRetrieval):
-    """BM25 (bm25s) over sentence-packed passages of at most ``passage`` tokens (alone it fills the
-    budget in rank order; inside `S3Hybrid` only passages sharing a term with the question count)."""
-
-    passage: int = struct.field(pytree_node=False, default=64)
-
-    def rank(self, params, tokens, ctx, ql, budgets, scan=None):
-        t0 = time.perf_counter()
-        # alone, BM25 fills the budget (passages without a query term last, in context order)
-        ranking = self.passage_ranking(tokens, ctx, ql, self.passage, rankers.bm25_scores, positive_only=False)
-        return [ranking], {"bm25": time.perf_counter() - t0}
-
-
-@struct.dataclass
-class DenseRAG(ContextRetrieval):
-    """Dense retrieval (all-MiniLM-L6-v2, cosine) over passages of ``passage`` tokens (optional extra)."""
-
-    passage: int = struct.field(pytree_node=False, default=256)
-
-    def rank(self, params, tokens, ctx, ql, budgets, scan=None):
-        t0 = time.perf_counter()
-        ranking = self.passage_ranking(tokens, ctx, ql, self.passage, rankers.dense_scores, positive_only=False)
-        return [ranking], {"dense": time.perf_counter() - t0}
 
 
 @functools.lru_cache(maxsize=4)
@@ -175,7 +78,7 @@ class S3Pure(ContextRetrieval):
     span: int | None = struct.field(pytree_node=False, default=None)
     max_extend: int = struct.field(pytree_node=False, default=32)
 
-    def stacked_saes(self, params: Any):
+    def stacked_saes(self, params: Any) -> tuple[tuple[int, ...], Any]:
         """``(layers, stacked TopKSAE)`` for this policy; ``ValueError`` if they do not fit the model."""
         from sparsekv_jax.sae.export import stack_saes
 
@@ -195,7 +98,7 @@ class S3Pure(ContextRetrieval):
                              f"is {params.config.head_dim}; pass SAEs trained for this model (saes=path or weights=)")
         return tuple(layers), stack
 
-    def scan(self, params: Any, tokens: np.ndarray, ctx: np.ndarray, ql: np.ndarray):
+    def scan(self, params: Any, tokens: np.ndarray, ctx: np.ndarray, ql: np.ndarray) -> Any:
         """The streaming scan of every row (`sparsekv_jax.retrieval.scan.scan_context`)."""
         from sparsekv_jax.retrieval.scan import ScanConfig, scan_context
 
@@ -203,21 +106,25 @@ class S3Pure(ContextRetrieval):
         cfg = ScanConfig(chunk=self.chunk, sinks=self.sinks, window=self.window, features=self.features)
         return scan_context(params, stack, layers, tokens, ctx, ctx, ql, cfg)
 
-    def s3_spans(self, result, tokens: np.ndarray, ctx: np.ndarray, budgets: np.ndarray) -> list[list[spans.Span]]:
+    def s3_spans(self, result: Any, tokens: np.ndarray, ctx: np.ndarray, budgets: np.ndarray) -> list[list[spans.Span]]:
         """Per row: ranked spans from a scan ``result`` (only this policy's layers of it are scored)."""
         from sparsekv_jax.retrieval.scoring import retrieve_centres
 
         use = list(range(len(result.layers))) if self.layers is None else [result.layers.index(i) for i in self.layers]
         half = np.maximum(1, (np.full(len(ctx), self.span) if self.span else budgets // self.n_centres) // 2)
         idx = result.index
-        centres, _, _ = retrieve_centres(idx.postings[use], idx.counts[use], result.query_weights[jnp.asarray(use)],
+        every = use == list(range(len(result.layers)))  # no host copy of the postings then
+        postings, counts = (idx.postings, idx.counts) if every else (idx.postings[use], idx.counts[use])
+        weights = result.query_weights if every else result.query_weights[jnp.asarray(use)]
+        centres, _, _ = retrieve_centres(postings, counts, weights,
                                          jnp.asarray(ctx), jnp.asarray(2 * half), width=idx.num_segments * idx.chunk,
                                          kernel=self.kernel, n_centres=self.n_centres, stop_df=self.stop_df)
         centres = np.asarray(centres)
         return [spans.sentence_spans(centres[b], self.codec.ends(tokens[b, : ctx[b]]), int(half[b]), self.max_extend)
                 for b in range(len(ctx))]
 
-    def rank(self, params, tokens, ctx, ql, budgets, scan=None):
+    def rank(self, params: Any, tokens: np.ndarray, ctx: np.ndarray, ql: np.ndarray, budgets: np.ndarray,
+             scan: Any = None) -> tuple[list[list[list[spans.Span]]], dict[str, float]]:
         result = self.scan(params, tokens, ctx, ql) if scan is None else scan
         t0 = time.perf_counter()
         ranking = self.s3_spans(result, tokens, ctx, budgets)
@@ -230,7 +137,8 @@ class S3Hybrid(S3Pure):
 
     passage: int = struct.field(pytree_node=False, default=64)
 
-    def rank(self, params, tokens, ctx, ql, budgets, scan=None):
+    def rank(self, params: Any, tokens: np.ndarray, ctx: np.ndarray, ql: np.ndarray, budgets: np.ndarray,
+             scan: Any = None) -> tuple[list[list[list[spans.Span]]], dict[str, float]]:
         (s3,), seconds = S3Pure.rank(self, params, tokens, ctx, ql, budgets, scan)
         t0 = time.perf_counter()
         bm25 = self.passage_ranking(tokens, ctx, ql, self.passage, rankers.bm25_scores)
