@@ -9,6 +9,8 @@ from sparsekv_jax.policies.chess import CHESS
 from sparsekv_jax.policies.h2o import H2O
 from sparsekv_jax.policies.pipeline import Pipeline
 from sparsekv_jax.policies.quest import Quest
+from sparsekv_jax.policies.retrieval import BM25Retrieval, DenseRAG
+from sparsekv_jax.policies.s3 import S3Hybrid, S3Pure
 from sparsekv_jax.policies.scored import ScoredCompression
 from sparsekv_jax.policies.semanticache import SemantiCache
 from sparsekv_jax.policies.snapkv import SnapKV
@@ -19,9 +21,10 @@ from sparsekv_jax.policies.streaming_llm import StreamingLLM
 for _name, _factory in (("fullkv", FullKV), ("dense", Dense), ("streamingllm", StreamingLLM),
                         ("streaming_llm", StreamingLLM), ("snapkv", SnapKV), ("h2o", H2O), ("quest", Quest),
                         ("pipeline", Pipeline), ("stem", Stem), ("chess", CHESS.from_spec), ("bser", BSER),
-                        ("semanticache", SemantiCache)):
+                        ("semanticache", SemantiCache), ("s3pure", S3Pure), ("s3hybrid", S3Hybrid),
+                        ("bm25", BM25Retrieval), ("rag", DenseRAG)):
     register(_name, _factory)
 
-__all__ = ["BSER", "CHESS", "H2O", "ContextResult", "Dense", "FullKV", "Pipeline", "Policy", "Prompt", "Quest",
-           "ScoredCompression", "SemantiCache", "Setup", "SnapKV", "Stem", "StreamingLLM", "parse_policies",
-           "parse_policy", "register"]
+__all__ = ["BM25Retrieval", "BSER", "CHESS", "H2O", "ContextResult", "Dense", "DenseRAG", "FullKV", "Pipeline",
+           "Policy", "Prompt", "Quest", "S3Hybrid", "S3Pure", "ScoredCompression", "SemantiCache", "Setup", "SnapKV",
+           "Stem", "StreamingLLM", "parse_policies", "parse_policy", "register"]

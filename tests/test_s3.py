@@ -1,0 +1,210 @@
+"""S³'s streaming scan and the context-stage policies on a tiny random model (and SmolLM2 once).
+
+The scan's postings equal a brute-force index of full-context (or per-chunk) pre-RoPE keys, the
+question's weights equal its queries' features, the scan's live device arrays do not grow with
+the context, and the policies' prompts keep the original order, respect the budget, keep the
+question, and give exactly full attention's logits when the budget covers the context.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparsekv_jax.generate import generate, teacher_force
+from sparsekv_jax.models.config import ModelConfig
+from sparsekv_jax.models.params import random_params
+from sparsekv_jax.policies import BM25Retrieval, Dense, Pipeline, Quest, S3Hybrid, S3Pure, parse_policy
+from sparsekv_jax.retrieval.features import token_features
+from sparsekv_jax.retrieval.scan import ScanConfig, scan_context
+from sparsekv_jax.sae.keys import projections
+from sparsekv_jax.sae.model import init_sae
+
+CFG = ModelConfig(family="llama", vocab_size=61, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+                  head_dim=16, intermediate_size=48, max_position_embeddings=1024, eos_token_ids=(0,))
+LAYERS = (0, 2)
+WIDTH, K = 64, 4
+
+
+class WordTokenizer:
+    """Token ``i`` is the word ``w<i>``; token 1 is ``.`` (ends a sentence); 0 is special."""
+
+    all_special_ids = [0]
+
+    def __len__(self) -> int:
+        return CFG.vocab_size
+
+    def batch_decode(self, seqs, skip_special_tokens=False):
+        return [" ".join("." if i == 1 else f"w{i}" for i in s if not (skip_special_tokens and i == 0)) for s in seqs]
+
+
+@pytest.fixture(scope="module")
+def model():
+    seed = int(np.random.default_rng().integers(1 << 30))
+    params = random_params(CFG, jax.random.key(seed), jnp.float32, 0.3)
+    saes = init_sae(jax.random.key(seed + 1), CFG.head_dim, WIDTH, K, stack=(len(LAYERS),))
+    return params, saes
+
+
+def _index_of(saes, keys, ctx):
+    """{(layer, row, feature): positions}: brute force from keys ``[n, B, T, H, D]``."""
+    out = {}
+    for li in range(len(LAYERS)):
+        ids, acts = map(np.asarray, token_features(saes.layer(li), jnp.asarray(keys[li]), K))  # [B, T, K]
+        for b, L in enumerate(ctx):
+            member = np.zeros((L, WIDTH), bool)
+            for j in range(K):
+                member[np.arange(L), ids[b, :L, j]] |= acts[b, :L, j] > 0
+            for f in range(WIDTH):
+                out[li, b, f] = np.flatnonzero(member[:, f])
+    return out
+
+
+def _tokens(rng, B=2, T=150):
+    tok = rng.integers(2, CFG.vocab_size, (B, T))
+    tok[rng.uniform(size=(B, T)) < 0.1] = 1  # sentence ends
+    return tok
+
+
+@pytest.mark.parametrize("scan", [ScanConfig(chunk=16, sinks=4, window=160), ScanConfig(chunk=160)])
+def test_scan_postings_equal_full_context_keys_when_nothing_is_cut(model, scan):
+    params, saes = model
+    rng = np.random.default_rng()
+    tok = _tokens(rng)
+    ctx, ql = np.array([120, 101]), np.array([30, 25])
+    res = scan_context(params, saes, LAYERS, tok, ctx, ctx, ql, scan)
+    keys, queries = projections(params, jnp.asarray(tok), LAYERS, queries=True)
+    want = _index_of(saes, np.asarray(keys), ctx)
+    for (li, b, f), pos in want.items():
+        np.testing.assert_array_equal(res.index.feature_postings(li, b, f), pos)
+    if scan.window:  # the question saw the whole context: its queries are full attention's
+        for li in range(len(LAYERS)):
+            for b in range(2):
+                q = queries[li, b, ctx[b]: ctx[b] + ql[b]]
+                ids, acts = map(np.asarray, token_features(saes.layer(li), q, K))
+                dense = np.zeros(WIDTH)
+                np.add.at(dense, ids.ravel(), acts.ravel())
+                np.testing.assert_allclose(np.asarray(res.query_weights[li, b]), dense, rtol=1e-4, atol=1e-5)
+
+
+def test_chunk_only_scan_equals_each_chunk_forwarded_alone(model):
+    params, saes = model
+    rng = np.random.default_rng()
+    tok = _tokens(rng, T=96)
+    ctx = np.array([96, 70])
+    C = 32
+    res = scan_context(params, saes, LAYERS, tok, ctx, ctx - 10, np.array([10, 10]), ScanConfig(chunk=C))
+    per_chunk = [np.asarray(projections(params, jnp.asarray(tok[:, c:c + C]), LAYERS)[0]) for c in range(0, 96, C)]
+    keys = np.concatenate(per_chunk, axis=2)
+    want = _index_of(saes, keys, ctx)
+    for (li, b, f), pos in want.items():
+        np.testing.assert_array_equal(res.index.feature_postings(li, b, f), pos)
+
+
+def test_scan_device_memory_is_bounded_by_the_chunk(model):
+    params, saes = model
+    rng = np.random.default_rng()
+    peaks = []
+    for T in (64, 256):
+        tok = rng.integers(2, CFG.vocab_size, (1, T + 8))
+        live: list[int] = []
+
+        def watch(c, live=live):
+            live.append(sum(a.nbytes for a in jax.live_arrays()))
+
+        res = scan_context(params, saes, LAYERS, tok, np.array([T]), np.array([T]), np.array([8]),
+                           ScanConfig(chunk=32, sinks=2, window=16), on_chunk=watch)
+        assert len(live) == T // 32 and res.index.num_segments == T // 32
+        peaks.append(max(live))
+        del res
+    assert peaks[1] <= peaks[0], peaks  # 4x the context, not one more live byte
+
+
+def _policy(cls, model, **kw):
+    params, saes = model
+    return cls(weights=saes, layers=LAYERS, chunk=32, **kw).with_tokenizer(WordTokenizer())
+
+
+@pytest.mark.parametrize("cls", [S3Pure, S3Hybrid, BM25Retrieval])
+def test_gathered_prompt_keeps_order_budget_and_question(model, cls):
+    params, _ = model
+    rng = np.random.default_rng()
+    tok = _tokens(rng, T=170)
+    lengths, qs = np.array([170, 150]), np.array([140, 131])
+    pol = _policy(cls, model, budget=40, lead=6, tail=3) if cls is not BM25Retrieval else \
+        BM25Retrieval(budget=40, lead=6, tail=3).with_tokenizer(WordTokenizer())
+    res = pol.context(params, tok, lengths, qs)
+    for b in range(2):
+        n_ctx = int(res.question_start[b])
+        assert n_ctx == 40 == res.info["kept_tokens"][b]
+        new = res.tokens[b, : res.lengths[b]]
+        np.testing.assert_array_equal(new[n_ctx:], tok[b, qs[b]: lengths[b]])  # the question, whole
+        np.testing.assert_array_equal(new[:6], tok[b, :6])  # lead
+        np.testing.assert_array_equal(new[n_ctx - 3: n_ctx], tok[b, qs[b] - 3: qs[b]])  # tail
+        # a subsequence of the context in its original order: match greedily left to right
+        it = iter(tok[b, : qs[b]].tolist())
+        assert all(any(x == y for y in it) for x in new[:n_ctx].tolist())
+
+
+@pytest.mark.parametrize("cls", [S3Pure, S3Hybrid])
+def test_budget_covering_the_context_gives_full_attentions_logits(model, cls):
+    params, _ = model
+    rng = np.random.default_rng()
+    tok = _tokens(rng, T=90)
+    lengths, qs = np.array([90, 77]), np.array([70, 60])
+    pol = _policy(cls, model, budget=70)
+    res = pol.context(params, tok, lengths, qs)
+    assert res.tokens is tok and res.lengths is lengths
+    forced = rng.integers(1, CFG.vocab_size, (2, 3))
+    got = teacher_force(params, pol, tok, forced, lengths=lengths, question_start=qs)[0]
+    want = teacher_force(params, Dense(), tok, forced, lengths=lengths, question_start=qs)[0]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # one row covered, one not: the covered row is its original prompt
+    res = _policy(cls, model, budget=65).context(params, tok, lengths, qs)
+    np.testing.assert_array_equal(res.tokens[1, : res.lengths[1]], tok[1, :77])
+    assert res.lengths[0] == 65 + 20
+
+
+def test_pipeline_generate_reports_context_info_and_fallback(model):
+    params, _ = model
+    rng = np.random.default_rng()
+    tok = _tokens(rng, T=150)
+    pol = Pipeline(context=_policy(S3Hybrid, model, budget=48, kernel=8), decode=Quest(budget=0.5, page_size=16))
+    out = generate(params, pol, tok, lengths=np.array([150, 120]), max_new_tokens=4, stop_tokens=())
+    info = out.stats["context"]
+    assert info["kept_tokens"].tolist() == [48, 48]  # no question_start: the last 32 tokens are the question
+    np.testing.assert_allclose(np.asarray(out.stats["kv_stored_fraction"]), [(48 + 32) / 150, (48 + 32) / 120])
+    assert set(info["seconds"]) >= {"scan", "index_copy", "question", "score", "bm25"}
+
+
+def test_bad_setups_raise_clear_errors(model):
+    params, saes = model
+    tok = _tokens(np.random.default_rng(), T=100)
+    with pytest.raises(ValueError, match="head_dim"):
+        S3Pure(budget=10).with_tokenizer(WordTokenizer()).context(params, tok, np.array([100, 100]), np.array([90, 90]))
+    with pytest.raises(ValueError, match="with_tokenizer"):
+        S3Pure(budget=10, weights=saes, layers=LAYERS).context(params, tok, np.array([100, 100]), np.array([90, 90]))
+    with pytest.raises(ValueError, match="layers="):
+        S3Pure(budget=10, weights=saes).with_tokenizer(WordTokenizer()).context(
+            params, tok, np.array([100, 100]), np.array([90, 90]))
+    assert isinstance(parse_policy("s3hybrid(512, kernel=8)"), S3Hybrid)
+    assert parse_policy("bm25(0.25)").budget == 0.25
+
+
+def test_smollm2_hybrid_keeps_the_needle(smol):
+    """The real model and the shipped SAEs: a needle in a 600-token haystack survives a 128-token budget."""
+    _, params, tokenizer, _ = smol
+    rng = np.random.default_rng()
+    filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+    number = str(int(rng.integers(1_000_000, 9_999_999)))
+    parts = [filler] * 14
+    parts.insert(int(rng.integers(2, 12)), f"One of the special magic numbers for tidy-falcon is: {number}. ")
+    ctx = tokenizer("".join(parts))["input_ids"]
+    q = tokenizer(" What is the special magic number for tidy-falcon? Answer:")["input_ids"]
+    tok = np.array([ctx + q])
+    pol = S3Hybrid(budget=128, kernel=8, chunk=256).with_tokenizer(tokenizer)
+    res = pol.context(params, tok, np.array([tok.shape[1]]), np.array([len(ctx)]))
+    kept = tokenizer.decode(res.tokens[0, : res.question_start[0]].tolist())
+    assert number in kept and res.info["kept_tokens"][0] == 128
