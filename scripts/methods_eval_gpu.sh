@@ -28,7 +28,8 @@ job_b() {
     --batch-size 16 --question agnostic --policies "$B_POLICIES" --out "$RUNS/ruler4k_agnostic"
 }
 job_c() {
-  timeout "$(left)" python scripts/s3_ablation.py --model "$MODEL" ${S3_ARGS:-} --out "$RUNS/s3_ablation"
+  timeout "$(left)" python scripts/s3_ablation.py --model "$MODEL" --dtype bfloat16 --length 0 --ruler-length 4096 --n 10 \
+    --niah-n 4 --budget 1024 --pad 8192 --max-new 64 --max-minutes $(( $(left) / 60 - 1 )) --out "$RUNS/s3_ablation"
 }
 job_a > "$RUNS/a.log" 2>&1 &
 job_b > "$RUNS/b.log" 2>&1 &
