@@ -30,8 +30,14 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     """Causal self-attention within one chunk that starts at slot 0.
 
     ``q`` ``[B, T, Hq, D]``, ``k``/``v`` ``[B, T, Hkv, D]`` → ``[B, T, Hq, D]``. cuDNN on the
-    GPU for bf16/fp16 (the strongest dense baseline), XLA otherwise.
+    GPU for bf16/fp16 (the strongest dense baseline), XLA otherwise. ``sliding_window`` may be a
+    traced scalar (a per-layer window inside the layer scan, Gemma 3): then it is an explicit mask.
     """
+    if sliding_window is not None and not isinstance(sliding_window, int):
+        T = q.shape[1]
+        i = jnp.arange(T)
+        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], implementation=implementation)
     if implementation is None:
         implementation = "cudnn" if on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
     window = None if sliding_window is None else (sliding_window - 1, 0)
@@ -110,7 +116,7 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, pattern, *,
     backend = _resolved(backend)
     block_ids, block_counts, block_size = pattern
     B, T = q.shape[:2]
-    if backend.sparse_prefill == "pallas":
+    if backend.sparse_prefill == "pallas" and (sliding_window is None or isinstance(sliding_window, int)):
         from sparsekv_jax.pallas.prefill import prefill_attention
 
         pad = -(-T // block_size) * block_size - T  # the kernel wants whole KV blocks; causality masks the pad
