@@ -8,6 +8,7 @@ longer than the tiny sliding window, within 1e-4 in fp32.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +18,7 @@ import transformers as tf
 
 from sparsekv_jax.generate import full_logits, teacher_force
 from sparsekv_jax.models.config import NO_WINDOW, ModelConfig, gemma3_270m_config
+from sparsekv_jax.models.embedded import _config_from_json, _config_to_json
 from sparsekv_jax.models.loading import load_hf_dir
 from sparsekv_jax.models.transformer import attention_window
 
@@ -80,6 +82,7 @@ def test_layer_windows_are_scanned_values():
     llama = ModelConfig(family="mistral", vocab_size=8, hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1,
                         head_dim=4, intermediate_size=8, sliding_window=4)
     assert attention_window(llama, jnp.int32(1)) == 4  # uniform windows stay static ints
+    assert hash(_config_from_json(json.loads(json.dumps(_config_to_json(cfg))))) == hash(cfg)  # the converted cache
     with pytest.raises(ValueError, match="layer_types"):
         dataclasses.replace(cfg, layer_types=("full_attention",))
     with pytest.raises(ValueError, match="hidden_act"):

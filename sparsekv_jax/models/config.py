@@ -99,6 +99,7 @@ class ModelConfig:
         if self.hidden_act not in HIDDEN_ACTS:
             raise ValueError(f"hidden_act={self.hidden_act!r} is not one of {HIDDEN_ACTS}")
         if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))  # hashable (e.g. read from JSON)
             if len(self.layer_types) != self.num_layers:
                 raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
             bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
