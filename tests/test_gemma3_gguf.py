@@ -73,8 +73,12 @@ def gemma():
         model = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         ref_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{ref_dir.name}.", dir=ref_dir.parent))
-        try:
-            model.save_pretrained(staging)
+        try:  # transformers refuses save_pretrained on a GGUF-loaded model: its weights, as read
+            from safetensors.torch import save_file
+
+            sd = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+            save_file(sd, str(staging / "model.safetensors"), metadata={"format": "pt"})
+            model.config.to_json_file(str(staging / "config.json"))
             os.rename(staging, ref_dir)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
