@@ -34,7 +34,15 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     ``implementation``: ``"cudnn"``, ``"xla"`` (`jax.nn.dot_product_attention`), ``"blocked"``
     (`blocked_causal_attention`) or ``None``/``"auto"``: cuDNN on the GPU for bf16/fp16 (the strongest
     dense baseline), ``"blocked"`` on the CPU for prompts longer than one block, XLA otherwise.
+    ``sliding_window`` may be a traced scalar (a per-layer window inside the layer scan, Gemma 3):
+    then it is an explicit mask, and JAX picks the implementation.
     """
+    if sliding_window is not None and not isinstance(sliding_window, int):
+        T = q.shape[1]
+        i = jnp.arange(T)
+        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window)
+        explicit = implementation if implementation in ("cudnn", "xla") else None
+        return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], implementation=explicit)
     if implementation in (None, "auto"):
         if on_gpu():
             implementation = "cudnn" if q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
@@ -179,7 +187,7 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, pattern, *,
         return dense_causal_attention(q, k, v, sliding_window=sliding_window, implementation=backend.dense_prefill)
     block_ids, block_counts, block_size = pattern
     B, T = q.shape[:2]
-    if backend.sparse_prefill == "pallas":
+    if backend.sparse_prefill == "pallas" and (sliding_window is None or isinstance(sliding_window, int)):
         from sparsekv_jax.pallas.prefill import prefill_attention
 
         pad = -(-T // block_size) * block_size - T  # the kernel wants whole KV blocks; causality masks the pad

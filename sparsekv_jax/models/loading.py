@@ -51,6 +51,20 @@ _HF_LAYER: dict[str, tuple[str, bool]] = {
     "w_down": ("model.layers.{i}.mlp.down_proj.weight", True),
 }
 
+# Gemma 3: four norms per layer. HF's `post_attention_layernorm` is the norm *after* attention
+# (`post_attn_norm`), and the pre-MLP norm (our `mlp_norm`) is `pre_feedforward_layernorm`.
+_HF_LAYER_GEMMA3: dict[str, tuple[str, bool]] = {
+    **{k: v for k, v in _HF_LAYER.items() if k not in ("bq", "bk", "bv")},
+    "mlp_norm": ("model.layers.{i}.pre_feedforward_layernorm.weight", False),
+    "post_attn_norm": ("model.layers.{i}.post_attention_layernorm.weight", False),
+    "post_mlp_norm": ("model.layers.{i}.post_feedforward_layernorm.weight", False),
+}
+
+
+def _hf_layer_map(cfg: ModelConfig) -> dict[str, tuple[str, bool]]:
+    return _HF_LAYER_GEMMA3 if cfg.family == "gemma3" else _HF_LAYER
+
+
 # llama.cpp tensor names of the llama architecture, same layout as above. Per-layer weights
 # are `blk.{i}.*`. GGUF's numpy view is [out, in] like HF's, so the same transposes apply.
 _GGUF_GLOBAL: dict[str, tuple[str, bool]] = {
@@ -69,7 +83,21 @@ _GGUF_LAYER: dict[str, tuple[str, bool]] = {
     "w_up": ("blk.{i}.ffn_up.weight", True),
     "w_down": ("blk.{i}.ffn_down.weight", True),
 }
-_GGUF_ARCHITECTURES = ("llama",)
+# llama.cpp's gemma3 names: the same plus q/k norms and the sandwich norms (`ffn_norm` is the
+# pre-MLP norm). llama.cpp stores Gemma's norm weights as ``1 + w`` and does not permute q/k rows.
+_GGUF_LAYER_GEMMA3: dict[str, tuple[str, bool]] = {
+    **_GGUF_LAYER,
+    "q_norm": ("blk.{i}.attn_q_norm.weight", False),
+    "k_norm": ("blk.{i}.attn_k_norm.weight", False),
+    "post_attn_norm": ("blk.{i}.post_attention_norm.weight", False),
+    "post_mlp_norm": ("blk.{i}.post_ffw_norm.weight", False),
+}
+_GGUF_LAYER_MAPS = {"llama": _GGUF_LAYER, "gemma3": _GGUF_LAYER_GEMMA3}
+_GGUF_ARCHITECTURES = tuple(_GGUF_LAYER_MAPS)
+# llama.cpp's fixed Gemma 3 facts that the GGUF metadata does not carry (llama-model.cpp): every
+# 6th layer is global (5 local : 1 global), local layers' RoPE base is 10k.
+_GEMMA3_SWA_PATTERN = 6
+_GEMMA3_LOCAL_ROPE_THETA = 10_000.0
 
 _LAYER_FIELDS = frozenset(LayerParams.__dataclass_fields__)
 
@@ -206,7 +234,7 @@ def read_hf_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str, 
         raise FileNotFoundError(f"{path}: not a directory")
     cfg = read_hf_config(path)
     files = _safetensors_files(path)
-    plan = _plan(cfg, _HF_GLOBAL, _HF_LAYER)
+    plan = _plan(cfg, _HF_GLOBAL, _hf_layer_map(cfg))
 
     with contextlib.ExitStack() as stack:
         handles: dict[str, Any] = {}
@@ -334,11 +362,28 @@ def _gguf_config(reader: Any, path: Path, vocab_size: int, tied: bool) -> ModelC
         raise ValueError(f"{path}: GGUF rope scaling type {scaling!r} is not supported")
     eos = get("tokenizer.ggml.eos_token_id", None)
     bos = get("tokenizer.ggml.bos_token_id", None)
+    n_layers = int(get(p + "block_count"))
+    family_fields: dict[str, Any] = {}
+    if arch == "gemma3":
+        if get(p + "attn_logit_softcapping", None) is not None:
+            raise ValueError(f"{path}: attention logit softcapping is not supported")
+        cap = get(p + "final_logit_softcapping", None)
+        family_fields = dict(
+            qk_norm=True, hidden_act="gelu_tanh", norm_weight_offset=1.0, sandwich_norms=True,
+            scale_embeddings=True,
+            # llama.cpp scales scores by 1/sqrt(key_length) for every Gemma 3 size but 27B
+            query_pre_attn_scalar=float(head_dim),
+            sliding_window=int(get(p + "attention.sliding_window")),
+            layer_types=tuple("sliding_attention" if (i + 1) % _GEMMA3_SWA_PATTERN else "full_attention"
+                              for i in range(n_layers)),
+            rope_local_theta=_GEMMA3_LOCAL_ROPE_THETA,
+            final_logit_softcapping=None if cap is None else _float32_clean(cap),
+        )
     return ModelConfig(
-        family="llama",
+        family=arch,
         vocab_size=vocab_size,
         hidden_size=hidden,
-        num_layers=int(get(p + "block_count")),
+        num_layers=n_layers,
         num_heads=heads,
         num_kv_heads=int(kv),
         head_dim=head_dim,
@@ -349,6 +394,7 @@ def _gguf_config(reader: Any, path: Path, vocab_size: int, tied: bool) -> ModelC
         max_position_embeddings=int(get(p + "context_length", 4096)),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=() if eos is None else (int(eos),),
+        **family_fields,
     )
 
 
@@ -365,7 +411,12 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def read_gguf_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str, np.ndarray], ModelConfig]:
-    """Dequantised float32 host weights of a llama-architecture GGUF, plus its config.
+    """Dequantised float32 host weights of a llama- or gemma3-architecture GGUF, plus its config.
+
+    Quantised tensors (Q4_0/Q4_1/Q5_0/Q8_0, the K-quants Q4_K/Q5_K/Q6_K of a Q4_K_M file, …) are
+    dequantised by the ``gguf`` package's `gguf.quants.dequantize`. Gemma 3's norm weights are
+    stored by llama.cpp as ``1 + w``; the ``1`` is taken off so the port's ``(1 + w)`` convention
+    (and transformers' ``Gemma3RMSNorm``) applies to the same numbers.
 
     Checked before any weight is dequantised: the file parses (truncated/corrupted → `ValueError`
     naming it), ``general.architecture`` is supported (named otherwise), required metadata and
@@ -389,7 +440,7 @@ def read_gguf_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str
         raise ValueError(f"{path}: missing tensors: token_embd.weight")
     vocab = shapes["token_embd.weight"][0]
     cfg = _gguf_config(reader, path, vocab, tied="output.weight" not in tensors)
-    plan = _plan(cfg, _GGUF_GLOBAL, _GGUF_LAYER)
+    plan = _plan(cfg, _GGUF_GLOBAL, _GGUF_LAYER_MAPS[cfg.family])
     _check_names_and_shapes(plan, shapes, str(path), ignorable=lambda n: False)
 
     # Every quantisation type present must be supported: try one row of each before the work.
@@ -408,6 +459,8 @@ def read_gguf_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str
         except Exception as e:
             raise ValueError(f"{path}: cannot dequantise {name} ({e})") from e
         w = np.asarray(w, dtype=np.float32).reshape(shapes[name])
+        if cfg.family == "gemma3":  # stored as 1 + w; q/k rows are in HF order already
+            return w - 1.0 if name.endswith("norm.weight") else w
         if ".attn_q." in name:
             w = _unpermute_rope_rows(w, cfg.num_heads)
         elif ".attn_k." in name:
@@ -422,9 +475,9 @@ def read_gguf_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str
 
 def load_gguf(path: str | Path, dtype: Any = jnp.float32, *,
               progress: bool = False) -> tuple[Params, ModelConfig]:
-    """Load a llama-architecture GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1/… via ``gguf``).
+    """Load a llama- or gemma3-architecture GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K/… via ``gguf``).
 
-    q/k projection rows are un-permuted from llama.cpp's rope layout back to Hugging Face's, so
+    For llama, q/k projection rows are un-permuted from llama.cpp's rope layout back to Hugging Face's, so
     the result matches what ``transformers`` loads from the same file.
 
     Args:

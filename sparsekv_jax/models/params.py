@@ -32,6 +32,8 @@ class LayerParams:
     bv: jax.Array | None = None  # [L, Hkv*D]
     q_norm: jax.Array | None = None  # [L, D]  (Qwen3)
     k_norm: jax.Array | None = None  # [L, D]
+    post_attn_norm: jax.Array | None = None  # [L, H]  (Gemma 3: after attention, before the residual add)
+    post_mlp_norm: jax.Array | None = None  # [L, H]  (Gemma 3: after the MLP, before the residual add)
 
 
 @struct.dataclass
@@ -68,6 +70,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes.update(bq=(L, q), bk=(L, kv), bv=(L, kv))
     if cfg.qk_norm:
         shapes.update(q_norm=(L, D), k_norm=(L, D))
+    if cfg.sandwich_norms:
+        shapes.update(post_attn_norm=(L, H), post_mlp_norm=(L, H))
     return shapes
 
 
@@ -94,8 +98,9 @@ def random_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.bfloa
     keys = jax.random.split(key, len(shapes))
     arrays = {}
     for k, (name, shape) in zip(keys, sorted(shapes.items()), strict=True):
-        if name.endswith("norm"):
-            arrays[name] = (1.0 + 0.1 * jax.random.normal(k, shape)).astype(dtype)
+        if name.endswith("norm"):  # a scale near 1 under either norm convention (w or 1 + w)
+            centre = 1.0 - cfg.norm_weight_offset
+            arrays[name] = (centre + 0.1 * jax.random.normal(k, shape)).astype(dtype)
         else:
             arrays[name] = (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
     return params_from_arrays(cfg, arrays)

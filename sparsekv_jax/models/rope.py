@@ -15,10 +15,15 @@ import numpy as np
 from sparsekv_jax.models.config import ModelConfig
 
 
-def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
-    """``[head_dim // 2]`` inverse frequencies (float64 numpy; computed once, host side)."""
+def inverse_frequencies(cfg: ModelConfig, theta: float | None = None) -> np.ndarray:
+    """``[head_dim // 2]`` inverse frequencies (float64 numpy; computed once, host side).
+
+    ``theta`` overrides ``cfg.rope_theta`` (Gemma 3's local layers); for a model whose layers
+    differ, this is the global layers' table and `layer_inverse_frequencies` has every layer's.
+    """
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    theta = cfg.rope_theta if theta is None else theta
+    inv = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     rs = cfg.rope_scaling
     if rs is None:
         return inv
@@ -33,8 +38,15 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate ``x`` ``[..., T, H, D]`` by ``positions`` ``[..., T]`` (computed in fp32)."""
+def layer_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """``[num_layers, head_dim // 2]`` inverse frequencies, each layer at its own RoPE base."""
+    return np.stack([inverse_frequencies(cfg, t) for t in cfg.layer_rope_thetas()])
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | jax.Array) -> jax.Array:
+    """Rotate ``x`` ``[..., T, H, D]`` by ``positions`` ``[..., T]`` (computed in fp32).
+
+    ``inv_freq`` is a host table or a traced ``[D/2]`` row (a layer's, indexed inside the scan)."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     cos = jnp.cos(freqs)[..., None, :]  # [..., T, 1, D/2]
     sin = jnp.sin(freqs)[..., None, :]

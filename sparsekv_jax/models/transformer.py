@@ -1,21 +1,28 @@
-"""One functional decoder-only transformer shared by Llama, Qwen2, Qwen3 and Mistral.
+"""One functional decoder-only transformer shared by Llama, Qwen2, Qwen3, Mistral and Gemma 3.
 
 Family differences are data in `ModelConfig` (qkv bias, q/k norm, sliding window, RoPE
-scaling, tied embeddings). Layers run under one `lax.scan`; the attention of each layer is a
+scaling, tied embeddings; Gemma 3's ``(1 + w)`` norms, sandwich norms, GELU-tanh MLP, embedding
+scale, query scale, final logit softcapping and per-layer windows and RoPE bases). Layers run
+under one `lax.scan`; where layers differ (Gemma 3's local and global layers), the difference is
+a per-layer array scanned alongside the weights (the RoPE table) or indexed by the traced layer
+index (`attention_window`), never a Python branch per layer. The attention of each layer is a
 callable passed in by the caller (`generate`), which decides how the KV cache is written and
 read. The port itself knows nothing of selection policies.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import LayerParams, Params
-from sparsekv_jax.models.rope import apply_rope, inverse_frequencies
+from sparsekv_jax.models.rope import apply_rope, inverse_frequencies, layer_inverse_frequencies
 
 # attend(q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D], layer_cache, layer_index, hidden [B,T,H])
 #   -> (out [B,T,Hq,D], new_layer_cache, extras pytree); `hidden` is the layer's input
@@ -25,23 +32,53 @@ from sparsekv_jax.models.rope import apply_rope, inverse_frequencies
 AttendFn = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any, Any]]
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in fp32 and cast back, as transformers does."""
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm computed in fp32 and cast back, as transformers does.
+
+    ``offset == 0`` (Llama): ``w * cast(x_normed)``. ``offset == 1`` (Gemma): ``cast(x_normed *
+    (1 + w))``, the scale applied in fp32 before the cast, as transformers' Gemma3RMSNorm does.
+    """
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (xf * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * xf.astype(x.dtype)
 
 
+def _norm(cfg: ModelConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    return rms_norm(x, weight, cfg.rms_norm_eps, cfg.norm_weight_offset)
+
+
+def attention_window(cfg: ModelConfig, layer: jax.Array) -> int | jax.Array | None:
+    """The sliding window of layer ``layer`` (a traced index inside the layer scan).
+
+    A static ``int``/``None`` when every layer has the same window (Mistral, Llama, Qwen), so the
+    attention dispatch keeps its static-window paths; with per-layer windows (Gemma 3) a traced
+    int32 scalar from the per-layer table, `NO_WINDOW` on full-attention layers.
+    """
+    if not cfg.per_layer_attention:
+        return cfg.sliding_window
+    return jnp.asarray(np.asarray(cfg.layer_windows(), np.int32))[layer]
+
+
 def embed(params: Params, tokens: jax.Array) -> jax.Array:
-    return jnp.take(params.embed, tokens, axis=0)
+    """Token embeddings (times ``sqrt(hidden_size)`` in the weights' dtype when the config scales them)."""
+    x = jnp.take(params.embed, tokens, axis=0)
+    if params.config.scale_embeddings:
+        x = x * jnp.asarray(math.sqrt(params.config.hidden_size), x.dtype)
+    return x
 
 
 def logits_from_hidden(params: Params, hidden: jax.Array) -> jax.Array:
-    """Final norm + LM head → fp32 logits."""
+    """Final norm + LM head → fp32 logits (soft-capped when the config says so)."""
     cfg = params.config
-    h = rms_norm(hidden, params.final_norm, cfg.rms_norm_eps)
+    h = _norm(cfg, hidden, params.final_norm)
     w = params.embed.T if params.lm_head is None else params.lm_head
-    return jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)
+    if cfg.final_logit_softcapping is not None:
+        cap = cfg.final_logit_softcapping
+        logits = cap * jnp.tanh(logits / cap)
+    return logits
 
 
 MatMul = Callable[[jax.Array, str], jax.Array]  # (activations [..., K], weight name) -> [..., N]
@@ -67,12 +104,18 @@ def stacked_matmul(params: Params, layer: jax.Array, interpret: bool | None = No
     return mm
 
 
-def qkv_projection(params: Params, lw: LayerParams, x: jax.Array, positions: jax.Array, mm: MatMul | None = None):
-    """Normed input → RoPE'd q ``[B,T,Hq,D]``, k ``[B,T,Hkv,D]`` and v for one layer."""
+def qkv_projection(params: Params, lw: LayerParams, x: jax.Array, positions: jax.Array, mm: MatMul | None = None,
+                   inv_freq: np.ndarray | jax.Array | None = None):
+    """Normed input → RoPE'd q ``[B,T,Hq,D]``, k ``[B,T,Hkv,D]`` and v for one layer.
+
+    ``inv_freq`` is the layer's RoPE table (default: the model's single one). With
+    ``query_pre_attn_scalar`` set, q is scaled by ``sqrt(head_dim / query_pre_attn_scalar)`` so
+    that the attention's ``1 / sqrt(head_dim)`` gives Gemma's ``query_pre_attn_scalar ** -0.5``.
+    """
     cfg = params.config
     B, T, _ = x.shape
     mm = slice_matmul(lw) if mm is None else mm
-    h = rms_norm(x, lw.attn_norm, cfg.rms_norm_eps)
+    h = _norm(cfg, x, lw.attn_norm)
     q = mm(h, "wq")
     k = mm(h, "wk")
     v = mm(h, "wv")
@@ -82,16 +125,26 @@ def qkv_projection(params: Params, lw: LayerParams, x: jax.Array, positions: jax
     k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
     if lw.q_norm is not None:
-        q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
-    inv_freq = inverse_frequencies(cfg)
-    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+        q = _norm(cfg, q, lw.q_norm)
+        k = _norm(cfg, k, lw.k_norm)
+    inv_freq = inverse_frequencies(cfg) if inv_freq is None else inv_freq
+    q = apply_rope(q, positions, inv_freq)
+    if cfg.query_pre_attn_scalar is not None and cfg.query_pre_attn_scalar != cfg.head_dim:
+        q = q * jnp.asarray(math.sqrt(cfg.head_dim / cfg.query_pre_attn_scalar), q.dtype)
+    return q, apply_rope(k, positions, inv_freq), v
 
 
 def mlp(params: Params, lw: LayerParams, x: jax.Array, mm: MatMul | None = None) -> jax.Array:
+    """Pre-norm gated MLP: SiLU (Llama) or GELU-tanh (Gemma) gate; Gemma's post-MLP norm when present."""
+    cfg = params.config
     mm = slice_matmul(lw) if mm is None else mm
-    h = rms_norm(x, lw.mlp_norm, params.config.rms_norm_eps)
-    return mm(jax.nn.silu(mm(h, "w_gate")) * mm(h, "w_up"), "w_down")
+    h = _norm(cfg, x, lw.mlp_norm)
+    gate = mm(h, "w_gate")
+    gate = jax.nn.gelu(gate, approximate=True) if cfg.hidden_act == "gelu_tanh" else jax.nn.silu(gate)
+    out = mm(gate * mm(h, "w_up"), "w_down")
+    if lw.post_mlp_norm is not None:
+        out = _norm(cfg, out, lw.post_mlp_norm)
+    return out
 
 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, layer_caches: Any,
@@ -118,21 +171,26 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, layer_cache
 
     def layer(carry, xs):
         x, state = carry
-        lw, kv, idx = xs
+        lw, kv, idx, inv_freq = xs
         mm = stacked_matmul(params, idx, interpret) if weights_by_index else slice_matmul(lw)
-        q, k, v = qkv_projection(params, lw, x, positions, mm)
+        q, k, v = qkv_projection(params, lw, x, positions, mm, inv_freq)
         if carried is None:
             out, kv, extras = attend(q, k, v, kv, idx, x)
         else:
             out, (kv, state), extras = attend(q, k, v, (kv, state), idx, x)
         B, T = out.shape[:2]
-        x = x + mm(out.reshape(B, T, cfg.num_heads * cfg.head_dim), "wo")
+        attn = mm(out.reshape(B, T, cfg.num_heads * cfg.head_dim), "wo")
+        if lw.post_attn_norm is not None:
+            attn = _norm(cfg, attn, lw.post_attn_norm)
+        x = x + attn
         x = x + mlp(params, lw, x, mm)
         return (x, state), (kv, extras)
 
     idx = jnp.arange(cfg.num_layers)
+    # per-layer RoPE tables ride the scan (Gemma 3: local and global bases); else one static table
+    inv_freqs = jnp.asarray(layer_inverse_frequencies(cfg), jnp.float32) if cfg.per_layer_attention else None
     (x, state), (new_caches, extras) = jax.lax.scan(
-        layer, (x, carried), (params.layers, layer_caches, idx), unroll=unroll)
+        layer, (x, carried), (params.layers, layer_caches, idx, inv_freqs), unroll=unroll)
     if carried is None:
         return x, new_caches, extras
     return x, (new_caches, state), extras
