@@ -22,7 +22,7 @@
 # activate a feature most, and how often each feature fires (the density curve).
 #
 # S³-Attention retrieves spans of the prompt by these features; the section at the end is where
-# its retrieved spans for a question will be shown once the S³ policy is in the library.
+# its retrieved spans for a needle question are shown at the end.
 
 # %%
 # Install the project when it is not importable: inside a checkout, that checkout; on Colab, a clone
@@ -142,15 +142,43 @@ fig.savefig(OUT / "sae_density.png", dpi=120)
 # %% [markdown]
 # ## Spans retrieved for a question (S³)
 #
-# S³-Attention scores the prompt's spans by the SAE features they share with the question and keeps
-# the best ones. Once an S³ policy is registered (`sparsekv_jax.policies`), this cell shows, on a
-# needle prompt, the spans it kept: add the plot under `if S3_POLICY in REGISTRY:`.
+# S³-Attention (`S3Hybrid`, a `context`-stage policy) scans the context in chunks, indexes each
+# token's key features, scores every position by the features it shares with the question's
+# queries, and keeps sentence spans around the best centres, BM25's best passages and a little lead
+# and tail, within a token budget. Here: held-out WikiText as the context, a needle sentence planted
+# in it, and a question about the needle. The strip shows which context tokens each source keeps.
 
 # %%
-from sparsekv_jax.policies.spec import REGISTRY
+from sparsekv_jax.policies import S3Hybrid
+from sparsekv_jax.retrieval import spans as s3_spans
 
-S3_POLICY = "s3hybrid"
-if S3_POLICY in REGISTRY:
-    print(f"{S3_POLICY} is registered: its retrieved spans go here")
-else:
-    print(f"{S3_POLICY} is not in this version of the library: nothing to show yet")
+CONTEXT = 512 if TINY else 4096
+needle = tokenizer.encode(" The secret ingredient of the lighthouse keeper's soup is saffron.")
+question = tokenizer.encode(" Question: what is the secret ingredient of the lighthouse keeper's soup? Answer:")
+corpus_ids = np.asarray(tokenize(tokenizer, corpus.heldout))  # (`ids` was reused above)
+text = corpus_ids[ROWS * SEQ: ROWS * SEQ + CONTEXT - len(needle)]  # text not shown above
+depth = len(text) * 2 // 3
+context = np.concatenate([text[:depth], needle, text[depth:]])
+prompt = np.concatenate([context, question])[None].astype(np.int32)
+lengths, question_start = np.array([prompt.shape[1]]), np.array([len(context)])
+policy = S3Hybrid(budget=CONTEXT // 8).with_tokenizer(tokenizer)
+result = policy.context(params, prompt, lengths, question_start)
+print(f"kept {result.info['kept_tokens'][0]} of {len(context)} context tokens; new prompt {result.lengths[0]} tokens")
+print("the needle kept:", tokenizer.decode(needle) in tokenizer.decode(result.tokens[0, : result.lengths[0]]))
+
+# %%
+ctx, ql = policy.split(lengths, question_start)
+budgets = np.array([CONTEXT // 8])
+sources, _ = policy.rank(params, prompt, ctx, ql, budgets)
+fig, ax = plt.subplots(figsize=(7, 1.8))
+for row, source in enumerate(sources):  # S³ spans, then BM25 passages
+    for start, end, _centre in source[0]:
+        ax.broken_barh([(start, end - start)], (row + 0.1, 0.8), color=f"C{row}", alpha=0.6)
+kept = s3_spans.assemble(len(context), int(budgets[0]), policy.lead, policy.tail, [s[0] for s in sources])
+ax.broken_barh([(int(t), 1) for t in np.flatnonzero(kept)], (2.1, 0.8), color="C2")
+ax.axvspan(depth, depth + len(needle), color="red", alpha=0.25, label="needle")
+ax.set_yticks([0.5, 1.5, 2.5], ["S³ ranked", "BM25 ranked", "kept (budget)"], fontsize=8)
+ax.set_xlabel("context position")
+ax.legend(fontsize=7, loc="upper left")
+fig.tight_layout()
+fig.savefig(OUT / "s3_spans.png", dpi=120)

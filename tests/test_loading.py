@@ -8,13 +8,12 @@ import shutil
 import time
 from pathlib import Path
 
+import gguf  # noqa: E402
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-gguf = pytest.importorskip("gguf")
+import torch  # noqa: E402  (test extra)
+import transformers  # noqa: E402
 
 from sparsekv_jax.models import embedded  # noqa: E402
 from sparsekv_jax.models.config import ModelConfig, RopeScaling, smollm2_135m_config  # noqa: E402

@@ -7,10 +7,9 @@ import os
 import time
 from pathlib import Path
 
+import jupytext  # noqa: E402  (test extra)
+import nbclient  # noqa: E402
 import pytest
-
-jupytext = pytest.importorskip("jupytext")
-nbclient = pytest.importorskip("nbclient")
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.py"))
 PLOTS = {  # what each notebook must write
@@ -18,7 +17,7 @@ PLOTS = {  # what each notebook must write
     "policy_explorer": ["explorer_kept.png", "explorer_reads.png", "explorer_mass.png"],
     "budget_frontier": ["frontier.png", "frontier_tasks.png"],
     "kernels": ["kernels_decode.png", "kernels_prefill.png"],
-    "sae_features": ["sae_density.png"],
+    "sae_features": ["sae_density.png", "s3_spans.png"],
 }
 
 
