@@ -121,6 +121,19 @@ def test_smoothing_and_nms_match_numpy():
             d[np.abs(np.arange(60) - c) < radius[b]] = -np.inf
 
 
+def test_smoothing_keeps_small_scores_after_a_long_context():
+    """A small isolated score 100k positions into a context whose first half scores high: the box
+    filter must not lose it (a difference of float32 running sums was off by 2x here)."""
+    rng = _rng()
+    x = np.zeros((1, 131072), np.float32)
+    x[0, :50000] = rng.uniform(size=50000)
+    peak = int(rng.integers(90000, 130000))
+    x[0, peak] = 1e-3
+    got = np.asarray(smooth(jnp.asarray(x), 48))[0, peak - 30: peak + 30]
+    want = np.convolve(x[0].astype(np.float64), np.ones(48) / 48, mode="same")[peak - 30: peak + 30]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-12)
+
+
 def test_a_planted_query_feature_retrieves_the_planted_span():
     rng = _rng()
     n, B, S, C, k, W = 2, 2, 4, 32, 4, 64

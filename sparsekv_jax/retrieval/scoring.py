@@ -54,13 +54,14 @@ def position_scores(postings: jax.Array, counts: jax.Array, weights: jax.Array, 
 
 def smooth(score: jax.Array, kernel: int) -> jax.Array:
     """Box filter along the last axis: mean of ``score[t - kernel//2 : t - kernel//2 + kernel]``
-    (zeros outside), the same length as ``score``."""
-    T = score.shape[-1]
+    (zeros outside), the same length as ``score``. A windowed sum (`lax.reduce_window`), not a
+    difference of running sums: in float32 those lose ``eps * |running sum|``, which grows with
+    the context (128k positions) and swamps small scores."""
     lo = kernel // 2
-    pad = jnp.pad(score, [(0, 0)] * (score.ndim - 1) + [(lo + 1, kernel)])
-    c = jnp.cumsum(pad, axis=-1)
-    t = jnp.arange(T)
-    return (c[..., t + kernel] - c[..., t]) / kernel
+    ones = (1,) * (score.ndim - 1)
+    total = jax.lax.reduce_window(score, jnp.zeros((), score.dtype), jax.lax.add, ones + (kernel,),
+                                  ones + (1,), [(0, 0)] * (score.ndim - 1) + [(lo, kernel - 1 - lo)])
+    return total / kernel
 
 
 def pick_centres(density: jax.Array, lengths: jax.Array, n_centres: int,
