@@ -24,8 +24,12 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check sparsekv_jax tests scripts notebooks
 
+# Two pytest-xdist workers (CI has 2 cores; an XLA compile uses about one): tests are dealt out one by one
+# and idle workers steal queued ones, so one long file (test_contract's pair matrix) does not bound the run.
+TEST_WORKERS ?= 2
+
 test: $(STAMP) $(PEER)/.installed lint
-	$(BIN)/python -m pytest -q --durations=15 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 tests
 
 clean:
 	rm -rf $(VENV) $(PEER) build *.egg-info

@@ -85,12 +85,34 @@ def smol(tmp_path_factory):
     """(cache_dir, params, tokenizer, seconds) of the first `load("smollm2")` into a fresh cache.
 
     Shared by every test that needs the real embedded model, so it is converted once a session.
+    Under pytest-xdist the workers share one cache (under the session's common temp root, behind a
+    file lock): the first worker to get there converts, and each worker loads from its own hard-linked
+    copy of the finished entries; a worker that did not convert reports that cached load's ``seconds``.
     """
+    import fcntl
     import time
 
     from sparsekv_jax.models.embedded import load
 
     cache = tmp_path_factory.mktemp("sparsekv_cache")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import shutil
+
+        root = tmp_path_factory.getbasetemp().parent  # common to every worker of this session
+        shared, took = root / "sparsekv_cache_shared", None
+        with open(root / "sparsekv_cache_shared.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (root / "sparsekv_cache_shared.done").exists():
+                t0 = time.perf_counter()
+                load("smollm2", cache_dir=shared, progress=False)
+                took = time.perf_counter() - t0
+                (root / "sparsekv_cache_shared.done").touch()
+            fcntl.flock(lock, fcntl.LOCK_UN)
+        # each worker gets its own cache (hard links to the finished entries): tests that write there stay apart
+        shutil.copytree(shared, cache, copy_function=os.link, dirs_exist_ok=True)
+        t0 = time.perf_counter()
+        params, tok = load("smollm2", cache_dir=cache, progress=False)
+        return cache, params, tok, took if took is not None else time.perf_counter() - t0
     t0 = time.perf_counter()
     params, tok = load("smollm2", cache_dir=cache, progress=False)
     return cache, params, tok, time.perf_counter() - t0
