@@ -1,6 +1,6 @@
 """CHESS (context-aware hierarchical efficient semantic selection): which pages each decode step reads.
 
-The paper (``../shared/papers/004_*``), as implemented here:
+The paper (arXiv 2602.20732), as implemented here:
 
 * **Page vectors.** A page of ``page_size`` tokens (paper: 32) is represented by the mean of its
   keys, flattened over every layer and KV head (Eq. 1). Chunks are ``chunk_pages`` pages, grids

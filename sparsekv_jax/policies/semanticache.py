@@ -1,7 +1,8 @@
 """SemantiCache (Wu et al., 2025): delimiter chunking, greedy seed-based clustering (GSC), merged
 semantic cores with proportional attention. A compressor that *merges* KV entries.
 
-The paper (``../shared/papers/002_*``), per (layer, KV head), on the prompt's entries:
+The paper ("SemantiCache: Efficient KV Cache Compression via Semantic Chunking and Clustered
+Merging"), per (layer, KV head), on the prompt's entries:
 
 * **Semantic chunking.** The prompt is cut at delimiter tokens into chunks; delimiters are kept
   unmerged as anchors (Eq. 1).
