@@ -207,4 +207,6 @@ def test_smollm2_hybrid_keeps_the_needle(smol):
     pol = S3Hybrid(budget=128, kernel=8, chunk=256).with_tokenizer(tokenizer)
     res = pol.context(params, tok, np.array([tok.shape[1]]), np.array([len(ctx)]))
     kept = tokenizer.decode(res.tokens[0, : res.question_start[0]].tolist())
-    assert number in kept and res.info["kept_tokens"][0] == 128
+    # within the budget; it may stay under it when every ranked span is already kept (a needle deep
+    # in this short haystack leaves ~105-128: asserting exactly 128 failed 9 draws in 40)
+    assert number in kept and res.info["kept_tokens"][0] == res.question_start[0] <= 128
