@@ -18,7 +18,7 @@ import numpy as np
 
 from sparsekv_jax.cache import init_cache
 from sparsekv_jax.generate import prefill
-from sparsekv_jax.policies import Dense, SemantiCache
+from sparsekv_jax.policies import Dense, SemantiCache, parse_policy
 from sparsekv_jax.policies.base import Prompt, Setup
 from sparsekv_jax.policies.common import row_budgets
 
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task", default="niah_single_1")
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--index", type=int, default=0)
+    p.add_argument("--specs", default="", help="';'-separated SemantiCache specs (default: SPECS)")
     args = p.parse_args(argv)
     params, tok = load("smollm2", progress=False)
     cfg = params.config
@@ -52,8 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     cache = init_cache(cfg, 1, T + 64, page_size=16, dtype=jnp.float32)
     _, cache, _, _ = jax.jit(lambda p, t, n, c: prefill(p, Dense(), t, n, c))(params, tokens, lengths, cache)
     prompt = Prompt(tokens=tokens, lengths=lengths)
-    for spec in SPECS:
-        pol = SemantiCache.from_tokenizer(tok, **spec).bind(Setup(cfg, prompt_len=T, max_new_tokens=64))
+    policies = ([parse_policy(x) for x in args.specs.split(";")] if args.specs
+                else [SemantiCache(**spec) for spec in SPECS])
+    for pol in policies:
+        pol = pol.with_tokenizer(tok).bind(Setup(cfg, prompt_len=T, max_new_tokens=64))
         comp = jax.jit(lambda c, p, pol=pol: pol.compress(c, None, T + 64, p))(cache, prompt)
         keep = int(row_budgets(pol.budget, lengths)[0])
         level, taus = map(np.asarray, jax.jit(pol.choices)(cache, prompt))  # [L, 1, H]

@@ -247,6 +247,11 @@ class SemantiCache(Policy):
         return jax.lax.map(layer, (layers.k, layers.v, layers.positions),
                            batch_size=min(self.layer_batch, layers.k.shape[0]))
 
+    def compress_with_choices(self, cache: KVCache, observations: Any, capacity: int,
+                              prompt: Prompt) -> tuple[KVCache, tuple[jax.Array, jax.Array]]:
+        """`compress` and `choices` from one clustering."""
+        (k, v, pos, bias, counts), chosen = self._cluster(cache, prompt)
+        return write_entries(cache, k, v, pos, bias, counts, capacity), chosen
+
     def compress(self, cache: KVCache, observations: Any, capacity: int, prompt: Prompt) -> KVCache:
-        k, v, pos, bias, counts = self._cluster(cache, prompt)[0]
-        return write_entries(cache, k, v, pos, bias, counts, capacity)
+        return self.compress_with_choices(cache, observations, capacity, prompt)[0]
