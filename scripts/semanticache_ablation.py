@@ -165,17 +165,20 @@ def run(args) -> list[dict]:
             reference = jnp.zeros((len(batch), follow), jnp.int32)  # full attention's answer, once known
             for name in ["fullkv", *names]:
                 t0 = time.perf_counter()
+                levels = np.full((len(batch), 3), np.nan)  # share of (layer, KV head)s at each layout level
                 if name == "fullkv":
                     comp = cache
                 else:
                     key = (name, tokens.shape, capacity)
                     if key not in compressors:
                         pol = policies[name].bind(Setup(cfg, prompt_len=T, max_new_tokens=tq + max_new))
-                        compressors[key] = jax.jit(lambda c, p, pol=pol, cap=capacity: pol.compress(c, None, cap, p))
+                        run_one = pol.compress_with_choices if isinstance(pol, SemantiCache) else pol.compress
+                        compressors[key] = jax.jit(lambda c, p, f=run_one, cap=capacity: f(c, None, cap, p))
                     comp = compressors[key](cache, prompt)
+                    if isinstance(comp, tuple):
+                        comp, (chosen, _) = comp  # [L, B, H] levels
+                        levels = np.stack([(np.asarray(chosen) == lv).mean((0, 2)) for lv in (0, 1, 2)], axis=1)
                 kept = np.asarray(stored_entries(comp)) / np.asarray(lengths)
-                level = (np.full(len(batch), -1) if name == "fullkv"
-                         else np.asarray(policies[name].layout(prompt)[-1]))
                 out, num, logp, agree = map(np.asarray, answer(params, logits, comp, suffix, reference))
                 if name == "fullkv":  # its answer is the reference; score it again against itself
                     ref_len = np.minimum(num, follow)
@@ -191,7 +194,7 @@ def run(args) -> list[dict]:
                     if (task, s.index, name) in done:
                         continue
                     rows.append({"task": task, "index": s.index, "variant": name, "score": scores[-1],
-                                 "kept": float(kept[i]), "level": int(level[i]), "prediction": pred,
+                                 "kept": float(kept[i]), "levels": levels[i].tolist(), "prediction": pred,
                                  "answers": list(s.answers), "tokens": int(lengths[i]), "seconds": seconds / len(batch),
                                  "nll": float(-logp[i][on[i]].mean()), "agree": float(agree[i][on[i]].mean()),
                                  "prefill_seconds": prefill_s / len(batch)})
@@ -210,14 +213,14 @@ def table(rows: list[dict]) -> str:
         cell[r["variant"], r["task"]].append(r)
     full = np.mean([np.mean([x["score"] for x in cell["fullkv", t]]) for t in tasks])
     lines = ["| variant | " + " | ".join(tasks) + " | average | % of full | agree | NLL | kept | compression "
-             "| rows at level 0/1/2 |", "|---" + "|---:" * (len(tasks) + 7) + "|"]
+             "| heads at level 0/1/2 |", "|---" + "|---:" * (len(tasks) + 7) + "|"]
     for v in variants:
         scores = [100 * np.mean([x["score"] for x in cell[v, t]]) for t in tasks]
         kept = np.mean([x["kept"] for t in tasks for x in cell[v, t]])
         avg = float(np.mean(scores))
         share = 100 * avg / (100 * full) if full else math.nan
-        levels = [x["level"] for t in tasks for x in cell[v, t]]
-        share_of = "/".join(f"{np.mean(np.equal(levels, lv)):.2f}" for lv in (0, 1, 2)) if min(levels) >= 0 else "-"
+        levels = np.array([x.get("levels", [math.nan] * 3) for t in tasks for x in cell[v, t]], float)
+        share_of = "-" if np.isnan(levels).any() else "/".join(f"{x:.2f}" for x in levels.mean(0))
         agree = 100 * np.mean([x["agree"] for t in tasks for x in cell[v, t]])
         nll = np.mean([x["nll"] for t in tasks for x in cell[v, t]])
         lines.append(f"| {v} | " + " | ".join(f"{s:.1f}" for s in scores) + f" | {avg:.2f} | {share:.1f} | "

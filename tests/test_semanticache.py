@@ -18,7 +18,7 @@ from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
 from sparsekv_jax.models.rope import inverse_frequencies
-from sparsekv_jax.policies import CHESS, Dense, Pipeline, Quest, SemantiCache, parse_policy
+from sparsekv_jax.policies import CHESS, Dense, Pipeline, Quest, SemantiCache, clustering, parse_policy
 from sparsekv_jax.policies.base import Prompt, Setup
 from sparsekv_jax.policies.common import budget_tokens, row_budgets
 
@@ -92,26 +92,41 @@ def ref_gsc(chunk: list[int], cos, tau: float, margins: list[float]) -> list[lis
     return clusters
 
 
+def ref_search(kept: list[int], chunks, keep: int, cluster_at, top: float, K: int):
+    """``(threshold, clusters)`` of the budget search on one layout (the documented two grids, in
+    float32), or ``(-inf, None)`` when even one cluster per chunk overflows ``keep``."""
+    if len(kept) + len(chunks) > keep:
+        return -np.inf, None
+    gaps = (top + 2.0) * np.geomspace(1e-4, 1.0, K - 1)
+    grid = np.concatenate([[top], top - gaps]).astype(np.float32)
+    k1 = [len(kept) + len(cluster_at(chunks, t)) <= keep for t in grid].index(True)
+    lo, hi = grid[k1], grid[max(k1 - 1, 0)]
+    for t in [np.float32(hi + (lo - hi) * np.float32(j / K)) for j in range(1, K)] + [lo]:
+        clusters = cluster_at(chunks, t)
+        if len(kept) + len(clusters) <= keep:
+            return float(t), clusters
+    raise AssertionError("the grid ends on a fitting threshold")
+
+
 def ref_compress(k, v, pos, tokens, lengths, pol: SemantiCache, margins: list[float]):
-    """``({(layer, row, head): the entries (position, log size, key, value) in order}, level per row)``."""
+    """``({(layer, row, head): the entries (position, log size, key, value) in order},
+    {(layer, row, head): (level, threshold)})``. Budget mode: per (layer, row, head) the level whose
+    search reaches the highest threshold (the first of equal ones); threshold mode (or
+    ``level_rule="finest"``): per row the first level whose coarsest clustering fits."""
     L, B, H, _, D = k.shape
     T = tokens.shape[1]
     width = T if pol.chunking == "none" else min(pol.chunk_size, T)
     n_out = min(T, budget_tokens(pol.budget, T))
     top = 1.0 if pol.tau is None else pol.tau
-    K = pol.search_steps
-    out, levels = {}, []
+    out, chosen = {}, {}
     for b in range(B):
         n = int(lengths[b])
         keep = budget_tokens(pol.budget, n)
         s, w = ref_forced(n, keep, pol.sinks, pol.window, width)
         delim = MASK[tokens[b]] if pol.chunking == "delimiters" else np.zeros(T, bool)
         order = (0, 1, 2) if pol.chunking == "delimiters" else (2,)
-        for level in order:
-            kept, chunks = ref_chunks(delim, n, s, w, level, width)
-            if len(kept) + len(chunks) <= keep or level == order[-1]:
-                break
-        levels.append(level)
+        layouts = {level: ref_chunks(delim, n, s, w, level, width) for level in order}
+        finest = next(lv for lv in order if len(layouts[lv][0]) + len(layouts[lv][1]) <= keep or lv == order[-1])
         for l in range(L):
             for h in range(H):
                 stored = np.asarray(k[l, b, h], np.float64)
@@ -121,19 +136,21 @@ def ref_compress(k, v, pos, tokens, lengths, pol: SemantiCache, margins: list[fl
                 def cos(i, j, unit=unit):
                     return float(unit[i] @ unit[j])
 
-                def cluster_at(tau, chunks=chunks, cos=cos):
+                def cluster_at(chunks, tau, cos=cos):
                     return [c for ch in chunks for c in ref_gsc(ch, cos, tau, margins)]
 
-                if pol.tau is not None and n_out >= T:
-                    clusters = cluster_at(np.float32(top))
+                if pol.tau is None and pol.level_rule == "least_lossy":
+                    found = {lv: ref_search(*layouts[lv], keep, cluster_at, top, pol.search_steps) for lv in order}
+                    level = max(order, key=lambda lv: (found[lv][0], -lv))
+                    tau, clusters = found[level]
+                elif pol.tau is not None and n_out >= T:
+                    level, tau = finest, float(np.float32(top))
+                    clusters = cluster_at(layouts[level][1], np.float32(top))
                 else:
-                    gaps = (top + 2.0) * np.geomspace(1e-4, 1.0, K - 1)  # the documented grid, in float32
-                    grid = np.concatenate([[top], top - gaps]).astype(np.float32)
-                    fits = [len(kept) + len(cluster_at(t)) <= keep for t in grid]
-                    k1 = fits.index(True)
-                    lo, hi = grid[k1], grid[max(k1 - 1, 0)]
-                    grid2 = [np.float32(hi + (lo - hi) * np.float32(j / K)) for j in range(1, K)] + [lo]
-                    clusters = next(c for c in map(cluster_at, grid2) if len(kept) + len(c) <= keep)
+                    level = finest
+                    tau, clusters = ref_search(*layouts[level], keep, cluster_at, top, pol.search_steps)
+                kept = layouts[level][0]
+                chosen[l, b, h] = (level, tau)
                 entries = []
                 for group in sorted([[t] for t in kept] + clusters):
                     size = len(group)
@@ -145,7 +162,7 @@ def ref_compress(k, v, pos, tokens, lengths, pol: SemantiCache, margins: list[fl
                         key = rope(key, p) if pol.keys == "pre_rope" else key
                     entries.append((p, math.log(size), key, np.asarray(v[l, b, h, group], np.float64).mean(0)))
                 out[l, b, h] = entries
-    return out, levels
+    return out, chosen
 
 
 # -- synthetic caches with planted clusters ----------------------------------------------------------
@@ -180,7 +197,7 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
     for attempt in range(6):  # redraw when a cosine lies within rounding of a threshold
         cache, keys, values, positions, tokens = planted(seed + attempt, lengths, T, delim_rate)
         margins: list[float] = []
-        ref, levels = ref_compress(keys, values, positions, tokens, np.asarray(lengths), pol, margins)
+        ref, chosen = ref_compress(keys, values, positions, tokens, np.asarray(lengths), pol, margins)
         if min(margins, default=1.0) > 2e-6:
             break
     else:
@@ -188,7 +205,10 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
     cap = pol.compressed_capacity(T, 4)
     prompt = Prompt(tokens=jnp.asarray(tokens, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32))
     got = jax.jit(lambda c, p: pol.compress(c, None, cap, p))(cache, prompt)
-    assert np.asarray(pol.layout(prompt)[-1]).tolist() == levels
+    level, tau = map(np.asarray, jax.jit(pol.choices)(cache, prompt))
+    order = sorted(chosen)
+    assert [int(level[i]) for i in order] == [chosen[i][0] for i in order]
+    np.testing.assert_allclose([tau[i] for i in order], [chosen[i][1] for i in order], rtol=1e-6)
     lay = jax.tree.map(np.asarray, got.layers)
     L, B, H = lay.positions.shape[:3]
     sizes = []
@@ -205,21 +225,63 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
         sizes.append(n)
     assert [int(x) for x in got.length] == [max(len(ref[l, b, h]) for l in range(L) for h in range(H))
                                             for b in range(B)]
-    return sizes, levels
+    return sizes, [chosen[i][0] for i in order]
 
 
 @pytest.mark.parametrize("pol, delim_rate", [
     (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4), 0.15),  # the paper's threshold mode
-    # budget mode; 40% delimiters: the paper's layout cannot fit 30%, rows fall back to coarser chunks
+    # budget mode; 40% delimiters: the paper's layout cannot fit 30%, heads use coarser chunks
     (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5), 0.4),
+    # the previous rule (per row, the first level that fits), kept for the ablation
+    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5, level_rule="finest"), 0.4),
     (SemantiCache(0.5, tau=0.8, chunk_size=8, window=4, search_steps=5, chunking="fixed", keys="post_rope"), 0.15),
     (SemantiCache(12, window=4, search_steps=5, chunking="none"), 0.15),
-], ids=["threshold", "budget-fallback", "capped-fixed-post_rope", "none"])
+], ids=["threshold", "budget-fallback", "budget-finest", "capped-fixed-post_rope", "none"])
 def test_chunking_gsc_and_merging_equal_the_numpy_reference(pol, delim_rate):
     sizes, levels = compare(pol, int(np.random.default_rng().integers(1 << 30)), delim_rate=delim_rate)
     assert min(sizes) < 40  # clusters did merge
     if delim_rate > 0.3:
         assert max(levels) > 0  # the fallback was taken
+
+
+def test_budget_mode_threshold_never_falls_as_the_budget_grows():
+    """Per (layer, row, KV head), the threshold GSC runs at (every merged key has at least that
+    cosine with its seed) never falls when the budget grows, across layout changes. The draw is one
+    where the previous rule (per row, the first layout that fits) *does* fall: a larger budget
+    admits a finer layout with little room left, whose threshold is lower. (The budget is traced
+    here, so each rule compiles once; the policy passes `row_budgets` the same way.)"""
+    T, lengths, width, steps = 48, jnp.asarray([48, 40, 29]), 8, 5
+    fractions = jnp.asarray([0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7])
+
+    @jax.jit
+    def thresholds(keys, is_delim):  # [L, B, H, T, D], [B, T] -> levels and thresholds [budgets, L, B, H]
+        def one(fraction):
+            keep = jnp.clip(jnp.floor(fraction * lengths + 1e-6).astype(jnp.int32), 1, lengths)
+            *layouts, _ = clustering.candidate_layouts(is_delim, lengths, keep, 2, 2, width, (0, 1, 2))
+            forced, anchor, member, place, level = clustering.fitting_layout(is_delim, lengths, keep, 2, 2, width,
+                                                                             (0, 1, 2))
+
+            def layer(k):
+                band = clustering.similarity_band(k, width)
+                _, _, choice, tau = clustering.least_lossy_clustering(band, layouts, keep, 1.0, steps)
+                _, old = clustering.largest_fitting_clustering(band, member, place, forced | anchor, keep, 1.0, steps)
+                return choice, tau, old
+
+            return jax.lax.map(layer, keys)
+
+        return jax.lax.map(one, fractions)
+
+    seed = int(np.random.default_rng().integers(1 << 30))
+    for attempt in range(10):
+        _, keys, *_, tokens = planted(seed + attempt, np.asarray(lengths), T, 0.3)
+        levels, taus, old = map(np.asarray, thresholds(jnp.asarray(keys), jnp.asarray(MASK[tokens])))
+        if (np.diff(old, axis=0) < 0).any():
+            break
+    else:
+        pytest.fail("no draw where the previous rule's threshold falls")
+    assert (np.diff(taus, axis=0) >= 0).all(), np.argwhere(np.diff(taus, axis=0) < 0)
+    assert np.isfinite(taus).all() and len(np.unique(levels)) > 1  # every head fitted; layouts did change
+    assert (taus >= old).all()  # the previous rule's layout is one of the candidates
 
 
 # -- through the model ---------------------------------------------------------------------------

@@ -77,19 +77,28 @@ def chunk_layout(is_delim: jax.Array, lengths: jax.Array, sinks: jax.Array, wind
     return forced, anchor, member, place
 
 
+def candidate_layouts(is_delim: jax.Array, lengths: jax.Array, keep: jax.Array, sinks: int, window: int,
+                      chunk_size: int, levels: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """`chunk_layout` at each of ``levels``: ``(forced, anchor, member, place)`` ``[N, B, T]`` each and
+    ``fits`` ``[N, B]``: the level's coarsest clustering (one cluster per chunk) fits the row's
+    budget ``keep``. Sinks and window are the same at every level (`forced_counts`)."""
+    sinks_b, window_b = forced_counts(keep, lengths, sinks, window, chunk_size)
+    stacked = [chunk_layout(is_delim, lengths, sinks_b, window_b, jnp.full(lengths.shape, lv, jnp.int32), chunk_size)
+               for lv in levels]
+    forced, anchor, member, place = jax.tree.map(lambda *x: jnp.stack(x), *stacked)
+    fits = (forced | anchor | (place == 0)).sum(-1) <= keep
+    return forced, anchor, member, place, fits
+
+
 def fitting_layout(is_delim: jax.Array, lengths: jax.Array, keep: jax.Array, sinks: int, window: int,
                    chunk_size: int, levels: tuple[int, ...]) -> tuple[jax.Array, ...]:
     """``(forced, anchor, member, place, level)``: `chunk_layout` at each row's first level of
     ``levels`` whose coarsest clustering (one cluster per chunk) fits the row's budget ``keep``
-    (the last level when none does)."""
-    sinks_b, window_b = forced_counts(keep, lengths, sinks, window, chunk_size)
-    level = jnp.full(lengths.shape, levels[-1], jnp.int32)
-    for lv in reversed(levels[:-1]):
-        forced, anchor, _, place = chunk_layout(is_delim, lengths, sinks_b, window_b, jnp.full_like(level, lv),
-                                                chunk_size)
-        least = (forced | anchor | (place == 0)).sum(1)
-        level = jnp.where(least <= keep, lv, level)
-    return (*chunk_layout(is_delim, lengths, sinks_b, window_b, level, chunk_size), level)
+    (the last level when none does). Threshold mode's layout."""
+    *layout, fits = candidate_layouts(is_delim, lengths, keep, sinks, window, chunk_size, levels)
+    first = jnp.argmax(fits.at[-1].set(True), axis=0)  # [B]
+    return (*(jnp.take_along_axis(x, first[None, :, None], 0)[0] for x in layout),
+            jnp.asarray(levels, jnp.int32)[first])
 
 
 def similarity_band(keys: jax.Array, width: int) -> jax.Array:
@@ -149,28 +158,55 @@ def search_grid(top: float, steps: int) -> np.ndarray:
 
 
 def largest_fitting_clustering(band: jax.Array, member: jax.Array, place: jax.Array, kept_as_is: jax.Array,
-                               keep: jax.Array, top: float, steps: int) -> jax.Array:
-    """``[B, H, T]`` GSC (distances back to seeds) at, per (row, head), the largest threshold
-    ``<= top`` whose entries (``kept_as_is`` slots + clusters) fit ``keep`` ``[B]``.
+                               keep: jax.Array, top: float, steps: int) -> tuple[jax.Array, jax.Array]:
+    """``([B, H, T], [B, H])``: GSC (distances back to seeds) at, per (row, head), the largest
+    threshold ``<= top`` whose entries (``kept_as_is`` slots + clusters) fit ``keep`` ``[B]``, and
+    that threshold (``-inf`` where none fits: a layout whose coarsest clustering overflows).
 
     Two passes of ``steps`` thresholds, each evaluated at once: `search_grid`, then a linear
     grid between the last threshold that did not fit and the first that did, ending on that one,
     so a fitting clustering is always among its results (the last of the grid merges each chunk
-    into one cluster, which fits whenever the layout does: `fitting_layout`)."""
+    into one cluster, which fits whenever the layout does). A larger ``keep`` never gives a lower
+    threshold: each pass takes the first fitting entry of a descending list, and the second list
+    only moves up with the first pass's result."""
     B, H = band.shape[:2]
     fixed = kept_as_is.sum(1)[:, None]  # [B, 1]
 
     def first_fit(taus):  # taus [K, B, H], descending
         back = greedy_seed_clustering(band, member, place, taus)
-        n = fixed + (member[:, None] & (back == 0)).sum(-1)  # [K, B, H] entries kept
-        k = jnp.argmax(n <= keep[:, None], axis=0)  # [B, H]
-        return jnp.take_along_axis(back, k[None, ..., None], axis=0)[0], k
+        fit = fixed + (member[:, None] & (back == 0)).sum(-1) <= keep[:, None]  # [K, B, H]
+        k = jnp.argmax(fit, axis=0)  # [B, H]
+        chosen = jnp.take_along_axis(taus, k[None], axis=0)[0]
+        return jnp.take_along_axis(back, k[None, ..., None], axis=0)[0], k, jnp.where(fit.any(0), chosen, -jnp.inf)
 
     grid = jnp.asarray(search_grid(top, steps))
-    _, k1 = first_fit(jnp.broadcast_to(grid[:, None, None], (steps, B, H)))
+    _, k1, _ = first_fit(jnp.broadcast_to(grid[:, None, None], (steps, B, H)))
     lo, hi = grid[k1], grid[jnp.maximum(k1 - 1, 0)]
     between = hi[None] + (lo - hi)[None] * (jnp.arange(1, steps) / steps)[:, None, None]
-    return first_fit(jnp.concatenate([between, lo[None]]))[0]
+    back, _, tau = first_fit(jnp.concatenate([between, lo[None]]))
+    return back, tau
+
+
+def least_lossy_clustering(band: jax.Array, layouts: tuple[jax.Array, ...], keep: jax.Array, top: float,
+                           steps: int) -> tuple[jax.Array, ...]:
+    """Budget mode over several chunk layouts: per (row, head), the layout whose budget search
+    (`largest_fitting_clustering`) reaches the highest threshold, i.e. whose clusters join only
+    the most similar keys; ties go to the earlier (finer) layout.
+
+    ``layouts``: ``(forced, anchor, member, place)`` ``[N, B, T]`` each (`candidate_layouts`; the
+    last must fit). Returns ``(back [B, H, T], kept_as_is [B, H, T], choice [B, H], tau [B, H])``
+    (``choice``: the index into ``layouts``). The threshold each layout reaches never falls when
+    the budget grows, so neither does their maximum."""
+    forced, anchor, member, place = layouts
+    kept_as_is = forced | anchor
+    # all layouts in one loop (vmap batches GSC's fori_loop; it runs to the longest chunk of any layout)
+    search = jax.vmap(lambda m, p, kept: largest_fitting_clustering(band, m, p, kept, keep, top, steps))
+    backs, taus = search(member, place, kept_as_is)  # [N, B, H, T], [N, B, H]
+    choice = jnp.argmax(taus, axis=0)  # [B, H]: the first of equal maxima
+    back = jnp.take_along_axis(backs, choice[None, ..., None], axis=0)[0]
+    kept = jnp.take_along_axis(jnp.broadcast_to(kept_as_is[:, :, None], backs.shape), choice[None, ..., None],
+                               axis=0)[0]
+    return back, kept, choice, jnp.take_along_axis(taus, choice[None], axis=0)[0]
 
 
 def rotate(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
@@ -183,7 +219,8 @@ def merge_clusters(k: jax.Array, v: jax.Array, pos: jax.Array, content: jax.Arra
                    inv_freq: np.ndarray | None) -> tuple[jax.Array, ...]:
     """One layer's entries: ``(k, v [B, H, n_out, D], positions, bias [B, H, n_out], counts [B, H])``.
 
-    ``seed_of`` ``[B, H, T]``: each member's seed slot (``-1`` off members). Each kept-as-is slot
+    ``seed_of`` ``[B, H, T]``: each member's seed slot (``-1`` off members); ``kept_as_is``
+    ``[B, H, T]`` or ``[B, 1, T]``. Each kept-as-is slot
     and each cluster is an entry, in the order of its first slot; a cluster's key/value are the
     means (keys: of ``content``; rotated to the mean position when ``inv_freq`` is given, i.e.
     ``content`` is pre-RoPE), its position the rounded mean, its bias ``log size``. Singletons keep
@@ -192,7 +229,7 @@ def merge_clusters(k: jax.Array, v: jax.Array, pos: jax.Array, content: jax.Arra
     B, H, T, D = k.shape
     slot = jnp.arange(T)
     live = slot[None] < lengths[:, None]
-    head_of = jnp.where(kept_as_is[:, None] | (seed_of < 0), slot, seed_of)  # [B, H, T] its entry's first slot
+    head_of = jnp.where(kept_as_is | (seed_of < 0), slot, seed_of)  # [B, H, T] its entry's first slot
     head_of = jnp.where(live[:, None], head_of, T)  # padding goes to a spill row
     is_head = live[:, None] & (head_of == slot)
     b, h = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]

@@ -68,6 +68,7 @@ from sparsekv_jax.policies.base import Policy, Prompt, Setup
 from sparsekv_jax.policies.common import budget_tokens, check_budget, check_sinks_window, row_budgets, write_entries
 
 CHUNKINGS = ("delimiters", "fixed", "none")
+LEVEL_RULES = ("least_lossy", "finest")
 KEYS = ("pre_rope", "post_rope")
 
 
@@ -99,6 +100,7 @@ class SemantiCache(Policy):
     chunk_size: int = struct.field(pytree_node=False, default=64)
     keys: str = struct.field(pytree_node=False, default="pre_rope")
     search_steps: int = struct.field(pytree_node=False, default=16)
+    level_rule: str = struct.field(pytree_node=False, default="least_lossy")
     layer_batch: int = struct.field(pytree_node=False, default=4)
     delimiter_mask: jax.Array | None = None
     inv_freq: tuple[float, ...] | None = struct.field(pytree_node=False, default=None)
@@ -119,6 +121,8 @@ class SemantiCache(Policy):
             raise ValueError(f"keys={self.keys!r} must be one of {KEYS}")
         if self.chunk_size < 2:
             raise ValueError(f"chunk_size={self.chunk_size} must be >= 2")
+        if self.level_rule not in LEVEL_RULES:
+            raise ValueError(f"level_rule={self.level_rule!r} must be one of {LEVEL_RULES}")
         if self.search_steps < 3:
             raise ValueError(f"search_steps={self.search_steps} must be >= 3")
         if self.layer_batch < 1:
@@ -152,7 +156,8 @@ class SemantiCache(Policy):
     @property
     def name(self) -> str:
         defaults = {f.name: f.default for f in dataclasses.fields(SemantiCache)}
-        shown = [f"{n}={getattr(self, n)!r}" for n in ("tau", "sinks", "window", "chunking", "chunk_size", "keys")
+        shown = [f"{n}={getattr(self, n)!r}"
+                 for n in ("tau", "sinks", "window", "chunking", "chunk_size", "keys", "level_rule")
                  if getattr(self, n) != defaults[n]]
         return f"SemantiCache({', '.join([repr(self.budget), *shown])})"
 
@@ -170,21 +175,29 @@ class SemantiCache(Policy):
     def _width(self, T: int) -> int:
         return T if self.chunking == "none" else min(self.chunk_size, T)
 
+    def _levels(self) -> tuple[int, ...]:
+        return (0, 1, 2) if self.chunking == "delimiters" else (2,)
+
     def layout(self, prompt: Prompt) -> tuple[jax.Array, ...]:
         """``(forced, anchor, member, place, level)`` of each prompt slot (`clustering.chunk_layout`)
-        and each row's level (0 = the paper's layout; 1, 2 = the fallbacks) under this budget."""
-        return self._layout(prompt, row_budgets(self.budget, prompt.lengths), prompt.tokens.shape[1])
+        and each row's level (0 = the paper's layout; 1, 2 = the fallbacks): the first level whose
+        coarsest clustering fits this budget. Threshold mode's layout (and budget mode's with
+        ``level_rule="finest"``); budget mode chooses per (layer, row, KV head): `choices`."""
+        keep = row_budgets(self.budget, prompt.lengths)
+        return clustering.fitting_layout(self._is_delim(prompt), prompt.lengths, keep, self.sinks, self.window,
+                                         self._width(prompt.tokens.shape[1]), self._levels())
 
-    def _layout(self, prompt: Prompt, keep: jax.Array, T: int) -> tuple[jax.Array, ...]:
-        tokens = prompt.tokens[:, :T]
+    def _is_delim(self, prompt: Prompt) -> jax.Array:
         if self.chunking == "delimiters":
-            is_delim, levels = jnp.take(self.delimiter_mask, tokens, mode="fill", fill_value=False), (0, 1, 2)
-        else:
-            is_delim, levels = jnp.zeros(tokens.shape, bool), (2,)
-        return clustering.fitting_layout(is_delim, prompt.lengths, keep, self.sinks, self.window, self._width(T),
-                                         levels)
+            return jnp.take(self.delimiter_mask, prompt.tokens, mode="fill", fill_value=False)
+        return jnp.zeros(prompt.tokens.shape, bool)
 
-    def compress(self, cache: KVCache, observations: Any, capacity: int, prompt: Prompt) -> KVCache:
+    def choices(self, cache: KVCache, prompt: Prompt) -> tuple[jax.Array, jax.Array]:
+        """``(level, tau)`` ``[L, B, H]``: the chunk layout level (0, 1, 2) and the threshold GSC
+        ran at, per (layer, row, KV head) — what `compress` decides, for inspection."""
+        return self._cluster(cache, prompt)[1]
+
+    def _cluster(self, cache: KVCache, prompt: Prompt) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, jax.Array]]:
         if self.chunking == "delimiters" and self.delimiter_mask is None:
             raise ValueError("SemantiCache needs the tokenizer's delimiter mask: SemantiCache.from_tokenizer(tok) "
                              "or policy.with_tokenizer(tok)")
@@ -194,9 +207,16 @@ class SemantiCache(Policy):
         T = prompt.tokens.shape[1]
         keep = row_budgets(self.budget, prompt.lengths)
         n_out = min(T, budget_tokens(self.budget, T))
-        forced, anchor, member, place, _ = self._layout(prompt, keep, T)
-        kept_as_is = forced | anchor  # [B, T]
-        search = not self.threshold_mode or n_out < T  # a cap that binds needs the search
+        width, levels = self._width(T), self._levels()
+        is_delim = self._is_delim(prompt)[:, :T]
+        per_head = not self.threshold_mode and self.level_rule == "least_lossy"
+        if per_head:  # budget mode: every layout's search, the least lossy per (row, head)
+            *layouts, _ = clustering.candidate_layouts(is_delim, prompt.lengths, keep, self.sinks, self.window,
+                                                       width, levels)  # a layout that overflows reaches -inf
+        else:  # the first layout that fits; GSC at tau (searching lower only where a cap binds)
+            forced, anchor, member, place, row_level = clustering.fitting_layout(
+                is_delim, prompt.lengths, keep, self.sinks, self.window, width, levels)
+        search = not self.threshold_mode or n_out < T
         top = 1.0 if self.tau is None else float(self.tau)
         inv_freq = None if self.keys == "post_rope" else np.asarray(self.inv_freq)
 
@@ -205,16 +225,33 @@ class SemantiCache(Policy):
             content = k.astype(jnp.float32)
             if inv_freq is not None:
                 content = clustering.rotate(content, -pos, inv_freq)
-            band = clustering.similarity_band(content, self._width(T))
-            if search:
-                back = clustering.largest_fitting_clustering(band, member, place, kept_as_is, keep, top,
-                                                             self.search_steps)
+            band = clustering.similarity_band(content, width)
+            if per_head:
+                back, kept_as_is, choice, tau = clustering.least_lossy_clustering(band, layouts, keep, top,
+                                                                                  self.search_steps)
+                level = jnp.asarray(levels, jnp.int32)[choice]
             else:
-                back = clustering.greedy_seed_clustering(band, member, place, jnp.full((1,) + k.shape[:2], top))[0]
-            seed_of = jnp.where(member[:, None], jnp.arange(T) - back.astype(jnp.int32), -1)
-            return clustering.merge_clusters(k, v, pos, content, seed_of, kept_as_is, prompt.lengths, n_out, inv_freq)
+                kept_as_is = (forced | anchor)[:, None]
+                level = jnp.broadcast_to(row_level[:, None], k.shape[:2])
+                if search:
+                    back, tau = clustering.largest_fitting_clustering(band, member, place, kept_as_is[:, 0], keep,
+                                                                      top, self.search_steps)
+                else:
+                    back = clustering.greedy_seed_clustering(band, member, place, jnp.full((1,) + k.shape[:2], top))[0]
+                    tau = jnp.full(k.shape[:2], top)
+            seed_of = jnp.arange(T) - back.astype(jnp.int32)  # members: their seed; others: kept_as_is overrides
+            return (clustering.merge_clusters(k, v, pos, content, seed_of, kept_as_is, prompt.lengths, n_out,
+                                              inv_freq), (level, tau))
 
         layers = cache.layers
-        k, v, pos, bias, counts = jax.lax.map(layer, (layers.k, layers.v, layers.positions),
-                                              batch_size=min(self.layer_batch, layers.k.shape[0]))
-        return write_entries(cache, k, v, pos, bias, counts, capacity)
+        return jax.lax.map(layer, (layers.k, layers.v, layers.positions),
+                           batch_size=min(self.layer_batch, layers.k.shape[0]))
+
+    def compress_with_choices(self, cache: KVCache, observations: Any, capacity: int,
+                              prompt: Prompt) -> tuple[KVCache, tuple[jax.Array, jax.Array]]:
+        """`compress` and `choices` from one clustering."""
+        (k, v, pos, bias, counts), chosen = self._cluster(cache, prompt)
+        return write_entries(cache, k, v, pos, bias, counts, capacity), chosen
+
+    def compress(self, cache: KVCache, observations: Any, capacity: int, prompt: Prompt) -> KVCache:
+        return self.compress_with_choices(cache, observations, capacity, prompt)[0]
