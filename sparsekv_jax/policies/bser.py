@@ -9,7 +9,8 @@ local expansion, as a question-aware compressor after one prefill pass (docs/BSE
   the context to that length (an instruction with no content, e.g. LongBench lcc's 6-token "Next
   line of code:", probes with the code before it). Without a split (``question_start=None``, or an
   empty question) the last ``tail`` prompt tokens stand in for it — a *fallback*:
-  question-agnostic, the real question is not in the prompt. In the top ``probe_layers`` layers the question's queries attend to every key
+  question-agnostic, the real question is not in the prompt. In the top ``probe_layers`` layers the
+  question's queries attend to every key
   (their causal softmax rows, 16 queries at a time: ``[16, T]`` scores, never ``[T, T]``),
   averaged over those layers, all query heads and the question: ``ā`` (Eq. 3, 4). Salience ``w``
   in each block (Eq. 4): ``"attention"`` (default) = ``ā`` renormalised in the block, i.e. the
