@@ -75,7 +75,7 @@ def stack_copies(hlo: str, shape: tuple[int, ...]) -> int:
     """Copies in a compiled program whose result has ``shape`` (a device's stacked K)."""
     dims = ",".join(map(str, shape))
     return sum(1 for line in hlo.splitlines()
-               if re.search(rf"= bf16\[{dims}\]\S* copy(-start)?\(", line))
+               if re.search(rf"=\s*\(?bf16\[{dims}\][^=]*? copy(-start)?\(", line))
 
 
 def _why(e: Exception) -> str:

@@ -7,8 +7,9 @@ summaries are split by batch (``data``) and KV heads (``model``): each device ho
 entries of its heads, and a policy's per-head selection stays on the device that owns the head.
 
 `generate` takes ``mesh=``; it checks the sizes here before jit, places the weights and the prompt
-(`on_mesh`, `place_rows`) and carries the mesh inside the static `Backend`, so the jitted program can pin the cache
-with `constrain_cache` (`jax.lax.with_sharding_constraint`) where it is created or rewritten.
+(`on_mesh`, `place_rows`) and carries the mesh inside the static `Backend`, so the jitted program
+can pin the cache with `constrain_cache` (`jax.lax.with_sharding_constraint`) where it is created
+or rewritten.
 Everything between those points — the matmuls, the policies' scores that reduce over heads or
 layers (CHESS's page vectors, Quest's bound, SemantiCache's clusters) — is partitioned by XLA
 from these placements. The Pallas kernels, which XLA cannot partition, run per device under
@@ -38,8 +39,8 @@ from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import LayerParams, Params
 
 __all__ = ["DATA", "MODEL", "cache_specs", "check_mesh", "collectives", "constrain", "constrain_cache",
-           "constrain_layers_rows_heads", "make_mesh", "on_mesh", "param_specs", "parse_mesh", "per_device",
-           "place_rows", "shard_params"]
+           "constrain_layers_rows_heads", "decode_attention", "layer_matmul", "make_mesh", "on_mesh", "param_specs",
+           "parse_mesh", "per_device", "place_rows", "prefill_attention", "rope_page_sums", "shard_params"]
 
 DATA, MODEL = "data", "model"
 
