@@ -11,7 +11,7 @@ two GPUs; ``--meshes`` adds e.g. ``data=2``). For each policy:
    in one jitted loop with the cache donated (`e2e.decode_fn`), median of ``--iters`` after a warm-up.
    ms/step, tokens/s, the speedup over one GPU and the scaling efficiency (speedup / GPUs); XLA's
    memory analysis of the step per device (weights + cache + temporaries); and how many copies of a
-   device's whole stacked K the compiled step makes (0 expected: a copy per step would cost a
+   device's whole stacked K the compiled step holds (compare the layouts: a copy in the step costs a
    cache's worth of bandwidth).
 2. **longest context** at the same batch: the step's memory is affine in the context (the cache
    grows by a known number of bytes per token; the rest is fixed), so the throughput point's memory
@@ -20,8 +20,8 @@ two GPUs; ``--meshes`` adds e.g. ``data=2``). For each policy:
    (one call), stepping down 10% while it does not fit (at most ``--tries``). Decode only: the
    prefill of such a context is not part of it (a chunked prefill fills the cache).
 
-    python scripts/multigpu_bench.py --models llama3.1-8b --out $OUT     # 2 GPUs, about 4-5 minutes
-    python scripts/multigpu_bench.py --models qwen2.5-32b --out $OUT     # about 5-6 minutes
+    python scripts/multigpu_bench.py --models llama3.1-8b --out $OUT     # 2 GPUs; at most ~8 minutes
+    python scripts/multigpu_bench.py --models qwen2.5-32b --out $OUT     # (new points stop at 420 s)
     python scripts/multigpu_bench.py --cpu-smoke --out out               # tiny shapes, 2 forced CPU devices
 
 Stops starting new points after ``--deadline`` seconds (the points left are listed as skipped).
@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed call")
     p.add_argument("--iters", type=int, default=3, help="timed calls (median)")
     p.add_argument("--tries", type=int, default=3, help="attempts at the longest context (10%% less each)")
-    p.add_argument("--deadline", type=float, default=540.0, help="seconds after which no new point starts")
+    p.add_argument("--deadline", type=float, default=420.0,
+                   help="seconds after which no new point starts (420: a 600 s limit leaves room for the last one)")
     p.add_argument("--out", default=os.environ.get("OUT", "out"), help="output folder (default $OUT or ./out)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on 2 forced CPU devices")
     p.add_argument("--one-model", help=argparse.SUPPRESS)
