@@ -8,6 +8,8 @@ GQA is handled by grouping query heads as ``[B, Hkv, G, ...]``: keys are never r
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -190,6 +192,10 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, pattern, *,
     if backend.sparse_prefill == "pallas" and (sliding_window is None or isinstance(sliding_window, int)):
         from sparsekv_jax.pallas.prefill import prefill_attention
 
+        if backend.mesh is not None:  # per device: XLA cannot partition a Pallas kernel
+            from sparsekv_jax import sharding
+
+            prefill_attention = functools.partial(sharding.prefill_attention, backend.mesh)
         pad = -(-T // block_size) * block_size - T  # the kernel wants whole KV blocks; causality masks the pad
         kp = jnp.pad(jnp.swapaxes(k, 1, 2), ((0, 0), (0, 0), (0, pad), (0, 0)))
         vp = jnp.pad(jnp.swapaxes(v, 1, 2), ((0, 0), (0, 0), (0, pad), (0, 0)))
@@ -232,6 +238,10 @@ def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size
     if backend.decode_attention == "pallas" and sliding_window is None:
         from sparsekv_jax.pallas.decode import decode_attention
 
+        if backend.mesh is not None:  # per device: XLA cannot partition a Pallas kernel
+            from sparsekv_jax import sharding
+
+            decode_attention = functools.partial(sharding.decode_attention, backend.mesh)
         ids, counts = (None, None) if selection is None else selection
         res = decode_attention(q, kv.k, kv.v, length, page_size=page_size, page_ids=ids, page_counts=counts,
                                bias=kv.bias, layer=layer, interpret=backend.interpret, return_probs=return_probs)

@@ -68,6 +68,9 @@ class Backend:
       decode_unroll: unroll factor of the decode layer scan (1 = rolled; unrolling did not remove
         the weight copies inside the decode loop on an H100, docs/BENCHMARKS.md).
       interpret: run Pallas kernels interpreted; ``None`` = off a GPU.
+      mesh: a ``data`` × ``model`` `jax.sharding.Mesh` to run on (`sparsekv_jax.sharding`): the
+        cache is pinned to its split by rows and KV heads and the Pallas kernels run per device
+        under `jax.shard_map`; ``None`` = wherever the inputs are (one device).
     """
 
     decode_attention: str = "auto"
@@ -79,6 +82,7 @@ class Backend:
     prefill_unroll: int = 1
     decode_unroll: int | bool = 1
     interpret: bool | None = None
+    mesh: Any = None
 
     def __post_init__(self) -> None:
         for name in ("decode_attention", "sparse_prefill", "page_sums"):
@@ -113,7 +117,9 @@ class Backend:
             fits = False
             if params is not None and gpu:
                 ws = [getattr(params.layers, n) for n in _WEIGHT_NAMES]
-                fits = (all(w.shape[1] % 16 == 0 and w.shape[2] % 16 == 0 for w in ws)
+                # on a mesh each device multiplies its share of a weight (`sharding.layer_matmul`)
+                tile = 16 * (1 if self.mesh is None else int(self.mesh.shape["model"]))
+                fits = (all(w.shape[1] % tile == 0 and w.shape[2] % tile == 0 for w in ws)
                         and len({w.dtype for w in ws}) == 1)
             matmul = "pallas" if fits else "xla"
         return dataclasses.replace(

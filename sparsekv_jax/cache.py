@@ -178,33 +178,50 @@ def append_token(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slot: jax.Arra
     B, H, D = k_new.shape
     in_place = slot.ndim == 2  # static: per-head slots overwrite (eviction); one slot per row appends
     slot = jnp.broadcast_to(slot[:, None] if slot.ndim == 1 else slot, (B, H))
-    rows = jnp.arange(B)[:, None]
-    heads = jnp.arange(H)[None, :]
-    at = (rows, heads) if layer is None else (layer, rows, heads)
-    k = kv.k.at[(*at, slot)].set(k_new.astype(kv.k.dtype))
-    v = kv.v.at[(*at, slot)].set(v_new.astype(kv.v.dtype))
-    pos = kv.positions.at[(*at, slot)].set(jnp.broadcast_to(position[:, None], (B, H)))
+    k = _write(kv.k, layer, slot, k_new)
+    v = _write(kv.v, layer, slot, v_new)
+    pos = _write(kv.positions, layer, slot, jnp.broadcast_to(position[:, None], (B, H)))
     page = slot // page_size  # [B, H]
     in_page = page[..., None] * page_size + jnp.arange(page_size)  # [B, H, ps]
     pick = (lambda a: a) if layer is None else (lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False))
     keys = jnp.take_along_axis(pick(k), in_page[..., None], axis=2).astype(jnp.float32)  # [B, H, ps, D]
     live = in_page < new_length[:, None, None]
     if in_place:
-        bias = kv.bias.at[(*at, slot)].set(0.0)
+        bias = _write(kv.bias, layer, slot, jnp.zeros((B, H)))
         live = live & (jnp.take_along_axis(pick(pos), in_page, axis=2) >= 0)  # holes stay out
         page_bias = jnp.where(live, jnp.take_along_axis(pick(bias), in_page, axis=2), -jnp.inf).max(-1)
-        page_max_bias = kv.page_max_bias.at[(*at, page)].set(page_bias)
+        page_max_bias = _write(kv.page_max_bias, layer, page, page_bias)
     else:
         bias = kv.bias
-        page_max_bias = kv.page_max_bias.at[(*at, page)].max(0.0)
+        page_max_bias = _write(kv.page_max_bias, layer, page, jnp.zeros((B, H)), jax.lax.scatter_max)
     valid = live[..., None]
     big = jnp.finfo(kv.page_min.dtype).max  # representable in the summaries' dtype
     return kv.replace(
         k=k, v=v, positions=pos, bias=bias, page_max_bias=page_max_bias,
-        page_sum=kv.page_sum.at[(*at, page)].set(jnp.where(valid, keys, 0.0).sum(-2)),
-        page_min=kv.page_min.at[(*at, page)].set(jnp.where(valid, keys, big).min(-2).astype(kv.page_min.dtype)),
-        page_max=kv.page_max.at[(*at, page)].set(jnp.where(valid, keys, -big).max(-2).astype(kv.page_max.dtype)),
+        page_sum=_write(kv.page_sum, layer, page, jnp.where(valid, keys, 0.0).sum(-2)),
+        page_min=_write(kv.page_min, layer, page, jnp.where(valid, keys, big).min(-2)),
+        page_max=_write(kv.page_max, layer, page, jnp.where(valid, keys, -big).max(-2)),
     )
+
+
+def _write(x: jax.Array, layer: jax.Array | None, index: jax.Array, value: jax.Array,
+           scatter: Any = jax.lax.scatter) -> jax.Array:
+    """``x[(layer,) b, h, index[b, h]] = value[b, h]`` (or `jax.lax.scatter_max`) for every row ``b`` and KV
+    head ``h`` of ``x`` ``[(L,) B, H, S, ...]``, as one scatter whose rows and heads are *batch* dimensions:
+    on a device mesh XLA then writes each (row, head) on the device that holds it (the same write
+    indexed by iotas, ``x.at[rows, heads, index]``, had the values gathered onto every device first).
+    Indices past the end are dropped."""
+    lead = 0 if layer is None else 1
+    if layer is None:
+        idx = index[..., None]
+    else:
+        idx = jnp.stack([jnp.broadcast_to(layer, index.shape).astype(index.dtype), index], axis=-1)
+    dims = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=tuple(range(2, value.ndim)), inserted_window_dims=(lead + 2,) if layer is None else (0, 3),
+        scatter_dims_to_operand_dims=(lead + 2,) if layer is None else (0, 3), operand_batching_dims=(lead, lead + 1),
+        scatter_indices_batching_dims=(0, 1))
+    return scatter(x, idx, value.astype(x.dtype), dims, indices_are_sorted=True, unique_indices=True,
+                   mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def layer_view(tree: Any, layer: jax.Array) -> Any:

@@ -45,6 +45,31 @@ def _read_prompt(args: argparse.Namespace) -> str:
     return sys.stdin.read()
 
 
+def _mesh(text: str | None, prog: str, distributed: bool = False):
+    """The device mesh ``--mesh data=D,model=M`` names (``None`` without the flag). With
+    ``--distributed`` (one process per host) `jax.distributed.initialize` runs first, so the mesh spans
+    every host's devices (docs/SHARDING.md)."""
+    import jax
+
+    if distributed:
+        jax.distributed.initialize()
+    if text is None:
+        return None
+    from sparsekv_jax import sharding
+
+    try:
+        return sharding.make_mesh(*sharding.parse_mesh(text))
+    except ValueError as e:
+        raise SystemExit(f"{prog}: error: bad --mesh: {e}") from None
+
+
+DISTRIBUTED_HELP = ("several hosts: run the same command on each (one process per host); "
+                    "jax.distributed.initialize() finds the others through the cluster manager (SLURM, Open MPI, "
+                    "Kubernetes, Cloud TPU) and --mesh spans every host's devices (docs/SHARDING.md)")
+MESH_HELP = ("run on a data x model device mesh, e.g. data=1,model=2: rows split over data, attention heads, MLP and "
+             "vocabulary over model (docs/SHARDING.md)")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     import jax.numpy as jnp
     import numpy as np
@@ -61,6 +86,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"sparsekv: error: bad --policy: {e}") from None
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    mesh = _mesh(args.mesh, "sparsekv", args.distributed)
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     params, tokenizer = load(args.model, dtype=dtype, progress=not args.quiet)
     policy = policy.with_tokenizer(tokenizer)
@@ -72,8 +98,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         ids = tokenizer(text)["input_ids"]
     t0 = time.perf_counter()
-    out = generate(params, policy, np.asarray([ids]), max_new_tokens=args.max_new_tokens, sampling=sampling,
-                   seed=args.seed)
+    try:
+        out = generate(params, policy, np.asarray([ids]), max_new_tokens=args.max_new_tokens,
+                       sampling=sampling, seed=args.seed, mesh=mesh)
+    except ValueError as e:
+        raise SystemExit(f"sparsekv: error: {e}") from None
     new = out.sequences()[0]
     elapsed = time.perf_counter() - t0
     print(tokenizer.decode(new, skip_special_tokens=True))
@@ -137,12 +166,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 2
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    mesh = _mesh(args.mesh, "sparsekv eval", args.distributed)
     try:
         summary = runner.run_eval(
             model=args.model, suite=args.suite, tasks=tasks, lengths=lengths, policies=args.policies, n=args.n,
             seed=args.seed, out_dir=args.out, question=args.question, batch_size=args.batch_size,
             fidelity=args.fidelity, progress=not args.quiet, dtype=dtype, pad_multiple=args.pad_multiple,
-            prefill_chunk=args.prefill_chunk)
+            prefill_chunk=args.prefill_chunk, mesh=mesh)
     except (ValueError, FileNotFoundError) as e:
         print(f"sparsekv eval: error: {e}", file=sys.stderr)
         return 2
@@ -246,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")
+    g.add_argument("--mesh", default=None, metavar="data=D,model=M", help=MESH_HELP)
+    g.add_argument("--distributed", action="store_true", help=DISTRIBUTED_HELP)
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bars or timing line")
     g.set_defaults(func=cmd_generate)
 
@@ -291,6 +323,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--fidelity", action="store_true",
                    help="also measure KL, top-1 agreement and attention-output error against full attention")
     e.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")
+    e.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help=MESH_HELP + "; batches are filled up to a multiple of D rows")
+    e.add_argument("--distributed", action="store_true", help=DISTRIBUTED_HELP)
     e.add_argument("-q", "--quiet", action="store_true", help="no progress bar or table")
     e.set_defaults(func=cmd_eval)
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from sparsekv_jax import attention
+from sparsekv_jax import attention, sharding
 from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import (
     KVCache,
@@ -225,7 +225,7 @@ def _prefill(params: Params, pattern_stage: Policy, observers: dict[Any, Policy]
     slot_used = jnp.arange(cache.capacity)[None, None, None, :] < lengths[None, :, None, None]
     layers = layers.replace(positions=jnp.where(slot_used, layers.positions, -1))
     layers = summarize_pages(layers, lengths, cache.page_size)
-    cache = cache.replace(layers=layers, length=lengths, next_position=lengths)
+    cache = sharding.constrain_cache(cache.replace(layers=layers, length=lengths, next_position=lengths), backend.mesh)
     return logits, cache, observations, block_fraction
 
 
@@ -313,7 +313,8 @@ def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array
         return out[:, None], new, (pages, new_length, out if collect_attention else None)
 
     by_index = backend.decode_matmul == "pallas"
-    common = dict(unroll=backend.decode_unroll, weights_by_index=by_index, interpret=backend.interpret)
+    common = dict(unroll=backend.decode_unroll, weights_by_index=by_index, interpret=backend.interpret,
+                  mesh=backend.mesh)
     if carry:
         hidden, (_, (layers, layer_state)), (pages, new_length, outs) = forward(
             params, token[:, None], pos[:, None], None, attend, carried=(cache.layers, layer_state), **common)
@@ -321,7 +322,8 @@ def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array
         hidden, (layers, layer_state), (pages, new_length, outs) = forward(
             params, token[:, None], pos[:, None], (cache.layers, layer_state), attend, **common)
     logits = logits_from_hidden(params, hidden[:, 0])
-    cache = cache.replace(layers=layers, length=new_length[0], next_position=pos + 1)
+    cache = sharding.constrain_cache(cache.replace(layers=layers, length=new_length[0], next_position=pos + 1),
+                                     backend.mesh)
     shared_state = dec.decode_update(shared_state, cache, logits)
     if collect_attention:
         return logits, cache, (layer_state, shared_state), pages.mean(0), outs
@@ -347,29 +349,33 @@ def prepare(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Arra
     backend = (Backend() if backend is None else backend)
     backend = backend if backend.resolved else backend.resolve(params)
     cache = init_cache(params.config, tokens.shape[0], capacity, page_size=page_size, dtype=params.dtype)
+    cache = sharding.constrain_cache(cache, backend.mesh)
     logits, cache, observations, block_fraction = prefill(params, policy, tokens, lengths, cache,
                                                           chunk=prefill_chunk, question_start=question_start,
                                                           backend=backend)
     return compress_prefilled(params, policy, logits, cache, observations, block_fraction, tokens, lengths, suffix,
                               suffix_lengths, extra_tokens=extra_tokens, question_start=question_start,
-                              prompt_lengths=prompt_lengths)
+                              prompt_lengths=prompt_lengths, mesh=backend.mesh)
 
 
 def compress_prefilled(params: Params, policy: Policy, logits: jax.Array, cache: KVCache, observations: dict,
                        block_fraction: jax.Array, tokens: jax.Array, lengths: jax.Array, suffix: jax.Array | None,
                        suffix_lengths: jax.Array | None, *, extra_tokens: int,
-                       question_start: jax.Array | None = None, prompt_lengths: jax.Array | None = None):
+                       question_start: jax.Array | None = None, prompt_lengths: jax.Array | None = None,
+                       mesh: Any = None):
     """What `prepare` does after the prefill: compress (a new, smaller cache: the prefill ``cache``
     is left as it is), read the suffix, set up the decode state. ``logits``, ``cache``,
-    ``observations`` and ``block_fraction`` come from `prefill` (or `prefill_shared`) of ``policy``.
-    Returns ``(logits [B, V], cache, state, stats)``."""
+    ``observations`` and ``block_fraction`` come from `prefill` (or `prefill_shared`) of ``policy``;
+    ``mesh`` (`Backend.mesh`) pins the compressed cache to its split. Returns
+    ``(logits [B, V], cache, state, stats)``."""
     T = tokens.shape[1]
     tq = 0 if suffix is None else suffix.shape[1]
     squeezer = policy.stage("compress")
     compressed = squeezer.compressed_capacity(T, extra_tokens + tq, suffix_tokens=tq)
     if compressed is not None:
         prompt = Prompt(tokens=tokens, lengths=lengths, question_start=question_start, offset=0)
-        cache = squeezer.compress(cache, observations.get("compress"), compressed, prompt)
+        cache = sharding.constrain_cache(squeezer.compress(cache, observations.get("compress"), compressed, prompt),
+                                         mesh)
     reference = lengths if prompt_lengths is None else prompt_lengths
     stored = stored_entries(cache) / reference.astype(jnp.float32)
     if suffix is not None:
@@ -609,7 +615,7 @@ def generate(params: Params, policy: Policy | None = None, tokens: Any = None, *
              question_start: Any = None, max_new_tokens: int = 64, sampling: Sampling = GREEDY,
              seed: int | jax.Array = 0, stop_tokens: tuple[int, ...] | None = None, page_size: int = 16,
              prefill_chunk: int | None = None, capacity: int | None = None, suffix: Any = None,
-             suffix_lengths: Any = None, backend: Backend | None = None) -> GenerateOutput:
+             suffix_lengths: Any = None, backend: Backend | None = None, mesh: Any = None) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` per row with ``policy`` choosing the KV entries used.
 
     Args:
@@ -631,13 +637,18 @@ def generate(params: Params, policy: Policy | None = None, tokens: Any = None, *
         question-agnostic compression: the policy compresses ``tokens`` without seeing it).
       suffix_lengths: ``[B]`` true suffix lengths.
       backend: implementation choices (`sparsekv_jax.Backend`; default ``auto`` per platform).
+      mesh: a ``data`` × ``model`` `jax.sharding.Mesh` (`sparsekv_jax.sharding.make_mesh`) to run on:
+        rows split over ``data``, heads / MLP / vocabulary over ``model`` (the same tokens as
+        unsharded; ``ValueError`` before jit where heads or the batch do not divide it).
 
     The context stage (if the policy has one) runs first, on the host; everything after it is one
     `jax.jit`. All checks on the inputs happen before tracing, with errors naming the bad value.
     ``stats`` fractions are of the user's prompt (before a context stage rewrote it).
     """
-    run = _setup(params, policy, tokens, lengths, suffix, suffix_lengths, max_new_tokens, page_size, prefill_chunk,
-                 capacity, question_start=question_start, backend=backend)
+    params, backend = sharding.on_mesh(params, tokens, mesh, backend)
+    run = sharding.place_rows(_setup(params, policy, tokens, lengths, suffix, suffix_lengths, max_new_tokens,
+                                     page_size, prefill_chunk, capacity, question_start=question_start,
+                                     backend=backend))
     if stop_tokens is None:
         stop_tokens = params.config.eos_token_ids
     key = jax.random.key(seed) if isinstance(seed, int) else seed
@@ -676,19 +687,20 @@ def _teacher_force(params, policy, tokens, lengths, question_start, prompt_lengt
 def teacher_force(params: Params, policy: Policy | None, tokens: Any, forced: Any, *, lengths: Any = None,
                   question_start: Any = None, suffix: Any = None, suffix_lengths: Any = None, page_size: int = 16,
                   prefill_chunk: int | None = None, collect_attention: bool = False,
-                  backend: Backend | None = None):
+                  backend: Backend | None = None, mesh: Any = None):
     """Logits of ``policy`` along a given continuation ``forced`` ``[B, N]`` (teacher forcing).
 
     Returns ``logits [B, N, V]`` where ``logits[:, i]`` predicts ``forced[:, i]`` (``i = 0`` from
     the prompt), and with ``collect_attention`` the attention outputs of every layer at each
     decode step, ``[N - 1, L, B, Hq, D]``. Used by the fidelity metrics to compare a policy with
-    full attention on the same tokens.
+    full attention on the same tokens. ``mesh``: as for `generate`.
     """
     forced = np.asarray(forced) if not hasattr(forced, "shape") else forced
     if forced.ndim != 2 or forced.shape[1] < 1:
         raise ValueError(f"forced must be [B, N] with N >= 1, got shape {tuple(forced.shape)}")
-    run = _setup(params, policy, tokens, lengths, suffix, suffix_lengths, forced.shape[1], page_size, prefill_chunk,
-                 None, question_start=question_start, backend=backend)
+    params, backend = sharding.on_mesh(params, tokens, mesh, backend)
+    run = sharding.place_rows(_setup(params, policy, tokens, lengths, suffix, suffix_lengths, forced.shape[1],
+                                     page_size, prefill_chunk, None, question_start=question_start, backend=backend))
     if forced.shape[0] != run.tokens.shape[0]:
         raise ValueError(f"forced has batch {forced.shape[0]}, tokens has batch {run.tokens.shape[0]}")
     return _teacher_force(params, run.policy, run.tokens, run.lengths, run.question_start, run.prompt_lengths,

@@ -12,11 +12,16 @@ and time ``--decode-steps`` steps of `decode_step` in one `lax.fori_loop`.
 
     python -m sparsekv_jax.bench.e2e --out e2e.json
     python -m sparsekv_jax.bench.e2e --models llama3.1-8b --policies "fullkv, quest(0.25)" --contexts 8k
+    python -m sparsekv_jax.bench.e2e --models llama3.1-8b --mesh model=2     # on 2 GPUs (sparsekv_jax.sharding)
+
+With ``--mesh data=D,model=M`` the weights are drawn split over the mesh (`random_weights`), the
+caches are built split by rows and KV heads and every point runs on the mesh; memory is per device.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -68,11 +73,13 @@ def _memory(compiled) -> int | None:
         return None
 
 
-def _decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_size: int = 16):
-    """A cache holding ``context`` tokens as ``policy`` leaves it after prefill (+ room for steps)."""
+def _decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_size: int = 16, mesh=None):
+    """A cache holding ``context`` tokens as ``policy`` leaves it after prefill (+ room for steps); on
+    ``mesh`` (`sparsekv_jax.sharding`) built split as `generate` splits it (no device holds it whole)."""
     import jax
     import jax.numpy as jnp
 
+    from sparsekv_jax import sharding
     from sparsekv_jax.cache import init_cache, summarize_pages
 
     cap = policy.compressed_capacity(context, steps)
@@ -83,7 +90,8 @@ def _decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_s
     # them (built eagerly, zeros + random draws held twice the cache: out of memory at 8k x 32)
     @jax.jit
     def build(key):
-        cache = init_cache(cfg, batch, capacity, page_size=page_size, dtype=jnp.bfloat16)
+        cache = sharding.constrain_cache(init_cache(cfg, batch, capacity, page_size=page_size, dtype=jnp.bfloat16),
+                                         mesh)
         k1, k2, k3 = jax.random.split(key, 3)
         L, B, H, S, D = cache.layers.k.shape
         used = jnp.arange(S) < kept
@@ -92,7 +100,8 @@ def _decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_s
         # one layer at a time: drawing the whole cache at once materialises 32-bit random bits of
         # the cache's size
         def draw(key):
-            return jax.lax.map(lambda k: jax.random.normal(k, (B, H, S, D), jnp.bfloat16), jax.random.split(key, L))
+            out = jax.lax.map(lambda k: jax.random.normal(k, (B, H, S, D), jnp.bfloat16), jax.random.split(key, L))
+            return sharding.constrain_layers_rows_heads(out, mesh)
 
         layers = cache.layers.replace(
             k=draw(k1),
@@ -102,9 +111,36 @@ def _decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_s
         layers = summarize_pages(layers, length, page_size)
         cache = cache.replace(layers=layers, length=length, next_position=jnp.full((batch,), context, jnp.int32))
         observations = jax.random.uniform(k3, (L, B, H, context), jnp.float32)
-        return cache, observations
+        return (sharding.constrain_cache(cache, mesh),
+                sharding.constrain_layers_rows_heads(observations, mesh))
 
     return build(key)
+
+
+def random_weights(cfg, mesh, dtype):
+    """Random weights of ``cfg``'s shapes built where they live: each leaf drawn by a jitted call whose
+    output sharding is its place on ``mesh`` (`sharding.param_specs`; the default device without a mesh),
+    in ``dtype`` directly, so no device holds more than its share (a 32B model in fp32 fits no GPU).
+    Normal(0, 0.02) matrices, norms 1: speed does not depend on the values."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from sparsekv_jax import sharding
+    from sparsekv_jax.models.params import random_params
+
+    abstract = jax.eval_shape(lambda: random_params(cfg, jax.random.key(0), dtype))
+    paths, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    specs = treedef.flatten_up_to(sharding.param_specs(abstract, mesh)) if mesh is not None else [None] * len(paths)
+    leaves = []
+    for (path, leaf), spec, key in zip(paths, specs, jax.random.split(jax.random.key(0), len(paths)), strict=True):
+        norm = "norm" in jax.tree_util.keystr(path)
+
+        def draw(key, shape=leaf.shape, norm=norm):
+            return jnp.ones(shape, dtype) if norm else jax.random.normal(key, shape, dtype) * jnp.asarray(0.02, dtype)
+
+        leaves.append(jax.jit(draw, out_shardings=None if spec is None else NamedSharding(mesh, spec))(key))
+    return jax.tree.unflatten(treedef, leaves)
 
 
 def decode_fn(params, policy, steps: int, start=None, backend=None):
@@ -135,6 +171,7 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
     import jax
     import jax.numpy as jnp
 
+    from sparsekv_jax import sharding
     from sparsekv_jax.backend import Backend
     from sparsekv_jax.cache import init_cache
     from sparsekv_jax.generate import prefill
@@ -144,11 +181,14 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
     from sparsekv_jax.policies.base import Setup
 
     cfg = getattr(mc, MODELS[model])()
-    params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
+    mesh = None if backend is None else backend.mesh
+    params = random_params(cfg, jax.random.key(0), jnp.bfloat16) if mesh is None else \
+        random_weights(cfg, mesh, jnp.bfloat16)
     backend = (Backend() if backend is None else backend).resolve(params)
 
     base = {"model": model, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-            "unroll": backend.decode_unroll, "decode_matmul": backend.decode_matmul}
+            "unroll": backend.decode_unroll, "decode_matmul": backend.decode_matmul,
+            "mesh": None if mesh is None else dict(mesh.shape)}
     rows = []
 
     def record(row):
@@ -159,11 +199,13 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
         for T in prefill_contexts:
             pol = prefill_policy.bind(Setup(cfg, prompt_len=T, backend=backend))
             try:
+                if mesh is not None:
+                    sharding.check_mesh(cfg, 1, mesh)
                 tokens = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.vocab_size)
                 lengths = jnp.full((1,), T, jnp.int32)
 
                 def run(params, tokens, T=T, lengths=lengths, pol=pol):
-                    cache = init_cache(cfg, 1, T, page_size=16, dtype=jnp.bfloat16)
+                    cache = sharding.constrain_cache(init_cache(cfg, 1, T, page_size=16, dtype=jnp.bfloat16), mesh)
                     logits, cache, _, fraction = prefill(params, pol, tokens, lengths, cache, backend=backend)
                     return logits, cache.length, fraction
 
@@ -181,7 +223,9 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
             for B in batches:
                 pol = policy.bind(Setup(cfg, prompt_len=T, max_new_tokens=steps, backend=backend))
                 try:
-                    cache, obs = _decode_cache(cfg, pol, T, B, steps, jax.random.key(2))
+                    if mesh is not None:
+                        sharding.check_mesh(cfg, B, mesh)
+                    cache, obs = _decode_cache(cfg, pol, T, B, steps, jax.random.key(2), mesh=mesh)
                     state = pol.decode_init(cache, obs)
                     token = jnp.ones((B,), jnp.int32)
 
@@ -225,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="decode matmuls: cuBLAS on the scan's weight slice (xla), the Pallas kernel reading the "
                         "stacked weights by layer index (pallas), or auto: pallas on a GPU (default: "
                         "$SPARSEKV_DECODE_MATMUL, else auto)")
+    p.add_argument("--mesh", default=None, metavar="data=D,model=M",
+                   help="run every point on a device mesh (sparsekv_jax.sharding; e.g. model=2 on 2 GPUs)")
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--one-model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -234,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     backend = Backend(decode_unroll=args.unroll or 1,
                       **({"decode_matmul": args.decode_matmul} if args.decode_matmul else {}))
     if args.one_model:
+        if args.mesh:
+            from sparsekv_jax import sharding
+
+            backend = dataclasses.replace(backend, mesh=sharding.make_mesh(*sharding.parse_mesh(args.mesh)))
         rows = run_model(args.one_model, pre, ctx, bat, args.policies, args.decode_steps, args.iters,
                          args.prefill_policies, backend=backend)
         print("ROWS " + json.dumps(rows))
@@ -249,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
                args.prefill_contexts, "--contexts", args.contexts, "--batches", args.batches, "--policies",
                args.policies, "--decode-steps", str(args.decode_steps), "--iters", str(args.iters),
                "--unroll", str(args.unroll), "--prefill-policies", args.prefill_policies,
-               "--decode-matmul", backend.decode_matmul]
+               "--decode-matmul", backend.decode_matmul, *(["--mesh", args.mesh] if args.mesh else [])]
         res = subprocess.run(cmd, capture_output=True, text=True)  # one process per model: clean device memory
         lines = [line for line in res.stdout.splitlines() if line.startswith("ROWS ")]
         if lines:

@@ -73,18 +73,18 @@ class Reference:
 
 def reference(params: Params, tokens: Any, *, lengths: Any = None, question_start: Any = None, suffix: Any = None,
               suffix_lengths: Any = None, max_new_tokens: int = 32, stop_tokens: tuple[int, ...] | None = None,
-              page_size: int = 16, forced: Any = None, steps: Any = None) -> Reference:
+              page_size: int = 16, forced: Any = None, steps: Any = None, mesh: Any = None) -> Reference:
     """Full attention's greedy answer to each prompt and its teacher-forced logits/attention outputs.
 
     ``forced`` ``[B, N]`` (with ``steps`` ``[B]`` valid tokens per row) gives the answer instead
     of generating it (e.g. the greedy tokens of an earlier full-attention `generate` call).
     ``question_start`` (where each row's question begins in ``tokens``, question-aware prompts) is
-    handed on to the policies :func:`compare` runs.
+    handed on to the policies :func:`compare` runs, as is ``mesh`` (`generate`'s device mesh).
     """
     if forced is None:
         out = generate(params, Dense(), tokens, lengths=lengths, question_start=question_start,
                        max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, page_size=page_size, suffix=suffix,
-                       suffix_lengths=suffix_lengths)
+                       suffix_lengths=suffix_lengths, mesh=mesh)
         forced, steps = np.asarray(out.tokens), np.asarray(out.num_generated)
     forced = np.asarray(forced)
     steps = np.asarray(forced.shape[1] if steps is None else steps).reshape(-1)
@@ -93,7 +93,7 @@ def reference(params: Params, tokens: Any, *, lengths: Any = None, question_star
     n = max(1, int(steps.max()))
     forced = np.where(forced[:, :n] == PAD_TOKEN, 0, forced[:, :n]).astype(np.int32)
     inputs = {"tokens": tokens, "lengths": lengths, "question_start": question_start, "suffix": suffix,
-              "suffix_lengths": suffix_lengths, "page_size": page_size}
+              "suffix_lengths": suffix_lengths, "page_size": page_size, "mesh": mesh}
     logits, attn = teacher_force(params, Dense(), forced=forced, collect_attention=n > 1, **inputs)
     return Reference(forced=jnp.asarray(forced), steps=steps, logits=logits, attn=attn, inputs=inputs)
 

@@ -132,12 +132,14 @@ class Plan:
     def keys(self) -> list[str]:
         return [self.key(it, s) for items in self.items for it in items for s in self.specs]
 
-    def batches(self, batch_size: int, pad_multiple: int) -> Iterator[Batch]:
+    def batches(self, batch_size: int, pad_multiple: int, row_multiple: int = 1) -> Iterator[Batch]:
         """Every group's rows in batches of at most ``batch_size``; a group with more rows than that
-        fills its short last batch up to ``batch_size`` (one shape, one compile)."""
+        fills its short last batch up to ``batch_size`` (one shape, one compile), and every batch is
+        filled up to a multiple of ``row_multiple`` rows (a mesh's data axis)."""
         for items in self.items:
             for chunk in batches(items, batch_size, self.max_positions):
                 fill = batch_size if len(items) > batch_size else len(chunk)
+                fill = -(-fill // row_multiple) * row_multiple
                 yield Batch(chunk, batch_inputs(chunk, self.question, self.max_positions, pad_multiple, fill))
 
     def pending(self, batch: Batch, done: Mapping[str, Mapping[str, Any]], fidelity: bool) -> dict[str, list[int]]:
@@ -229,8 +231,9 @@ def decode_length(batch: Batch, policy: Policy) -> int:
 
 def run_batch(params: Any, tokenizer: Any, spec: PolicySpec, batch: Batch, *, stop_tokens: tuple[int, ...],
               page_size: int = 16, prefill_chunk: int | None = None,
-              programs: CompiledPrograms | None = None) -> BatchRun:
-    """Generate greedily with ``spec.policy`` on ``batch`` and decode each item's answer."""
+              programs: CompiledPrograms | None = None, mesh: Any = None) -> BatchRun:
+    """Generate greedily with ``spec.policy`` on ``batch`` and decode each item's answer (on ``mesh``,
+    if given: `sparsekv_jax.sharding`)."""
     import jax
 
     from sparsekv_jax.generate import generate
@@ -241,7 +244,7 @@ def run_batch(params: Any, tokenizer: Any, spec: PolicySpec, batch: Batch, *, st
     res = generate(params, spec.policy, batch.inputs["tokens"], lengths=batch.inputs["lengths"],
                    question_start=batch.inputs["question_start"], max_new_tokens=new, stop_tokens=stop_tokens,
                    page_size=page_size, prefill_chunk=prefill_chunk, suffix=batch.inputs["suffix"],
-                   suffix_lengths=batch.inputs["suffix_lengths"])
+                   suffix_lengths=batch.inputs["suffix_lengths"], mesh=mesh)
     tokens, num = np.asarray(res.tokens), np.asarray(res.num_generated)
     stats = {k: np.asarray(v) if isinstance(v, jax.Array) else v for k, v in res.stats.items()}
     seconds = time.perf_counter() - t0
@@ -345,6 +348,7 @@ class _Options:
     prefill_chunk: int | None
     fidelity: bool
     num_layers: int
+    mesh: Any = None
 
 
 def _eval_batch(params: Any, tokenizer: Any, plan: Plan, batch: Batch, done: Mapping[str, Any], opts: _Options,
@@ -362,7 +366,7 @@ def _eval_batch(params: Any, tokenizer: Any, plan: Plan, batch: Batch, done: Map
         if not rows and not (is_dense(spec.policy) and opts.fidelity and others_pending):
             continue
         run = run_batch(params, tokenizer, spec, batch, stop_tokens=opts.stop_tokens, page_size=opts.page_size,
-                        prefill_chunk=opts.prefill_chunk, programs=programs)
+                        prefill_chunk=opts.prefill_chunk, programs=programs, mesh=opts.mesh)
         if is_dense(spec.policy):
             dense_run = run
         fids, fid_seconds = None, None
@@ -375,7 +379,7 @@ def _eval_batch(params: Any, tokenizer: Any, plan: Plan, batch: Batch, done: Map
                                     max_new_tokens=decode_length(batch, spec.policy), stop_tokens=opts.stop_tokens,
                                     page_size=opts.page_size,
                                     forced=None if dense_run is None else dense_run.tokens,
-                                    steps=None if dense_run is None else dense_run.num_generated)
+                                    steps=None if dense_run is None else dense_run.num_generated, mesh=opts.mesh)
             if is_dense(spec.policy):  # exactly the reference: zeros, nothing to run
                 fids = fid.identical(ref, opts.num_layers)
             else:
@@ -423,7 +427,7 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
              fidelity: bool = False, progress: bool = True, *, dtype: Any = None, model_name: str | None = None,
              longbench_path: str | os.PathLike[str] | None = None, cache_dir: str | os.PathLike[str] | None = None,
              page_size: int = 16, pad_multiple: int = 64, add_fullkv: bool = True,
-             prefill_chunk: int | None = None) -> dict[str, Any]:
+             prefill_chunk: int | None = None, mesh: Any = None) -> dict[str, Any]:
     """Evaluate ``policies`` on a suite; append results to ``out_dir/results.jsonl``; write summaries.
 
     Args:
@@ -453,6 +457,8 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
       page_size: KV cache page size.
       pad_multiple: prompts are right-padded to a multiple of this (fewer distinct shapes).
       add_fullkv: run full attention too when no policy is dense (the "% kept" reference).
+      mesh: a ``data`` × ``model`` device mesh (`sparsekv_jax.sharding.make_mesh`) every `generate`
+        runs on; batches are filled up to a multiple of its ``data`` axis.
 
     Returns:
       The summary (also written to ``summary.json``), see `sparsekv_jax.eval.report.summarize`.
@@ -480,9 +486,9 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
     results_path = out / "results.jsonl"
     done: dict[str, dict[str, Any]] = {r["key"]: r for r in read_results(results_path) if "key" in r}
     opts = _Options(stop_tokens=stop, page_size=page_size, prefill_chunk=prefill_chunk, fidelity=fidelity,
-                    num_layers=cfg.num_layers)
+                    num_layers=cfg.num_layers, mesh=mesh)
 
-    batch_list = list(plan.batches(batch_size, pad_multiple))
+    batch_list = list(plan.batches(batch_size, pad_multiple, 1 if mesh is None else int(mesh.shape["data"])))
     total = sum(len(rows) for b in batch_list for rows in plan.pending(b, done, fidelity).values())
     bar = tqdm(total=total, disable=not progress, desc="eval", unit="sample")
     programs = CompiledPrograms(MAX_LIVE_PROGRAMS)

@@ -89,16 +89,22 @@ def slice_matmul(lw: LayerParams) -> MatMul:
     return lambda h, name: h @ getattr(lw, name)
 
 
-def stacked_matmul(params: Params, layer: jax.Array, interpret: bool | None = None) -> MatMul:
+def stacked_matmul(params: Params, layer: jax.Array, interpret: bool | None = None, mesh: Any = None) -> MatMul:
     """Matmuls that read layer ``layer`` of the stacked weights in the Pallas kernel (no slice);
-    ``interpret`` defaults to off a GPU."""
+    ``interpret`` defaults to off a GPU; on a ``mesh`` the kernel runs per device
+    (`sparsekv_jax.sharding.layer_matmul`)."""
     from sparsekv_jax.pallas.matmul import layer_matmul
 
     interpret = jax.default_backend() != "gpu" if interpret is None else interpret
 
     def mm(h: jax.Array, name: str) -> jax.Array:
         w = getattr(params.layers, name)
-        out = layer_matmul(h.reshape(-1, h.shape[-1]), w, layer, interpret=interpret)
+        if mesh is None:
+            out = layer_matmul(h.reshape(-1, h.shape[-1]), w, layer, interpret=interpret)
+        else:
+            from sparsekv_jax import sharding
+
+            out = sharding.layer_matmul(mesh, name, h.reshape(-1, h.shape[-1]), w, layer, interpret=interpret)
         return out.reshape(*h.shape[:-1], w.shape[-1])
 
     return mm
@@ -149,7 +155,8 @@ def mlp(params: Params, lw: LayerParams, x: jax.Array, mm: MatMul | None = None)
 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, layer_caches: Any,
             attend: AttendFn, *, hidden_in: jax.Array | None = None, carried: Any = None,
-            unroll: int | bool = 1, weights_by_index: bool = False, interpret: bool | None = None):
+            unroll: int | bool = 1, weights_by_index: bool = False, interpret: bool | None = None,
+            mesh: Any = None):
     """Run all layers over ``tokens`` ``[B, T]`` at RoPE ``positions`` ``[B, T]``.
 
     ``layer_caches`` is any pytree with a leading ``[L]`` axis (scanned alongside the
@@ -164,7 +171,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, layer_cache
 
     ``unroll``: the scan's unroll factor (1 = rolled). ``weights_by_index``: the matmuls read each
     layer's weights from the stacked arrays by layer index (`stacked_matmul`, run interpreted if
-    ``interpret``) instead of the scan's slice of them.
+    ``interpret``, per device on ``mesh``) instead of the scan's slice of them.
     """
     cfg = params.config
     x = embed(params, tokens) if hidden_in is None else hidden_in
@@ -172,7 +179,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, layer_cache
     def layer(carry, xs):
         x, state = carry
         lw, kv, idx, inv_freq = xs
-        mm = stacked_matmul(params, idx, interpret) if weights_by_index else slice_matmul(lw)
+        mm = stacked_matmul(params, idx, interpret, mesh) if weights_by_index else slice_matmul(lw)
         q, k, v = qkv_projection(params, lw, x, positions, mm, inv_freq)
         if carried is None:
             out, kv, extras = attend(q, k, v, kv, idx, x)

@@ -173,6 +173,8 @@ class CHESS(Policy):
       inv_freq: RoPE inverse frequencies, set by `bind` for ``keys="pre_rope"``.
       page_sums: how the pre-RoPE rebuild sums pages, set by `bind` from the run's `Backend`:
         ``"pallas"`` (`rope_page_sums`, the keys read in place) or ``"jnp"``.
+      mesh: the run's device mesh (`Backend.mesh`), set by `bind`: the page sums kernel then runs
+        per device (`sparsekv_jax.sharding.rope_page_sums`).
       entropy_threshold, varentropy_threshold: trigger thresholds (leaves; ``inf`` = never).
     """
 
@@ -191,6 +193,7 @@ class CHESS(Policy):
     centred: bool = struct.field(pytree_node=False, default=True)
     inv_freq: tuple[float, ...] | None = struct.field(pytree_node=False, default=None)
     page_sums: str = struct.field(pytree_node=False, default="jnp")
+    mesh: Any = struct.field(pytree_node=False, default=None)
     entropy_threshold: Any = float("inf")
     varentropy_threshold: Any = float("inf")
 
@@ -266,7 +269,8 @@ class CHESS(Policy):
         half = setup.config.head_dim // 2
         # the kernel's tables want a power-of-two half head dim; other models take the jnp path
         impl = setup.backend.page_sums if not half & (half - 1) else "jnp"
-        return self.replace(inv_freq=tuple(float(f) for f in inverse_frequencies(setup.config)), page_sums=impl)
+        return self.replace(inv_freq=tuple(float(f) for f in inverse_frequencies(setup.config)), page_sums=impl,
+                            mesh=setup.backend.mesh)
 
     @property
     def name(self) -> str:
@@ -371,7 +375,12 @@ class CHESS(Policy):
         edge_slots = edge[:, None] * ps + jnp.arange(ps)  # [B, ps]
         edge_live = (edge_slots < jnp.minimum(anchor_end, S)[:, None])[None, :, None]  # [1, B, 1, ps]
         if self.page_sums == "pallas":
-            page_sums = functools.partial(rope_page_sums, page_size=ps, interpret=jax.default_backend() != "gpu")
+            kernel = rope_page_sums
+            if self.mesh is not None:  # per device: XLA cannot partition a Pallas kernel
+                from sparsekv_jax import sharding
+
+                kernel = functools.partial(sharding.rope_page_sums, self.mesh)
+            page_sums = functools.partial(kernel, page_size=ps, interpret=jax.default_backend() != "gpu")
         else:
             page_sums = functools.partial(rope_page_sums_reference, page_size=ps)
         # Per layer (the cache read by layer index), two exact ways to the pages' sums of un-rotated

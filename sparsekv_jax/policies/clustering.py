@@ -232,10 +232,13 @@ def merge_clusters(k: jax.Array, v: jax.Array, pos: jax.Array, content: jax.Arra
     head_of = jnp.where(kept_as_is | (seed_of < 0), slot, seed_of)  # [B, H, T] its entry's first slot
     head_of = jnp.where(live[:, None], head_of, T)  # padding goes to a spill row
     is_head = live[:, None] & (head_of == slot)
-    b, h = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
 
-    def total(x):  # per-first-slot sums [B, H, T(+spill), ...]
-        return jnp.zeros((B, H, T + 1) + x.shape[3:], jnp.float32).at[b, h, head_of].add(x)[:, :, :T]
+    def total(x):  # per-first-slot sums [B, H, T, ...]
+        def one(x, at):  # one (row, head): under vmap its rows and heads are batch dimensions, which XLA
+            # keeps on their devices on a mesh (a scatter indexed by iotas had its sums gathered whole)
+            return jnp.zeros((T + 1,) + x.shape[1:], jnp.float32).at[at].add(x)[:T]
+
+        return jax.vmap(jax.vmap(one))(x, head_of)
 
     size = total(jnp.ones((B, H, T), jnp.float32))
     mean_pos = jnp.floor(total(pos.astype(jnp.float32)) / jnp.maximum(size, 1.0) + 0.5).astype(jnp.int32)

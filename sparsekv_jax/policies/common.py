@@ -71,6 +71,15 @@ def force_sinks_and_window(scores: jax.Array, length: jax.Array, sinks: int, win
     return jnp.where((slot < sinks) | in_window, forced.astype(scores.dtype), scores)
 
 
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``(values, indices)`` of the ``k`` largest entries of the last axis, as `jax.lax.top_k` (ties:
+    the lower index first) but by a stable descending sort: XLA partitions a sort over the leading
+    (layer, row, head) axes of a sharded operand, whereas it gathers `lax.top_k`'s operand whole onto
+    every device (`sparsekv_jax.sharding`). For a budget of many entries XLA sorts for a top-k anyway."""
+    ids = jnp.argsort(x, axis=-1, descending=True, stable=True)[..., :k]
+    return jnp.take_along_axis(x, ids, axis=-1), ids.astype(jnp.int32)
+
+
 def keep_slots(scores: jax.Array, length: jax.Array, keep: jax.Array, k_static: int) -> tuple[jax.Array, jax.Array]:
     """Top ``keep[b]`` used slots by score, as ascending slot indices.
 
@@ -81,7 +90,7 @@ def keep_slots(scores: jax.Array, length: jax.Array, keep: jax.Array, k_static: 
     S = scores.shape[-1]
     used = jnp.arange(S) < length[:, None, None]
     scores = jnp.where(used, scores.astype(jnp.float32), -jnp.inf)
-    _, top = jax.lax.top_k(scores, k_static)
+    _, top = top_k(scores, k_static)
     chosen = jnp.arange(k_static) < keep[:, None, None]
     slots = jnp.sort(jnp.where(chosen, top, S), axis=-1)
     return slots, slots < S
@@ -164,7 +173,7 @@ def top_pages(page_scores: jax.Array, used_pages: jax.Array, k: int,
     if forced is not None:
         s = jnp.where(forced, KEEP + page, s)
     s = jnp.where(in_use, s, -jnp.inf)
-    _, ids = jax.lax.top_k(s, k)
+    _, ids = top_k(s, k)
     counts = jnp.broadcast_to(jnp.minimum(used_pages, k)[:, None], ids.shape[:2]).astype(jnp.int32)
     return ids.astype(jnp.int32), counts
 

@@ -73,7 +73,7 @@ import numpy as np
 from flax import struct
 
 from sparsekv_jax.policies.base import Policy, Prompt
-from sparsekv_jax.policies.common import KEEP
+from sparsekv_jax.policies.common import KEEP, top_k
 
 LONG_CONTEXT = 16384  # tokens: above this the automatic k_start ratio drops from 0.2 to 0.1 (paper 3.1)
 PAPER_MIN_TOKENS = 54 * 128  # the paper's minimum budget: 54 blocks of 128 (3.1), the default floor in tokens
@@ -180,7 +180,7 @@ def select_blocks(metric: jax.Array, budget: jax.Array, lengths: jax.Array, bloc
     causal = kj <= qi
     forced = causal & ((kj < sink_blocks) | (kj > qi - local_blocks))
     scores = jnp.where(forced, KEEP, jnp.where(causal, jnp.maximum(metric, -KEEP), -jnp.inf))
-    _, ids = jax.lax.top_k(scores, width)
+    _, ids = top_k(scores, width)
     n_forced = jnp.minimum(jnp.arange(n) + 1, sink_blocks + local_blocks)  # [nQ]
     counts = jnp.minimum(jnp.maximum(budget, n_forced), jnp.arange(n) + 1)
     inside = jnp.arange(n)[None, :] < (-(-lengths // block_size))[:, None]  # [B, nQ]
