@@ -98,7 +98,7 @@ def decode_point(cfg, params, policy, backend, mesh, T: int, batch: int, steps: 
 
     pol = policy.bind(Setup(cfg, prompt_len=T, max_new_tokens=steps, backend=backend))
     cache, obs = _decode_cache(cfg, pol, T, batch, steps, jax.random.key(2), mesh=mesh)
-    state = pol.decode_init(cache, obs)
+    state = sharding.place_state(pol.decode_init(cache, obs), cache, mesh)  # the split the step returns
     del obs
     token = jnp.ones((batch,), jnp.int32)
     if mesh is not None:

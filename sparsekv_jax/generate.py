@@ -325,6 +325,7 @@ def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array
     cache = sharding.constrain_cache(cache.replace(layers=layers, length=new_length[0], next_position=pos + 1),
                                      backend.mesh)
     shared_state = dec.decode_update(shared_state, cache, logits)
+    layer_state, shared_state = sharding.constrain_state((layer_state, shared_state), cache, backend.mesh)
     if collect_attention:
         return logits, cache, (layer_state, shared_state), pages.mean(0), outs
     return logits, cache, (layer_state, shared_state), pages.mean(0)
@@ -380,7 +381,8 @@ def compress_prefilled(params: Params, policy: Policy, logits: jax.Array, cache:
     stored = stored_entries(cache) / reference.astype(jnp.float32)
     if suffix is not None:
         logits, cache = extend(params, cache, suffix, suffix_lengths)
-    state = policy.stage("decode").decode_init(cache, observations.get("decode"))
+    state = sharding.constrain_state(policy.stage("decode").decode_init(cache, observations.get("decode")), cache,
+                                     mesh)
     return logits, cache, state, {"kv_stored_fraction": stored, "prefill_block_fraction": block_fraction}
 
 

@@ -174,6 +174,39 @@ def constrain_layers_rows_heads(x: Any, mesh: Mesh | None) -> Any:
     return constrain(x, mesh, P(None, DATA, MODEL))
 
 
+def state_specs(state: Any, cache: KVCache) -> Any:
+    """`PartitionSpec` of each leaf of a policy's decode state, read from its leading shape against
+    the cache's: ``[L, B, Hkv, ...]`` and ``[B, Hkv, ...]`` split as the cache, ``[B, ...]`` by rows,
+    anything else replicated. A leaf whose sizes match by chance is still split validly (the axis it
+    is split on has the size that the mesh divides)."""
+    L, B, H = cache.layers.k.shape[:3]
+
+    def spec(x: Any) -> P:
+        s = tuple(np.shape(x))
+        if s[:3] == (L, B, H):
+            return P(None, DATA, MODEL)
+        if s[:2] == (B, H):
+            return P(DATA, MODEL)
+        return P(DATA) if s[:1] == (B,) else P()
+
+    return jax.tree.map(spec, state)
+
+
+def constrain_state(state: Any, cache: KVCache, mesh: Mesh | None) -> Any:
+    """A policy's decode state pinned to `state_specs` (identity without a mesh): the state a decode
+    step returns has the split of the state it was given, so a loop that feeds it back (donated)
+    runs one compiled program (CHESS's page lists, built replicated, came back split by heads)."""
+    return state if mesh is None else constrain(state, mesh, state_specs(state, cache))
+
+
+def place_state(state: Any, cache: KVCache, mesh: Mesh | None) -> Any:
+    """`constrain_state` outside jit: the state put on the mesh with `state_specs` (``decode_init``
+    called eagerly, e.g. by the benchmarks)."""
+    if mesh is None:
+        return state
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, state_specs(state, cache))
+
+
 def place_rows(run: Any) -> Any:
     """A `generate.Inputs` with its per-row arrays (prompt, lengths, suffix) split over ``data`` of
     ``run.backend.mesh``; unchanged without a mesh."""

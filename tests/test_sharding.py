@@ -204,6 +204,50 @@ def _kernel_rows(meshes, rng) -> None:
     print("KERNELS " + json.dumps(rows), flush=True)
 
 
+def _carry_rows(cfg, params, meshes) -> None:
+    """A decode loop outside `generate` (the benchmarks', a user's): CHESS's decode steps through the
+    Pallas decode kernel per device, its state and cache donated and fed back. The state a step
+    returns must be split as the cache (rows × KV heads) whatever split it was given: otherwise a
+    compiled loop fed its own output is refused (CHESS's page lists, built replicated, came back
+    split by heads only: found on two H200s). `sharding.place_state` gives an eagerly built state that
+    split."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from sparsekv_jax import sharding
+    from sparsekv_jax.backend import Backend
+    from sparsekv_jax.bench.e2e import _decode_cache, decode_fn
+    from sparsekv_jax.policies.base import Setup
+    from sparsekv_jax.policies.chess import CHESS
+
+    rows = {}
+    for name in ("2x4", "1x8"):
+        mesh = meshes[name]
+        backend = Backend(mesh=mesh, decode_attention="pallas", interpret=True)
+        # bf16 as the benchmarks' random caches (`_decode_cache`)
+        sparams = sharding.shard_params(jax.tree.map(
+            lambda x: x.astype("bfloat16") if x.dtype == np.float32 else x, params), mesh)
+        policy = CHESS.from_spec("aggressive", chunk_pages=2, grid_chunks=2).bind(
+            Setup(cfg, prompt_len=128, max_new_tokens=4, backend=backend))
+        cache, obs = _decode_cache(cfg, policy, 128, B, 4, jax.random.key(3), mesh=mesh)
+        # replicated, as an eager decode_init may leave it; place_state gives the split a step returns
+        state = sharding.place_state(jax.device_put(policy.decode_init(cache, obs), NamedSharding(mesh, P())),
+                                     cache, mesh)
+        token = jax.device_put(np.ones((B,), np.int32), NamedSharding(mesh, P("data")))
+        fn = decode_fn(sparams, policy, 2, start=(cache.length, cache.next_position), backend=backend)
+        want = NamedSharding(mesh, P("data", "model"))
+        try:  # one compiled loop fed its own output
+            compiled = fn.lower(sparams, cache, state, token).compile()
+            for _ in range(3):
+                cache, state, token = jax.block_until_ready(compiled(sparams, cache, state, token))
+            rows[name] = {"fed_back": None}
+        except ValueError as e:
+            rows[name] = {"fed_back": str(e)[:600]}
+        rows[name].update({k: state[1][k].sharding.is_equivalent_to(want, state[1][k].ndim) for k in ("ids", "counts")})
+    print("CARRY " + json.dumps(rows), flush=True)
+
+
 def _error_rows(cfg, params, meshes) -> None:
     """The messages a mesh that does not divide the heads or the batch gives (before anything runs)."""
     import dataclasses
@@ -242,6 +286,7 @@ def _child() -> None:
     cfg, params = _model(seed)
     meshes = {m: sharding.make_mesh(*map(int, m.split("x"))) for m in MESHES}
     _error_rows(cfg, params, meshes)
+    _carry_rows(cfg, params, meshes)
     _kernel_rows(meshes, rng)
     _generate_rows(cfg, params, meshes, rng)
 
@@ -259,7 +304,8 @@ def child() -> dict:
     return {"seed": seed, "wall_s": time.perf_counter() - t0,
             "rows": [json.loads(x) for x in lines if x.startswith("{")],
             "kernels": json.loads(next(x[8:] for x in lines if x.startswith("KERNELS "))),
-            "errors": json.loads(next(x[7:] for x in lines if x.startswith("ERRORS ")))}
+            "errors": json.loads(next(x[7:] for x in lines if x.startswith("ERRORS "))),
+            "carry": json.loads(next(x[6:] for x in lines if x.startswith("CARRY ")))}
 
 
 def test_sharded_generate_equals_unsharded_for_every_policy(child):
@@ -306,6 +352,14 @@ def test_pallas_kernels_run_per_device_under_shard_map(child):
     assert k["decode_out_spec"] == "('data', 'model')", k
     for name in ("decode", "prefill", "page_sums", "matmul_wq", "matmul_wo"):
         assert k[name] <= TOL, (name, k[name], child["seed"])
+
+
+def test_a_decode_loop_feeds_its_state_back_on_a_mesh(child):
+    """The state a sharded decode step returns is split as the cache, rows × KV heads (CHESS's page
+    lists through the Pallas decode kernel, given replicated), and one compiled loop takes its own
+    output back."""
+    for mesh, c in child["carry"].items():
+        assert c == {"ids": True, "counts": True, "fed_back": None}, (mesh, c)
 
 
 def test_meshes_that_do_not_divide_give_clear_errors(child):
