@@ -25,6 +25,7 @@ __all__ = ["Backend", "on_gpu"]
 _IMPLS = ("auto", "pallas", "jnp")
 _MATMULS = ("auto", "xla", "pallas")
 _DENSE = ("auto", "xla", "cudnn", "blocked")
+_LOCAL = ("ring", "full")
 _WEIGHT_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
@@ -68,6 +69,11 @@ class Backend:
       decode_unroll: unroll factor of the decode layer scan (1 = rolled; unrolling did not remove
         the weight copies inside the decode loop on an H100, docs/BENCHMARKS.md).
       interpret: run Pallas kernels interpreted; ``None`` = off a GPU.
+      local_cache: how a model with interleaved local (sliding-window) and global layers (Gemma 3) stores
+        the local layers' KV: ``"ring"`` (default) a ring buffer of the window per local layer, beside the
+        global layers' paged cache, which alone the policy manages (`sparsekv_jax.local_layers`);
+        ``"full"`` every layer in the paged cache, the window as a mask (the reference path; the policy
+        then manages every layer). Other models ignore it.
     """
 
     decode_attention: str = "auto"
@@ -79,8 +85,11 @@ class Backend:
     prefill_unroll: int = 1
     decode_unroll: int | bool = 1
     interpret: bool | None = None
+    local_cache: str = "ring"
 
     def __post_init__(self) -> None:
+        if self.local_cache not in _LOCAL:
+            raise ValueError(f"Backend local_cache={self.local_cache!r}: expected one of {_LOCAL}")
         for name in ("decode_attention", "sparse_prefill", "page_sums"):
             if getattr(self, name) not in _IMPLS:
                 raise ValueError(f"Backend {name}={getattr(self, name)!r}: expected one of {_IMPLS}")

@@ -166,31 +166,141 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, layer_cache
     layer's weights from the stacked arrays by layer index (`stacked_matmul`, run interpreted if
     ``interpret``) instead of the scan's slice of them.
     """
-    cfg = params.config
     x = embed(params, tokens) if hidden_in is None else hidden_in
 
     def layer(carry, xs):
         x, state = carry
         lw, kv, idx, inv_freq = xs
-        mm = stacked_matmul(params, idx, interpret) if weights_by_index else slice_matmul(lw)
-        q, k, v = qkv_projection(params, lw, x, positions, mm, inv_freq)
-        if carried is None:
-            out, kv, extras = attend(q, k, v, kv, idx, x)
-        else:
-            out, (kv, state), extras = attend(q, k, v, (kv, state), idx, x)
-        B, T = out.shape[:2]
-        attn = mm(out.reshape(B, T, cfg.num_heads * cfg.head_dim), "wo")
-        if lw.post_attn_norm is not None:
-            attn = _norm(cfg, attn, lw.post_attn_norm)
-        x = x + attn
-        x = x + mlp(params, lw, x, mm)
+
+        def attention(q, k, v, x):
+            nonlocal kv, state
+            if carried is None:
+                out, kv, extras = attend(q, k, v, kv, idx, x)
+            else:
+                out, (kv, state), extras = attend(q, k, v, (kv, state), idx, x)
+            return out, extras
+
+        x, extras = _decoder_layer(params, lw, x, positions, idx, inv_freq, attention, weights_by_index, interpret)
         return (x, state), (kv, extras)
 
-    idx = jnp.arange(cfg.num_layers)
-    # per-layer RoPE tables ride the scan (Gemma 3: local and global bases); else one static table
-    inv_freqs = jnp.asarray(layer_inverse_frequencies(cfg), jnp.float32) if cfg.per_layer_attention else None
     (x, state), (new_caches, extras) = jax.lax.scan(
-        layer, (x, carried), (params.layers, layer_caches, idx, inv_freqs), unroll=unroll)
+        layer, (x, carried), (params.layers, layer_caches, jnp.arange(params.config.num_layers),
+                              _rope_tables(params.config)), unroll=unroll)
     if carried is None:
         return x, new_caches, extras
     return x, (new_caches, state), extras
+
+
+def _rope_tables(cfg: ModelConfig) -> jax.Array | None:
+    """Per-layer RoPE tables riding the scan (Gemma 3: local and global bases), or None (one static table)."""
+    return jnp.asarray(layer_inverse_frequencies(cfg), jnp.float32) if cfg.per_layer_attention else None
+
+
+def _decoder_layer(params: Params, lw: LayerParams, x: jax.Array, positions: jax.Array, idx: jax.Array,
+                   inv_freq: jax.Array | None, attention: Callable, weights_by_index: bool, interpret: bool | None):
+    """One decoder layer around ``attention(q, k, v, x) -> (out [B, T, Hq, D], extras)``."""
+    cfg = params.config
+    mm = stacked_matmul(params, idx, interpret) if weights_by_index else slice_matmul(lw)
+    q, k, v = qkv_projection(params, lw, x, positions, mm, inv_freq)
+    out, extras = attention(q, k, v, x)
+    B, T = out.shape[:2]
+    attn = mm(out.reshape(B, T, cfg.num_heads * cfg.head_dim), "wo")
+    if lw.post_attn_norm is not None:
+        attn = _norm(cfg, attn, lw.post_attn_norm)
+    x = x + attn
+    return x + mlp(params, lw, x, mm), extras
+
+
+def _zeros_like_shapes(tree: Any) -> Any:
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+
+
+def forward_interleaved(params: Params, tokens: jax.Array, positions: jax.Array, global_caches: Any,
+                        local_caches: Any, attend_global: AttendFn, attend_local: AttendFn, *,
+                        carried: Any = None, unroll: int | bool = 1, weights_by_index: bool = False,
+                        interpret: bool | None = None):
+    """`forward` for a model whose local (sliding-window) layers keep a cache of their own (Gemma 3's rings).
+
+    The caches differ in shape (a ring of the window per local layer, the policy's cache per global
+    layer) and in number (``Ll`` and ``Lg``), so they cannot ride the scan as per-layer ``xs``. Every
+    layer still runs in one `lax.scan` over all ``L`` layers (the weights and RoPE tables scanned as in
+    `forward`); both stacks ride the carry, and the layer's kind, a per-layer table like its RoPE base,
+    picks under `lax.cond` which ``attend`` runs on which stack, at the layer's rank in it. Only the
+    chosen branch executes, so a local layer never computes global attention nor a policy's
+    observation, and each branch has a *static* window: the one-pass prefill keeps cuDNN's (or the
+    CPU's blocked) sliding-window attention instead of an explicit ``[T, T]`` mask. (A scan over groups
+    of the repeating 5-local + 1-global pattern would need no `cond`, but Gemma 3's layer counts leave
+    a remainder, 7 of 26 in the 1B, so it would need a second scan, a second copy of the layer code
+    and weights sliced into groups.)
+
+    ``attend_local(q, k, v, ring, j, hidden) -> (out, ring, extras)`` gets local layer ``j``'s ring
+    (``local_caches`` sliced, written back); ``attend_global`` gets global layer ``g``'s slice of
+    ``global_caches`` (written back) and, with ``carried``, ``(slice or None, carried)`` as `forward`
+    does (decode on a GPU carries the whole cache and its kernels read layer ``g`` in place). The
+    index an ``attend`` receives is the layer's rank among its kind. Returns ``(hidden, (global_caches,
+    local_caches[, carried]), (global extras stacked [Lg, ...], local extras stacked [Ll, ...]))``.
+    """
+    cfg = params.config
+    local_ids, global_ids = cfg.local_layer_ids(), cfg.global_layer_ids()
+    is_local = np.zeros(cfg.num_layers, bool)
+    is_local[list(local_ids)] = True
+    rank = np.zeros(cfg.num_layers, np.int32)
+    rank[list(local_ids)] = np.arange(len(local_ids))
+    rank[list(global_ids)] = np.arange(len(global_ids))
+    x = embed(params, tokens)
+
+    def layer(carry, xs):
+        x, g_all, l_all, state = carry
+        lw, idx, inv_freq, local, r = xs
+
+        def attention(q, k, v, x):
+            def run_local():
+                ring = None if l_all is None else layer_view_of(l_all, r)
+                out, ring, extras = attend_local(q, k, v, ring, r, x)
+                return out, g_all, set_layer(l_all, r, ring), state, extras
+
+            def run_global():
+                kv = None if g_all is None else layer_view_of(g_all, r)
+                if carried is None:
+                    out, kv, extras = attend_global(q, k, v, kv, r, x)
+                    new_state = state
+                else:
+                    out, (kv, new_state), extras = attend_global(q, k, v, (kv, state), r, x)
+                return out, set_layer(g_all, r, kv), l_all, new_state, extras
+
+            local_shape, global_shape = jax.eval_shape(run_local)[4], jax.eval_shape(run_global)[4]
+
+            def local_branch():
+                out, g, lc, st, extras = run_local()
+                return out, g, lc, st, (_zeros_like_shapes(global_shape), extras)
+
+            def global_branch():
+                out, g, lc, st, extras = run_global()
+                return out, g, lc, st, (extras, _zeros_like_shapes(local_shape))
+
+            out, g, lc, st, extras = jax.lax.cond(local, local_branch, global_branch)
+            return out, (g, lc, st, extras)
+
+        x, (g_all, l_all, state, extras) = _decoder_layer(params, lw, x, positions, idx, inv_freq, attention,
+                                                          weights_by_index, interpret)
+        return (x, g_all, l_all, state), extras
+
+    xs = (params.layers, jnp.arange(cfg.num_layers), _rope_tables(cfg), jnp.asarray(is_local), jnp.asarray(rank))
+    (x, g_all, l_all, state), (g_extras, l_extras) = jax.lax.scan(
+        layer, (x, global_caches, local_caches, carried), xs, unroll=unroll)
+    g_extras = jax.tree.map(lambda a: a[np.asarray(global_ids)], g_extras)
+    l_extras = jax.tree.map(lambda a: a[np.asarray(local_ids)], l_extras)
+    caches = (g_all, l_all) if carried is None else (g_all, l_all, state)
+    return x, caches, (g_extras, l_extras)
+
+
+def layer_view_of(tree: Any, i: jax.Array) -> Any:
+    """Entry ``i`` of every leaf's leading axis (a traced index)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def set_layer(tree: Any, i: jax.Array, value: Any) -> Any:
+    """``tree`` with entry ``i`` of every leaf's leading axis replaced by ``value`` (in place under jit)."""
+    if tree is None:
+        return None
+    return jax.tree.map(lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x.astype(a.dtype), i, 0), tree, value)
