@@ -38,11 +38,19 @@ from sparsekv_jax import attention
 from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import LocalKV
 from sparsekv_jax.models.config import ModelConfig
+from sparsekv_jax.models.transformer import interleaving
 
 
 def uses_ring(cfg: ModelConfig, backend: Backend) -> bool:
-    """Whether a run keeps ring buffers for the local layers (an interleaved model, ``local_cache="ring"``)."""
-    return cfg.interleaved and backend.local_cache == "ring"
+    """Whether a run keeps ring buffers for the local layers (an interleaved model, ``local_cache="ring"``);
+    ``ValueError`` for local and global layers not arranged as Gemma 3's (`interleaving`)."""
+    if not (cfg.interleaved and backend.local_cache == "ring"):
+        return False
+    try:
+        interleaving(cfg)
+    except ValueError as e:
+        raise ValueError(f"{e}: use Backend(local_cache='full') for this model") from None
+    return True
 
 
 def policy_config(cfg: ModelConfig, backend: Backend) -> ModelConfig:

@@ -9,6 +9,7 @@ masked path's global layers; the stats; CHESS's rewinds, which need the ring's s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -22,7 +23,10 @@ from flax import struct
 from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import KVCache, init_cache
 from sparsekv_jax.generate import generate, prefill, teacher_force
+from sparsekv_jax.models.config import gemma3_270m_config, gemma3_config
 from sparsekv_jax.models.loading import load_hf_dir
+from sparsekv_jax.models.params import random_params
+from sparsekv_jax.models.transformer import interleaving
 from sparsekv_jax.policies import CHESS, Policy, Quest, Setup, SnapKV, StreamingLLM
 from sparsekv_jax.policies.base import Prompt
 from sparsekv_jax.policies.common import budget_tokens, row_budgets
@@ -214,3 +218,17 @@ def test_rewinds_past_the_window_keep_the_keys_it_needs(tiny):
     np.testing.assert_array_equal(np.asarray(shaky.stats["backtracks"]), [3, 3])
     assert shaky.cache.local.k.shape[-2] == params.config.sliding_window + 3 * 16
     np.testing.assert_array_equal(np.asarray(shaky.tokens), np.asarray(calm.tokens))
+
+
+def test_layer_arrangements():
+    """Gemma 3's layer groups are found; another arrangement is refused before any tracing."""
+    assert interleaving(gemma3_270m_config()) == (5, 3, 0)
+    one_b = gemma3_config(vocab_size=8, hidden_size=8, num_layers=26, num_heads=2, num_kv_heads=1, head_dim=4,
+                          intermediate_size=8)
+    assert interleaving(one_b) == (5, 4, 2)  # Gemma 3 1B: 26 layers, two local layers after the last group
+    odd = dataclasses.replace(one_b, num_layers=5, layer_types=("sliding_attention", "full_attention",
+                                                                "sliding_attention", "sliding_attention",
+                                                                "full_attention"))
+    params = random_params(odd, jax.random.key(0), jnp.float32)
+    with pytest.raises(ValueError, match="local_cache='full'"):
+        generate(params, None, np.ones((1, 4), np.int32), max_new_tokens=1, backend=RING)

@@ -211,8 +211,18 @@ def _decoder_layer(params: Params, lw: LayerParams, x: jax.Array, positions: jax
     return x + mlp(params, lw, x, mm), extras
 
 
-def _zeros_like_shapes(tree: Any) -> Any:
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+def interleaving(cfg: ModelConfig) -> tuple[int, int, int]:
+    """``(k, n, r)`` of a model whose layers are ``n`` groups of ``k`` local layers then one global layer,
+    followed by ``r <= k`` local layers (every Gemma 3: ``k = 5``; the 270M ``n = 3, r = 0``, the 1B
+    ``n = 4, r = 2``); ``ValueError`` for any other arrangement."""
+    types = cfg.layer_types or ()
+    n = types.count("full_attention")
+    k = types.index("full_attention") if n else 0
+    r = cfg.num_layers - n * (k + 1)
+    want = (("sliding_attention",) * k + ("full_attention",)) * n + ("sliding_attention",) * r
+    if not n or not k or r < 0 or r > k or tuple(types) != want:
+        raise ValueError(f"layer_types {types} are not groups of local layers each followed by one global layer")
+    return k, n, r
 
 
 def forward_interleaved(params: Params, tokens: jax.Array, positions: jax.Array, global_caches: Any,
@@ -222,85 +232,79 @@ def forward_interleaved(params: Params, tokens: jax.Array, positions: jax.Array,
     """`forward` for a model whose local (sliding-window) layers keep a cache of their own (Gemma 3's rings).
 
     The caches differ in shape (a ring of the window per local layer, the policy's cache per global
-    layer) and in number (``Ll`` and ``Lg``), so they cannot ride the scan as per-layer ``xs``. Every
-    layer still runs in one `lax.scan` over all ``L`` layers (the weights and RoPE tables scanned as in
-    `forward`); both stacks ride the carry, and the layer's kind, a per-layer table like its RoPE base,
-    picks under `lax.cond` which ``attend`` runs on which stack, at the layer's rank in it. Only the
-    chosen branch executes, so a local layer never computes global attention nor a policy's
-    observation, and each branch has a *static* window: the one-pass prefill keeps cuDNN's (or the
-    CPU's blocked) sliding-window attention instead of an explicit ``[T, T]`` mask. (A scan over groups
-    of the repeating 5-local + 1-global pattern would need no `cond`, but Gemma 3's layer counts leave
-    a remainder, 7 of 26 in the 1B, so it would need a second scan, a second copy of the layer code
-    and weights sliced into groups.)
+    layer) and in number, so they cannot ride one scan over the layers as per-layer ``xs``. Gemma 3's
+    layers are groups of ``k`` local layers each followed by one global layer, then ``r`` local ones
+    (`interleaving`): the layers run as a `lax.scan` over the groups, each step an inner `lax.scan` over
+    its local layers (their rings as ``xs``) then the global layer (its cache as ``xs``, or through
+    ``carried`` as in `forward`), and one more inner scan for the ``r`` trailing local layers. Every
+    layer's kind, window and RoPE base are static, so the local layers' one-pass prefill is cuDNN's
+    (or the CPU's blocked) sliding-window attention, not an explicit ``[T, T]`` mask, and no buffer
+    passes through a `lax.cond`: a first version chose the kind per layer under a `cond` in one scan
+    over the layers, and XLA copied the whole global cache through both branches at every layer.
+    Weights are read by layer index (the slice a scan over them would take; none with
+    ``weights_by_index``).
 
     ``attend_local(q, k, v, ring, j, hidden) -> (out, ring, extras)`` gets local layer ``j``'s ring
-    (``local_caches`` sliced, written back); ``attend_global`` gets global layer ``g``'s slice of
-    ``global_caches`` (written back) and, with ``carried``, ``(slice or None, carried)`` as `forward`
-    does (decode on a GPU carries the whole cache and its kernels read layer ``g`` in place). The
-    index an ``attend`` receives is the layer's rank among its kind. Returns ``(hidden, (global_caches,
+    (``local_caches`` ``[Ll, ...]``); ``attend_global`` gets global layer ``g``'s slice of
+    ``global_caches`` ``[Lg, ...]`` and, with ``carried``, ``(slice or None, carried)`` as `forward` does
+    (decode on a GPU carries the whole cache and its kernels read layer ``g`` in place). The index an
+    ``attend`` receives is the layer's rank among its kind. Returns ``(hidden, (global_caches,
     local_caches[, carried]), (global extras stacked [Lg, ...], local extras stacked [Ll, ...]))``.
     """
     cfg = params.config
-    local_ids, global_ids = cfg.local_layer_ids(), cfg.global_layer_ids()
-    is_local = np.zeros(cfg.num_layers, bool)
-    is_local[list(local_ids)] = True
-    rank = np.zeros(cfg.num_layers, np.int32)
-    rank[list(local_ids)] = np.arange(len(local_ids))
-    rank[list(global_ids)] = np.arange(len(global_ids))
+    k, n, r = interleaving(cfg)
+    local_freq = inverse_frequencies(cfg, cfg.rope_local_theta)
+    global_freq = inverse_frequencies(cfg)
     x = embed(params, tokens)
 
-    def layer(carry, xs):
-        x, g_all, l_all, state = carry
-        lw, idx, inv_freq, local, r = xs
+    def local_layers(x, rings, ranks, ids):
+        def body(x, xs):
+            ring, j, idx = xs
 
-        def attention(q, k, v, x):
-            def run_local():
-                ring = None if l_all is None else layer_view_of(l_all, r)
-                out, ring, extras = attend_local(q, k, v, ring, r, x)
-                return out, g_all, set_layer(l_all, r, ring), state, extras
+            def attention(q, kk, vv, h):
+                nonlocal ring
+                out, ring, extras = attend_local(q, kk, vv, ring, j, h)
+                return out, extras
 
-            def run_global():
-                kv = None if g_all is None else layer_view_of(g_all, r)
-                if carried is None:
-                    out, kv, extras = attend_global(q, k, v, kv, r, x)
-                    new_state = state
-                else:
-                    out, (kv, new_state), extras = attend_global(q, k, v, (kv, state), r, x)
-                return out, set_layer(g_all, r, kv), l_all, new_state, extras
+            x, extras = _decoder_layer(params, layer_view_of(params.layers, idx), x, positions, idx, local_freq,
+                                       attention, weights_by_index, interpret)
+            return x, (ring, extras)
 
-            local_shape, global_shape = jax.eval_shape(run_local)[4], jax.eval_shape(run_global)[4]
+        x, (rings, extras) = jax.lax.scan(body, x, (rings, ranks, ids), unroll=unroll)
+        return x, rings, extras
 
-            def local_branch():
-                out, g, lc, st, extras = run_local()
-                return out, g, lc, st, (_zeros_like_shapes(global_shape), extras)
+    def group(carry, xs):
+        x, state = carry
+        kv, rings, g = xs
+        x, rings, local_extras = local_layers(x, rings, g * k + jnp.arange(k), g * (k + 1) + jnp.arange(k))
+        idx = g * (k + 1) + k
 
-            def global_branch():
-                out, g, lc, st, extras = run_global()
-                return out, g, lc, st, (extras, _zeros_like_shapes(local_shape))
+        def attention(q, kk, vv, h):
+            nonlocal kv, state
+            if carried is None:
+                out, kv, extras = attend_global(q, kk, vv, kv, g, h)
+            else:
+                out, (kv, state), extras = attend_global(q, kk, vv, (kv, state), g, h)
+            return out, extras
 
-            out, g, lc, st, extras = jax.lax.cond(local, local_branch, global_branch)
-            return out, (g, lc, st, extras)
+        x, global_extras = _decoder_layer(params, layer_view_of(params.layers, idx), x, positions, idx,
+                                          global_freq, attention, weights_by_index, interpret)
+        return (x, state), (kv, rings, global_extras, local_extras)
 
-        x, (g_all, l_all, state, extras) = _decoder_layer(params, lw, x, positions, idx, inv_freq, attention,
-                                                          weights_by_index, interpret)
-        return (x, g_all, l_all, state), extras
-
-    xs = (params.layers, jnp.arange(cfg.num_layers), _rope_tables(cfg), jnp.asarray(is_local), jnp.asarray(rank))
-    (x, g_all, l_all, state), (g_extras, l_extras) = jax.lax.scan(
-        layer, (x, global_caches, local_caches, carried), xs, unroll=unroll)
-    g_extras = jax.tree.map(lambda a: a[np.asarray(global_ids)], g_extras)
-    l_extras = jax.tree.map(lambda a: a[np.asarray(local_ids)], l_extras)
-    caches = (g_all, l_all) if carried is None else (g_all, l_all, state)
-    return x, caches, (g_extras, l_extras)
+    grouped = jax.tree.map(lambda a: a[:n * k].reshape(n, k, *a.shape[1:]), local_caches)
+    (x, state), (global_caches, rings, global_extras, local_extras) = jax.lax.scan(
+        group, (x, carried), (global_caches, grouped, jnp.arange(n)), unroll=unroll)
+    flat = lambda t: jax.tree.map(lambda a: a.reshape(n * k, *a.shape[2:]), t)  # noqa: E731
+    rings, local_extras = flat(rings), flat(local_extras)
+    if r:  # the trailing local layers
+        tail = jax.tree.map(lambda a: a[n * k:], local_caches)
+        x, tail, tail_extras = local_layers(x, tail, n * k + jnp.arange(r), n * (k + 1) + jnp.arange(r))
+        cat = lambda a, b: jnp.concatenate([a, b])  # noqa: E731
+        rings, local_extras = jax.tree.map(cat, rings, tail), jax.tree.map(cat, local_extras, tail_extras)
+    caches = (global_caches, rings) if carried is None else (global_caches, rings, state)
+    return x, caches, (global_extras, local_extras)
 
 
 def layer_view_of(tree: Any, i: jax.Array) -> Any:
     """Entry ``i`` of every leaf's leading axis (a traced index)."""
     return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
-
-
-def set_layer(tree: Any, i: jax.Array, value: Any) -> Any:
-    """``tree`` with entry ``i`` of every leaf's leading axis replaced by ``value`` (in place under jit)."""
-    if tree is None:
-        return None
-    return jax.tree.map(lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x.astype(a.dtype), i, 0), tree, value)
