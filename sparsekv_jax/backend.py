@@ -25,6 +25,7 @@ __all__ = ["Backend", "on_gpu"]
 _IMPLS = ("auto", "pallas", "jnp")
 _MATMULS = ("auto", "xla", "pallas")
 _DENSE = ("auto", "xla", "cudnn", "blocked")
+_LOCAL = ("ring", "full")
 _WEIGHT_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
@@ -71,6 +72,11 @@ class Backend:
       mesh: a ``data`` × ``model`` `jax.sharding.Mesh` to run on (`sparsekv_jax.sharding`): the
         cache is pinned to its split by rows and KV heads and the Pallas kernels run per device
         under `jax.shard_map`; ``None`` = wherever the inputs are (one device).
+      local_cache: how a model with interleaved local (sliding-window) and global layers (Gemma 3) stores
+        the local layers' KV: ``"ring"`` (default) a ring buffer of the window per local layer, beside the
+        global layers' paged cache, which alone the policy manages (`sparsekv_jax.local_layers`);
+        ``"full"`` every layer in the paged cache, the window as a mask (the reference path; the policy
+        then manages every layer). Other models ignore it.
     """
 
     decode_attention: str = "auto"
@@ -83,8 +89,11 @@ class Backend:
     decode_unroll: int | bool = 1
     interpret: bool | None = None
     mesh: Any = None
+    local_cache: str = "ring"
 
     def __post_init__(self) -> None:
+        if self.local_cache not in _LOCAL:
+            raise ValueError(f"Backend local_cache={self.local_cache!r}: expected one of {_LOCAL}")
         for name in ("decode_attention", "sparse_prefill", "page_sums"):
             if getattr(self, name) not in _IMPLS:
                 raise ValueError(f"Backend {name}={getattr(self, name)!r}: expected one of {_IMPLS}")

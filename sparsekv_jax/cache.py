@@ -20,6 +20,13 @@ Layout (per layer, stacked over layers with a leading ``L`` axis in `KVCache.lay
   bound after merging (Quest). Summaries cover the page's live slots (below ``length``, position
   ``>= 0``). Maintained on single-token append; recomputed in one pass after prefill or compression.
 
+**Local layers** (a model with interleaved sliding-window and global layers, Gemma 3, under
+``Backend(local_cache="ring")``): ``layers`` holds the *global* layers only and ``local`` (`LocalKV`) a
+ring buffer per local layer: ``k``/``v`` ``[Ll, B, Hkv, R, D]`` and ``positions`` ``[Ll, B, R]`` (``-1``
+empty), position ``p`` in slot ``p % R``. ``R`` is the window plus the tokens a policy may take
+back (CHESS's regeneration), so a rewind never loses a key the window still needs. Local layers are
+never paged, summarised, compressed or page-selected (`sparsekv_jax.local_layers`).
+
 ``length[b]`` is the number of slots used (the same for every head), ``next_position[b]`` the
 RoPE position the next token gets. They differ once entries were evicted or merged.
 Capacity is fixed at creation: every shape is static.
@@ -51,12 +58,24 @@ class LayerKV:
 
 
 @struct.dataclass
+class LocalKV:
+    """Ring buffers of the local (sliding-window) layers: ``k``/``v`` ``[Ll, B, Hkv, R, D]``, ``positions``
+    ``[Ll, B, R]`` int32 (``-1`` empty); position ``p`` lives in slot ``p % R`` (one layer: no ``Ll`` axis)."""
+
+    k: jax.Array
+    v: jax.Array
+    positions: jax.Array
+    window: int = struct.field(pytree_node=False, default=0)  # the layers' sliding window (<= R)
+
+
+@struct.dataclass
 class KVCache:
     """Paged KV cache for a batch of sequences. See the module docstring for the layout."""
 
-    layers: LayerKV  # every field with a leading [L] axis
+    layers: LayerKV  # every field with a leading [L] axis (the global layers when `local` is set)
     length: jax.Array  # [B] int32 slots used
     next_position: jax.Array  # [B] int32 RoPE position of the next token
+    local: LocalKV | None = None  # ring buffers of the local layers, or None (every layer in `layers`)
     page_size: int = struct.field(pytree_node=False, default=16)
 
     @property
@@ -76,8 +95,9 @@ class KVCache:
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(self))
 
     def kv_nbytes(self) -> int:
-        """Bytes of the K and V tensors alone."""
-        return 2 * self.layers.k.size * self.layers.k.dtype.itemsize
+        """Bytes of the K and V tensors alone (the local layers' rings included)."""
+        ring = 0 if self.local is None else 2 * self.local.k.size * self.local.k.dtype.itemsize
+        return 2 * self.layers.k.size * self.layers.k.dtype.itemsize + ring
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -85,8 +105,12 @@ def pages_for(tokens: int, page_size: int) -> int:
 
 
 def init_cache(cfg: ModelConfig, batch: int, capacity: int, *, page_size: int = 16,
-               dtype: jnp.dtype = jnp.bfloat16) -> KVCache:
-    """An empty cache holding ``capacity`` tokens per row (rounded up to whole pages)."""
+               dtype: jnp.dtype = jnp.bfloat16, ring: int | None = None) -> KVCache:
+    """An empty cache holding ``capacity`` tokens per row (rounded up to whole pages).
+
+    ``ring`` (a model with interleaved local and global layers only): the local layers keep ring
+    buffers of ``ring`` slots (at least the window) and ``layers`` holds the global layers alone.
+    """
     if batch <= 0:
         raise ValueError(f"batch={batch} must be positive")
     if capacity <= 0:
@@ -96,6 +120,15 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int, *, page_size: int = 
     n_pages = pages_for(capacity, page_size)
     S = n_pages * page_size
     L, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    local = None
+    if ring is not None:
+        if not cfg.interleaved:
+            raise ValueError(f"ring={ring}: the {cfg.family} config has no interleaved local and global layers")
+        if ring < cfg.sliding_window:
+            raise ValueError(f"ring={ring} is smaller than the sliding window {cfg.sliding_window}")
+        Ll, L = len(cfg.local_layer_ids()), len(cfg.global_layer_ids())
+        local = LocalKV(k=jnp.zeros((Ll, batch, H, ring, D), dtype), v=jnp.zeros((Ll, batch, H, ring, D), dtype),
+                        positions=jnp.full((Ll, batch, ring), -1, jnp.int32), window=cfg.sliding_window)
     layers = LayerKV(
         k=jnp.zeros((L, batch, H, S, D), dtype),
         v=jnp.zeros((L, batch, H, S, D), dtype),
@@ -107,7 +140,7 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int, *, page_size: int = 
         page_max_bias=jnp.full((L, batch, H, n_pages), -jnp.inf, jnp.float32),
     )
     zeros = jnp.zeros((batch,), jnp.int32)
-    return KVCache(layers=layers, length=zeros, next_position=zeros, page_size=page_size)
+    return KVCache(layers=layers, length=zeros, next_position=zeros, local=local, page_size=page_size)
 
 
 def write_chunk(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, start: jax.Array,

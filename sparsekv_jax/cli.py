@@ -172,7 +172,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             model=args.model, suite=args.suite, tasks=tasks, lengths=lengths, policies=args.policies, n=args.n,
             seed=args.seed, out_dir=args.out, question=args.question, batch_size=args.batch_size,
             fidelity=args.fidelity, progress=not args.quiet, dtype=dtype, pad_multiple=args.pad_multiple,
-            prefill_chunk=args.prefill_chunk, mesh=mesh)
+            prefill_chunk=args.prefill_chunk, mesh=mesh, add_fullkv=not args.no_fullkv)
     except (ValueError, FileNotFoundError) as e:
         print(f"sparsekv eval: error: {e}", file=sys.stderr)
         return 2
@@ -320,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prefill prompts in chunks of N tokens (less memory, e.g. 8k prompts on a CPU); only for "
                         "policies that need no one-pass prefill: fullkv, quest, chess")
+    e.add_argument("--no-fullkv", action="store_true",
+                   help="do not add full attention when no policy is dense (its rows come from another run)")
     e.add_argument("--fidelity", action="store_true",
                    help="also measure KL, top-1 agreement and attention-output error against full attention")
     e.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")

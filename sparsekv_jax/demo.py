@@ -110,6 +110,7 @@ def run(params: Any, tokenizer: Any, policies: list[tuple[str, Any]], tokens: np
     import jax.numpy as jnp
     from tqdm.auto import tqdm
 
+    from sparsekv_jax import local_layers
     from sparsekv_jax.cache import init_cache
     from sparsekv_jax.generate import GREEDY, _setup, compress_prefilled, decode_loop, prefill_shared, prepare
     from sparsekv_jax.policies import Dense
@@ -126,8 +127,13 @@ def run(params: Any, tokenizer: Any, policies: list[tuple[str, Any]], tokens: np
         r0 = runs[shared[0]][1]
         pols = [runs[i][1].policy for i in shared]
 
+        # local layers' rings (Gemma 3) hold the window + what any of these policies may take back
+        rewind = max(p.stage("decode").max_rewind_tokens for p in pols)
+        ring = local_layers.ring_slots(params.config, r0.backend, rewind)
+
         def shared_prefill(params, pols, toks, lens, qs):
-            cache = init_cache(params.config, toks.shape[0], r0.capacity, page_size=PAGE_SIZE, dtype=params.dtype)
+            cache = init_cache(params.config, toks.shape[0], r0.capacity, page_size=PAGE_SIZE, dtype=params.dtype,
+                               ring=ring)
             return prefill_shared(params, pols, toks, lens, cache, question_start=qs, backend=r0.backend)
 
         bar.set_postfix_str(f"one dense prefill for {len(shared)} policies")

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from sparsekv_jax import attention, sharding
+from sparsekv_jax import attention, local_layers, sharding
 from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import (
     KVCache,
@@ -29,7 +29,7 @@ from sparsekv_jax.cache import (
     write_chunk,
 )
 from sparsekv_jax.models.params import Params
-from sparsekv_jax.models.transformer import attention_window, forward, logits_from_hidden
+from sparsekv_jax.models.transformer import attention_window, forward, forward_interleaved, logits_from_hidden
 from sparsekv_jax.pallas.validation import is_concrete
 from sparsekv_jax.policies.base import Dense, Policy, Prompt, Setup
 
@@ -98,6 +98,12 @@ def sample(logits: jax.Array, key: jax.Array, sampling: Sampling) -> jax.Array:
 
 def _transpose_heads(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 1, 2)  # [B, T, H, D] <-> [B, H, T, D]
+
+
+def _window(cfg: Any, cache: KVCache):
+    """``layer index -> sliding window`` of the layers in ``cache.layers``: none when the local layers
+    keep rings (``cache.layers`` holds the global layers, indexed by rank; `local_layers`)."""
+    return (lambda idx: None) if cache.local is not None else (lambda idx: attention_window(cfg, idx))
 
 
 def _observers(policy: Policy) -> dict[str, Policy]:
@@ -171,6 +177,8 @@ def _prefill(params: Params, pattern_stage: Policy, observers: dict[Any, Policy]
     B, T = tokens.shape
     shares = _unique(observers)
     observing = {n: observers[n] for n in dict.fromkeys(shares.values())}
+    window = _window(cfg, cache)
+    local = cache.local
 
     if chunk is None or chunk >= T:
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -178,14 +186,19 @@ def _prefill(params: Params, pattern_stage: Policy, observers: dict[Any, Policy]
 
         def attend(q, k, v, kv, idx, hidden):
             pattern = pattern_stage.prefill_pattern(q, k, v, idx, prompt)
-            out = attention.prefill(q, k, v, pattern, sliding_window=attention_window(cfg, idx), backend=backend)
+            out = attention.prefill(q, k, v, pattern, sliding_window=window(idx), backend=backend)
             kv = write_chunk(kv, _transpose_heads(k), _transpose_heads(v), 0, positions)
             fraction = jnp.float32(1.0) if pattern is None else attention.block_fraction(pattern, T)
             seen = [p.observe(q, k, v, hidden, idx, prompt) for p in observing.values()]
             return out, kv, (seen, fraction)
 
-        hidden, layers, (seen, fractions) = forward(params, tokens, positions, cache.layers, attend,
-                                                    unroll=backend.prefill_unroll)
+        if local is None:
+            hidden, layers, (seen, fractions) = forward(params, tokens, positions, cache.layers, attend,
+                                                        unroll=backend.prefill_unroll)
+        else:  # the prefill pattern and the observers run in the global layers only
+            hidden, (layers, local), ((seen, fractions), _) = forward_interleaved(
+                params, tokens, positions, cache.layers, local, attend, local_layers.prefill_attend(lengths, backend),
+                unroll=backend.prefill_unroll)
         block_fraction = fractions.mean()
     else:
         n_chunks = pages_for(T, chunk)
@@ -196,7 +209,8 @@ def _prefill(params: Params, pattern_stage: Policy, observers: dict[Any, Policy]
             raise ValueError(f"chunked prefill needs capacity {n_chunks * chunk} (prompt {T} rounded up "
                              f"to chunk={chunk}), cache holds {S}")
 
-        def run_chunk(layers, xs):
+        def run_chunk(caches, xs):
+            layers, local = caches
             chunk_tokens, c = xs
             start = c * chunk
             positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (B, chunk))
@@ -207,15 +221,21 @@ def _prefill(params: Params, pattern_stage: Policy, observers: dict[Any, Policy]
                 kv = write_chunk(kv, _transpose_heads(k), _transpose_heads(v), start, positions)
                 out = attention.cached_attention(
                     _transpose_heads(q), kv.k, kv.v, positions, kv.positions, slot_ok,
-                    bias=None, sliding_window=attention_window(cfg, idx))
+                    bias=None, sliding_window=window(idx))
                 seen = [p.observe(q, k, v, hidden, idx, prompt) for p in observing.values()]
                 return _transpose_heads(out), kv, seen
 
-            hidden, layers, seen = forward(params, chunk_tokens, positions, layers, attend,
-                                           unroll=backend.prefill_unroll)
-            return layers, (hidden, seen)
+            if local is None:
+                hidden, layers, seen = forward(params, chunk_tokens, positions, layers, attend,
+                                               unroll=backend.prefill_unroll)
+            else:
+                ring_attend = local_layers.chunk_attend(positions, positions < lengths[:, None])
+                hidden, (layers, local), (seen, _) = forward_interleaved(
+                    params, chunk_tokens, positions, layers, local, attend, ring_attend, unroll=backend.prefill_unroll)
+            return (layers, local), (hidden, seen)
 
-        layers, (hiddens, seen) = jax.lax.scan(run_chunk, cache.layers, (chunks, jnp.arange(n_chunks)))
+        (layers, local), (hiddens, seen) = jax.lax.scan(run_chunk, (cache.layers, local),
+                                                        (chunks, jnp.arange(n_chunks)))
         hidden = hiddens.transpose(1, 0, 2, 3).reshape(B, n_chunks * chunk, -1)[:, :T]
         block_fraction = jnp.float32(1.0)
     seen = dict(zip(observing, seen, strict=True))  # (a list inside jit: keys may be tuples, not pytree-sortable)
@@ -225,7 +245,8 @@ def _prefill(params: Params, pattern_stage: Policy, observers: dict[Any, Policy]
     slot_used = jnp.arange(cache.capacity)[None, None, None, :] < lengths[None, :, None, None]
     layers = layers.replace(positions=jnp.where(slot_used, layers.positions, -1))
     layers = summarize_pages(layers, lengths, cache.page_size)
-    cache = sharding.constrain_cache(cache.replace(layers=layers, length=lengths, next_position=lengths), backend.mesh)
+    cache = sharding.constrain_cache(cache.replace(layers=layers, local=local, length=lengths, next_position=lengths),
+                                     backend.mesh)
     return logits, cache, observations, block_fraction
 
 
@@ -254,13 +275,20 @@ def extend(params: Params, cache: KVCache, tokens: jax.Array, lengths: jax.Array
                         positions=kv.positions.at[rows, :, slots].set(written[:, :, None], mode="drop"),
                         bias=kv.bias.at[rows, :, slots].set(0.0, mode="drop"))
         out = attention.cached_attention(_transpose_heads(q), kv.k, kv.v, positions, kv.positions, slot_ok,
-                                         bias=kv.bias, sliding_window=attention_window(cfg, idx))
+                                         bias=kv.bias, sliding_window=window(idx))
         return _transpose_heads(out), kv, None
 
-    hidden, layers, _ = forward(params, tokens, positions, cache.layers, attend)
+    window, local = _window(cfg, cache), cache.local
+    if local is None:
+        hidden, layers, _ = forward(params, tokens, positions, cache.layers, attend)
+    else:
+        ring_attend = local_layers.chunk_attend(positions, offs[None, :] < lengths[:, None])
+        hidden, (layers, local), _ = forward_interleaved(params, tokens, positions, cache.layers, local, attend,
+                                                         ring_attend)
     last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     layers = summarize_pages(layers, new_length, cache.page_size)
-    cache = cache.replace(layers=layers, length=new_length, next_position=cache.next_position + lengths)
+    cache = cache.replace(layers=layers, local=local, length=new_length,
+                          next_position=cache.next_position + lengths)
     return logits_from_hidden(params, last), cache
 
 
@@ -280,6 +308,7 @@ def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array
     layer_state, shared_state = state
     dec = policy.stage("decode")
     probs_needed = dec.needs_decode_probs
+    window = _window(cfg, cache)
 
     # On the GPU the cache (and the policy's per-layer state, which can be as large, e.g. H2O's
     # scores) rides the layer scan's carry: each layer writes its token in place and the kernel
@@ -299,8 +328,7 @@ def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array
         layers = append_token(layers, k[:, 0], v[:, 0], slot, pos, new_length, ps, layer=at)
         kv = view(layers)
         selection = dec.decode_select(q[:, 0], kv, new_length, lstate, shared_state, idx, ps)
-        res = attention.decode(q[:, 0], pos, layers, new_length, ps, selection,
-                               sliding_window=attention_window(cfg, idx),
+        res = attention.decode(q[:, 0], pos, layers, new_length, ps, selection, sliding_window=window(idx),
                                return_probs=probs_needed, layer=at, backend=backend)
         if probs_needed:
             out, pages, probs = res
@@ -315,15 +343,31 @@ def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array
     by_index = backend.decode_matmul == "pallas"
     common = dict(unroll=backend.decode_unroll, weights_by_index=by_index, interpret=backend.interpret,
                   mesh=backend.mesh)
-    if carry:
+    local = cache.local
+    if local is not None:  # global layers as above (indexed by rank), local layers read their rings
+        ring_attend = local_layers.decode_attend(pos, collect_attention)
+        if carry:
+            hidden, (_, local, (layers, layer_state)), ((pages, new_length, outs), (ring_read, ring_outs)) = (
+                forward_interleaved(params, token[:, None], pos[:, None], None, local, attend, ring_attend,
+                                    carried=(cache.layers, layer_state), **common))
+        else:
+            hidden, ((layers, layer_state), local), ((pages, new_length, outs), (ring_read, ring_outs)) = (
+                forward_interleaved(params, token[:, None], pos[:, None], (cache.layers, layer_state), local, attend,
+                                    ring_attend, **common))
+        # entries read / entries in use, over every layer (a local layer reads its whole window)
+        in_use = new_length.astype(jnp.float32)
+        pages = ((pages * in_use).sum(0) + ring_read.sum(0)) / jnp.maximum(in_use.sum(0) + ring_read.sum(0), 1.0)
+        pages = pages[None]
+        outs = local_layers.merge_layers(cfg, outs, ring_outs) if collect_attention else None
+    elif carry:
         hidden, (_, (layers, layer_state)), (pages, new_length, outs) = forward(
             params, token[:, None], pos[:, None], None, attend, carried=(cache.layers, layer_state), **common)
     else:
         hidden, (layers, layer_state), (pages, new_length, outs) = forward(
             params, token[:, None], pos[:, None], (cache.layers, layer_state), attend, **common)
     logits = logits_from_hidden(params, hidden[:, 0])
-    cache = sharding.constrain_cache(cache.replace(layers=layers, length=new_length[0], next_position=pos + 1),
-                                     backend.mesh)
+    cache = sharding.constrain_cache(
+        cache.replace(layers=layers, local=local, length=new_length[0], next_position=pos + 1), backend.mesh)
     shared_state = dec.decode_update(shared_state, cache, logits)
     layer_state, shared_state = sharding.constrain_state((layer_state, shared_state), cache, backend.mesh)
     if collect_attention:
@@ -332,9 +376,14 @@ def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array
 
 
 def stored_entries(cache: KVCache) -> jax.Array:
-    """``[B]`` live KV entries per row, averaged over layers and KV heads (holes not counted)."""
+    """``[B]`` live KV entries per row, averaged over layers and KV heads (holes not counted); a local
+    layer's ring counts the entries inside the window of the next token (`local_layers`)."""
     live = (cache.layers.positions >= 0) & (jnp.arange(cache.capacity) < cache.length[None, :, None, None])
-    return live.sum(-1).astype(jnp.float32).mean((0, 2))
+    per_layer = live.sum(-1).astype(jnp.float32).mean(2)  # [L or Lg, B]
+    if cache.local is None:
+        return per_layer.mean(0)
+    ring = local_layers.window_entries(cache.local.positions, cache.next_position, cache.local.window)  # [Ll, B]
+    return (per_layer.sum(0) + ring.sum(0)) / (per_layer.shape[0] + ring.shape[0])
 
 
 def prepare(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Array, suffix: jax.Array | None,
@@ -349,7 +398,8 @@ def prepare(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Arra
     """
     backend = (Backend() if backend is None else backend)
     backend = backend if backend.resolved else backend.resolve(params)
-    cache = init_cache(params.config, tokens.shape[0], capacity, page_size=page_size, dtype=params.dtype)
+    ring = local_layers.ring_slots(params.config, backend, policy.stage("decode").max_rewind_tokens)
+    cache = init_cache(params.config, tokens.shape[0], capacity, page_size=page_size, dtype=params.dtype, ring=ring)
     cache = sharding.constrain_cache(cache, backend.mesh)
     logits, cache, observations, block_fraction = prefill(params, policy, tokens, lengths, cache,
                                                           chunk=prefill_chunk, question_start=question_start,
@@ -606,8 +656,9 @@ def _setup(params: Params, policy: Policy | None, tokens: Any, lengths: Any, suf
                          f"prompt); use prefill_chunk=None")
     if prefill_chunk is not None:
         capacity = max(capacity, pages_for(tokens.shape[1], prefill_chunk) * prefill_chunk)
-    setup = Setup(config=params.config, prompt_len=tokens.shape[1], max_new_tokens=extra_tokens + tq,
-                  page_size=page_size, backend=backend)
+    # a model whose local layers keep rings is, to the policy, the model of its global layers
+    setup = Setup(config=local_layers.policy_config(params.config, backend), prompt_len=tokens.shape[1],
+                  max_new_tokens=extra_tokens + tq, page_size=page_size, backend=backend)
     return Inputs(policy=policy.bind(setup), tokens=tokens, lengths=lengths, question_start=question_start,
                   prompt_lengths=prompt_lengths, suffix=suffix, suffix_lengths=suffix_lengths, capacity=capacity,
                   backend=backend, context_info=info)

@@ -166,6 +166,10 @@ def on_mesh(params: Params, tokens: Any, mesh: Mesh | None, backend: Backend | N
     shape = np.shape(tokens)
     check_mesh(params.config, shape[0] if len(shape) == 2 else 1, mesh)
     backend = dataclasses.replace(Backend() if backend is None else backend, mesh=mesh)
+    if params.config.layer_types and "sliding_attention" in params.config.layer_types and \
+            backend.local_cache == "ring":
+        raise ValueError("a mesh with Backend(local_cache='ring') (Gemma 3's local-layer rings) is not supported: "
+                         "the rings are not split over devices; pass Backend(local_cache='full')")
     return shard_params(params, mesh), backend
 
 

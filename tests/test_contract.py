@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from sparsekv_jax.generate import generate, teacher_force
-from sparsekv_jax.models.config import ModelConfig
+from sparsekv_jax.models.config import ModelConfig, gemma3_config
 from sparsekv_jax.models.params import random_params
 from sparsekv_jax.policies import Dense, Pipeline, Policy
 from sparsekv_jax.policies.common import budget_tokens
@@ -47,14 +47,18 @@ PAIRS = {f"{c}+{d}": Pipeline(compress=POLICIES[c], decode=POLICIES[d])
          for c, d in itertools.product(COMPRESS, DECODE) if POLICIES[c] is not POLICIES[d]}
 
 
-@pytest.fixture(scope="module")
-def setup(smol):
-    params = random_params(CFG, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
-    tokens = np.random.default_rng().integers(1, CFG.vocab_size, (2, T))
+def _setup(cfg: ModelConfig, tokenizer):
+    params = random_params(cfg, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
+    tokens = np.random.default_rng().integers(1, cfg.vocab_size, (2, T))
     dense = generate(params, Dense(), tokens, lengths=LENGTHS, max_new_tokens=NEW, stop_tokens=())
     forced = np.asarray(dense.tokens)
     dense_logits = np.asarray(teacher_force(params, Dense(), tokens, forced, lengths=LENGTHS)[0])
-    return params, smol[2], tokens, dense, forced, dense_logits
+    return params, tokenizer, tokens, dense, forced, dense_logits
+
+
+@pytest.fixture(scope="module")
+def setup(smol):
+    return _setup(CFG, smol[2])
 
 
 def _check_run(policy: Policy, setup) -> None:
@@ -98,3 +102,26 @@ def test_compress_decode_pair_keeps_the_contract(pair, setup):
 def test_registry_covers_every_stage():
     """The matrix is not vacuous: there are compressors, decoders and pairs to check."""
     assert len(COMPRESS) >= 3 and len(DECODE) >= 2 and len(PAIRS) >= 5
+
+
+# Gemma 3's interleaved layers (docs/GEMMA3.md): local layers keep ring buffers, the policy manages the
+# global layers' cache. The policies whose hooks meet the per-layer stacks in ways the others do not:
+# observations and layer state per global layer (H2O), layer gating and bind (BSER), shared state and the
+# ring's slack for rewinds (CHESS). Compression and page selection are checked against the masked path's
+# global layers in tests/test_local_layers.py (every registered policy passes this contract on the ring
+# path; the rest are left out to keep the suite short).
+GEMMA = gemma3_config(vocab_size=61, hidden_size=64, num_layers=7, num_heads=4, num_kv_heads=2, head_dim=16,
+                      intermediate_size=48, sliding_window=16, max_position_embeddings=512, eos_token_ids=(0,))
+GEMMA_POLICIES = ("bser", "chess", "h2o")
+
+
+@pytest.fixture(scope="module")
+def gemma_setup(smol):
+    return _setup(GEMMA, smol[2])
+
+
+@pytest.mark.parametrize("name", GEMMA_POLICIES)
+def test_registered_policy_keeps_the_contract_on_interleaved_layers(name, gemma_setup):
+    assert gemma_setup[3].cache.local is not None  # the ring path
+    _check_run(POLICIES[name], gemma_setup)
+    _check_covering(type(POLICIES[name]).covering(), gemma_setup)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import re
 import zipfile
@@ -196,6 +197,32 @@ def test_plain_prompt_without_chat(tokenizer: Any) -> None:
     assert got == s.num_tokens and 0.98 * 1024 <= got <= 1024
     (t,) = generate_samples("niah_single_2", 1024, 1, 0, tokenizer, chat=False, answer_prefix=False)
     assert t.question.endswith("mentioned in the provided text?")
+
+
+def test_a_base_model_gets_completion_prompts(tokenizer: Any) -> None:
+    """A tokenizer without a chat template (Gemma 3 270M base): RULER's base template through the suite
+    (context ids counted and encoded with the tokenizer's special tokens), and calibration passages
+    given alone to be continued."""
+    from sparsekv_jax.eval.batching import encode
+    from sparsekv_jax.eval.calibrate import text_prompts
+    from sparsekv_jax.eval.suites import build_groups, has_chat_template
+
+    base = copy.deepcopy(tokenizer)
+    base.chat_template = None
+    assert has_chat_template(tokenizer) and not has_chat_template(base)
+    _, (group,) = build_groups("ruler", ["niah_single_2"], [1024], 1, 0, base, 8192, None, None)
+    (s,) = group.samples
+    assert s.meta["chat"] is False and s.prompt.startswith("A special magic number is hidden")
+    ctx, q = encode(base, s)
+    assert ctx == base(s.context)["input_ids"] and len(ctx) + len(q) == s.num_tokens
+    _, (chat_group,) = build_groups("ruler", ["niah_single_2"], [1024], 1, 0, tokenizer, 8192, None, None)
+    assert chat_group.samples[0].meta["chat"] is True and "<|im_start|>" in chat_group.samples[0].prompt
+
+    text = "The quick brown fox jumps over the lazy dog. " * 40
+    (plain,) = text_prompts(text, base, 64, 1, 0)
+    (chat,) = text_prompts(text, tokenizer, 64, 1, 0)
+    assert base.decode(plain) in text and base(base.decode(plain))["input_ids"] == plain
+    assert "<|im_start|>" in tokenizer.decode(chat) and "Summarize" in tokenizer.decode(chat)
 
 
 def test_longer_prompt(tokenizer: Any) -> None:

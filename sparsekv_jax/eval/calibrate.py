@@ -8,7 +8,9 @@ with full attention on a calibration set (its Figure 4). This module does exactl
 1. prompts from a calibration set: plain text (by default the WikiText-2 test split shipped with
    the package, `sparsekv_jax.datasets.wikitext2_text`, or a text file; passages of ``length``
    tokens cut at seeded offsets, each followed by a request to summarise it — long answers, so
-   many complete pages), or any `sparsekv eval` suite (``ruler``, ``longbench``, a PATH);
+   many complete pages; for a base model, whose tokenizer has no chat template, the passage alone
+   after BOS, which the model continues: its own kind of long answer), or any `sparsekv eval` suite
+   (``ruler``, ``longbench``, a PATH);
 2. greedy generation with full attention, then the same tokens teacher-forced to get the
    logits of every decode step;
 3. per complete page of ``page_size`` generated tokens (the steps CHESS sees: tokens 1.., the
@@ -51,8 +53,11 @@ def page_statistics(entropy: np.ndarray, num_steps: np.ndarray, page_size: int) 
 
 
 def text_prompts(text: str, tokenizer: Any, length: int, n: int, seed: int) -> list[list[int]]:
-    """``n`` chat prompts, each a passage of ``length`` tokens of ``text`` at a seeded offset
-    followed by `SUMMARY_REQUEST`."""
+    """``n`` prompts, each a passage of ``length`` tokens of ``text`` at a seeded offset: in the chat
+    template followed by `SUMMARY_REQUEST`, or, for a tokenizer without a chat template (a base
+    model), the passage alone after the tokenizer's special tokens (BOS), to be continued."""
+    from sparsekv_jax.eval.suites import has_chat_template
+
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) < length + 1:
         raise ValueError(f"the calibration text holds {len(ids)} tokens, fewer than one passage of length={length}")
@@ -60,6 +65,9 @@ def text_prompts(text: str, tokenizer: Any, length: int, n: int, seed: int) -> l
     starts = rng.choice(len(ids) - length, size=n, replace=n > len(ids) - length)
     prompts = []
     for s in starts:
+        if not has_chat_template(tokenizer):
+            prompts.append(list(tokenizer(tokenizer.decode(ids[s:s + length]))["input_ids"]))
+            continue
         passage = tokenizer.decode(ids[s:s + length])
         messages = [{"role": "user", "content": passage + SUMMARY_REQUEST}]
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -752,6 +752,7 @@ def generate_samples(
             needle_spans=[(start + s, start + e) for s, e in built.needle_spans],
             units=units,
             target_tokens=length_tokens,
+            chat=chat,
         )
         samples.append(Sample(
             task=task,

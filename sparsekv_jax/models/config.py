@@ -128,6 +128,28 @@ class ModelConfig:
         local = self.rope_theta if self.rope_local_theta is None else self.rope_local_theta
         types = self.layer_types or ("full_attention",) * self.num_layers
         return tuple(local if t == "sliding_attention" else self.rope_theta for t in types)
+
+    def local_layer_ids(self) -> tuple[int, ...]:
+        """Model indices of the sliding-window (local) layers named in ``layer_types`` (none without it)."""
+        return tuple(i for i, t in enumerate(self.layer_types or ()) if t == "sliding_attention")
+
+    def global_layer_ids(self) -> tuple[int, ...]:
+        """Model indices of the full-attention (global) layers: every layer without ``layer_types``."""
+        local = set(self.local_layer_ids())
+        return tuple(i for i in range(self.num_layers) if i not in local)
+
+    @property
+    def interleaved(self) -> bool:
+        """Local and global layers interleaved (Gemma 3): local layers can keep a ring buffer of their
+        window while the global layers keep the policy's cache (`sparsekv_jax.generate`)."""
+        return bool(self.local_layer_ids()) and bool(self.global_layer_ids())
+
+    def global_view(self) -> ModelConfig:
+        """The global layers as a model of their own: what a KV policy manages when the local layers keep
+        ring buffers (``num_layers`` = the global layers, their RoPE base, no window, no layer types)."""
+        return dataclasses.replace(self, num_layers=len(self.global_layer_ids()), layer_types=None,
+                                   sliding_window=None, rope_local_theta=None)
+
     @property
     def group_size(self) -> int:
         """Query heads per KV head (GQA ratio)."""

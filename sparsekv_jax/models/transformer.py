@@ -173,31 +173,147 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, layer_cache
     layer's weights from the stacked arrays by layer index (`stacked_matmul`, run interpreted if
     ``interpret``, per device on ``mesh``) instead of the scan's slice of them.
     """
-    cfg = params.config
     x = embed(params, tokens) if hidden_in is None else hidden_in
 
     def layer(carry, xs):
         x, state = carry
         lw, kv, idx, inv_freq = xs
-        mm = stacked_matmul(params, idx, interpret, mesh) if weights_by_index else slice_matmul(lw)
-        q, k, v = qkv_projection(params, lw, x, positions, mm, inv_freq)
-        if carried is None:
-            out, kv, extras = attend(q, k, v, kv, idx, x)
-        else:
-            out, (kv, state), extras = attend(q, k, v, (kv, state), idx, x)
-        B, T = out.shape[:2]
-        attn = mm(out.reshape(B, T, cfg.num_heads * cfg.head_dim), "wo")
-        if lw.post_attn_norm is not None:
-            attn = _norm(cfg, attn, lw.post_attn_norm)
-        x = x + attn
-        x = x + mlp(params, lw, x, mm)
+
+        def attention(q, k, v, x):
+            nonlocal kv, state
+            if carried is None:
+                out, kv, extras = attend(q, k, v, kv, idx, x)
+            else:
+                out, (kv, state), extras = attend(q, k, v, (kv, state), idx, x)
+            return out, extras
+
+        x, extras = _decoder_layer(params, lw, x, positions, idx, inv_freq, attention, weights_by_index, interpret,
+                                   mesh)
         return (x, state), (kv, extras)
 
-    idx = jnp.arange(cfg.num_layers)
-    # per-layer RoPE tables ride the scan (Gemma 3: local and global bases); else one static table
-    inv_freqs = jnp.asarray(layer_inverse_frequencies(cfg), jnp.float32) if cfg.per_layer_attention else None
     (x, state), (new_caches, extras) = jax.lax.scan(
-        layer, (x, carried), (params.layers, layer_caches, idx, inv_freqs), unroll=unroll)
+        layer, (x, carried), (params.layers, layer_caches, jnp.arange(params.config.num_layers),
+                              _rope_tables(params.config)), unroll=unroll)
     if carried is None:
         return x, new_caches, extras
     return x, (new_caches, state), extras
+
+
+def _rope_tables(cfg: ModelConfig) -> jax.Array | None:
+    """Per-layer RoPE tables riding the scan (Gemma 3: local and global bases), or None (one static table)."""
+    return jnp.asarray(layer_inverse_frequencies(cfg), jnp.float32) if cfg.per_layer_attention else None
+
+
+def _decoder_layer(params: Params, lw: LayerParams, x: jax.Array, positions: jax.Array, idx: jax.Array,
+                   inv_freq: jax.Array | None, attention: Callable, weights_by_index: bool, interpret: bool | None,
+                   mesh: Any = None):
+    """One decoder layer around ``attention(q, k, v, x) -> (out [B, T, Hq, D], extras)``."""
+    cfg = params.config
+    mm = stacked_matmul(params, idx, interpret, mesh) if weights_by_index else slice_matmul(lw)
+    q, k, v = qkv_projection(params, lw, x, positions, mm, inv_freq)
+    out, extras = attention(q, k, v, x)
+    B, T = out.shape[:2]
+    attn = mm(out.reshape(B, T, cfg.num_heads * cfg.head_dim), "wo")
+    if lw.post_attn_norm is not None:
+        attn = _norm(cfg, attn, lw.post_attn_norm)
+    x = x + attn
+    return x + mlp(params, lw, x, mm), extras
+
+
+def interleaving(cfg: ModelConfig) -> tuple[int, int, int]:
+    """``(k, n, r)`` of a model whose layers are ``n`` groups of ``k`` local layers then one global layer,
+    followed by ``r <= k`` local layers (every Gemma 3: ``k = 5``; the 270M ``n = 3, r = 0``, the 1B
+    ``n = 4, r = 2``); ``ValueError`` for any other arrangement."""
+    types = cfg.layer_types or ()
+    n = types.count("full_attention")
+    k = types.index("full_attention") if n else 0
+    r = cfg.num_layers - n * (k + 1)
+    want = (("sliding_attention",) * k + ("full_attention",)) * n + ("sliding_attention",) * r
+    if not n or not k or r < 0 or r > k or tuple(types) != want:
+        raise ValueError(f"layer_types {types} are not groups of local layers each followed by one global layer")
+    return k, n, r
+
+
+def forward_interleaved(params: Params, tokens: jax.Array, positions: jax.Array, global_caches: Any,
+                        local_caches: Any, attend_global: AttendFn, attend_local: AttendFn, *,
+                        carried: Any = None, unroll: int | bool = 1, weights_by_index: bool = False,
+                        interpret: bool | None = None, mesh: Any = None):
+    """`forward` for a model whose local (sliding-window) layers keep a cache of their own (Gemma 3's rings).
+
+    The caches differ in shape (a ring of the window per local layer, the policy's cache per global
+    layer) and in number, so they cannot ride one scan over the layers as per-layer ``xs``. Gemma 3's
+    layers are groups of ``k`` local layers each followed by one global layer, then ``r`` local ones
+    (`interleaving`): the layers run as a `lax.scan` over the groups, each step an inner `lax.scan` over
+    its local layers (their rings as ``xs``) then the global layer (its cache as ``xs``, or through
+    ``carried`` as in `forward`), and one more inner scan for the ``r`` trailing local layers. Every
+    layer's kind, window and RoPE base are static, so the local layers' one-pass prefill is cuDNN's
+    (or the CPU's blocked) sliding-window attention, not an explicit ``[T, T]`` mask, and no buffer
+    passes through a `lax.cond`: a first version chose the kind per layer under a `cond` in one scan
+    over the layers, and XLA copied the whole global cache through both branches at every layer.
+    Weights are read by layer index (the slice a scan over them would take; none with
+    ``weights_by_index``).
+
+    ``attend_local(q, k, v, ring, j, hidden) -> (out, ring, extras)`` gets local layer ``j``'s ring
+    (``local_caches`` ``[Ll, ...]``); ``attend_global`` gets global layer ``g``'s slice of
+    ``global_caches`` ``[Lg, ...]`` and, with ``carried``, ``(slice or None, carried)`` as `forward` does
+    (decode on a GPU carries the whole cache and its kernels read layer ``g`` in place). The index an
+    ``attend`` receives is the layer's rank among its kind. Returns ``(hidden, (global_caches,
+    local_caches[, carried]), (global extras stacked [Lg, ...], local extras stacked [Ll, ...]))``.
+    """
+    cfg = params.config
+    k, n, r = interleaving(cfg)
+    local_freq = inverse_frequencies(cfg, cfg.rope_local_theta)
+    global_freq = inverse_frequencies(cfg)
+    x = embed(params, tokens)
+
+    def local_layers(x, rings, ranks, ids):
+        def body(x, xs):
+            ring, j, idx = xs
+
+            def attention(q, kk, vv, h):
+                nonlocal ring
+                out, ring, extras = attend_local(q, kk, vv, ring, j, h)
+                return out, extras
+
+            x, extras = _decoder_layer(params, layer_view_of(params.layers, idx), x, positions, idx, local_freq,
+                                       attention, weights_by_index, interpret, mesh)
+            return x, (ring, extras)
+
+        x, (rings, extras) = jax.lax.scan(body, x, (rings, ranks, ids), unroll=unroll)
+        return x, rings, extras
+
+    def group(carry, xs):
+        x, state = carry
+        kv, rings, g = xs
+        x, rings, local_extras = local_layers(x, rings, g * k + jnp.arange(k), g * (k + 1) + jnp.arange(k))
+        idx = g * (k + 1) + k
+
+        def attention(q, kk, vv, h):
+            nonlocal kv, state
+            if carried is None:
+                out, kv, extras = attend_global(q, kk, vv, kv, g, h)
+            else:
+                out, (kv, state), extras = attend_global(q, kk, vv, (kv, state), g, h)
+            return out, extras
+
+        x, global_extras = _decoder_layer(params, layer_view_of(params.layers, idx), x, positions, idx,
+                                          global_freq, attention, weights_by_index, interpret, mesh)
+        return (x, state), (kv, rings, global_extras, local_extras)
+
+    grouped = jax.tree.map(lambda a: a[:n * k].reshape(n, k, *a.shape[1:]), local_caches)
+    (x, state), (global_caches, rings, global_extras, local_extras) = jax.lax.scan(
+        group, (x, carried), (global_caches, grouped, jnp.arange(n)), unroll=unroll)
+    flat = lambda t: jax.tree.map(lambda a: a.reshape(n * k, *a.shape[2:]), t)  # noqa: E731
+    rings, local_extras = flat(rings), flat(local_extras)
+    if r:  # the trailing local layers
+        tail = jax.tree.map(lambda a: a[n * k:], local_caches)
+        x, tail, tail_extras = local_layers(x, tail, n * k + jnp.arange(r), n * (k + 1) + jnp.arange(r))
+        cat = lambda a, b: jnp.concatenate([a, b])  # noqa: E731
+        rings, local_extras = jax.tree.map(cat, rings, tail), jax.tree.map(cat, local_extras, tail_extras)
+    caches = (global_caches, rings) if carried is None else (global_caches, rings, state)
+    return x, caches, (global_extras, local_extras)
+
+
+def layer_view_of(tree: Any, i: jax.Array) -> Any:
+    """Entry ``i`` of every leaf's leading axis (a traced index)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False), tree)

@@ -282,7 +282,8 @@ class CHESS(Policy):
 
     @property
     def max_rewind_tokens(self) -> int:
-        regenerates = self.trigger == "uncertainty" and self.regenerate
+        # a selection of every page has nothing to rebuild: a regenerated page would come out the same
+        regenerates = self.trigger == "uncertainty" and self.regenerate and not self.exact
         return self.max_backtracks * self.page_size if regenerates else 0
 
     @property

@@ -135,7 +135,9 @@ def write_entries(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Arr
         page_max=jnp.zeros((L, B, H, new_S // cache.page_size, D), cache.layers.page_max.dtype),
         page_max_bias=jnp.zeros((L, B, H, new_S // cache.page_size), jnp.float32))
     layers = summarize_pages(layers, length, cache.page_size)
-    return KVCache(layers=layers, length=length, next_position=cache.next_position, page_size=cache.page_size)
+    # the local layers' ring buffers (if any) are the policy's to leave alone
+    return KVCache(layers=layers, length=length, next_position=cache.next_position, local=cache.local,
+                   page_size=cache.page_size)
 
 
 def compact(cache: KVCache, scores: jax.Array, keep: jax.Array, capacity: int) -> KVCache:

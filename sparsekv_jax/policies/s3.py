@@ -102,6 +102,9 @@ class S3Pure(ContextRetrieval):
         """The streaming scan of every row (`sparsekv_jax.retrieval.scan.scan_context`)."""
         from sparsekv_jax.retrieval.scan import ScanConfig, scan_context
 
+        if params.config.per_layer_attention:  # the scan runs every layer with one window and one RoPE base
+            raise ValueError(f"{self.name}: the {params.config.family} model has per-layer windows or RoPE bases "
+                             "(local and global layers), which the S3 scan does not support")
         layers, stack = self.stacked_saes(params)
         cfg = ScanConfig(chunk=self.chunk, sinks=self.sinks, window=self.window, features=self.features)
         return scan_context(params, stack, layers, tokens, ctx, ctx, ql, cfg)
