@@ -232,11 +232,9 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
     (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4), 0.15),  # the paper's threshold mode
     # budget mode; 40% delimiters: the paper's layout cannot fit 30%, heads use coarser chunks
     (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5), 0.4),
-    # the previous rule (per row, the first level that fits), kept for the ablation
-    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5, level_rule="finest"), 0.4),
     (SemantiCache(0.5, tau=0.8, chunk_size=8, window=4, search_steps=5, chunking="fixed", keys="post_rope"), 0.15),
     (SemantiCache(12, window=4, search_steps=5, chunking="none"), 0.15),
-], ids=["threshold", "budget-fallback", "budget-finest", "capped-fixed-post_rope", "none"])
+], ids=["threshold", "budget-fallback", "capped-fixed-post_rope", "none"])
 def test_chunking_gsc_and_merging_equal_the_numpy_reference(pol, delim_rate):
     sizes, levels = compare(pol, int(np.random.default_rng().integers(1 << 30)), delim_rate=delim_rate)
     assert min(sizes) < 40  # clusters did merge
