@@ -23,7 +23,7 @@ CFG = ModelConfig(family="llama", vocab_size=61, hidden_size=32, num_layers=3, n
 
 
 def _bound(**kw) -> BSER:
-    return BSER(**{"window": 8, **kw}).bind(Setup(CFG, prompt_len=64))
+    return BSER(**{"window": 8, "min_question": 1, **kw}).bind(Setup(CFG, prompt_len=64))
 
 
 # -- numpy references ---------------------------------------------------------------------------
@@ -71,16 +71,24 @@ def np_relevance(a, E, lengths, qs, m, bs, sinks, salience, centred, unit_rms):
     return s
 
 
-def np_refined(a_row, tok, anchors, radius):
-    """Anchors (top ā among the block's context tokens) and every context token within radius."""
-    top = sorted(tok, key=lambda j: (-a_row[j], j))[:anchors]
-    return {j for j in tok if any(abs(j - t) <= radius for t in top)}
+def np_refined(a_row, tok, policy):
+    """Stage III on one block's context tokens ``tok``. ``fill``: anchors in ā order, each with its
+    neighbours within r, until round(ρ·len(tok)) tokens (ties: own ā, then position). Otherwise the
+    fixed p = policy.anchors top-ā anchors and every token within r of one."""
+    r = policy.radius
+    if not policy.fill:
+        top = sorted(tok, key=lambda j: (-a_row[j], j))[: policy.anchors]
+        return {j for j in tok if any(abs(j - t) <= r for t in top)}
+    near = {j: max(a_row[i] for i in tok if abs(i - j) <= r) for j in tok}
+    share = math.floor(policy.expansion * len(tok) + 0.5)
+    return set(sorted(tok, key=lambda j: (-near[j], -a_row[j], j))[:share])
 
 
 def np_order(policy, a, s, lengths, qs, T):
-    """Every used slot of each row, most wanted first: sinks, window, question, then by tier,
-    block relevance, token salience (the budget mode's order)."""
-    bs = policy.block_size
+    """Every used slot of each row, most wanted first: sinks, window, question, then retained blocks
+    (by block s, then ā), refined tokens (by the largest ā within r in their block, then ā; with
+    ``refine_order="block"`` by block s, then ā), the rest (by block s, then ā)."""
+    bs, r = policy.block_size, policy.radius
     orders = []
     for b in range(len(lengths)):
         ln = lengths[b]
@@ -88,15 +96,17 @@ def np_order(policy, a, s, lengths, qs, T):
         for t in range(ln):
             ctx = policy.sinks <= t < qs[b]
             blk = t // bs
-            tier = 0
+            tok = [j for j in range(blk * bs, min(blk * bs + bs, T)) if policy.sinks <= j < qs[b]]
+            tier, rank = 0, (s[b, blk], a[b, t])
             if ctx and s[b, blk] > policy.alpha:
-                tok = [j for j in range(blk * bs, min(blk * bs + bs, T)) if policy.sinks <= j < qs[b]]
                 if s[b, blk] >= policy.beta:
                     tier = 2
-                elif t in np_refined(a[b], tok, policy.anchors, policy.radius):
+                elif t in np_refined(a[b], tok, policy):
                     tier = 1
+                    if policy.refine_order == "salience":
+                        rank = (max(a[b, i] for i in tok if abs(i - t) <= r), a[b, t])
             forced = 3 if t < policy.sinks else 2 if t >= ln - policy.window else 1 if t >= qs[b] else 0
-            prio[t] = (forced, t if forced else 0, tier, s[b, blk], a[b, t], -t)
+            prio[t] = (forced, t if forced else 0, tier, *rank, -t)
         orders.append(sorted(prio, key=lambda t: prio[t], reverse=True))
     return orders
 
@@ -165,6 +175,16 @@ def test_without_a_split_the_tail_stands_in_for_the_question():
     np.testing.assert_array_equal(np.asarray(pos)[valid], np.r_[30:40, 24:40, 5:12])
 
 
+def test_a_short_question_reaches_back_into_the_context():
+    """A question shorter than min_question tokens (an instruction such as lcc's "Next line of
+    code:") starts min_question tokens before the prompt's end; longer ones are left alone."""
+    lengths = jnp.asarray([40, 40, 12, 40], jnp.int32)
+    prompt = _prompt(lengths, [36, 20, 10, 40], 48)
+    np.testing.assert_array_equal(question_start(prompt, 16, 8), [32, 20, 4, 24])
+    pos, valid = probe_queries(prompt, 16, 16, 48, 8)
+    np.testing.assert_array_equal(np.asarray(pos)[valid], np.r_[32:40, 24:40, 4:12, 24:40])
+
+
 # -- gating and Stage III -----------------------------------------------------------------------
 def _random_case(rng, policy, lengths, qs, T):
     a = rng.uniform(0, 1, (len(lengths), T)).astype(np.float32) / T
@@ -175,16 +195,17 @@ def _random_case(rng, policy, lengths, qs, T):
     return a, _obs(policy, a, E, qpos, valid, ctx), prompt
 
 
-@pytest.mark.parametrize("radius", [0, 1, 3])
-def test_anchors_and_radius_at_block_edges(radius):
-    """Every block refined (α < s < β): the kept set is the forced tokens plus, per block, the top-p
-    ā anchors and their neighbours within the block; anchors planted on block edges (and next to
-    the question and the sinks) must not spill into the neighbouring block."""
+@pytest.mark.parametrize("radius, fill", [(0, True), (1, True), (3, True), (1, False), (3, False)])
+def test_anchors_and_radius_at_block_edges(radius, fill):
+    """Every block refined (α < s < β): the kept set is the forced tokens plus, per block, the
+    anchors and their neighbours within the block (``fill``: as many as ρ of the block's tokens hold;
+    else the fixed p); anchors planted on block edges (and next to the question and the sinks) must
+    not spill into the neighbouring block."""
     rng = np.random.default_rng()
     T, bs = 64, 8
     lengths, qs = np.array([64, 61]), np.array([50, 45])
     policy = _bound(block_size=bs, alpha=-2.0, beta=2.0, radius=radius, expansion=0.5, max_kept=1.0, sinks=3,
-                    window=4, max_question=16)
+                    window=4, max_question=16, fill=fill)
     a, obs, prompt = _random_case(rng, policy, lengths, qs, T)
     a[:, [8, 15, 16, 23, 3, 47, 44]] += 1.0  # edges of blocks 1, 2; after the sinks; before the questions
     obs["attn"] = jnp.broadcast_to(jnp.asarray(a), obs["attn"].shape)  # every layer is probed (3 < 4)
@@ -195,20 +216,23 @@ def test_anchors_and_radius_at_block_edges(radius):
         for i in range(T // bs):
             tok = [j for j in range(i * bs, i * bs + bs) if 3 <= j < qs[b]]
             if tok:
-                want |= np_refined(a[b], tok, policy.anchors, radius)
+                want |= np_refined(a[b], tok, policy)
         kept = set(np.argsort(-scores[b, : lengths[b]], kind="stable")[: int(sel["keep"][b])].tolist())
         assert int(sel["gated"][b]) == len(want)
         assert kept == want
 
 
-@pytest.mark.parametrize("budget", [0.2, 0.35, 0.5, 23])
-def test_budget_mode_takes_retain_then_refine_then_the_rest(budget):
+@pytest.mark.parametrize("budget, fill, order", [(0.2, True, "salience"), (0.35, True, "salience"),
+                                                 (0.5, True, "salience"), (23, True, "salience"),
+                                                 (0.35, False, "block"), (23, True, "block")])
+def test_budget_mode_takes_retain_then_refine_then_the_rest(budget, fill, order):
     """Budget mode keeps exactly the budget (never more) in the brute-force order; thresholds chosen
     so that some blocks retain, some refine and some are discarded."""
     rng = np.random.default_rng()
     T, bs = 64, 8
     lengths, qs = np.array([64, 57]), np.array([48, 40])
-    base = _bound(block_size=bs, budget=budget, radius=1, sinks=2, window=4, max_question=16)
+    base = _bound(block_size=bs, budget=budget, radius=1, sinks=2, window=4, max_question=16, fill=fill,
+                  refine_order=order)
     a, obs, prompt = _random_case(rng, base, lengths, qs, T)
     s = np.asarray(base.select(obs, prompt)["s"])
     lo, hi = np.quantile(s[np.isfinite(s)], [0.3, 0.7])
@@ -220,6 +244,60 @@ def test_budget_mode_takes_retain_then_refine_then_the_rest(budget):
         assert int(sel["keep"][b]) == n
         top = np.argsort(-np.asarray(sel["scores"][b, : lengths[b]]), kind="stable")[:n]
         assert set(top.tolist()) == set(orders[b][:n])
+
+
+def _blocks_with_cosines(cosines, bs, a, qs, T):
+    """Observations whose block s are exactly ``cosines``: every token of block i has the unit
+    embedding cos_i·u + sin_i·v_i (v_i ⟂ u), the question's is u; ``a`` is ā."""
+    H = 2 + len(cosines)
+    E = np.zeros((T, H), np.float32)
+    E[qs:, 0] = 1.0
+    for i, c in enumerate(cosines):
+        E[i * bs: min((i + 1) * bs, qs), 0] = c
+        E[i * bs: min((i + 1) * bs, qs), 2 + i] = math.sqrt(1 - c * c)
+    return np.stack([E, E]), np.stack([a, a]).astype(np.float32)
+
+
+def test_refined_tokens_compete_by_salience_across_blocks():
+    """The needle cut at a block edge: its key words fill retained block 2 and its value (tokens
+    24-26, ā 20x the background) opens block 3, whose s (0.35) is the lowest of the refined blocks.
+    A budget with room for one refined block's share keeps the value (refined tokens ranked by
+    salience); ranked by their block's s it kept block 1's background instead."""
+    T, bs, qs = 64, 8, 56
+    a = np.ones(T)
+    a[16:24], a[24:27] = 100.0, 20.0
+    E, a2 = _blocks_with_cosines([0.6, 0.6, 0.9, 0.35, 0.5, 0.5, 0.5], bs, a, qs, T)
+    for order, value_kept in (("salience", True), ("block", False)):
+        # forced: 2 sinks + 8 question tokens (the window inside them); block 2: 8; then 4 = ρ·8
+        policy = _bound(budget=22, block_size=bs, radius=1, sinks=2, window=4, refine_order=order)
+        prompt = _prompt([T, T], [qs, qs], T)
+        qpos, valid = probe_queries(prompt, policy.tail, policy.max_question, T)
+        sel = policy.select(_obs(policy, a2, E, qpos, valid, None), prompt)
+        np.testing.assert_allclose(np.asarray(sel["s"])[0, 1:7], [0.6, 0.9, 0.35, 0.5, 0.5, 0.5], atol=1e-5)
+        kept = set(np.argsort(-np.asarray(sel["scores"])[0], kind="stable")[:22].tolist())
+        assert set(range(16, 24)) <= kept
+        assert ({24, 25, 26} <= kept) == value_kept, (order, sorted(kept))
+
+
+def test_refinement_keeps_its_share_past_clustered_anchors():
+    """A refined block whose most salient tokens sit together (the question's key words, 3-6) keeps
+    ρ = half of its tokens: the words after them (the value, 7-9) too. Three fixed anchors with
+    radius 1 kept the key words alone."""
+    T, bs, qs = 64, 16, 48
+    a = np.ones(T)
+    a[19:23], a[23:26] = 100.0, 10.0  # block 1 (16..31): key words 3-6, value 7-9
+    E, a2 = _blocks_with_cosines([0.5, 0.5, 0.5], bs, a, qs, T)
+    prompt = _prompt([T, T], [qs, qs], T)
+    for fill, value_kept in ((True, True), (False, False)):
+        policy = _bound(block_size=bs, radius=1, sinks=2, window=4, max_kept=1.0, fill=fill)
+        qpos, valid = probe_queries(prompt, policy.tail, policy.max_question, T)
+        sel = policy.select(_obs(policy, a2, E, qpos, valid, None), prompt)
+        assert (np.asarray(sel["tier"])[:, 1] == 1).all()
+        kept = set(np.argsort(-np.asarray(sel["scores"])[0], kind="stable")[: int(sel["keep"][0])].tolist())
+        block = kept & set(range(16, 32))
+        assert set(range(19, 23)) <= block
+        assert ({23, 24, 25} <= block) == value_kept, (fill, sorted(block))
+        assert len(block) == (8 if fill else 5)
 
 
 # -- planted blocks -----------------------------------------------------------------------------

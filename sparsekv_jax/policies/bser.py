@@ -5,9 +5,12 @@ local expansion, as a question-aware compressor after one prefill pass (docs/BSE
   ``block_size`` tokens from position 0 (paper: 128; default 64 for SmolLM2-sized models, whose
   8k window holds 64 blocks at 4k: a needle-sized span is less diluted in 64 tokens).
 * **Stage II.** The question ``Q``: the last ``min(m, max_question)`` tokens from
-  ``question_start`` on. Without a split (``question_start=None``, or an empty question) the last
-  ``tail`` prompt tokens stand in for it — a *fallback*: question-agnostic, the real question is
-  not in the prompt. In the top ``probe_layers`` layers the question's queries attend to every key
+  ``question_start`` on; a question shorter than ``min_question`` (32) tokens reaches back into
+  the context to that length (an instruction with no content, e.g. LongBench lcc's 6-token "Next
+  line of code:", probes with the code before it). Without a split (``question_start=None``, or an
+  empty question) the last ``tail`` prompt tokens stand in for it — a *fallback*:
+  question-agnostic, the real question is not in the prompt. In the top ``probe_layers`` layers the
+  question's queries attend to every key
   (their causal softmax rows, 16 queries at a time: ``[16, T]`` scores, never ``[T, T]``),
   averaged over those layers, all query heads and the question: ``ā`` (Eq. 3, 4). Salience ``w``
   in each block (Eq. 4): ``"attention"`` (default) = ``ā`` renormalised in the block, i.e. the
@@ -20,21 +23,28 @@ local expansion, as a question-aware compressor after one prefill pass (docs/BSE
   cosines; off by default: with it the paper's thresholds refine the needle blocks). Attention
   sinks are left out of block representations (outlying states and attention mass; kept anyway).
 * **Gating** with ``(alpha, beta)``: discard ``s ≤ α``, retain ``s ≥ β``, refine otherwise. A
-  refined block keeps its ``anchors`` top-``ā`` tokens and every token within ``radius`` of one,
-  inside the block. ρ (``expansion`` = 0.5, the paper's local expansion factor) is the share of a
-  block a refinement keeps at most: ``anchors = round(ρ · block_size / (2·radius + 1))`` (radius 2:
-  6 anchors, ≤ 30 of 64 tokens). ``refine="drop"``/``"keep"``: refined blocks discarded / kept
-  whole (the "without Stage III" ablations). The question, the first ``sinks`` and the last
+  refined block keeps a share ρ (``expansion`` = 0.5, the paper's local expansion factor) of its
+  context tokens: its anchors in ``ā`` order, each with every token within ``radius`` (2) of it
+  inside the block, until ``round(ρ · n)`` tokens (``fill``; i.e. the top ``round(ρ · n)`` by the
+  largest ``ā`` within ``radius``, ties by own ``ā``). The question attends to a fact's key words,
+  not to its unknown value, so the key words are the anchors and the value after them comes in
+  with the share. ``fill=False`` is the first version: a fixed ``anchors = round(ρ · block_size /
+  (2·radius + 1))`` (6 for 64 tokens); their neighbourhoods overlap on the key words and the
+  value was lost (RULER niah_single_1, docs/BSER.md). ``refine="drop"``/``"keep"``: refined blocks
+  discarded / kept whole (the "without Stage III" ablations). The question, the first ``sinks`` and the last
   ``window`` prompt tokens are always kept (when a budget is short: sinks, window, then the
   question's last tokens). Kept entries keep their RoPE positions; one index set per row, shared
   by all layers and KV heads (the paper's ``I``).
 
 Two modes. **Thresholds** (``budget=None``, the paper's): the gated entries are kept. A cache's size
 is static, so it is sized for ``max_kept`` (default 50%) of the prompt; a row whose gated set is
-larger keeps its ``max_kept`` best (retained blocks by ``s``, then refined ones). **Budget** (a
-fraction or token count, for matched comparisons): entries are taken in the order retained blocks,
-refined anchors and neighbours, then the rest, each by block ``s`` (by ``ā`` inside a block), up to
-the budget.
+larger keeps its ``max_kept`` best, in the budget mode's order. **Budget** (a fraction or token
+count, for matched comparisons): entries are taken in the order retained blocks (by block ``s``,
+then ``ā``), refined tokens, then the rest (by block ``s``, then ``ā``), up to the budget. Refined
+tokens compete across blocks by their Stage III salience (the largest ``ā`` within ``radius``,
+then their own ``ā``: ``refine_order="salience"``): a fact cut at a block edge has its value at
+the start of the next block, whose ``s`` is that of the background; ranked by their block's ``s``
+(``refine_order="block"``, the first version) such tokens were cut at every budget.
 
 Cost: the probe runs only in the probed layers and the Gram matrices of ``E``'s blocks
 (``[B, T, block_size]``: ``|R|`` for any ``w`` chosen later) only in ``E``'s layer, each under a
@@ -67,19 +77,22 @@ from sparsekv_jax.policies.common import (
 QUERY_CHUNK = 16  # question queries per softmax slab: [B, Hq, 16, T] fp32 at a time
 
 
-def question_start(prompt: Prompt, tail: int) -> jax.Array:
-    """``[B]`` where each row's question starts; the last ``tail`` tokens where no split is given."""
+def question_start(prompt: Prompt, tail: int, min_question: int = 1) -> jax.Array:
+    """``[B]`` where each row's question starts; the last ``tail`` tokens where no split is given;
+    a question shorter than ``min_question`` tokens starts ``min_question`` tokens before the end."""
     fallback = jnp.maximum(prompt.lengths - tail, 0)
     if prompt.question_start is None:
         return fallback
-    return jnp.where(prompt.question_start < prompt.lengths, prompt.question_start, fallback)
+    given = jnp.where(prompt.question_start < prompt.lengths, prompt.question_start, fallback)
+    return jnp.minimum(given, jnp.maximum(prompt.lengths - min_question, 0))
 
 
-def probe_queries(prompt: Prompt, tail: int, max_question: int, T: int) -> tuple[jax.Array, jax.Array]:
+def probe_queries(prompt: Prompt, tail: int, max_question: int, T: int,
+                  min_question: int = 1) -> tuple[jax.Array, jax.Array]:
     """``(positions [B, M], valid [B, M])``: the last ``min(m, M)`` question tokens of each row."""
     M = -(-min(max_question, T) // QUERY_CHUNK) * QUERY_CHUNK
     pos = prompt.lengths[:, None] - M + jnp.arange(M)
-    valid = pos >= question_start(prompt, tail)[:, None]
+    valid = pos >= question_start(prompt, tail, min_question)[:, None]
     return jnp.clip(pos, 0, T - 1), valid
 
 
@@ -133,6 +146,20 @@ def _rank(x: jax.Array) -> jax.Array:
     return jnp.argsort(jnp.argsort(-x, axis=-1, stable=True), axis=-1, stable=True)
 
 
+def _lex_rank(primary: jax.Array, secondary: jax.Array) -> jax.Array:
+    """Descending rank along the last axis by ``primary``, ties by ``secondary`` (0 = first)."""
+    return jnp.argsort(jnp.lexsort((-secondary, -primary), axis=-1), axis=-1)
+
+
+def max_filter(x: jax.Array, radius: int) -> jax.Array:
+    """The largest value within ``radius`` of each position along the last axis (not past its ends)."""
+    if radius == 0:
+        return x
+    dims = (1,) * (x.ndim - 1) + (2 * radius + 1,)
+    pad = ((0, 0),) * (x.ndim - 1) + ((radius, radius),)
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, dims, (1,) * x.ndim, pad)
+
+
 def dilate(mask: jax.Array, radius: int) -> jax.Array:
     """Every position within ``radius`` of a marked one, along the last axis (not past its ends)."""
     if radius == 0:
@@ -157,10 +184,13 @@ class BSER(Policy):
       salience: ``"attention"`` (ā renormalised per block), ``"softmax"`` (Eq. 4 on ā) or ``"mean"``.
       centred: centre ``E`` on the context's mean before the cosine.
       refine: ``"expand"`` (Stage III), ``"drop"`` or ``"keep"`` (ablations).
+      fill: a refined block keeps ρ of its tokens (anchors added until then); False: a fixed count.
+      refine_order: refined tokens across blocks by ``"salience"`` (their Stage III ā) or ``"block"`` s.
       max_kept: threshold mode: the cache holds at most this share of the prompt.
       sinks, window: first / last prompt tokens always kept (inside the budget).
       tail: stand-in question length when no split is given (fallback).
       max_question: question tokens probed at most (the last ones).
+      min_question: a shorter question reaches back into the context to this many tokens.
       gate: ``"cond"`` (probe only in probed layers) or ``"mask"`` (computed everywhere, masked).
       num_layers: the model's layers, set by `bind`.
     """
@@ -180,8 +210,11 @@ class BSER(Policy):
     window: int = struct.field(pytree_node=False, default=32)
     tail: int = struct.field(pytree_node=False, default=32)
     max_question: int = struct.field(pytree_node=False, default=128)
+    min_question: int = struct.field(pytree_node=False, default=32)
     gate: str = struct.field(pytree_node=False, default="cond")
     centred: bool = struct.field(pytree_node=False, default=False)
+    fill: bool = struct.field(pytree_node=False, default=True)
+    refine_order: str = struct.field(pytree_node=False, default="salience")
     num_layers: int = struct.field(pytree_node=False, default=0)
 
     stages = ("compress",)
@@ -193,12 +226,13 @@ class BSER(Policy):
         if self.budget is not None:
             check_budget(self.budget)
         for name, options in (("embedding", ("input", "hidden")), ("salience", ("softmax", "attention", "mean")),
-                              ("refine", ("expand", "drop", "keep")), ("gate", ("cond", "mask"))):
+                              ("refine", ("expand", "drop", "keep")), ("gate", ("cond", "mask")),
+                              ("refine_order", ("salience", "block"))):
             if getattr(self, name) not in options:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {options}")
         if not self.alpha <= self.beta:
             raise ValueError(f"alpha={self.alpha} must be <= beta={self.beta}")
-        for name in ("block_size", "probe_layers", "tail", "max_question"):
+        for name in ("block_size", "probe_layers", "tail", "max_question", "min_question"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.radius < 0:
@@ -250,10 +284,10 @@ class BSER(Policy):
         if not self.num_layers:
             raise ValueError("BSER.observe: bind(Setup) first (generate does) to fix num_layers")
         B, T = q.shape[:2]
-        qpos, valid = probe_queries(prompt, self.tail, self.max_question, T)
+        qpos, valid = probe_queries(prompt, self.tail, self.max_question, T, self.min_question)
         first = self.num_layers - self.probed
         t = jnp.arange(T)
-        context = (t < question_start(prompt, self.tail)[:, None]) & (t >= self.sinks)
+        context = (t < question_start(prompt, self.tail, self.min_question)[:, None]) & (t >= self.sinks)
 
         def gated(on, fn):
             if self.gate == "mask":
@@ -278,7 +312,7 @@ class BSER(Policy):
         B, T = attn.shape
         nb, bs = gram.shape[1], self.block_size
         pos = jnp.arange(nb * bs)
-        lengths, qs = prompt.lengths, question_start(prompt, self.tail)
+        lengths, qs = prompt.lengths, question_start(prompt, self.tail, self.min_question)
         context = (pos < qs[:, None]) & (pos >= self.sinks)
         blocks = lambda x: jnp.pad(x, ((0, 0), (0, nb * bs - T))).reshape(B, nb, bs)  # noqa: E731
         a, d, m = blocks(attn), blocks(dot), context.reshape(B, nb, bs)
@@ -299,13 +333,26 @@ class BSER(Policy):
         refine = has & ~discard & ~retain
         a_ctx = jnp.where(m, a, -jnp.inf)
         token_rank = _rank(a_ctx)
-        expanded = dilate((token_rank < self.anchors) & m, self.radius) & m
+        # a token's salience for Stage III: the most salient token within `radius` of it (in its block)
+        near = jnp.where(m, max_filter(a_ctx, self.radius), -jnp.inf)
+        if self.fill:  # anchors in salience order, each with its neighbours, until ρ of the block's tokens
+            share = jnp.floor(self.expansion * m.sum(-1, keepdims=True) + 0.5)
+            expanded = (_lex_rank(near, a_ctx) < share) & m
+        else:  # a fixed number of anchors and their neighbours
+            expanded = dilate((token_rank < self.anchors) & m, self.radius) & m
         refined = {"expand": refine[..., None] & expanded, "drop": jnp.zeros_like(m),
                    "keep": refine[..., None] & m}[self.refine]
         tier = jnp.where(retain[..., None] & m, 2, jnp.where(refined, 1, 0))
+        N = nb * bs
         block_order = nb - 1 - _rank(s)
-        key = ((tier * nb + block_order[..., None]) * bs + (bs - 1 - token_rank)).astype(jnp.float32)
-        key = key.reshape(B, nb * bs)[:, :T]
+        by_block = (block_order[..., None] * bs + (bs - 1 - token_rank)).astype(jnp.float32)
+        if self.refine_order == "salience":  # refined tokens across blocks by their Stage III salience
+            by_salience = (N - 1 - _lex_rank(near.reshape(B, N), a_ctx.reshape(B, N))).astype(jnp.float32)
+            by_salience = by_salience.reshape(B, nb, bs)
+        else:
+            by_salience = by_block
+        key = tier * N + jnp.where(tier == 1, by_salience, by_block)
+        key = key.reshape(B, N)[:, :T]
 
         t = jnp.arange(T)
         question = (t >= qs[:, None]) & (t < lengths[:, None])
