@@ -46,6 +46,17 @@ job_b > "$RUNS/b.log" 2>&1 &
 job_c > "$RUNS/c.log" 2>&1 &
 wait
 echo "elapsed $(( $(date +%s) - start )) s"
-for f in a b c; do echo "=== $f"; grep -v "^WARNING\|^W1\|^I1" "$RUNS/$f.log" | tail -22; done
+for f in a b c; do echo "=== $f"; grep -v "^WARNING\|^W1\|^I1" "$RUNS/$f.log" | tail -8; done
+# tables from whatever each run has finished (a run cut by the deadline writes no summary.md itself)
+python - "$RUNS" <<'PY'
+import sys
+from pathlib import Path
+from sparsekv_jax.eval.report import load_results, markdown_table, summarize
+for d in ("ruler4k_agnostic", "ruler8k_agnostic", "longbench_agnostic"):
+    path = Path(sys.argv[1]) / d / "results.jsonl"
+    if path.exists():
+        print(f"\n## {d} ({sum(1 for _ in path.open())} records)\n")
+        print(markdown_table(summarize(load_results(path))))
+PY
 tar czf "$DEST/semanticache_eval.tgz" -C "$RUNS" .
 exit 0

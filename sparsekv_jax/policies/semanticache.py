@@ -90,6 +90,8 @@ class SemantiCache(Policy):
       tau: ``None`` = budget mode (the largest threshold that fits, per head, on the layout that
         reaches the highest); a float = GSC at that threshold (paper: 0.5-0.9), capped by ``budget``.
       sinks, window: first / last prompt entries kept unmerged (4 / 32).
+      recent_ratio: the window is at least this share of the row's budget (H2O's ``recent_ratio``;
+        default 0: ``window`` entries).
       chunking: ``"delimiters"`` (the paper), ``"fixed"`` (``chunk_size`` blocks, no anchors) or
         ``"none"`` (one chunk: global clustering) — the paper's Table 4 variants.
       chunk_size: longest chunk (longer delimiter-free runs are split); the fixed block size.
@@ -106,6 +108,7 @@ class SemantiCache(Policy):
     tau: float | None = struct.field(pytree_node=False, default=None)
     sinks: int = struct.field(pytree_node=False, default=4)
     window: int = struct.field(pytree_node=False, default=32)
+    recent_ratio: float = struct.field(pytree_node=False, default=0.0)
     chunking: str = struct.field(pytree_node=False, default="delimiters")
     chunk_size: int = struct.field(pytree_node=False, default=64)
     keys: str = struct.field(pytree_node=False, default="pre_rope")
@@ -123,6 +126,9 @@ class SemantiCache(Policy):
     def __post_init__(self) -> None:
         check_budget(self.budget)
         check_sinks_window(self.budget, self.sinks, self.window)
+        if isinstance(self.recent_ratio, bool) or not 0.0 <= self.recent_ratio < 1.0:
+            raise ValueError(f"recent_ratio={self.recent_ratio!r} must be in [0, 1): the share of the budget kept as "
+                             "the exact recent window")
         if self.tau is not None and (isinstance(self.tau, bool) or not -1.0 <= self.tau <= 1.0):
             raise ValueError(f"tau={self.tau!r} must be None (budget mode) or a cosine threshold in [-1, 1]")
         if self.chunking not in CHUNKINGS:
@@ -167,7 +173,7 @@ class SemantiCache(Policy):
     def name(self) -> str:
         defaults = {f.name: f.default for f in dataclasses.fields(SemantiCache)}
         shown = [f"{n}={getattr(self, n)!r}"
-                 for n in ("tau", "sinks", "window", "chunking", "chunk_size", "keys", "level_rule")
+                 for n in ("tau", "sinks", "window", "recent_ratio", "chunking", "chunk_size", "keys", "level_rule")
                  if getattr(self, n) != defaults[n]]
         return f"SemantiCache({', '.join([repr(self.budget), *shown])})"
 
@@ -195,7 +201,7 @@ class SemantiCache(Policy):
         ``level_rule="finest"``); budget mode chooses per (layer, row, KV head): `choices`."""
         keep = row_budgets(self.budget, prompt.lengths)
         return clustering.fitting_layout(self._is_delim(prompt), prompt.lengths, keep, self.sinks, self.window,
-                                         self._width(prompt.tokens.shape[1]), self._levels())
+                                         self._width(prompt.tokens.shape[1]), self._levels(), self.recent_ratio)
 
     def _is_delim(self, prompt: Prompt) -> jax.Array:
         if self.chunking == "delimiters":
@@ -222,10 +228,10 @@ class SemantiCache(Policy):
         per_head = not self.threshold_mode and self.level_rule == "least_lossy"
         if per_head:  # budget mode: every layout's search, the least lossy per (row, head)
             *layouts, _ = clustering.candidate_layouts(is_delim, prompt.lengths, keep, self.sinks, self.window,
-                                                       width, levels)  # a layout that overflows reaches -inf
+                                                       width, levels, self.recent_ratio)  # overflowing: -inf
         else:  # the first layout that fits; GSC at tau (searching lower only where a cap binds)
             forced, anchor, member, place, row_level = clustering.fitting_layout(
-                is_delim, prompt.lengths, keep, self.sinks, self.window, width, levels)
+                is_delim, prompt.lengths, keep, self.sinks, self.window, width, levels, self.recent_ratio)
         search = not self.threshold_mode or n_out < T
         top = 1.0 if self.tau is None else float(self.tau)
         inv_freq = None if self.keys == "post_rope" else np.asarray(self.inv_freq)
