@@ -1,6 +1,7 @@
 """SemantiCache ablations on SmolLM2 (docs/SEMANTICACHE.md): the paper's Table 4 (delimiter chunking
 vs fixed 64-token chunks vs no chunking, at 20%), Table 5 (tau from 0.5 to 0.9 with the compression
-it gives) and the keys used for similarity and merging (pre- vs post-RoPE).
+it gives), budget mode's layout rule (the least lossy layout per head vs the previous rule, per row
+the first layout that fits) and the keys used for similarity and merging (pre- vs post-RoPE).
 
 Every variant compresses the *same* prefilled cache: each batch of prompts is prefilled once with
 full attention, then each variant compresses it, the question is read (question-agnostic: the
@@ -38,19 +39,22 @@ from sparsekv_jax.policies import Dense, SemantiCache, parse_policy
 from sparsekv_jax.policies.base import Prompt, Setup
 
 VARIANTS = {
-    # Table 4: chunking at 20%
+    # Table 4: chunking at 20%. "delimiters" = the default: the paper's layout and its two
+    # coarsenings, per (layer, KV head) the one whose budget search reaches the highest threshold
     "delimiters@0.2": dict(budget=0.2),
     "fixed64@0.2": dict(budget=0.2, chunking="fixed"),
     "none@0.2": dict(budget=0.2, chunking="none", layer_batch=1),  # one [T, T] band per layer
     # Table 5: tau, no cap (the paper's threshold mode; room for the whole prompt)
     **{f"tau={t}": dict(budget=1.0, tau=t) for t in (0.5, 0.6, 0.7, 0.8, 0.9)},
-    # keys: pre-RoPE content (default) vs the stored post-RoPE keys, at 35%
-    "pre_rope@0.35": dict(budget=0.35),
-    "post_rope@0.35": dict(budget=0.35, keys="post_rope"),
-    # the other budgets, delimiters and fixed chunks
+    # the other budgets
+    "delimiters@0.35": dict(budget=0.35),
     "delimiters@0.5": dict(budget=0.5),
     "fixed64@0.35": dict(budget=0.35, chunking="fixed"),
     "fixed64@0.5": dict(budget=0.5, chunking="fixed"),
+    # the previous layout rule (per row, the first layout that fits)
+    **{f"finest@{b}": dict(budget=b, level_rule="finest") for b in (0.2, 0.35, 0.5)},
+    # keys: pre-RoPE content (default: delimiters@0.35) vs the stored post-RoPE keys
+    "post_rope@0.35": dict(budget=0.35, keys="post_rope"),
 }
 RULER_DEFAULT = ("niah_single_1", "niah_single_2", "niah_multikey_1", "vt", "fwe", "qa_1")
 

@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     prompt = Prompt(tokens=tokens, lengths=lengths)
     variants = [(f"budget {args.budget}, layer_batch={lb}", SemantiCache(args.budget, layer_batch=lb))
                 for lb in layer_batches]
+    variants.append((f"budget {args.budget}, previous layout rule, layer_batch={layer_batches[-1]}",
+                     SemantiCache(args.budget, layer_batch=layer_batches[-1], level_rule="finest")))
     variants.append(("threshold tau=0.7 (cap = budget)", SemantiCache(args.budget, tau=0.7)))
     merged = None
     for label, pol in variants:

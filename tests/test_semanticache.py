@@ -122,7 +122,7 @@ def ref_compress(k, v, pos, tokens, lengths, pol: SemantiCache, margins: list[fl
     for b in range(B):
         n = int(lengths[b])
         keep = budget_tokens(pol.budget, n)
-        s, w = ref_forced(n, keep, pol.sinks, pol.window, width)
+        s, w = ref_forced(n, keep, pol.sinks, max(pol.window, math.floor(pol.recent_ratio * keep + 1e-6)), width)
         delim = MASK[tokens[b]] if pol.chunking == "delimiters" else np.zeros(T, bool)
         order = (0, 1, 2) if pol.chunking == "delimiters" else (2,)
         layouts = {level: ref_chunks(delim, n, s, w, level, width) for level in order}
@@ -232,11 +232,9 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
     (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4), 0.15),  # the paper's threshold mode
     # budget mode; 40% delimiters: the paper's layout cannot fit 30%, heads use coarser chunks
     (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5), 0.4),
-    # the previous rule (per row, the first level that fits), kept for the ablation
-    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5, level_rule="finest"), 0.4),
     (SemantiCache(0.5, tau=0.8, chunk_size=8, window=4, search_steps=5, chunking="fixed", keys="post_rope"), 0.15),
-    (SemantiCache(12, window=4, search_steps=5, chunking="none"), 0.15),
-], ids=["threshold", "budget-fallback", "budget-finest", "capped-fixed-post_rope", "none"])
+    (SemantiCache(12, window=4, recent_ratio=0.5, search_steps=5, chunking="none"), 0.15),  # window: 6
+], ids=["threshold", "budget-fallback", "capped-fixed-post_rope", "none"])
 def test_chunking_gsc_and_merging_equal_the_numpy_reference(pol, delim_rate):
     sizes, levels = compare(pol, int(np.random.default_rng().integers(1 << 30)), delim_rate=delim_rate)
     assert min(sizes) < 40  # clusters did merge
@@ -415,7 +413,8 @@ def test_spec_and_bad_settings():
     assert isinstance(pol, SemantiCache) and pol.budget == 0.2 and pol.tau == 0.7 and pol.chunking == "fixed"
     for kwargs, match in [(dict(tau=1.5), "tau=1.5"), (dict(chunking="words"), "chunking='words'"),
                           (dict(keys="both"), "keys='both'"), (dict(budget=0.01), "budget=0.01"),
-                          (dict(budget=10, window=32), "window=32"), (dict(chunk_size=1), "chunk_size=1")]:
+                          (dict(budget=10, window=32), "window=32"), (dict(chunk_size=1), "chunk_size=1"),
+                          (dict(recent_ratio=1.0), "recent_ratio=1.0")]:
         with pytest.raises(ValueError, match=match):
             SemantiCache(**kwargs)
 

@@ -29,10 +29,12 @@ def delimiter_mask(tokenizer: Any, delimiters: str = DELIMITERS) -> np.ndarray:
     return np.array([bool(s) and set(s) <= chars for s in texts], bool)
 
 
-def forced_counts(keep: jax.Array, lengths: jax.Array, sinks: int, window: int,
-                  width: int) -> tuple[jax.Array, jax.Array]:
-    """Per-row sinks and window ``([B], [B])``: as many as asked, fewer where the row's budget
-    ``keep`` then could not hold one entry per ``width`` block of the rest; sinks first."""
+def forced_counts(keep: jax.Array, lengths: jax.Array, sinks: int, window: int, width: int,
+                  recent_ratio: float = 0.0, longest: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Per-row sinks and window ``([B], [B])``: as many as asked — ``sinks``, and a window of
+    ``max(window, floor(recent_ratio * keep))`` — fewer where the row's budget ``keep`` then could
+    not hold one entry per ``width`` block of the rest; sinks first. ``longest`` (the prompt's
+    width) bounds the window statically when ``recent_ratio`` is set."""
     def blocks(n):
         return -(-n // width)
 
@@ -40,9 +42,10 @@ def forced_counts(keep: jax.Array, lengths: jax.Array, sinks: int, window: int,
     s = jnp.arange(sinks + 1)[None]
     s_ok = (s <= n) & (s + blocks(jnp.maximum(n - s, 0)) <= keep)
     sinks_b = jnp.max(jnp.where(s_ok, s, 0), axis=1)
-    w = jnp.arange(window + 1)[None]
+    asked = jnp.maximum(window, jnp.floor(recent_ratio * keep.astype(jnp.float32) + 1e-6).astype(jnp.int32))
+    w = jnp.arange(max(window, longest if recent_ratio else 0) + 1)[None]
     rest = n - sinks_b[:, None] - w
-    w_ok = (rest >= 0) & (sinks_b[:, None] + w + blocks(jnp.maximum(rest, 0)) <= keep)
+    w_ok = (w <= asked) & (rest >= 0) & (sinks_b[:, None] + w + blocks(jnp.maximum(rest, 0)) <= keep)
     return sinks_b, jnp.max(jnp.where(w_ok, w, 0), axis=1)
 
 
@@ -78,11 +81,11 @@ def chunk_layout(is_delim: jax.Array, lengths: jax.Array, sinks: jax.Array, wind
 
 
 def candidate_layouts(is_delim: jax.Array, lengths: jax.Array, keep: jax.Array, sinks: int, window: int,
-                      chunk_size: int, levels: tuple[int, ...]) -> tuple[jax.Array, ...]:
+                      chunk_size: int, levels: tuple[int, ...], recent_ratio: float = 0.0) -> tuple[jax.Array, ...]:
     """`chunk_layout` at each of ``levels``: ``(forced, anchor, member, place)`` ``[N, B, T]`` each and
     ``fits`` ``[N, B]``: the level's coarsest clustering (one cluster per chunk) fits the row's
     budget ``keep``. Sinks and window are the same at every level (`forced_counts`)."""
-    sinks_b, window_b = forced_counts(keep, lengths, sinks, window, chunk_size)
+    sinks_b, window_b = forced_counts(keep, lengths, sinks, window, chunk_size, recent_ratio, is_delim.shape[1])
     stacked = [chunk_layout(is_delim, lengths, sinks_b, window_b, jnp.full(lengths.shape, lv, jnp.int32), chunk_size)
                for lv in levels]
     forced, anchor, member, place = jax.tree.map(lambda *x: jnp.stack(x), *stacked)
@@ -91,11 +94,11 @@ def candidate_layouts(is_delim: jax.Array, lengths: jax.Array, keep: jax.Array, 
 
 
 def fitting_layout(is_delim: jax.Array, lengths: jax.Array, keep: jax.Array, sinks: int, window: int,
-                   chunk_size: int, levels: tuple[int, ...]) -> tuple[jax.Array, ...]:
+                   chunk_size: int, levels: tuple[int, ...], recent_ratio: float = 0.0) -> tuple[jax.Array, ...]:
     """``(forced, anchor, member, place, level)``: `chunk_layout` at each row's first level of
     ``levels`` whose coarsest clustering (one cluster per chunk) fits the row's budget ``keep``
     (the last level when none does). Threshold mode's layout."""
-    *layout, fits = candidate_layouts(is_delim, lengths, keep, sinks, window, chunk_size, levels)
+    *layout, fits = candidate_layouts(is_delim, lengths, keep, sinks, window, chunk_size, levels, recent_ratio)
     first = jnp.argmax(fits.at[-1].set(True), axis=0)  # [B]
     return (*(jnp.take_along_axis(x, first[None, :, None], 0)[0] for x in layout),
             jnp.asarray(levels, jnp.int32)[first])

@@ -35,17 +35,25 @@ Choices where the paper is silent (docs/SEMANTICACHE.md shows them in ablations)
 * **Budget mode** (``tau=None``): per (layer, row, KV head) the *largest* ``tau`` whose clusters fit
   the budget: a pass of ``search_steps`` thresholds log-spaced below the top (`search_grid`), then
   a linear pass between the last that did not fit and the first that did; each pass evaluates all
-  its thresholds at once. When even one cluster per chunk does not fit (dense punctuation: about a
-  quarter of RULER's noise haystack is delimiters), the row falls back, in order: delimiters stop
-  being anchors and close their chunk (a chunk = a clause and its delimiters); then fixed
-  ``chunk_size`` blocks (`SemantiCache.layout` reports the level). The kept count never exceeds
-  the budget.
-* **Threshold mode** (``tau=x``): GSC at ``x`` (the paper's); ``budget`` is then a cap (the static
-  cache capacity): heads that would keep more merge at the largest lower threshold that fits.
+  its thresholds at once. The search runs on three chunk layouts — the paper's (delimiters are
+  anchors; level 0), clauses (a run of words and the delimiters closing it, no anchors; level 1)
+  and ``chunk_size`` blocks (level 2) — and each (layer, row, KV head) keeps the layout whose search
+  reaches the **highest threshold** (ties: the finer layout): the least lossy merge, since every
+  member of a cluster has at least that cosine with its seed. A layout whose one-cluster-per-chunk
+  clustering overflows the budget reaches nothing. Each layout's threshold never falls when the
+  budget grows, so neither does the chosen one. (``level_rule="finest"``: the previous rule, per
+  row the first layout that fits; its threshold *fell* as the budget grew — a larger budget admits
+  the paper's layout with little room to spare — and RULER's score with it: docs/SEMANTICACHE.md.)
+  The kept count never exceeds the budget. `SemantiCache.choices` reports level and threshold.
+* **Threshold mode** (``tau=x``): GSC at ``x`` on the paper's layout (the paper's algorithm); where
+  its one cluster per chunk would overflow ``budget`` (a cap: the static cache capacity), the row
+  uses the first coarser layout that fits; heads that would keep more merge at the largest lower
+  threshold that fits.
   ``SemantiCache(budget=1.0, tau=x)`` is the paper's pure threshold (room for the whole prompt).
 
-On SmolLM2 the digits of RULER's needles (one token each) have more similar keys than a clause's
-words, so GSC merges a needle's number before the haystack around it (docs/SEMANTICACHE.md).
+On SmolLM2 the digits of a needle's number (one token each) are among the most similar neighbours
+in the prompt (keys and values alike), so any budget that merges prose merges a number in it
+first; a repetitive haystack (RULER's noise) is merged before the number (docs/SEMANTICACHE.md).
 
 The mechanics (layout, GSC, the threshold search, the merged entries) are `policies/clustering.py`;
 the cache write is `common.write_entries`. This file holds the settings and the order of the steps.
@@ -79,14 +87,18 @@ class SemantiCache(Policy):
     Args:
       budget: entries kept per (layer, row, KV head): fraction of the prompt or token count, sinks
         and window included. In threshold mode, the cap (the cache's static capacity).
-      tau: ``None`` = budget mode (the largest threshold that fits, per head); a float = GSC at
-        that threshold (paper: 0.5-0.9), capped by ``budget``.
+      tau: ``None`` = budget mode (the largest threshold that fits, per head, on the layout that
+        reaches the highest); a float = GSC at that threshold (paper: 0.5-0.9), capped by ``budget``.
       sinks, window: first / last prompt entries kept unmerged (4 / 32).
+      recent_ratio: the window is at least this share of the row's budget (H2O's ``recent_ratio``;
+        default 0: ``window`` entries).
       chunking: ``"delimiters"`` (the paper), ``"fixed"`` (``chunk_size`` blocks, no anchors) or
         ``"none"`` (one chunk: global clustering) — the paper's Table 4 variants.
       chunk_size: longest chunk (longer delimiter-free runs are split); the fixed block size.
       keys: ``"pre_rope"`` (content similarity, merged at the mean position) or ``"post_rope"``.
       search_steps: thresholds tried per grid pass in budget mode (two passes).
+      level_rule: budget mode's layout per (layer, row, KV head): ``"least_lossy"`` (the highest
+        threshold) or ``"finest"`` (per row the first that fits: the previous rule, for ablations).
       layer_batch: layers compressed together (`jax.lax.map` batch: memory against launches).
       delimiter_mask: ``[V]`` bool leaf (`from_tokenizer` / `with_tokenizer`).
       inv_freq: RoPE frequencies, set by `bind` for ``keys="pre_rope"``.
@@ -96,6 +108,7 @@ class SemantiCache(Policy):
     tau: float | None = struct.field(pytree_node=False, default=None)
     sinks: int = struct.field(pytree_node=False, default=4)
     window: int = struct.field(pytree_node=False, default=32)
+    recent_ratio: float = struct.field(pytree_node=False, default=0.0)
     chunking: str = struct.field(pytree_node=False, default="delimiters")
     chunk_size: int = struct.field(pytree_node=False, default=64)
     keys: str = struct.field(pytree_node=False, default="pre_rope")
@@ -113,6 +126,9 @@ class SemantiCache(Policy):
     def __post_init__(self) -> None:
         check_budget(self.budget)
         check_sinks_window(self.budget, self.sinks, self.window)
+        if isinstance(self.recent_ratio, bool) or not 0.0 <= self.recent_ratio < 1.0:
+            raise ValueError(f"recent_ratio={self.recent_ratio!r} must be in [0, 1): the share of the budget kept as "
+                             "the exact recent window")
         if self.tau is not None and (isinstance(self.tau, bool) or not -1.0 <= self.tau <= 1.0):
             raise ValueError(f"tau={self.tau!r} must be None (budget mode) or a cosine threshold in [-1, 1]")
         if self.chunking not in CHUNKINGS:
@@ -157,7 +173,7 @@ class SemantiCache(Policy):
     def name(self) -> str:
         defaults = {f.name: f.default for f in dataclasses.fields(SemantiCache)}
         shown = [f"{n}={getattr(self, n)!r}"
-                 for n in ("tau", "sinks", "window", "chunking", "chunk_size", "keys", "level_rule")
+                 for n in ("tau", "sinks", "window", "recent_ratio", "chunking", "chunk_size", "keys", "level_rule")
                  if getattr(self, n) != defaults[n]]
         return f"SemantiCache({', '.join([repr(self.budget), *shown])})"
 
@@ -185,7 +201,7 @@ class SemantiCache(Policy):
         ``level_rule="finest"``); budget mode chooses per (layer, row, KV head): `choices`."""
         keep = row_budgets(self.budget, prompt.lengths)
         return clustering.fitting_layout(self._is_delim(prompt), prompt.lengths, keep, self.sinks, self.window,
-                                         self._width(prompt.tokens.shape[1]), self._levels())
+                                         self._width(prompt.tokens.shape[1]), self._levels(), self.recent_ratio)
 
     def _is_delim(self, prompt: Prompt) -> jax.Array:
         if self.chunking == "delimiters":
@@ -212,10 +228,10 @@ class SemantiCache(Policy):
         per_head = not self.threshold_mode and self.level_rule == "least_lossy"
         if per_head:  # budget mode: every layout's search, the least lossy per (row, head)
             *layouts, _ = clustering.candidate_layouts(is_delim, prompt.lengths, keep, self.sinks, self.window,
-                                                       width, levels)  # a layout that overflows reaches -inf
+                                                       width, levels, self.recent_ratio)  # overflowing: -inf
         else:  # the first layout that fits; GSC at tau (searching lower only where a cap binds)
             forced, anchor, member, place, row_level = clustering.fitting_layout(
-                is_delim, prompt.lengths, keep, self.sinks, self.window, width, levels)
+                is_delim, prompt.lengths, keep, self.sinks, self.window, width, levels, self.recent_ratio)
         search = not self.threshold_mode or n_out < T
         top = 1.0 if self.tau is None else float(self.tau)
         inv_freq = None if self.keys == "post_rope" else np.asarray(self.inv_freq)
