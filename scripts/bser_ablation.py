@@ -17,6 +17,11 @@ after compression; BSER falls back to the prompt's tail). Variants (``--variants
     hidden             E = hidden states entering the first probed layer (instead of token embeddings)
     centred            E centred on the context's mean
     L1, L2             probing the top 1 / 2 layers (default 4)
+    v1, v1-thresholds  the first version's Stage III at the budget / at the thresholds: fixed anchors,
+                       refined tokens ranked by block s, the question as given (min_question=1)
+    fixed-anchors      thresholds with round(ρ·B/(2r+1)) anchors instead of filling ρ of the block
+    block-order        the budget with refined tokens ranked by their block's s, not their salience
+    question-as-given  thresholds without reaching a short question back into the context
 
 Prints one table (score per task, average, % of full, KV stored) and writes records and the
 table under ``--out``. CPU-sized by default; the same script runs full size on a GPU:
@@ -45,6 +50,9 @@ from pathlib import Path
 
 import numpy as np
 
+# the first version's Stage III and question (before the niah_single_1 diagnosis, docs/BSER.md)
+V1 = {"fill": False, "refine_order": "block", "min_question": 1}
+
 
 def variants(budget: float) -> dict:
     from sparsekv_jax.policies import BSER, Dense, SnapKV
@@ -57,6 +65,9 @@ def variants(budget: float) -> dict:
         "thresholds-uncapped": BSER(max_kept=1.0),
         "hidden": b.replace(embedding="hidden"), "centred": b.replace(centred=True),
         "L1": b.replace(probe_layers=1), "L2": b.replace(probe_layers=2),
+        "v1": b.replace(**V1), "v1-thresholds": BSER(**V1),
+        "fixed-anchors": BSER(fill=False), "block-order": b.replace(refine_order="block"),
+        "question-as-given": BSER(min_question=1),
     }
 
 

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's sparsekv_jax, not an installed one
 
 
 def needle_tokens(tok, sample, ctx_len: int) -> list[int]:
