@@ -356,10 +356,31 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary line")
     c.set_defaults(func=cmd_calibrate)
 
+    b = sub.add_parser("bench", help="speed benchmarks (e2e, chess, kernels)",
+                       description="Run one of the speed benchmarks; everything after its name goes to it "
+                                   "(`sparsekv bench e2e --help` lists its options, e.g. --mesh data=D,model=M).",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="examples:\n  sparsekv bench e2e --models llama3.1-8b --mesh model=2\n"
+                              "  sparsekv bench chess --help\n  sparsekv bench kernels")
+    b.add_argument("which", choices=BENCHMARKS, help="e2e: prefill/decode speed and memory per policy; chess: "
+                   "CHESS against full KV; kernels: the Pallas kernels against cuDNN and JAX's own")
+    b.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own arguments")
+    b.set_defaults(func=cmd_bench)
+
     from sparsekv_jax.sae.cli import register as register_train_sae  # parser and handler: sparsekv_jax/sae/cli.py
 
     register_train_sae(sub)
     return parser
+
+
+BENCHMARKS = ("e2e", "chess", "kernels")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """`sparsekv bench NAME ARGS...`: the module `sparsekv_jax.bench.NAME`'s own command line."""
+    import importlib
+
+    return importlib.import_module(f"sparsekv_jax.bench.{args.which}").main(args.args) or 0
 
 
 def main(argv: list[str] | None = None) -> int:

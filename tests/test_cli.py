@@ -12,7 +12,7 @@ import pytest
 
 from sparsekv_jax import cli
 
-COMMANDS = ["generate", "info", "eval", "calibrate"]
+COMMANDS = ["generate", "info", "eval", "calibrate", "bench", "train-sae"]
 
 
 @pytest.mark.parametrize("argv", [["--help"]] + [[c, "--help"] for c in COMMANDS])
@@ -21,6 +21,19 @@ def test_help_on_every_command(argv, capsys):
         cli.main(argv)
     assert e.value.code == 0
     assert "usage: sparsekv" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("which, option", [("e2e", "--mesh"), ("chess", "--iters"), ("kernels", "--lengths")])
+def test_bench_hands_its_arguments_to_the_benchmark(which, option, capsys):
+    """``sparsekv bench NAME ARGS`` is ``python -m sparsekv_jax.bench.NAME ARGS``; a name that is not a
+    benchmark is refused by name."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", which, "--help"])
+    assert e.value.code == 0
+    assert option in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "e2f"])
+    assert e.value.code == 2 and "invalid choice: 'e2f'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command, data", [("eval", "datasets/longbench_mini"), ("calibrate", "datasets/wikitext2")])
