@@ -161,15 +161,16 @@ depth = len(text) * 2 // 3
 context = np.concatenate([text[:depth], needle, text[depth:]])
 prompt = np.concatenate([context, question])[None].astype(np.int32)
 lengths, question_start = np.array([prompt.shape[1]]), np.array([len(context)])
-policy = S3Hybrid(budget=CONTEXT // 8).with_tokenizer(tokenizer)
-result = policy.context(params, prompt, lengths, question_start)
+policy = S3Hybrid(budget=CONTEXT // 8, chunk=min(CONTEXT, 2048)).with_tokenizer(tokenizer)  # one chunk at tiny sizes
+ctx, ql = policy.split(lengths, question_start)
+scan = policy.scan(params, prompt, ctx, ql)  # the streaming scan, kept for the plot below
+result = policy.context(params, prompt, lengths, question_start, scan=scan)
 print(f"kept {result.info['kept_tokens'][0]} of {len(context)} context tokens; new prompt {result.lengths[0]} tokens")
 print("the needle kept:", tokenizer.decode(needle) in tokenizer.decode(result.tokens[0, : result.lengths[0]]))
 
 # %%
-ctx, ql = policy.split(lengths, question_start)
 budgets = np.array([CONTEXT // 8])
-sources, _ = policy.rank(params, prompt, ctx, ql, budgets)
+sources, _ = policy.rank(params, prompt, ctx, ql, budgets, scan=scan)
 fig, ax = plt.subplots(figsize=(7, 1.8))
 for row, source in enumerate(sources):  # S³ spans, then BM25 passages
     for start, end, _centre in source[0]:

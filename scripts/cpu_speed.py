@@ -12,15 +12,16 @@ processes on a shared machine slow both sides: compare within one run only).
 ``--ours`` names configurations of `sparsekv_jax.Backend` to time side by side:
 
     auto    the defaults (what `generate` does on this machine)
-    before  the CPU path before the blocked prefill attention (issue 18): XLA's dense attention
-            in prefill, the decode cache scanned as xs/ys
-            (``Backend(dense_prefill="xla", decode_carry=False)``)
-    xla     XLA's dense prefill attention, otherwise the defaults (the same as ``before`` while
-            ``decode_carry`` resolves to False on a CPU)
+    before  the CPU's configuration before issue 18: XLA's dense attention in prefill, the decode
+            cache scanned as xs/ys (``Backend(dense_prefill="xla", decode_carry=False)``), on
+            today's code (the single-query decode attention included)
+    xla     XLA's dense prefill attention, otherwise the defaults
     xs      the decode cache scanned as xs/ys, otherwise the defaults
-    carry   the decode cache carried through the layer scan, otherwise the defaults
+    carry   the decode cache carried through the layer scan, otherwise the defaults (= auto)
 
-    python scripts/cpu_speed.py --length 4096 --decode-tokens 32 --repeats 3 --ours before,auto
+Each run's line gives the 1-minute load average when it started: measure on an idle machine.
+
+    python scripts/cpu_speed.py --length 4096 --decode-tokens 32 --repeats 3 --ours auto,xs
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--length", type=int, default=4096, help="prompt length in tokens (chat template included)")
     ap.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per run (the first from prefill)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved runs per side; medians are reported")
-    ap.add_argument("--ours", default="before,auto", help=f"Backend configurations: {', '.join(CONFIGS)}")
+    ap.add_argument("--ours", default="auto,xs", help=f"Backend configurations: {', '.join(CONFIGS)}")
     ap.add_argument("--no-transformers", action="store_true", help="time our configurations only")
     ap.add_argument("--torch-threads", default="",
                     help="also time transformers with these torch thread counts (e.g. '1': on a loaded machine "
@@ -156,17 +157,19 @@ def main(argv: list[str] | None = None) -> int:
     else:
         theirs_info = {}
 
-    times = {side: {"prefill_s": [], "decode_ms_per_token": []} for side in sides}
+    times = {side: {"prefill_s": [], "decode_ms_per_token": [], "load1": []} for side in sides}
     generated = {}
     for r in range(args.repeats):
         for side, (prefill, decode) in sides.items():
+            load1 = os.getloadavg()[0]
             pre, t_pre = _timed(prefill)
             out, t_dec = _timed(decode, pre)
             times[side]["prefill_s"].append(t_pre)
             times[side]["decode_ms_per_token"].append(1e3 * t_dec / max(args.decode_tokens - 1, 1))
+            times[side]["load1"].append(load1)
             generated[side] = out
             print(f"run {r + 1}/{args.repeats} {side}: prefill {t_pre:.2f} s, decode "
-                  f"{times[side]['decode_ms_per_token'][-1]:.1f} ms/token", flush=True)
+                  f"{times[side]['decode_ms_per_token'][-1]:.1f} ms/token (load {load1:.2f} at its start)", flush=True)
     load_after = os.getloadavg()
 
     result = {
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_before": load_before, "load_average_after": load_after,
         "jax": jax.__version__, **theirs_info,
         "configs": {n: CONFIGS[n] for n in names},
-        "median": {s: {k: statistics.median(v) for k, v in t.items()} for s, t in times.items()},
+        "median": {s: {k: statistics.median(v) for k, v in t.items() if k != "load1"} for s, t in times.items()},
         "runs": times, "generated": generated,
     }
     out_dir = Path(args.out)

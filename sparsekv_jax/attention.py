@@ -137,26 +137,42 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
     Returns ``[B, Hq, T, D]`` (and the ``[B, Hq, T, S]`` probabilities if asked).
     """
     B, Hkv, S, D = k.shape
-    qg = _grouped(q, Hkv).astype(k.dtype)  # [B, Hkv, G, T, D]
-    # K/V stay in their storage dtype (no fp32 copy of the cache); accumulate in fp32
-    scores = jnp.einsum("bhgtd,bhsd->bhgts", qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(D)
-    if bias is not None:
-        scores = scores + bias[:, :, None, None, :]
+    T = q.shape[2]
     qp = q_positions[:, None, :, None]  # [B, 1, T, 1]
     kp = kv_positions[:, :, None, :]  # [B, Hkv, 1, S]
     mask = kv_valid & (kp <= qp) & (kp >= 0)
     if sliding_window is not None:
         mask = mask & (kp > qp - sliding_window)
-    scores = jnp.where(mask[:, :, None], scores, NEG_INF)
-    m = scores.max(-1, keepdims=True)
-    p = jnp.exp(scores - m) * mask[:, :, None]
-    denom = p.sum(-1, keepdims=True)
-    probs = p / jnp.maximum(denom, 1e-30)
-    out = jnp.einsum("bhgts,bhsd->bhgtd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    if T == 1:
+        # One query per row (decode): the same math without the length-1 query axis. With it, XLA:CPU
+        # lays the scores' dot out against a transposed copy of each layer's keys (the largest cost of
+        # a CPU decode step at 4k; docs/BENCHMARKS.md, "CPU speed against transformers").
+        out, probs = _attend(_grouped(q[:, :, 0], Hkv).astype(k.dtype), k, v, bias, mask[:, :, 0], "bhgd,bhsd->bhgs",
+                             "bhgs,bhsd->bhgd", bias_at=(slice(None), slice(None), None))
+        out, probs = out[:, :, :, None], probs[:, :, :, None]
+    else:
+        out, probs = _attend(_grouped(q, Hkv).astype(k.dtype), k, v, bias, mask, "bhgtd,bhsd->bhgts",
+                             "bhgts,bhsd->bhgtd", bias_at=(slice(None), slice(None), None, None))
     out = out.reshape(q.shape).astype(q.dtype)
     if return_weights:
         return out, probs.reshape(B, -1, *probs.shape[3:])
     return out
+
+
+def _attend(qg: jax.Array, k: jax.Array, v: jax.Array, bias: jax.Array | None, mask: jax.Array, scores_eq: str,
+            out_eq: str, bias_at: tuple) -> tuple[jax.Array, jax.Array]:
+    """Masked softmax attention of grouped queries ``qg`` (``[B, Hkv, G, (T,) D]``) against ``k``/``v``
+    ``[B, Hkv, S, D]``; ``mask`` ``[B, Hkv, (T,) S]``, ``bias`` ``[B, Hkv, S]`` indexed by ``bias_at``.
+    Returns ``(out, probs)`` with fp32 accumulation; K/V stay in their storage dtype (no fp32 copy)."""
+    scores = jnp.einsum(scores_eq, qg, k, preferred_element_type=jnp.float32) / jnp.sqrt(k.shape[-1])
+    if bias is not None:
+        scores = scores + bias[(*bias_at, slice(None))]
+    mask = mask[:, :, None]
+    scores = jnp.where(mask, scores, NEG_INF)
+    m = scores.max(-1, keepdims=True)
+    p = jnp.exp(scores - m) * mask
+    probs = p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30)
+    return jnp.einsum(out_eq, probs.astype(v.dtype), v, preferred_element_type=jnp.float32), probs
 
 
 def page_mask(page_ids: jax.Array, page_counts: jax.Array, num_pages: int) -> jax.Array:

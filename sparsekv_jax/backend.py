@@ -56,8 +56,10 @@ class Backend:
       sparse_prefill: block-sparse prefill attention (a policy's prefill pattern): the same choice
         for `sparsekv_jax.pallas.prefill`.
       decode_carry: carry the whole cache through the decode layer scan (in-place writes; the
-        kernel reads the layer by index) instead of scanning it as xs/ys. ``"auto"`` = on a GPU
-        (XLA:CPU does not update a carried stack in place: decode ran 2x slower).
+        kernel reads the layer by index) instead of scanning it as xs/ys, which copies every layer's
+        cache out and back at each step. ``"auto"`` = True (on a CPU too: 1.7x less CPU time per
+        token at 4k for SmolLM2 once the single-query attention stopped transposing the keys,
+        docs/BENCHMARKS.md, "CPU speed against transformers").
       decode_matmul: decode matmuls: ``"xla"`` (cuBLAS on the scan's slice of the stacked weights,
         which XLA copies out first), ``"pallas"`` (`layer_matmul` reads the layer's tiles from the
         stack), ``"auto"`` = ``"pallas"`` on a GPU where every weight fits the kernel (2.7x faster
@@ -134,12 +136,13 @@ class Backend:
         return dataclasses.replace(
             self, decode_attention=pick(self.decode_attention), sparse_prefill=pick(self.sparse_prefill),
             page_sums=pick(self.page_sums), decode_matmul=matmul,
-            decode_carry=gpu if self.decode_carry == "auto" else bool(self.decode_carry),
+            decode_carry=True if self.decode_carry == "auto" else bool(self.decode_carry),
             interpret=(not gpu) if self.interpret is None else self.interpret)
 
     @classmethod
     def reference(cls) -> Backend:
-        """The jnp paths everywhere (what the CPU runs by default)."""
+        """The jnp paths everywhere, the decode cache scanned layer by layer: the plainest program,
+        a reference for the others."""
         return cls(decode_attention="jnp", sparse_prefill="jnp", decode_carry=False, decode_matmul="xla",
                    page_sums="jnp")
 

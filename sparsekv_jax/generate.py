@@ -310,11 +310,11 @@ def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array
     probs_needed = dec.needs_decode_probs
     window = _window(cfg, cache)
 
-    # On the GPU the cache (and the policy's per-layer state, which can be as large, e.g. H2O's
-    # scores) rides the layer scan's carry: each layer writes its token in place and the kernel
+    # By default the cache (and the policy's per-layer state, which can be as large, e.g. H2O's
+    # scores) rides the layer scan's carry: each layer writes its token in place and attention
     # reads the layer from the stack. Scanned as xs/ys they would be copied whole at every step.
-    # XLA:CPU does not update the carried stack in place (decode ran 2x slower), so there the
-    # layers are scanned as xs/ys: the same code, with ``at=None`` meaning "one layer's arrays".
+    # ``decode_carry=False`` scans them as xs/ys (the reference program): the same code, with
+    # ``at=None`` meaning "one layer's arrays".
     carry = backend.decode_carry
 
     def attend(q, k, v, layer, idx, hidden):

@@ -6,7 +6,8 @@ the paper), summed over the query heads of its GQA group. After prefill the cach
 ``recent`` most recent tokens plus the heaviest hitters, ``budget`` in all (paper: half and
 half). During decode the cache stays at that size: each new token overwrites the entry with the
 lowest accumulated score outside the recent window, and every step's attention adds to the
-scores. The prefill mass is computed blockwise over query blocks (O(block · T) memory, no T×T).
+scores. The prefill mass is computed blockwise over query blocks (no T×T matrix; on a CPU only
+the causal tiles, `attention_mass`).
 When the budget covers the whole prompt the policy is exact dense: no compression, no eviction.
 """
 
@@ -18,23 +19,35 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from sparsekv_jax.backend import on_gpu
 from sparsekv_jax.cache import KVCache, LayerKV
 from sparsekv_jax.policies.base import Prompt
 from sparsekv_jax.policies.common import budget_tokens, check_budget, prompt_scores_to_slots
 from sparsekv_jax.policies.scored import ScoredCompression
 
 
-def attention_mass(q: jax.Array, k: jax.Array, lengths: jax.Array, block: int = 256) -> jax.Array:
+def attention_mass(q: jax.Array, k: jax.Array, lengths: jax.Array, block: int = 256,
+                   implementation: str | None = None) -> jax.Array:
     """Attention mass each key receives from all valid causal queries: ``[B, Hkv, T]`` fp32.
 
-    ``q`` ``[B, T, Hq, D]``, ``k`` ``[B, T, Hkv, D]``. Query blocks are scanned so that only a
-    ``[block, T]`` slab of scores exists at a time.
+    ``q`` ``[B, T, Hq, D]``, ``k`` ``[B, T, Hkv, D]``. Query blocks are scanned so that no ``T×T``
+    score matrix exists. ``implementation``: ``"dense"`` (each query block against every key, a
+    ``[block, T]`` slab of scores: few large ops, what a GPU wants), ``"blocked"`` (only the causal
+    ``[block, block]`` tiles, in two passes: the row normalisers, then the column sums; half the
+    tiles, each in cache: 3x less CPU time than ``"dense"`` at 4k on a CPU) or ``None``: blocked on a
+    CPU, dense on a GPU.
     """
+    if implementation is None:
+        implementation = "dense" if on_gpu() else "blocked"
+    if implementation not in ("dense", "blocked"):
+        raise ValueError(f"attention_mass implementation={implementation!r}: expected 'dense', 'blocked' or None")
     B, T, Hq, D = q.shape
     Hkv = k.shape[2]
     n = -(-T // block)
-    qp = jnp.pad(q, ((0, 0), (0, n * block - T), (0, 0), (0, 0)))
-    qb = qp.reshape(B, n, block, Hkv, Hq // Hkv, D).transpose(1, 0, 2, 3, 4, 5)
+    pad = ((0, 0), (0, n * block - T), (0, 0), (0, 0))  # padded keys sit after every real query
+    if implementation == "blocked":
+        return _blocked_mass(jnp.pad(q, pad), jnp.pad(k, pad), lengths, block)[:, :, :T]
+    qb = jnp.pad(q, pad).reshape(B, n, block, Hkv, Hq // Hkv, D).transpose(1, 0, 2, 3, 4, 5)
     t = jnp.arange(T)
 
     def step(acc, xs):
@@ -48,6 +61,52 @@ def attention_mass(q: jax.Array, k: jax.Array, lengths: jax.Array, block: int = 
 
     acc, _ = jax.lax.scan(step, jnp.zeros((B, Hkv, T), jnp.float32), (qb, jnp.arange(n)))
     return acc
+
+
+def _blocked_mass(q: jax.Array, k: jax.Array, lengths: jax.Array, block: int) -> jax.Array:
+    """`attention_mass` over causal tiles only; ``q``/``k`` padded to whole blocks. Query block ``i``
+    visits key blocks ``0..i`` twice: first for each row's max and normaliser (online, as flash
+    attention does), then for the normalised probabilities, summed into the keys' columns."""
+    B, Tp, Hq, D = q.shape
+    Hkv = k.shape[2]
+    n = Tp // block
+    qb = q.reshape(B, n, block, Hkv, Hq // Hkv, D).transpose(1, 0, 3, 4, 2, 5)  # [n, B, Hkv, G, block, D]
+    kb = k.reshape(B, n, block, Hkv, D).transpose(1, 0, 3, 2, 4)  # [n, B, Hkv, block, D]
+    scale = 1.0 / float(D) ** 0.5
+    offs = jnp.arange(block)
+
+    def query_block(acc, xs):
+        qi, i = xs
+        qpos = i * block + offs
+        live = (qpos[None, :] < lengths[:, None])[:, None, None, :, None]  # [B, 1, 1, q, 1]
+
+        def scores(j):  # [B, Hkv, G, q, key]: -inf-like above the diagonal (key 0 is always visible)
+            kj = jax.lax.dynamic_index_in_dim(kb, j, keepdims=False)
+            s = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=jnp.float32) * scale
+            return jnp.where(j * block + offs[None, :] <= qpos[:, None], s, _NEG)
+
+        def normaliser(j, carry):
+            m, l = carry
+            s = scores(j)
+            m_new = jnp.maximum(m, s.max(-1))
+            return m_new, l * jnp.exp(m - m_new) + jnp.exp(s - m_new[..., None]).sum(-1)
+
+        init = (jnp.full(qi.shape[:-1], _NEG, jnp.float32), jnp.zeros(qi.shape[:-1], jnp.float32))
+        m, l = jax.lax.fori_loop(0, i + 1, normaliser, init)
+        log_norm = (m + jnp.log(l))[..., None]
+
+        def columns(j, acc):
+            mass = jnp.where(live, jnp.exp(scores(j) - log_norm), 0.0).sum((2, 3))  # [B, Hkv, key]
+            seen = jax.lax.dynamic_slice_in_dim(acc, j * block, block, axis=2)
+            return jax.lax.dynamic_update_slice_in_dim(acc, seen + mass, j * block, axis=2)
+
+        return jax.lax.fori_loop(0, i + 1, columns, acc), None
+
+    acc, _ = jax.lax.scan(query_block, jnp.zeros((B, Hkv, Tp), jnp.float32), (qb, jnp.arange(n)))
+    return acc
+
+
+_NEG = -1e30  # finite: exp(_NEG - m) is 0 and never NaN
 
 
 @struct.dataclass

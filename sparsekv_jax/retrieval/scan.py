@@ -11,7 +11,8 @@ Device memory holds the weights, one chunk's activations and the carry below: it
 with the context.
 
 What a chunk attends to (`ScanConfig`): by default **only itself** (``sinks = window = 0``, the
-paper's "chunk-independent" prefill, its Appendix I; one causal attention per chunk, cuDNN on a GPU).
+paper's "chunk-independent" prefill, its Appendix I; one causal attention per chunk, cuDNN on a GPU,
+the blocked attention of `sparsekv_jax.attention` on a CPU).
 With ``sinks``/``window`` > 0 it also attends to a carried KV of the context's first ``sinks``
 positions and the ``window`` positions before the chunk (StreamingLLM's sink + recent window,
 exact for a context shorter than ``sinks + window + chunk``); docs/S3.md measures both against
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparsekv_jax.attention import cached_attention
+from sparsekv_jax.attention import PREFILL_BLOCK, cached_attention, dense_causal_attention
 from sparsekv_jax.models.params import Params
 from sparsekv_jax.models.rope import inverse_frequencies
 from sparsekv_jax.models.transformer import embed, mlp, qkv_projection
@@ -55,8 +56,11 @@ class ScanConfig:
       window: positions before the chunk it attends to (0: the chunk sees only itself).
       features: token-feature method (`sparsekv_jax.retrieval.features.FEATURE_METHODS`; ``"auto"``:
         ``"threshold"`` on a GPU, ``"lax"`` elsewhere).
-      attention: chunk-only attention implementation, ``"xla"``, ``"cudnn"`` or ``"auto"`` (cuDNN
-        on a GPU with bf16/fp16 weights).
+      attention: chunk-only attention implementation, ``"xla"``, ``"cudnn"``, ``"blocked"``
+        (`sparsekv_jax.attention.blocked_causal_attention`) or ``"auto"``: cuDNN on a GPU with
+        bf16/fp16 weights, blocked on a CPU for chunks past one block (XLA:CPU's attention
+        materialises the chunk's whole score matrix: about half of a 2,048-token chunk's time for
+        SmolLM2), XLA otherwise.
     """
 
     chunk: int = 2048
@@ -76,9 +80,12 @@ class ScanConfig:
             raise ValueError(f"ScanConfig.features={self.features!r} is not 'auto' or one of {FEATURE_METHODS}")
         attention = self.attention
         if attention == "auto":
-            attention = "cudnn" if gpu and params.dtype in (jnp.bfloat16, jnp.float16) else "xla"
-        if attention not in ("xla", "cudnn"):
-            raise ValueError(f"ScanConfig.attention={self.attention!r} is not 'auto', 'xla' or 'cudnn'")
+            if gpu:
+                attention = "cudnn" if params.dtype in (jnp.bfloat16, jnp.float16) else "xla"
+            else:
+                attention = "blocked" if self.chunk > PREFILL_BLOCK else "xla"
+        if attention not in ("xla", "cudnn", "blocked"):
+            raise ValueError(f"ScanConfig.attention={self.attention!r} is not 'auto', 'xla', 'cudnn' or 'blocked'")
         return dataclasses.replace(self, features=features, attention=attention)
 
     @property
@@ -150,9 +157,9 @@ def scan_step(params: Params, saes: TopKSAE, carry: dict[str, jax.Array], tokens
                                      positions, kv_pos, jnp.ones((B, 1, 1, 1), bool), sliding_window=sliding))
             ck, cv = _roll(ck, k, first, used, scan.sinks), _roll(cv, v, first, used, scan.sinks)
         else:
-            lw_window = None if sliding is None else (sliding - 1, 0)
-            out = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=lw_window,
-                                               implementation=scan.attention)
+            short = scan.attention == "blocked" and C <= PREFILL_BLOCK  # a question chunk: one block or less
+            out = dense_causal_attention(q, k, v, sliding_window=sliding,
+                                         implementation="xla" if short else scan.attention)
         kept = unrotate(q if queries else k, positions, inv)
         slot = slot_of[idx]
         i = jnp.maximum(slot, 0)
