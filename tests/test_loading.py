@@ -415,3 +415,34 @@ def test_failed_conversion_leaves_nothing_half_written(tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="unreadable"), pytest.raises(OSError, match="disk full"):
         load("smollm2", cache_dir=tmp_path, progress=False)
     assert list((tmp_path / "converted").iterdir()) == []
+
+
+@pytest.mark.parametrize("ggml_model, built, refused", [("llama", "Unigram", True), ("llama", "BPE", False),
+                                                       ("t5", "Unigram", False), ("gpt2", "BPE", False)])
+def test_a_gguf_tokenizer_built_with_the_wrong_algorithm_is_refused(tmp_path, ggml_model, built, refused):
+    """A GGUF whose tokenizer is SentencePiece BPE (``tokenizer.ggml.model='llama'``) read by transformers
+    as a Unigram model (transformers 5.17 did this to Gemma 3's) is refused, naming the file and the
+    algorithm; the right pairs pass."""
+    from types import SimpleNamespace
+
+    import gguf
+    import tokenizers
+
+    from sparsekv_jax.models.loading import check_gguf_tokenizer
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model(ggml_model)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    vocab = [("a", -1.0), ("b", -2.0), ("ab", -0.5)]
+    model = tokenizers.models.Unigram(vocab, 0, False) if built == "Unigram" else \
+        tokenizers.models.BPE({"a": 0, "b": 1, "ab": 2}, [("a", "b")])
+    fake = SimpleNamespace(backend_tokenizer=tokenizers.Tokenizer(model))
+    if refused:
+        with pytest.raises(ValueError, match="tiny.gguf.*SentencePiece BPE.*Unigram"):
+            check_gguf_tokenizer(fake, path)
+    else:
+        check_gguf_tokenizer(fake, path)

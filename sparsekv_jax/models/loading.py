@@ -519,5 +519,30 @@ def load_tokenizer(path_or_dir: str | Path, gguf_file: str | None = None) -> Any
     if gguf_file is not None:
         if not (p / gguf_file).is_file():
             raise FileNotFoundError(f"{p / gguf_file}: no such GGUF file")
-        return AutoTokenizer.from_pretrained(str(p), gguf_file=gguf_file)
+        tokenizer = AutoTokenizer.from_pretrained(str(p), gguf_file=gguf_file)
+        check_gguf_tokenizer(tokenizer, p / gguf_file)
+        return tokenizer
     return AutoTokenizer.from_pretrained(str(p))
+
+
+def check_gguf_tokenizer(tokenizer: Any, gguf_path: str | Path) -> None:
+    """Refuse a tokenizer that ``transformers`` built from a GGUF with the wrong algorithm.
+
+    A GGUF whose ``tokenizer.ggml.model`` is ``"llama"`` holds a SentencePiece BPE vocabulary, merged
+    by score (llama.cpp's SPM tokenizer; Unigram models are ``"t5"``). transformers 5.17 built
+    Gemma 3's as a ``Unigram`` model. That model cuts common words into pieces: "the provided
+    text" became ' t', 'he', ' prov', 'id', 'ed', ' t', 'ext'. A RULER run on a GPU with it scored
+    as if the model could not read (docs/RESULTS.md). transformers 5.23 builds a BPE model and matches
+    the model's own tokenizer.
+    """
+    import gguf
+    import transformers
+
+    field = gguf.GGUFReader(str(gguf_path)).fields.get("tokenizer.ggml.model")
+    kind = bytes(field.parts[field.data[0]]).decode() if field is not None else None
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    built = type(backend.model).__name__ if backend is not None else None
+    if kind == "llama" and built == "Unigram":
+        raise ValueError(f"{gguf_path}: its tokenizer is SentencePiece BPE (tokenizer.ggml.model='llama'), but "
+                         f"transformers {transformers.__version__} built a Unigram model from it, which splits words "
+                         "into fragments; use transformers >= 5.23 (or a tokenizer saved from it)")
