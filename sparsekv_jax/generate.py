@@ -375,15 +375,19 @@ def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array
     return logits, cache, (layer_state, shared_state), pages.mean(0)
 
 
-def stored_entries(cache: KVCache) -> jax.Array:
-    """``[B]`` live KV entries per row, averaged over layers and KV heads (holes not counted); a local
-    layer's ring counts the entries inside the window of the next token (`local_layers`)."""
+def stored_entries(cache: KVCache) -> tuple[jax.Array, int]:
+    """``([B] live KV entries per row summed over layers and KV heads, the number of (layer, head)
+    pairs summed)``: their ratio is the row's mean (holes not counted). A local layer's ring counts
+    the entries inside the window of the next token (`local_layers`), once per layer. Integer sums,
+    so a full cache's fraction of the prompt is exactly 1 (a float mean came out 1.0000001)."""
     live = (cache.layers.positions >= 0) & (jnp.arange(cache.capacity) < cache.length[None, :, None, None])
-    per_layer = live.sum(-1).astype(jnp.float32).mean(2)  # [L or Lg, B]
+    L, _, H = live.shape[:3]
+    total, pairs = live.sum((0, 2, 3), dtype=jnp.int32), L * H
     if cache.local is None:
-        return per_layer.mean(0)
+        return total, pairs
     ring = local_layers.window_entries(cache.local.positions, cache.next_position, cache.local.window)  # [Ll, B]
-    return (per_layer.sum(0) + ring.sum(0)) / (per_layer.shape[0] + ring.shape[0])
+    # a ring's count is per layer (its heads hold the same window): weigh it as H heads
+    return total + H * ring.sum(0).astype(jnp.int32), pairs + H * ring.shape[0]
 
 
 def prepare(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Array, suffix: jax.Array | None,
@@ -428,7 +432,8 @@ def compress_prefilled(params: Params, policy: Policy, logits: jax.Array, cache:
         cache = sharding.constrain_cache(squeezer.compress(cache, observations.get("compress"), compressed, prompt),
                                          mesh)
     reference = lengths if prompt_lengths is None else prompt_lengths
-    stored = stored_entries(cache) / reference.astype(jnp.float32)
+    total, pairs = stored_entries(cache)
+    stored = total.astype(jnp.float32) / (pairs * reference).astype(jnp.float32)
     if suffix is not None:
         logits, cache = extend(params, cache, suffix, suffix_lengths)
     state = sharding.constrain_state(policy.stage("decode").decode_init(cache, observations.get("decode")), cache,

@@ -285,6 +285,11 @@ def _child() -> None:
     rng = np.random.default_rng(seed)
     cfg, params = _model(seed)
     meshes = {m: sharding.make_mesh(*map(int, m.split("x"))) for m in MESHES}
+    from sparsekv_jax.policies.spec import REGISTRY
+
+    # the registry of a fresh process: a pytest worker's also holds policies other tests registered
+    print("REGISTERED " + json.dumps(sorted({type(f()).__name__ for n, f in REGISTRY.items() if n != "pipeline"})),
+          flush=True)
     _error_rows(cfg, params, meshes)
     _carry_rows(cfg, params, meshes)
     _kernel_rows(meshes, rng)
@@ -305,20 +310,19 @@ def child() -> dict:
             "rows": [json.loads(x) for x in lines if x.startswith("{")],
             "kernels": json.loads(next(x[8:] for x in lines if x.startswith("KERNELS "))),
             "errors": json.loads(next(x[7:] for x in lines if x.startswith("ERRORS "))),
-            "carry": json.loads(next(x[6:] for x in lines if x.startswith("CARRY ")))}
+            "carry": json.loads(next(x[6:] for x in lines if x.startswith("CARRY "))),
+            "registered": json.loads(next(x[11:] for x in lines if x.startswith("REGISTERED ")))}
 
 
 def test_sharded_generate_equals_unsharded_for_every_policy(child):
     """Identical greedy tokens; fp32 logits and stats within 1e-5, cache arrays within 5e-5 (relative
     above 1); the cache split over every device of the mesh as planned; no collective as large as a
     quarter of a layer's prompt keys (the cache is never gathered); every policy acted on the prompt."""
-    from sparsekv_jax.policies.spec import REGISTRY
-
     rows = child["rows"]
     seen = {r["policy"] for r in rows}
     assert {r["mesh"] for r in rows} == set(MESHES) and len(rows) == len(seen) * len(MESHES)
-    registered = {type(f()).__name__ for n, f in REGISTRY.items() if n != "pipeline"}
-    assert len(seen) == len(registered), (sorted(seen), sorted(registered))
+    registered = child["registered"]  # the child's own registry (this worker's may hold other tests' policies)
+    assert len(seen) == len(registered), (sorted(seen), registered)
     layer_keys = B * 8 * T * 32 * 4  # one layer's prompt keys (fp32), the smallest cache array worth gathering
     expected_specs = {"8x1": {"(None, 'data')"}, "1x8": {"(None, None, 'model')"},
                       "2x4": {"(None, 'data', 'model')"}}
