@@ -187,8 +187,9 @@ def test_bf16_params_close_to_fp32(params):
     tokens = np.random.default_rng().integers(1, CFG.vocab_size, (1, 12))
     ref = np.asarray(full_logits(params, tokens))
     low = np.asarray(full_logits(params.astype(jnp.bfloat16), tokens))
-    # bf16 keeps ~3 significant digits; the whole-tensor relative error stays at the percent level
-    assert np.linalg.norm(low - ref) / np.linalg.norm(ref) < 0.05
+    # bf16 keeps ~3 significant digits; the whole-tensor relative error stays at the percent level (the largest of
+    # 600 random draws was 0.048; one suite run drew 0.064), and a broken bf16 path is off by ~100%
+    assert np.linalg.norm(low - ref) / np.linalg.norm(ref) < 0.1
 
 
 def test_init_cache_rejects_bad_sizes():
