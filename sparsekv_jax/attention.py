@@ -79,7 +79,8 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block:
     G = Hq // Hkv
     n = -(-T // block)
     pad = ((0, 0), (0, n * block - T), (0, 0), (0, 0))  # padded keys sit after every real query
-    scale = 1.0 / float(D) ** 0.5
+    # the 1/sqrt(D) scale folded into the queries once, not into every score tile
+    q = q * jnp.asarray(1.0 / float(D) ** 0.5, q.dtype)
     # [n, B, Hkv, G*block, D]: a query block's G heads of one KV head as one matrix
     qb = jnp.pad(q, pad).reshape(B, n, block, Hkv, G, D).transpose(1, 0, 3, 4, 2, 5).reshape(n, B, Hkv, G * block, D)
     kb = jnp.pad(k, pad).reshape(B, n, block, Hkv, D).transpose(1, 0, 3, 2, 4)  # [n, B, Hkv, block, D]
@@ -91,26 +92,32 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block:
         qi, i = xs
         qi = qi.astype(k.dtype)
 
-        def key_block(j, carry):
+        def key_block(j, carry, masked: bool):
             m, l, acc = carry
             kj = jax.lax.dynamic_index_in_dim(kb, j, keepdims=False)
             vj = jax.lax.dynamic_index_in_dim(vb, j, keepdims=False)
-            s = jnp.einsum("bhqd,bhkd->bhqk", qi, kj, preferred_element_type=jnp.float32) * scale
-            delta = (i - j) * block + q_off - k_off  # query position - key position
-            visible = delta >= 0
-            if sliding_window is not None:
-                visible = visible & (delta < sliding_window)
-            s = jnp.where(visible, s, NEG_INF)
+            s = jnp.einsum("bhqd,bhkd->bhqk", qi, kj, preferred_element_type=jnp.float32)
+            if masked:
+                delta = (i - j) * block + q_off - k_off  # query position - key position
+                visible = delta >= 0
+                if sliding_window is not None:
+                    visible = visible & (delta < sliding_window)
+                s = jnp.where(visible, s, NEG_INF)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             rescale = jnp.exp(m - m_new)
             pv = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
             return m_new, l * rescale + p.sum(-1), acc * rescale[..., None] + pv
 
-        first = 0 if sliding_window is None else jnp.maximum(0, (i * block - sliding_window + 1) // block)
         init = (jnp.full((B, Hkv, G * block), NEG_INF, jnp.float32), jnp.zeros((B, Hkv, G * block), jnp.float32),
                 jnp.zeros((B, Hkv, G * block, D), jnp.float32))
-        _, l, acc = jax.lax.fori_loop(first, i + 1, key_block, init)
+        if sliding_window is None:
+            # blocks before the diagonal are wholly visible: no mask to build and apply there
+            carry = jax.lax.fori_loop(0, i, lambda j, c: key_block(j, c, False), init)
+            _, l, acc = key_block(i, carry, True)
+        else:
+            first = jnp.maximum(0, (i * block - sliding_window + 1) // block)
+            _, l, acc = jax.lax.fori_loop(first, i + 1, lambda j, c: key_block(j, c, True), init)
         return None, (acc / l[..., None]).astype(q.dtype)  # every query sees itself: l > 0
 
     _, out = jax.lax.scan(query_block, None, (qb, jnp.arange(n)))
