@@ -7,7 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsekv_jax.sae.model import TopKSAE, decode, dense_latents, encode, init_sae, merge_heads, pre_activations
+from sparsekv_jax.sae.model import (
+    TopKSAE,
+    activations_at,
+    decode,
+    dense_latents,
+    encode,
+    init_sae,
+    merge_heads,
+    pre_activations,
+)
 from sparsekv_jax.sae.topk import blocked_candidates, blocked_top_k, top_k
 
 
@@ -25,7 +34,7 @@ def _np_topk_relu(sae, x):
     return order, np.take_along_axis(r, order, -1)
 
 
-@pytest.mark.parametrize("method", ["lax", "blocked"])
+@pytest.mark.parametrize("method", ["lax", "blocked", "threshold"])
 def test_encode_is_topk_of_relu(method):
     rng = np.random.default_rng()
     d, w, k = 16, 2048, 24
@@ -51,6 +60,32 @@ def test_encode_with_few_positive_latents_keeps_exactly_those():
     assert ((np.asarray(acts) > 0).sum(-1) == 3).all()
     assert all(len(set(row)) == k for row in np.asarray(ids).tolist())  # still k distinct ids
     np.testing.assert_array_equal(np.sort(np.asarray(ids)[:, :3], -1), np.tile([0, 1, 2], (4, 1)))
+
+
+def test_activations_at_and_the_training_gradients_equal_plain_autodiff():
+    """The training step's custom gradient (a unique-index scatter) and the stop-gradient centring
+    of `pre_activations` give the same values and parameter gradients as differentiating
+    ``take_along_axis(ReLU((x - b_dec) W_enc + b_enc), ids)`` directly."""
+    rng = np.random.default_rng()
+    d, w, k = 8, 256, 12
+    sae = _random_sae(rng, d, w, k, stack=(2,))
+    x = jnp.asarray(rng.normal(size=(2, 7, d)), jnp.float32)
+    ids, _ = encode(sae, x, method="lax")
+    weights = jnp.asarray(rng.normal(size=(2, 7, k)), jnp.float32)
+
+    def plain(s):
+        pre = jnp.einsum("snd,sdw->snw", x - s.b_dec[:, None], s.w_enc) + s.b_enc[:, None]
+        return jnp.sum(weights * jnp.take_along_axis(jax.nn.relu(pre), ids, -1))
+
+    def custom(s):
+        return jnp.sum(weights * activations_at(pre_activations(s, x), ids))
+
+    np.testing.assert_allclose(custom(sae), plain(sae), rtol=1e-5)
+    g_plain, g_custom = jax.grad(plain)(sae), jax.grad(custom)(sae)
+    for name in ("w_enc", "b_enc", "b_dec", "w_dec"):
+        np.testing.assert_allclose(np.asarray(getattr(g_custom, name)), np.asarray(getattr(g_plain, name)),
+                                   rtol=1e-4, atol=1e-5)
+    assert float(jnp.abs(g_plain.b_dec).max()) > 0  # b_dec does get an encoder gradient
 
 
 def test_blocked_top_k_fast_path_is_exact_on_spread_rows():
@@ -90,6 +125,8 @@ def test_top_k_rejects_unknown_method():
         top_k(jnp.ones((2, 8)), 2, "fastest")
     with pytest.raises(ValueError, match="width=1000"):
         top_k(jnp.ones((2, 1000)), 2, "blocked")
+    with pytest.raises(ValueError, match="width=1000"):
+        top_k(jnp.ones((2, 1000)), 2, "threshold")
 
 
 def test_decode_equals_dense_latents_times_decoder():

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 SCHEDULES = ("constant", "wsd", "cosine")
-TOPK_METHODS = ("auto", "lax", "blocked")
+TOPK_METHODS = ("auto", "lax", "blocked", "threshold")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,12 +20,13 @@ set of ``k`` features by summing each feature's activations over the heads (docs
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from sparsekv_jax.sae.topk import top_k
+from sparsekv_jax.sae.topk import relu_top_k
 
 
 @struct.dataclass
@@ -111,12 +112,19 @@ def pre_activations(sae: TopKSAE, x: jax.Array, compute_dtype: jnp.dtype | None 
     """
     s, batch, xs = _flat_stack(sae, x)
     S, D, W = sae.stack_shape, sae.d_in, sae.width
-    xc = xs.astype(jnp.float32) - sae.b_dec.reshape(s, 1, D)
+    b_dec = sae.b_dec.reshape(s, D)
     w = sae.w_enc.reshape(s, D, W)
+    # Centre with a stop-gradient b_dec and give b_dec its encoder gradient through a term that is
+    # exactly 0 in value, ``-(b_dec - sg(b_dec)) W_enc``: the gradient of b_dec is then
+    # ``-W_enc Σ_n d_pre``, a [width]-vector product, where differentiating ``x - b_dec`` would take
+    # a dense ``d_pre W_encᵀ`` matmul over the whole batch (x itself needs no gradient).
+    xc = xs.astype(jnp.float32) - jax.lax.stop_gradient(b_dec)[:, None]
+    wc = w if compute_dtype is None else w.astype(compute_dtype)
     if compute_dtype is not None:
-        xc, w = xc.astype(compute_dtype), w.astype(compute_dtype)
-    pre = jnp.einsum("snd,sdw->snw", xc, w, preferred_element_type=jnp.float32)
-    pre = pre + sae.b_enc.reshape(s, 1, W)
+        xc = xc.astype(compute_dtype)
+    pre = jnp.einsum("snd,sdw->snw", xc, wc, preferred_element_type=jnp.float32)
+    zero = b_dec - jax.lax.stop_gradient(b_dec)
+    pre = pre + (sae.b_enc.reshape(s, W) - jnp.einsum("sd,sdw->sw", zero, w))[:, None]
     return pre.reshape(*S, *batch, W)
 
 
@@ -126,9 +134,49 @@ def select(pre: jax.Array, k: int, method: str = "auto") -> tuple[jax.Array, jax
     The ids come from the (non-differentiable) selection; the activations are gathered from
     ``ReLU(pre)`` so that gradients reach exactly the selected pre-activations.
     """
-    r = jax.nn.relu(pre)
-    _, ids = top_k(jax.lax.stop_gradient(r), k, method)
-    return ids, jnp.take_along_axis(r, ids, axis=-1)
+    _, ids = relu_top_k(jax.lax.stop_gradient(pre), k, method)
+    acts = activations_at(pre, ids)
+    # the threshold method returns ids ascending: restore the descending order of activations
+    acts, ids = jax.lax.sort((-acts, ids), dimension=-1, is_stable=True, num_keys=1)
+    return ids, -acts
+
+
+def activations_at(pre: jax.Array, ids: jax.Array) -> jax.Array:
+    """``ReLU(pre)`` at ``ids``: ``[..., W]``, ``[..., k]`` → ``[..., k]``, i.e. ``take_along_axis``.
+
+    Its gradient is the same as autodiff's, built in one step: the ``k`` incoming gradients of a
+    row (zeroed where the activation is 0, ReLU's derivative) are scattered into a zero
+    ``[..., W]`` gradient with indices declared unique (a row's ids are distinct), so XLA emits a
+    plain scatter instead of an atomic one followed by a separate ReLU-mask pass. The training step
+    multiplies it into the encoder's weight gradient as one dense matmul (measured faster on a GPU
+    than gathering the k encoder columns per vector and scatter-adding their gradients:
+    docs/BENCHMARKS.md, "SAE training throughput").
+    """
+    return _activations_at(pre.shape[-1], pre, ids)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _activations_at(width: int, pre: jax.Array, ids: jax.Array) -> jax.Array:
+    del width
+    return jnp.take_along_axis(jax.nn.relu(pre), ids, axis=-1)
+
+
+def _activations_at_fwd(width, pre, ids):
+    acts = _activations_at(width, pre, ids)
+    return acts, (ids, acts > 0)
+
+
+def _activations_at_bwd(width, res, g):
+    ids, active = res
+    kk = ids.shape[-1]
+    g2 = jnp.where(active, g, 0.0).reshape(-1, kk)
+    rows = jnp.arange(g2.shape[0])[:, None]
+    d_pre = jnp.zeros((g2.shape[0], width), g.dtype).at[rows, ids.reshape(-1, kk)].set(
+        g2, unique_indices=True)
+    return d_pre.reshape(*ids.shape[:-1], width), None
+
+
+_activations_at.defvjp(_activations_at_fwd, _activations_at_bwd)
 
 
 def encode(sae: TopKSAE, x: jax.Array, *, method: str = "auto",

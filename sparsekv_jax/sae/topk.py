@@ -30,6 +30,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from sparsekv_jax.pallas.topk import threshold_top_k, threshold_top_k_applies
 from sparsekv_jax.sae.config import TOPK_METHODS
 
 
@@ -39,16 +40,23 @@ def blocked_applies(width: int, k: int, block: int = 1024, per_round: int = 16, 
 
 
 def resolve_method(method: str, width: int, k: int) -> str:
-    """``"auto"`` → ``"lax"``. Measured on an H200 (docs/BENCHMARKS.md, "SAE training throughput"): the
-    SAE step with XLA's sort-based top-k took 40 ms (SmolLM2, k 64) and 52 ms (Llama shapes, k 128)
-    against 85 and 152 ms blocked, so "blocked" stays an explicit choice."""
+    """``"auto"`` → ``"threshold"`` on a GPU where it applies (a power-of-two width), else ``"lax"``.
+
+    Measured on an H200 (docs/BENCHMARKS.md, "SAE training throughput"): XLA's sort-based top-k took
+    30.7 ms of a 40.3 ms SmolLM2 SAE step at k 64; ``"blocked"`` was 2-3x slower than that on the GPU
+    (it stays an explicit choice; it is faster than ``lax`` on a CPU). ``"threshold"`` is the Pallas
+    kernel of `sparsekv_jax.pallas.topk` (Triton; on a CPU it runs interpreted, for tests only).
+    """
     if method not in TOPK_METHODS:
         raise ValueError(f"top-k method {method!r} is not one of {TOPK_METHODS}")
     if method == "auto":
-        return "lax"
+        on_gpu = jax.default_backend() == "gpu"
+        return "threshold" if on_gpu and threshold_top_k_applies(width, k) else "lax"
     if method == "blocked" and not blocked_applies(width, k):
         raise ValueError(f"blocked top-k needs a width that is a multiple of 1024 (>= 2048) and k <= "
                          f"width/1024 * 32; got width={width}, k={k}")
+    if method == "threshold" and not threshold_top_k_applies(width, k):
+        raise ValueError(f"threshold top-k needs a power-of-two width in [16, 65536]; got width={width}, k={k}")
     return method
 
 
@@ -107,10 +115,28 @@ def blocked_top_k(x: jax.Array, k: int, *, block: int = 1024, per_round: int = 1
     return top_v.reshape(*lead, k), top_i.reshape(*lead, k)
 
 
-def top_k(x: jax.Array, k: int, method: str = "auto") -> tuple[jax.Array, jax.Array]:
-    """``(values, int32 indices)`` of the k largest entries along the last axis of non-negative ``x``."""
+def top_k(x: jax.Array, k: int, method: str = "auto", *, ordered: bool = True) -> tuple[jax.Array, jax.Array]:
+    """``(values, int32 indices)`` of the k largest entries along the last axis of non-negative ``x``.
+
+    ``ordered=False`` lets ``"threshold"`` skip the final sort of the k values (its ids are then
+    ascending); the other methods are always in descending value order.
+    """
     method = resolve_method(method, x.shape[-1], k)
     if method == "blocked":
         return blocked_top_k(x, k)
+    if method == "threshold":
+        v, i, _ = threshold_top_k(x, k, interpret=jax.default_backend() != "gpu")
+        if ordered:
+            neg, i = jax.lax.sort((-v, i), dimension=-1, is_stable=True, num_keys=1)
+            v = -neg
+        return v, i
     v, i = jax.lax.top_k(x, k)
     return v, i.astype(jnp.int32)
+
+
+def relu_top_k(pre: jax.Array, k: int, method: str = "auto", *, ordered: bool = True) -> tuple[jax.Array, jax.Array]:
+    """`top_k` of ``ReLU(pre)``. The threshold kernel reads ``pre`` itself (it counts entries <= 0 as
+    0), which saves the ReLU's write and read of a ``[rows, width]`` array on the GPU."""
+    if resolve_method(method, pre.shape[-1], k) == "threshold":
+        return top_k(pre, k, "threshold", ordered=ordered)
+    return top_k(jax.nn.relu(pre), k, method, ordered=ordered)

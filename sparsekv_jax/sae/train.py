@@ -32,8 +32,9 @@ import optax
 from flax import struct
 
 from sparsekv_jax.sae.config import TrainConfig
-from sparsekv_jax.sae.model import TopKSAE, decode, init_sae, pre_activations, select
+from sparsekv_jax.sae.model import TopKSAE, activations_at, decode, init_sae, pre_activations, select
 from sparsekv_jax.sae.optim import lr_at, make_optimizer
+from sparsekv_jax.sae.topk import relu_top_k
 
 _LOWEST = float(jnp.finfo(jnp.float32).min)
 
@@ -97,7 +98,10 @@ def losses(sae: TopKSAE, x: jax.Array, dead: jax.Array, cfg: TrainConfig) -> tup
     """Summed training loss and per-layer parts for a batch ``x`` ``[L, N, D]``; ``dead`` ``[L, width]``."""
     dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else None
     pre = pre_activations(sae, x, dtype)  # [L, N, W]
-    ids, acts = select(pre, cfg.k, cfg.topk)
+    # ids need no order here (unordered is cheaper for the threshold kernel); the selection itself
+    # is piecewise constant, so it is taken without a gradient
+    ids = relu_top_k(jax.lax.stop_gradient(pre), cfg.k, cfg.topk, ordered=False)[1]
+    acts = activations_at(pre, ids)
     x_hat = decode(sae, ids, acts)
     e = x - x_hat
     var = jnp.maximum(_total_variance(x), 1e-12)
@@ -105,7 +109,9 @@ def losses(sae: TopKSAE, x: jax.Array, dead: jax.Array, cfg: TrainConfig) -> tup
     aux_k = cfg.resolved_aux_k(sae.d_in)
 
     def auxk_loss():
-        aux_ids, aux_acts = select(jnp.where(dead[:, None, :], pre, _LOWEST), aux_k, cfg.topk)
+        masked = jnp.where(dead[:, None, :], pre, _LOWEST)
+        aux_ids = relu_top_k(jax.lax.stop_gradient(masked), aux_k, cfg.topk, ordered=False)[1]
+        aux_acts = activations_at(masked, aux_ids)
         e_hat = decode(sae, aux_ids, aux_acts) - sae.b_dec[:, None]
         scale = jnp.minimum(jnp.sum(dead, axis=-1) / aux_k, 1.0)
         return scale * jnp.sum(jnp.square(e_hat - jax.lax.stop_gradient(e)), axis=(1, 2)) / var
