@@ -6,8 +6,9 @@ the token's feature set is the ``k`` features of largest activation summed over 
 
 * ``"lax"``: `encode` (``lax.top_k`` per head) then `merge_heads` (a sort of the ``H·k`` pairs).
 * ``"threshold"``: exact k-th values found by bisection over the float bits, no sort. XLA's GPU
-  top-k is a full sort of every 16,384-wide row for k > 16 (docs/SAE.md); the bisection reads the
-  pre-activations 31 times instead (a compare-and-count per pass, memory-bound). Per (token, head)
+  top-k is a full sort of every 16,384-wide row for k > 16 (docs/SAE.md). On a GPU the bisection is
+  the Pallas kernel `sparsekv_jax.pallas.topk.threshold_top_k` (one read of each row, 31 passes in
+  registers); elsewhere it is written in jnp and reads the pre-activations 31 times. Per (token, head)
   the k-th value τ of ``ReLU(pre)`` marks the head's active latents; their activations are summed
   over the heads; the token's k-th summed value σ picks its features (ties at σ broken by lower
   id, exactly ``k`` slots).
@@ -21,9 +22,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from sparsekv_jax.pallas.topk import threshold_top_k, threshold_top_k_applies
 from sparsekv_jax.sae.model import TopKSAE, encode, merge_heads, pre_activations
 
 FEATURE_METHODS = ("lax", "threshold")
+
+
+def _use_kernel(width: int, k: int) -> bool:
+    """The Pallas kernel on a GPU; the jnp bisection elsewhere (interpreted Pallas is for tests)."""
+    return jax.default_backend() == "gpu" and threshold_top_k_applies(width, k)
 
 
 def kth_largest(x: jax.Array, k: int) -> jax.Array:
@@ -32,6 +39,13 @@ def kth_largest(x: jax.Array, k: int) -> jax.Array:
     Non-negative floats order like their bit patterns read as int32, so the answer is the largest
     bit pattern ``t`` with at least ``k`` entries ``>= t``: 31 halvings of ``[0, 2**31)``.
     """
+    if _use_kernel(x.shape[-1], k):
+        return threshold_top_k(x, k)[2]
+    return kth_largest_jnp(x, k)
+
+
+def kth_largest_jnp(x: jax.Array, k: int) -> jax.Array:
+    """`kth_largest` in jnp (any backend): 31 compare-and-count passes over ``x``."""
     bits = jax.lax.bitcast_convert_type(jnp.maximum(x.astype(jnp.float32), 0.0), jnp.int32)
 
     def halve(_, lo_hi):
@@ -50,6 +64,9 @@ def select_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     """Exactly ``k`` entries of each row of non-negative ``x`` ``[..., W]`` with the largest values
     (ties at the k-th value: lower index first), as ``(ids int32 ascending, values)``."""
     W = x.shape[-1]
+    if _use_kernel(W, k):
+        vals, ids, _ = threshold_top_k(x, k)
+        return ids, vals
     sigma = kth_largest(x, k)[..., None]
     above = x > sigma
     tie = x == sigma
