@@ -81,9 +81,11 @@ def select_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
 
 def _threshold_features(sae: TopKSAE, x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    r = jax.nn.relu(pre_activations(sae, x))  # [..., H, W]
-    tau = kth_largest(r, sae.k)[..., None]
-    summed = jnp.where(r >= tau, r, 0.0).sum(-2)  # [..., W]: each head's top-k activations, summed
+    pre = pre_activations(sae, x)  # [..., H, W]
+    # `kth_largest` counts entries <= 0 as 0, so it reads `pre` itself: no ReLU written to memory for
+    # the kernel; the masked sum below fuses the ReLU
+    tau = kth_largest(pre, sae.k)[..., None]
+    summed = jnp.where(pre >= tau, jnp.maximum(pre, 0.0), 0.0).sum(-2)  # [..., W]: each head's top-k, summed
     return select_k(summed, k)
 
 
