@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--max-new", type=int, default=32, help="decode steps (answers are also cut to each task's limit)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="start no new variant past this; a rerun with the same --out resumes")
     p.add_argument("--out", default="out/bser_ablation")
     args = p.parse_args(argv)
 
@@ -192,22 +194,37 @@ def main(argv: list[str] | None = None) -> int:
     names = list(all_variants) if args.variants == "all" else args.variants.split(",")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    records = []
+    # resume: every finished (question mode, variant) is appended to records.jsonl and skipped on a rerun
+    partial = out_dir / "records.jsonl"
+    records = [json.loads(line) for line in partial.open()] if partial.exists() else []
+    done = {(r["question"], r["variant"]) for r in records}
+    stopped = False
     for mode in args.question.split(","):
         aware = mode == "aware"
         for name in names if aware else [v for v in names if v in args.agnostic_variants.split(",")]:
+            if (mode, name) in done:
+                continue
+            if args.max_minutes is not None and time.time() - t_start > 60 * args.max_minutes:
+                stopped = True
+                break
             t0 = time.time()
+            fresh = []
             for batch in batches(items, args.batch_size):
                 toks, num, stored = run_batch(params, all_variants[name], batch, args.batch_size, aware, width,
                                               qwidth, args.max_new, stop)
                 for i, it in enumerate(batch):
                     ids = [t for t in toks[i, : min(int(num[i]), it.max_new)].tolist() if t not in stop]
                     pred = tok.decode(ids, skip_special_tokens=True)
-                    records.append({"question": mode, "variant": name, "task": it.task,
-                                    "score": 100 * it.sample.score(pred),
-                                    "stored": float(stored[i]), "prediction": pred})
+                    fresh.append({"question": mode, "variant": name, "task": it.task,
+                                  "score": 100 * it.sample.score(pred),
+                                  "stored": float(stored[i]), "prediction": pred})
+            records += fresh
+            with partial.open("a") as sink:
+                sink.writelines(json.dumps(r) + "\n" for r in fresh)
             print(f"{mode:9s} {name:15s} {time.time() - t0:7.1f} s", file=sys.stderr, flush=True)
             jax.clear_caches()
+    if stopped:
+        print(f"--max-minutes {args.max_minutes}: stopped; rerun with the same --out to resume", file=sys.stderr)
     tasks = list(dict.fromkeys(it.task for it in items))
     lines = [f"| question | variant | {' | '.join(tasks)} | average | % of full | KV stored |",
              "|---" * (len(tasks) + 5) + "|"]

@@ -44,6 +44,9 @@ def _methods(budget, chunk: int, kernel: int, rag_passage: int, layers: tuple[in
     s3 = dict(budget=budget, chunk=chunk, kernel=kernel)
     out = {f"s3pure_L{i}": S3Pure(layers=layers[:i], **s3) for i in range(1, len(layers) + 1)}
     out["s3hybrid"] = S3Hybrid(**s3)
+    # how the two rankings share the budget (the paper takes a union and does not say)
+    out["s3hybrid_bm25first"] = S3Hybrid(mix="bm25,s3", **s3)
+    out["s3hybrid_bm25x2"] = S3Hybrid(mix="bm25,bm25,s3", **s3)
     out["bm25"] = BM25Retrieval(budget=budget)
     if rag_passage:
         out["rag"] = DenseRAG(budget=budget, passage=rag_passage)

@@ -210,3 +210,43 @@ def test_smollm2_hybrid_keeps_the_needle(smol):
     # within the budget; it may stay under it when every ranked span is already kept (a needle deep
     # in this short haystack leaves ~105-128: asserting exactly 128 failed 9 draws in 40)
     assert number in kept and res.info["kept_tokens"][0] == res.question_start[0] <= 128
+
+
+def test_hybrid_mix_takes_turns_and_rejects_unknown_sources():
+    """`mix` interleaves the rankings round by round; a source that runs out leaves its turns."""
+    from sparsekv_jax.policies.s3 import _mixed
+
+    rng = np.random.default_rng()
+    s3 = [(int(a), int(a) + 5, int(a) + 2) for a in rng.integers(0, 1000, 3)]
+    bm = [(int(a), int(a) + 8, int(a) + 4) for a in rng.integers(0, 1000, 5)]
+    assert _mixed({"s3": s3, "bm25": bm}, ["s3", "bm25"]) == [s3[0], bm[0], s3[1], bm[1], s3[2], bm[2], bm[3], bm[4]]
+    assert _mixed({"s3": s3, "bm25": bm}, ["bm25", "bm25", "s3"]) == [
+        bm[0], bm[1], s3[0], bm[2], bm[3], s3[1], bm[4], s3[2]]
+    for bad in ("s3", "bm25,rag", "s3,,bm25"):
+        with pytest.raises(ValueError, match="mix"):
+            S3Hybrid(mix=bad)
+
+
+def test_hybrid_mix_fills_the_same_budget_in_the_mixed_order(smol):
+    """Any mix keeps exactly the tokens `spans.assemble` keeps for the mixed ranking, within the budget."""
+    _, params, tokenizer, _ = smol
+    rng = np.random.default_rng()
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
+    text = " ".join(f"{rng.choice(words)} {rng.choice(words)} {int(rng.integers(100))}." for _ in range(90))
+    ctx = tokenizer(text)["input_ids"]
+    q = tokenizer(f" Where is {words[int(rng.integers(8))]}?")["input_ids"]
+    tok = np.array([ctx + q])
+    lengths, qs = np.array([tok.shape[1]]), np.array([len(ctx)])
+    base = S3Hybrid(budget=96, kernel=8, chunk=256).with_tokenizer(tokenizer)
+    scan = base.scan(params, tok, qs, lengths - qs)
+    for mix in ("s3,bm25", "bm25,s3", "bm25,bm25,s3"):
+        pol = S3Hybrid(budget=96, kernel=8, chunk=256, mix=mix).with_tokenizer(tokenizer)
+        (s3, bm), _ = base.rank(params, tok, qs, lengths - qs, np.array([96]), scan=scan)
+        from sparsekv_jax.policies.s3 import _mixed
+        from sparsekv_jax.retrieval import spans as spans_mod
+
+        sources = [s3[0], bm[0]] if mix == "s3,bm25" else [_mixed({"s3": s3[0], "bm25": bm[0]}, mix.split(","))]
+        want = spans_mod.assemble(len(ctx), 96, pol.lead, pol.tail, sources)
+        res = pol.context(params, tok, lengths, qs, scan=scan)
+        assert res.question_start[0] == want.sum() <= 96
+        np.testing.assert_array_equal(res.tokens[0, : res.question_start[0]], np.array(ctx)[want])

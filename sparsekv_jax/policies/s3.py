@@ -136,14 +136,43 @@ class S3Pure(ContextRetrieval):
 
 @struct.dataclass
 class S3Hybrid(S3Pure):
-    """S³'s spans ∪ BM25 passages (of ``passage`` tokens) ∪ lead/tail: the paper's S³-Hybrid."""
+    """S³'s spans ∪ BM25 passages (of ``passage`` tokens) ∪ lead/tail: the paper's S³-Hybrid.
+
+    ``mix``: the order in which the two rankings fill the budget, one round at a time, e.g.
+    ``"s3,bm25"`` (S³ #1, BM25 #1, S³ #2, ...: an equal share), ``"bm25,s3"`` (BM25's passage first
+    in each round) or ``"bm25,bm25,s3"`` (two BM25 passages per S³ span). A source that runs out
+    leaves its turns to the others. The paper takes the union of both sets and does not say how a
+    fixed budget is shared; docs/S3.md compares the mixes.
+    """
 
     passage: int = struct.field(pytree_node=False, default=64)
+    mix: str = struct.field(pytree_node=False, default="s3,bm25")
+
+    def __post_init__(self) -> None:
+        parts = self.mix.split(",")
+        if not {"s3", "bm25"} <= set(parts) or not set(parts) <= {"s3", "bm25"}:
+            raise ValueError(f"S3Hybrid mix={self.mix!r} must list 's3' and 'bm25' (comma-separated), e.g. 's3,bm25'")
 
     def rank(self, params: Any, tokens: np.ndarray, ctx: np.ndarray, ql: np.ndarray, budgets: np.ndarray,
              scan: Any = None) -> tuple[list[list[list[spans.Span]]], dict[str, float]]:
         (s3,), seconds = S3Pure.rank(self, params, tokens, ctx, ql, budgets, scan)
         t0 = time.perf_counter()
         bm25 = self.passage_ranking(tokens, ctx, ql, self.passage, rankers.bm25_scores)
-        return [s3, bm25], {**seconds, "bm25": time.perf_counter() - t0}
+        seconds = {**seconds, "bm25": time.perf_counter() - t0}
+        if self.mix == "s3,bm25":  # `spans.assemble`'s own round-robin: keep the two sources apart
+            return [s3, bm25], seconds
+        pattern = self.mix.split(",")
+        return [[_mixed({"s3": a, "bm25": b}, pattern) for a, b in zip(s3, bm25, strict=True)]], seconds
+
+
+def _mixed(ranked: dict[str, list[spans.Span]], pattern: list[str]) -> list[spans.Span]:
+    """One ranked list from several, taking turns as ``pattern`` says, round after round."""
+    at = dict.fromkeys(ranked, 0)
+    out: list[spans.Span] = []
+    while any(at[name] < len(r) for name, r in ranked.items()):
+        for name in pattern:
+            if at[name] < len(ranked[name]):
+                out.append(ranked[name][at[name]])
+                at[name] += 1
+    return out
 
