@@ -27,11 +27,12 @@ Prints one table (score per task, average, % of full, KV stored) and writes reco
 table under ``--out``. CPU-sized by default; the same script runs full size on a GPU:
 
     python scripts/bser_ablation.py --out out/bser_ablation            # CPU (2 cores): 40-60 min
-    # GPU, full size (RULER and LongBench-mini apart: one padded width each)
+    # GPU, full size (RULER and LongBench-mini apart: one padded width each; 7,400 context tokens leave
+    # room for the question and 128 new tokens within SmolLM2's 8,192 positions)
     python scripts/bser_ablation.py --model /tmp/smollm2.gguf --dtype bfloat16 --tasks all --lengths 4k \\
         --n 25 --longbench-n 0 --batch-size 25 --max-new 128 --out $OUT/bser_ablation_ruler4k
     python scripts/bser_ablation.py --model /tmp/smollm2.gguf --dtype bfloat16 --n 0 --longbench-tasks all \\
-        --longbench-n 26 --longbench-tokens 7900 --batch-size 16 --max-new 128 --out $OUT/bser_ablation_lb
+        --longbench-n 26 --longbench-tokens 7400 --batch-size 16 --max-new 128 --out $OUT/bser_ablation_lb
 """
 
 from __future__ import annotations

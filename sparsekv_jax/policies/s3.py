@@ -26,7 +26,8 @@ Choices the paper leaves open (defaults; docs/S3.md measures them):
   tokens nearest its centre.
 * **Lead / tail share**: the first 64 and last 32 context tokens (chat template, instruction, the
   context's end), scaled down to at most a quarter of the budget; the rest goes to the sources,
-  round-robin by rank (S³ #1, BM25 #1, S³ #2, ...: an equal share without a tuned weight).
+  round-robin by rank (S³ #1, BM25 #1, S³ #2, ...: an equal share without a tuned weight; `S3Hybrid`'s
+  ``mix`` changes it, and docs/S3.md compares three mixes).
 * **Smoothing kernel**: 48 (Table 6); pass ``kernel=8`` for QA (the policy does not know the task).
 """
 
