@@ -48,6 +48,13 @@ from sparsekv_jax.policies.base import Prompt, Setup
 GIB = 2.0**30
 
 
+def _kept_fraction(cache, prompt_len: int) -> float:
+    """Row 0's live entries per (layer, KV head) over the prompt length (`stored_entries` returns the
+    per-row sum over layers and heads and the number of pairs)."""
+    total, pairs = stored_entries(cache)
+    return float(total[0]) / pairs / prompt_len
+
+
 def smoke_config() -> ModelConfig:
     return ModelConfig(family="llama", vocab_size=512, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
                        head_dim=64, intermediate_size=512, max_position_embeddings=4096, rope_theta=5e5)
@@ -110,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             sec = _median_time(fn, full_cache, prompt, iters=iters)
             comp = fn(full_cache, prompt)
             record({"kind": "compress", "variant": label, "ms": sec * 1e3, "share_of_prefill": sec / prefill_s,
-                    "kept_fraction": float(stored_entries(comp)[0]) / T, "length": int(comp.length[0]),
+                    "kept_fraction": _kept_fraction(comp, T), "length": int(comp.length[0]),
                     "capacity": comp.capacity, "cache_bytes": comp.nbytes()})
             if merged is None:
                 merged = comp
