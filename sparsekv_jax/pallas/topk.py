@@ -6,7 +6,8 @@ dimension in S³) makes ``lax.top_k`` sort every 8,192- or 16,384-wide row, whic
 only a threshold: the k-th largest value ``t``. One program holds one row in registers and finds
 ``t`` by bisection on its bit pattern: for non-negative IEEE floats the int32 bits order like the
 values, so 31 passes of "how many bits >= candidate" (a compare and a sum over the row, no memory
-traffic) fix the bits of ``t`` from the top down. The row is read from HBM once.
+traffic) fix the bits of ``t`` from the top down. The row is read from HBM once. A row stops early
+once exactly ``k`` entries are at or above the bits fixed so far (then those are its top k).
 
 Then, still in registers, the exact selection: every entry ``> t``, plus the first (lowest-index)
 ``k - #(> t)`` entries equal to ``t`` (ties broken by index, an inclusive prefix count), and a
@@ -47,15 +48,34 @@ def _nonneg_bits(x: jax.Array) -> jax.Array:
     return jnp.where(x > 0, lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32), 0)
 
 
-def _kernel(x_ref, v_ref, i_ref, t_ref, *, k: int, rows: int, width: int, k_pad: int):
+def _kernel(x_ref, v_ref, i_ref, t_ref, *, k: int, rows: int, width: int, k_pad: int, early_exit: bool):
     bits = _nonneg_bits(x_ref[...])  # [rows, W]; only the bits stay live (values are their bitcast)
 
-    def bisect(b, t):  # fix bit (30 - b) of each row's k-th largest pattern
+    def bisect(b, t, n):  # fix bit (30 - b) of each row's k-th largest pattern; n = #(bits >= t)
         cand = t | lax.shift_left(jnp.ones_like(t), 30 - b)
         count = jnp.sum((bits >= cand).astype(jnp.int32), axis=-1, keepdims=True)
-        return jnp.where(count >= k, cand, t)
+        take = count >= k
+        return jnp.where(take, cand, t), jnp.where(take, count, n)
 
-    t = lax.fori_loop(0, 31, bisect, jnp.zeros((rows, 1), jnp.int32))
+    t0, n0 = jnp.zeros((rows, 1), jnp.int32), jnp.full((rows, 1), width, jnp.int32)
+    if early_exit:
+        # Stop once exactly k entries are >= t: they are the top k, whatever the lower bits of the
+        # k-th value. On continuous data that takes about as many passes as the bits that separate
+        # the k-th from the (k+1)-th value (measured in scripts/topk_gpu.py), not 31.
+        def more(state):
+            b, _, n = state
+            return (b < 31) & (jnp.max((n != k).astype(jnp.int32)) > 0)
+
+        def step(state):
+            b, t, n = state
+            return (b + 1, *bisect(b, t, n))
+
+        _, t, n = lax.while_loop(more, step, (jnp.int32(0), t0, n0))
+        # the k-th value itself: the smallest of the k entries >= t (t is only a lower bound of it)
+        big = jnp.int32(jnp.iinfo(jnp.int32).max)
+        t = jnp.where(n == k, jnp.min(jnp.where(bits >= t, bits, big), axis=-1, keepdims=True), t)
+    else:
+        t, _ = lax.fori_loop(0, 31, lambda b, tn: bisect(b, *tn), (t0, n0))
     above = bits > t
     tied = (bits == t).astype(jnp.int32)
     need = k - jnp.sum(above.astype(jnp.int32), axis=-1, keepdims=True)
@@ -69,16 +89,17 @@ def _kernel(x_ref, v_ref, i_ref, t_ref, *, k: int, rows: int, width: int, k_pad:
     t_ref[...] = lax.bitcast_convert_type(t, jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "block_rows", "num_warps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("k", "block_rows", "num_warps", "early_exit", "interpret"))
 def threshold_top_k(x: jax.Array, k: int, *, block_rows: int | None = None, num_warps: int | None = None,
-                    interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    early_exit: bool = True, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(values [..., k], int32 ids [..., k], kth [...])`` of the k largest entries of each row of ``x``.
 
     ``x`` ``[..., W]`` is non-negative (see the module docstring); ids are ascending within a row;
     ``kth`` is the k-th largest value (the threshold). ``block_rows`` rows share a program (a power
     of two dividing the rows; default 1). ``num_warps`` defaults to one warp per
     2,048 entries of a row, 4 to 8 (the fastest of 4/8/16/32 on an H100 at widths 8,192 and 16,384,
-    scripts/topk_gpu.py).
+    scripts/topk_gpu.py). ``early_exit`` stops the bisection of a row once exactly ``k`` entries are
+    at or above its lower bound (``False``: always 31 passes; the results are the same).
     """
     *lead, W = x.shape
     if not threshold_top_k_applies(W, k):
@@ -91,7 +112,7 @@ def threshold_top_k(x: jax.Array, k: int, *, block_rows: int | None = None, num_
     if not is_pow2(rows) or M % rows:
         raise ValueError(f"block_rows={block_rows} must be a power of two dividing the {M} rows")
     warps = num_warps or min(8, max(4, W // 2048))
-    kernel = functools.partial(_kernel, k=k, rows=rows, width=W, k_pad=k_pad)
+    kernel = functools.partial(_kernel, k=k, rows=rows, width=W, k_pad=k_pad, early_exit=early_exit)
     vals, ids, kth = pl.pallas_call(
         kernel,
         grid=(M // rows,),
