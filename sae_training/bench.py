@@ -48,7 +48,7 @@ from sparsekv_jax.sae.config import TrainConfig  # noqa: E402
 from sparsekv_jax.sae.model import decode, dense_latents, pre_activations, select  # noqa: E402
 from sparsekv_jax.sae.stream import ShuffleBuffer, chunk_vectors, draw  # noqa: E402
 from sparsekv_jax.sae.topk import top_k  # noqa: E402
-from sparsekv_jax.sae.train import init_train_state, train_step  # noqa: E402
+from sparsekv_jax.sae.train import init_train_state, losses, train_step  # noqa: E402
 
 MODELS = {
     # name: (config, target layers, SAE layers stacked in one step)
@@ -168,6 +168,26 @@ def bench_model(name: str, *, rows: int, seq_len: int, iters: int, smoke: bool) 
     for tag, f in (("sparse", sparse_loss), ("dense", dense_loss)):
         comp[f"decode_fwd_bwd_{tag}"] = median_time(jax.jit(jax.grad(f, argnums=(0, 1))), sae.w_dec, acts,
                                                     iters=iters)
+    # the step taken apart (the default top-k; nothing dead): the loss forward, its gradient, and the
+    # whole step with the optimizer, so the optimizer's and the backward's shares can be read off
+    dead0 = jnp.zeros((L, width), bool)
+    state0 = init_train_state(jax.random.key(4), x, tcfg, 1000)
+    comp["loss_forward"] = median_time(jax.jit(lambda s, x: losses(s, x, dead0, tcfg)[0]), sae, x, iters=iters)
+    comp["loss_value_and_grad"] = median_time(
+        jax.jit(lambda s, x: jax.value_and_grad(losses, has_aux=True)(s, x, dead0, tcfg)), sae, x, iters=iters)
+    comp["train_step"] = median_time(jax.jit(lambda s, x: train_step(s, x, tcfg)), state0, x, iters=iters)
+    # as training runs it (`sae.run`): the state donated, steps dispatched back to back, one wait
+    chained = jax.jit(lambda s, x: train_step(s, x, tcfg)[0], donate_argnums=0)
+    state0 = jax.block_until_ready(chained(state0, x))
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            state0 = chained(state0, x)
+        jax.block_until_ready(state0)
+        runs.append((time.perf_counter() - t0) / iters)
+    comp["train_step_chained_donated"] = statistics.median(runs)
+    del state0
     row["components_s"] = comp
     del pre, r
 
