@@ -175,7 +175,12 @@ def bench_model(name: str, *, rows: int, seq_len: int, iters: int, smoke: bool) 
     comp["loss_forward"] = median_time(jax.jit(lambda s, x: losses(s, x, dead0, tcfg)[0]), sae, x, iters=iters)
     comp["loss_value_and_grad"] = median_time(
         jax.jit(lambda s, x: jax.value_and_grad(losses, has_aux=True)(s, x, dead0, tcfg)), sae, x, iters=iters)
+    comp["loss_value_and_grad_dead_traced"] = median_time(  # `dead` as the step sees it: a traced array
+        jax.jit(lambda s, x, d: jax.value_and_grad(losses, has_aux=True)(s, x, d, tcfg)), sae, x, dead0, iters=iters)
     comp["train_step"] = median_time(jax.jit(lambda s, x: train_step(s, x, tcfg)), state0, x, iters=iters)
+    no_aux = dataclasses.replace(tcfg, aux_coef=0.0)
+    comp["train_step_without_auxk"] = median_time(jax.jit(lambda s, x: train_step(s, x, no_aux)), state0, x,
+                                                  iters=iters)
     # as training runs it (`sae.run`): the state donated, steps dispatched back to back, one wait
     chained = jax.jit(lambda s, x: train_step(s, x, tcfg)[0], donate_argnums=0)
     state0 = jax.block_until_ready(chained(state0, x))

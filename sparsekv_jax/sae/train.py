@@ -94,8 +94,14 @@ def _total_variance(x: jax.Array) -> jax.Array:
     return jnp.sum(jnp.square(x - jnp.mean(x, axis=1, keepdims=True)), axis=(1, 2))
 
 
-def losses(sae: TopKSAE, x: jax.Array, dead: jax.Array, cfg: TrainConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Summed training loss and per-layer parts for a batch ``x`` ``[L, N, D]``; ``dead`` ``[L, width]``."""
+def losses(sae: TopKSAE, x: jax.Array, dead: jax.Array, cfg: TrainConfig,
+           auxk: bool | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Summed training loss and per-layer parts for a batch ``x`` ``[L, N, D]``; ``dead`` ``[L, width]``.
+
+    ``auxk``: compute the AuxK loss (``True``), skip it (``False``), or decide on the device from
+    ``dead`` (``None``, a `lax.cond`). `train_step` decides outside the gradient instead: under
+    autodiff the cond cost 1.9 ms of a 10.5 ms SmolLM2 step even when AuxK did not run (H200,
+    docs/BENCHMARKS.md)."""
     dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else None
     pre = pre_activations(sae, x, dtype)  # [L, N, W]
     # ids need no order here (unordered is cheaper for the threshold kernel); the selection itself
@@ -116,10 +122,12 @@ def losses(sae: TopKSAE, x: jax.Array, dead: jax.Array, cfg: TrainConfig) -> tup
         scale = jnp.minimum(jnp.sum(dead, axis=-1) / aux_k, 1.0)
         return scale * jnp.sum(jnp.square(e_hat - jax.lax.stop_gradient(e)), axis=(1, 2)) / var
 
-    if cfg.aux_coef > 0:  # only the taken branch runs: no second top-k while nothing is dead
-        aux = jax.lax.cond(jnp.any(dead), auxk_loss, lambda: jnp.zeros_like(fvu))
-    else:
+    if cfg.aux_coef <= 0 or auxk is False:
         aux = jnp.zeros_like(fvu)
+    elif auxk:
+        aux = auxk_loss()
+    else:  # only the taken branch runs: no second top-k while nothing is dead
+        aux = jax.lax.cond(jnp.any(dead), auxk_loss, lambda: jnp.zeros_like(fvu))
     fired = jax.vmap(lambda i, a: jnp.zeros((sae.width,), jnp.int32).at[i.reshape(-1)].add(
         (a.reshape(-1) > 0).astype(jnp.int32)))(ids, acts) > 0
     parts = {"fvu": fvu, "auxk": aux, "l0": jnp.mean(jnp.sum(acts > 0, axis=-1), axis=-1).astype(jnp.float32),
@@ -134,7 +142,16 @@ def train_step(state: TrainState, x: jax.Array, cfg: TrainConfig) -> tuple[Train
     the step's firing counts), ``lr`` (scalar).
     """
     dead = state.steps_since_fired >= cfg.dead_after_steps
-    (_, parts), grads = jax.value_and_grad(losses, has_aux=True)(state.sae, x.astype(jnp.float32), dead, cfg)
+    x = x.astype(jnp.float32)
+
+    def gradients(auxk: bool):
+        return lambda: jax.value_and_grad(losses, has_aux=True)(state.sae, x, dead, cfg, auxk)
+
+    # the AuxK decision taken outside the gradient: each branch is a whole forward + backward
+    if cfg.aux_coef > 0:
+        (_, parts), grads = jax.lax.cond(jnp.any(dead), gradients(True), gradients(False))
+    else:
+        (_, parts), grads = gradients(False)()
     lr = lr_at(state.step, cfg.lr, cfg.warmup_steps, state.total_steps, cfg.schedule, cfg.decay_fraction)
     opt_state = state.opt_state._replace(hyperparams={**state.opt_state.hyperparams, "learning_rate": lr})
     updates, opt_state = optimizer(cfg).update(grads, opt_state, state.sae)
