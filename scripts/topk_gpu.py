@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -32,6 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from sparsekv_jax.bench.e2e import _median_time as median_time  # noqa: E402
 from sparsekv_jax.pallas.topk import threshold_top_k, threshold_top_k_reference  # noqa: E402
 from sparsekv_jax.retrieval.features import kth_largest_jnp, token_features  # noqa: E402
 from sparsekv_jax.sae.model import init_sae  # noqa: E402
@@ -42,16 +41,6 @@ SHAPES = {
     "s3_scan_llama8b (2,048 tok x 8 heads x 16,384, k 128)": (2048 * 8, 16384, 128),
     "s3_merged_llama8b (2,048 tok x 16,384, k 128)": (2048, 16384, 128),
 }
-
-
-def median_time(fn, *args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def rows(key, M: int, W: int, k: int) -> jax.Array:
