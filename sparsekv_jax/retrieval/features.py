@@ -7,7 +7,7 @@ the token's feature set is the ``k`` features of largest activation summed over 
 * ``"lax"``: `encode` (``lax.top_k`` per head) then `merge_heads` (a sort of the ``H·k`` pairs).
 * ``"threshold"``: exact k-th values found by bisection over the float bits, no sort. XLA's GPU
   top-k is a full sort of every 16,384-wide row for k > 16 (docs/SAE.md). On a GPU the bisection is
-  the Pallas kernel `sparsekv_jax.pallas.topk.threshold_top_k` (one read of each row, 31 passes in
+  the Pallas kernel `sparsekv_jax.pallas.topk.threshold_top_k` (one read of each row, the passes in
   registers); elsewhere it is written in jnp and reads the pre-activations 31 times. Per (token, head)
   the k-th value τ of ``ReLU(pre)`` marks the head's active latents; their activations are summed
   over the heads; the token's k-th summed value σ picks its features (ties at σ broken by lower

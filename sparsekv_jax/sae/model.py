@@ -134,9 +134,9 @@ def select(pre: jax.Array, k: int, method: str = "auto") -> tuple[jax.Array, jax
     The ids come from the (non-differentiable) selection; the activations are gathered from
     ``ReLU(pre)`` so that gradients reach exactly the selected pre-activations.
     """
-    _, ids = relu_top_k(jax.lax.stop_gradient(pre), k, method)
+    _, ids = relu_top_k(jax.lax.stop_gradient(pre), k, method, ordered=False)
     acts = activations_at(pre, ids)
-    # the threshold method returns ids ascending: restore the descending order of activations
+    # one sort into descending activations (the threshold method returns ids ascending)
     acts, ids = jax.lax.sort((-acts, ids), dimension=-1, is_stable=True, num_keys=1)
     return ids, -acts
 
@@ -148,9 +148,7 @@ def activations_at(pre: jax.Array, ids: jax.Array) -> jax.Array:
     row (zeroed where the activation is 0, ReLU's derivative) are scattered into a zero
     ``[..., W]`` gradient with indices declared unique (a row's ids are distinct), so XLA emits a
     plain scatter instead of an atomic one followed by a separate ReLU-mask pass. The training step
-    multiplies it into the encoder's weight gradient as one dense matmul (measured faster on a GPU
-    than gathering the k encoder columns per vector and scatter-adding their gradients:
-    docs/BENCHMARKS.md, "SAE training throughput").
+    multiplies it into the encoder's weight gradient as one dense matmul.
     """
     return _activations_at(pre.shape[-1], pre, ids)
 
