@@ -9,6 +9,7 @@ from typing import Any
 
 SCHEDULES = ("constant", "wsd", "cosine")
 TOPK_METHODS = ("auto", "lax", "blocked", "threshold")
+DECODE_METHODS = ("auto", "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +27,7 @@ class TrainConfig:
       b_dec_init: ``"geometric_median"`` or ``"mean"`` of the init sample.
       topk: top-k algorithm (`sparsekv_jax.sae.topk`).
       compute_dtype: ``"float32"`` or ``"bfloat16"`` inputs of the encoder matmul.
+      decode: the decoder's gather (`sparsekv_jax.sae.model.decode`): ``"auto"``, ``"xla"``, ``"pallas"``.
     """
 
     width: int
@@ -44,6 +46,7 @@ class TrainConfig:
     b_dec_init: str = "geometric_median"
     topk: str = "auto"
     compute_dtype: str = "float32"
+    decode: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("width", "k", "batch_size"):
@@ -69,6 +72,8 @@ class TrainConfig:
             raise ValueError(f"topk={self.topk!r} is not one of {TOPK_METHODS}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"compute_dtype={self.compute_dtype!r} is not 'float32' or 'bfloat16'")
+        if self.decode not in DECODE_METHODS:
+            raise ValueError(f"decode={self.decode!r} is not one of {DECODE_METHODS}")
 
     def resolved_aux_k(self, d_in: int) -> int:
         return min(self.aux_k or max(d_in // 2, 1), self.width)
@@ -111,6 +116,7 @@ class RunConfig:
     b_dec_init: str = "geometric_median"
     topk: str = "auto"
     compute_dtype: str = "float32"
+    decode: str = "auto"
     log_every: int = 50
     checkpoint_every: int = 1000
     checkpoint_dir: str | None = None  # default: OUT/checkpoints
@@ -144,7 +150,7 @@ class RunConfig:
                            warmup_steps=self.warmup_steps, schedule=self.schedule,
                            decay_fraction=self.decay_fraction, aux_k=self.aux_k, aux_coef=self.aux_coef,
                            dead_after=self.dead_after, b_dec_init=self.b_dec_init, topk=self.topk,
-                           compute_dtype=self.compute_dtype)
+                           compute_dtype=self.compute_dtype, decode=self.decode)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RunConfig:

@@ -26,6 +26,14 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from sparsekv_jax.pallas.sae_decode import (
+    gather_decode,
+    gather_decode_reference,
+    gather_dot,
+    gather_dot_reference,
+    gather_kernels_apply,
+)
+from sparsekv_jax.sae.config import DECODE_METHODS
 from sparsekv_jax.sae.topk import relu_top_k
 
 
@@ -187,15 +195,63 @@ def encode(sae: TopKSAE, x: jax.Array, *, method: str = "auto",
     return select(pre_activations(sae, x, compute_dtype), sae.k, method)
 
 
-def decode(sae: TopKSAE, ids: jax.Array, acts: jax.Array) -> jax.Array:
-    """``x̂ = Σ_j acts_j · W_dec[ids_j] + b_dec`` (gathers the k rows; ``z`` is never built)."""
+def decode(sae: TopKSAE, ids: jax.Array, acts: jax.Array, method: str = "auto") -> jax.Array:
+    """``x̂ = Σ_j acts_j · W_dec[ids_j] + b_dec`` (gathers the k rows; ``z`` is never built).
+
+    ``method``: ``"xla"`` (a gather and an einsum), ``"pallas"`` (`sparsekv_jax.pallas.sae_decode`:
+    the rows gathered into registers, never written out; its own gradient), or ``"auto"``: the
+    kernel on a GPU where it applies, else XLA. Both return fp32.
+    """
     S, D, W = sae.stack_shape, sae.d_in, sae.width
     s = math.prod(S)
     kk = ids.shape[-1]
     batch = tuple(ids.shape[len(S):-1])
-    rows = jax.vmap(lambda w, i: w[i])(sae.w_dec.reshape(s, W, D), ids.reshape(s, -1, kk))  # [s, n, k, D]
-    out = jnp.einsum("snk,snkd->snd", acts.reshape(s, -1, kk).astype(jnp.float32), rows)
-    return (out + sae.b_dec.reshape(s, 1, D)).reshape(*S, *batch, D)
+    w_dec, b_dec = sae.w_dec.reshape(s, W, D), sae.b_dec.reshape(s, D)
+    ids3, acts3 = ids.reshape(s, -1, kk), acts.reshape(s, -1, kk)
+    if resolve_decode(method, D) == "pallas":
+        out = gather_decode(w_dec, b_dec, ids3, acts3, interpret=jax.default_backend() != "gpu")
+    else:
+        out = gather_decode_reference(w_dec, b_dec, ids3, acts3)
+    return out.reshape(*S, *batch, D)
+
+
+def resolve_decode(method: str, d_in: int) -> str:
+    """``"auto"`` → ``"pallas"`` on a GPU for a power-of-two ``d_in`` (docs/BENCHMARKS.md), else ``"xla"``."""
+    if method not in DECODE_METHODS:
+        raise ValueError(f"decode method {method!r} is not one of {DECODE_METHODS}")
+    if method == "pallas" and not gather_kernels_apply(d_in):
+        raise ValueError(f"the Pallas decode needs a power-of-two d_in in [16, 1024]; got {d_in}")
+    if method == "auto":
+        return "pallas" if jax.default_backend() == "gpu" and gather_kernels_apply(d_in) else "xla"
+    return method
+
+
+def selected_activations(sae: TopKSAE, x: jax.Array, ids: jax.Array, method: str = "auto") -> jax.Array:
+    """``ReLU(W_enc (x − b_dec) + b_enc)`` at the latents ``ids`` only: ``[*stack, *batch, k]``, fp32.
+
+    The same values as ``activations_at(pre_activations(sae, x), ids)`` (up to rounding: one dot of
+    ``d_in`` per entry instead of a matmul's), without the dense pre-activations in the gradient:
+    ``∂W_enc`` is a scatter of the ``N·k`` rows ``∂act · (x − b_dec)`` (`sparsekv_jax.pallas.sae_decode`)
+    instead of a dense ``[N, width]`` gradient and an ``xᵀ · ∂pre`` matmul; ``x`` gets no gradient.
+    The encoder runs in fp32 here whatever a step's ``compute_dtype`` (which only feeds the selection).
+    ``method`` as in `decode` (the same kernels: the dot is the decoder's gradient and vice versa).
+    """
+    s, batch, xs = _flat_stack(sae, x)
+    D, W, kk = sae.d_in, sae.width, ids.shape[-1]
+    b_dec = sae.b_dec.reshape(s, D)
+    w = sae.w_enc.reshape(s, D, W)
+    xc = jax.lax.stop_gradient(xs.astype(jnp.float32) - b_dec[:, None])
+    # b_dec's encoder gradient through a zero-valued latent bias term, as in `pre_activations`
+    zero = b_dec - jax.lax.stop_gradient(b_dec)
+    bias = sae.b_enc.reshape(s, W) - jnp.einsum("sd,sdw->sw", zero, w)
+    ids3 = ids.reshape(s, -1, kk)
+    table = jnp.swapaxes(w, 1, 2)  # [s, W, D]: one row per latent
+    if resolve_decode(method, D) == "pallas":
+        dots = gather_dot(table, ids3, xc, interpret=jax.default_backend() != "gpu")
+    else:
+        dots = gather_dot_reference(table, ids3, xc)
+    pre_at = dots + jax.vmap(lambda b, i: b[i])(bias, ids3)
+    return jax.nn.relu(pre_at).reshape(*ids.shape)
 
 
 def reconstruct(sae: TopKSAE, x: jax.Array, *, method: str = "auto") -> jax.Array:

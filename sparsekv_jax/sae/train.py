@@ -32,7 +32,16 @@ import optax
 from flax import struct
 
 from sparsekv_jax.sae.config import TrainConfig
-from sparsekv_jax.sae.model import TopKSAE, activations_at, decode, init_sae, pre_activations, select
+from sparsekv_jax.sae.model import (
+    TopKSAE,
+    activations_at,
+    decode,
+    init_sae,
+    pre_activations,
+    resolve_decode,
+    select,
+    selected_activations,
+)
 from sparsekv_jax.sae.optim import lr_at, make_optimizer
 from sparsekv_jax.sae.topk import relu_top_k
 
@@ -80,7 +89,7 @@ def init_train_state(key: jax.Array, sample: jax.Array, cfg: TrainConfig, total_
     # activations and x̂ - b_dec are linear in the encoder's scale)
     probe = sample[:, : min(sample.shape[1], 4096)]
     ids, acts = select(pre_activations(sae, probe), cfg.k, cfg.topk)
-    out_norm = jnp.linalg.norm(decode(sae, ids, acts) - sae.b_dec[:, None], axis=-1).mean(-1)
+    out_norm = jnp.linalg.norm(decode(sae, ids, acts, cfg.decode) - sae.b_dec[:, None], axis=-1).mean(-1)
     in_norm = jnp.linalg.norm(probe - sae.b_dec[:, None], axis=-1).mean(-1)
     scale = in_norm / jnp.maximum(out_norm, 1e-12)
     sae = sae.replace(w_enc=sae.w_enc * scale[:, None, None])
@@ -103,12 +112,22 @@ def losses(sae: TopKSAE, x: jax.Array, dead: jax.Array, cfg: TrainConfig,
     autodiff the cond cost 1.9 ms of a 10.5 ms SmolLM2 step even when AuxK did not run (H200,
     docs/BENCHMARKS.md)."""
     dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else None
+    # With the gather kernels (GPU default) the dense pre-activations only select: the selected
+    # activations are recomputed at their ids (`selected_activations`), whose gradient is a sparse
+    # scatter; otherwise they are gathered from the dense ones (`activations_at`).
+    sparse = resolve_decode(cfg.decode, sae.d_in) == "pallas"
     pre = pre_activations(sae, x, dtype)  # [L, N, W]
+    if sparse:
+        pre = jax.lax.stop_gradient(pre)
+
+    def activations(pre_or_masked, ids):
+        return selected_activations(sae, x, ids, cfg.decode) if sparse else activations_at(pre_or_masked, ids)
+
     # ids need no order here (unordered is cheaper for the threshold kernel); the selection itself
     # is piecewise constant, so it is taken without a gradient
     ids = relu_top_k(jax.lax.stop_gradient(pre), cfg.k, cfg.topk, ordered=False)[1]
-    acts = activations_at(pre, ids)
-    x_hat = decode(sae, ids, acts)
+    acts = activations(pre, ids)
+    x_hat = decode(sae, ids, acts, cfg.decode)
     e = x - x_hat
     var = jnp.maximum(_total_variance(x), 1e-12)
     fvu = jnp.sum(jnp.square(e), axis=(1, 2)) / var
@@ -117,8 +136,10 @@ def losses(sae: TopKSAE, x: jax.Array, dead: jax.Array, cfg: TrainConfig,
     def auxk_loss():
         masked = jnp.where(dead[:, None, :], pre, _LOWEST)
         aux_ids = relu_top_k(jax.lax.stop_gradient(masked), aux_k, cfg.topk, ordered=False)[1]
-        aux_acts = activations_at(masked, aux_ids)
-        e_hat = decode(sae, aux_ids, aux_acts) - sae.b_dec[:, None]
+        aux_acts = activations(masked, aux_ids)
+        if sparse:  # fewer than aux_k dead: the live latents picked count as 0, as the mask makes them
+            aux_acts = aux_acts * jax.vmap(lambda d, i: d[i])(dead, aux_ids).astype(aux_acts.dtype)
+        e_hat = decode(sae, aux_ids, aux_acts, cfg.decode) - sae.b_dec[:, None]
         scale = jnp.minimum(jnp.sum(dead, axis=-1) / aux_k, 1.0)
         return scale * jnp.sum(jnp.square(e_hat - jax.lax.stop_gradient(e)), axis=(1, 2)) / var
 
