@@ -27,13 +27,17 @@ def _rows(rng: np.random.Generator, M: int, W: int) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("early_exit", [True, False])
+# (early_exit, fast_select, block_rows): the fast selection runs only where every row of a program
+# exited early; with 2 rows per program a tied row sends its neighbour down the tie scan too
+@pytest.mark.parametrize("early_exit,fast_select,block_rows", [(True, True, 1), (True, True, 2), (True, False, 1),
+                                                               (False, False, 1)])
 @pytest.mark.parametrize("W,k", [(64, 1), (128, 17), (256, 64), (256, 256)])
-def test_threshold_top_k_equals_numpy(W, k, early_exit):
+def test_threshold_top_k_equals_numpy(W, k, early_exit, fast_select, block_rows):
     rng = np.random.default_rng()
     x = _rows(rng, 6, W)
     want_v, want_i, want_t = _numpy_top_k(x, k)
-    v, i, t = threshold_top_k(jnp.asarray(x), k, early_exit=early_exit, interpret=True)
+    v, i, t = threshold_top_k(jnp.asarray(x), k, early_exit=early_exit, fast_select=fast_select,
+                              block_rows=block_rows, interpret=True)
     np.testing.assert_array_equal(np.asarray(i), want_i)
     np.testing.assert_array_equal(np.asarray(v), want_v)
     np.testing.assert_array_equal(np.asarray(t), want_t)

@@ -48,7 +48,8 @@ def _nonneg_bits(x: jax.Array) -> jax.Array:
     return jnp.where(x > 0, lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32), 0)
 
 
-def _kernel(x_ref, v_ref, i_ref, t_ref, *, k: int, rows: int, width: int, k_pad: int, early_exit: bool):
+def _kernel(x_ref, v_ref, i_ref, t_ref, *, k: int, rows: int, width: int, k_pad: int, early_exit: bool,
+            fast_select: bool):
     bits = _nonneg_bits(x_ref[...])  # [rows, W]; only the bits stay live (values are their bitcast)
 
     def bisect(b, t, n):  # fix bit (30 - b) of each row's k-th largest pattern; n = #(bits >= t)
@@ -70,16 +71,25 @@ def _kernel(x_ref, v_ref, i_ref, t_ref, *, k: int, rows: int, width: int, k_pad:
             b, t, n = state
             return (b + 1, *bisect(b, t, n))
 
-        _, t, n = lax.while_loop(more, step, (jnp.int32(0), t0, n0))
-        # the k-th value itself: the smallest of the k entries >= t (t is only a lower bound of it)
+        _, bound, n = lax.while_loop(more, step, (jnp.int32(0), t0, n0))
+        # the k-th value itself: the smallest of the k entries >= bound (only a lower bound of it)
         big = jnp.int32(jnp.iinfo(jnp.int32).max)
-        t = jnp.where(n == k, jnp.min(jnp.where(bits >= t, bits, big), axis=-1, keepdims=True), t)
+        t = jnp.where(n == k, jnp.min(jnp.where(bits >= bound, bits, big), axis=-1, keepdims=True), bound)
     else:
         t, _ = lax.fori_loop(0, 31, lambda b, tn: bisect(b, *tn), (t0, n0))
-    above = bits > t
-    tied = (bits == t).astype(jnp.int32)
-    need = k - jnp.sum(above.astype(jnp.int32), axis=-1, keepdims=True)
-    sel = above | ((tied == 1) & (jnp.cumsum(tied, axis=-1) <= need))
+
+    def with_ties():  # every entry > t, then the lowest-index entries == t up to k
+        above = bits > t
+        tied = (bits == t).astype(jnp.int32)
+        need = k - jnp.sum(above.astype(jnp.int32), axis=-1, keepdims=True)
+        return above | ((tied == 1) & (jnp.cumsum(tied, axis=-1) <= need))
+
+    if early_exit and fast_select:
+        # rows that exited early have exactly k entries >= bound: the selection needs no tie scan
+        every_row_exact = jnp.min((n == k).astype(jnp.int32)) > 0  # (Triton lowers no reduce_and)
+        sel = lax.cond(every_row_exact, lambda: bits >= bound, with_ties)
+    else:
+        sel = with_ties()
     slot = jnp.cumsum(sel.astype(jnp.int32), axis=-1) - 1
     slot = jnp.where(sel, slot, k_pad)  # out of bounds: never stored (see module docstring)
     col = lax.broadcasted_iota(jnp.int32, (rows, width), 1)
@@ -89,9 +99,11 @@ def _kernel(x_ref, v_ref, i_ref, t_ref, *, k: int, rows: int, width: int, k_pad:
     t_ref[...] = lax.bitcast_convert_type(t, jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnames=("k", "block_rows", "num_warps", "early_exit", "interpret"))
+@functools.partial(jax.jit, static_argnames=("k", "block_rows", "num_warps", "early_exit", "fast_select",
+                                             "interpret"))
 def threshold_top_k(x: jax.Array, k: int, *, block_rows: int | None = None, num_warps: int | None = None,
-                    early_exit: bool = True, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    early_exit: bool = True, fast_select: bool = True,
+                    interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``(values [..., k], int32 ids [..., k], kth [...])`` of the k largest entries of each row of ``x``.
 
     ``x`` ``[..., W]`` is non-negative (see the module docstring); ids are ascending within a row;
@@ -100,6 +112,8 @@ def threshold_top_k(x: jax.Array, k: int, *, block_rows: int | None = None, num_
     2,048 entries of a row, 4 to 8 (the fastest of 4/8/16/32 on an H100 at widths 8,192 and 16,384,
     scripts/topk_gpu.py). ``early_exit`` stops the bisection of a row once exactly ``k`` entries are
     at or above its lower bound (``False``: always 31 passes; the results are the same).
+    ``fast_select`` (with ``early_exit``): when every row of a program exited early, select the
+    entries ``>=`` the bound directly instead of the tie-breaking prefix count (same results).
     """
     *lead, W = x.shape
     if not threshold_top_k_applies(W, k):
@@ -112,7 +126,8 @@ def threshold_top_k(x: jax.Array, k: int, *, block_rows: int | None = None, num_
     if not is_pow2(rows) or M % rows:
         raise ValueError(f"block_rows={block_rows} must be a power of two dividing the {M} rows")
     warps = num_warps or min(8, max(4, W // 2048))
-    kernel = functools.partial(_kernel, k=k, rows=rows, width=W, k_pad=k_pad, early_exit=early_exit)
+    kernel = functools.partial(_kernel, k=k, rows=rows, width=W, k_pad=k_pad, early_exit=early_exit,
+                               fast_select=fast_select)
     vals, ids, kth = pl.pallas_call(
         kernel,
         grid=(M // rows,),
