@@ -9,8 +9,10 @@ x KV heads vectors per layer, 4 target layers):
 2. **SAE step** — `sparsekv_jax.sae.train.train_step` on a fixed batch, per variant: top-k
    ``lax`` (XLA's sort) vs ``blocked`` (`sparsekv_jax.sae.topk`), fp32 vs bf16 encoder inputs,
    and with half the latents dead (the AuxK branch runs); plus the shuffle-buffer draw;
-3. **components** — encoder matmul + ReLU, the top-k alone (both methods), the sparse decode, and
-   the decoder's forward + backward as gathered rows (what the step does) vs a dense ``z @ W_dec``;
+3. **components** — encoder matmul + ReLU, the top-k alone (each method; on a GPU also the kernel
+   without its no-tie fast path), the sparse decode (XLA's gather; on a GPU the Pallas gather
+   kernel), and the decoder's forward + backward as XLA's gathered rows, the Pallas kernels and a
+   dense ``z @ W_dec``; the step taken apart (the loss forward, its gradient, the whole step);
 4. **matmul floor** — the five dense matmuls of a Top-K SAE step (encoder forward, encoder weight
    gradient; decoder forward, its weight gradient and its input gradient, as a dense decoder would
    run them: 10·L·N·D·W FLOPs), each timed alone at the step's shapes in the same run
@@ -44,6 +46,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from sparsekv_jax.models import config as mc  # noqa: E402
 from sparsekv_jax.models.params import random_params  # noqa: E402
+from sparsekv_jax.pallas.topk import threshold_top_k  # noqa: E402
 from sparsekv_jax.sae.config import TrainConfig  # noqa: E402
 from sparsekv_jax.sae.model import decode, dense_latents, pre_activations, select  # noqa: E402
 from sparsekv_jax.sae.stream import ShuffleBuffer, chunk_vectors, draw  # noqa: E402
@@ -119,15 +122,18 @@ def bench_model(name: str, *, rows: int, seq_len: int, iters: int, smoke: bool) 
 
     # 2. the SAE step (stacked over L layers), variants
     x = jax.random.normal(jax.random.key(3), (L, N, D), jnp.float32) * 4 + 1
-    variants = {"lax_fp32": ("lax", "float32", False), "blocked_fp32": ("blocked", "float32", False),
-                "threshold_fp32": ("threshold", "float32", False), "threshold_bf16": ("threshold", "bfloat16", False),
-                "threshold_fp32_auxk": ("threshold", "float32", True)}
-    if jax.default_backend() != "gpu":  # the Pallas kernel runs interpreted off the GPU: far too slow to time
+    # name: (top-k method, encoder input dtype, half the latents dead, decode method)
+    variants = {"lax_fp32": ("lax", "float32", False, "auto"), "blocked_fp32": ("blocked", "float32", False, "auto"),
+                "threshold_fp32_xla_decode": ("threshold", "float32", False, "xla"),
+                "threshold_fp32": ("threshold", "float32", False, "auto"),
+                "threshold_bf16": ("threshold", "bfloat16", False, "auto"),
+                "threshold_fp32_auxk": ("threshold", "float32", True, "auto")}
+    if jax.default_backend() != "gpu":  # the Pallas kernels run interpreted off the GPU: far too slow to time
         variants = {n: v for n, v in variants.items() if v[0] != "threshold"}
-        variants["blocked_fp32_auxk"] = ("blocked", "float32", True)
+        variants["blocked_fp32_auxk"] = ("blocked", "float32", True, "auto")
     steps = {}
-    for vname, (method, cdt, dead) in variants.items():
-        tcfg = TrainConfig(width=width, k=k, batch_size=N, topk=method, compute_dtype=cdt)
+    for vname, (method, cdt, dead, dec) in variants.items():
+        tcfg = TrainConfig(width=width, k=k, batch_size=N, topk=method, compute_dtype=cdt, decode=dec)
         state = init_train_state(jax.random.key(4), x, tcfg, 1000)
         if dead:  # half the latents dead: AuxK's second top-k and decode run
             since = jnp.where(jnp.arange(width) % 2 == 0, tcfg.dead_after_steps, 0).astype(jnp.int32)
@@ -151,21 +157,34 @@ def bench_model(name: str, *, rows: int, seq_len: int, iters: int, smoke: bool) 
     r = jax.nn.relu(pre)
     comp = {"encoder_relu": median_time(jax.jit(lambda s, x: jax.nn.relu(pre_activations(s, x))), sae, x,
                                         iters=iters)}
-    for method in ("lax", "blocked", "threshold") if jax.default_backend() == "gpu" else ("lax", "blocked"):
+    on_gpu = jax.default_backend() == "gpu"
+    for method in ("lax", "blocked", "threshold") if on_gpu else ("lax", "blocked"):
         comp[f"topk_{method}"] = median_time(jax.jit(lambda r, m=method: top_k(r, k, m)), r, iters=iters)
+    if on_gpu:  # the kernel's selection without its no-tie fast path (same results)
+        comp["topk_threshold_tie_scan"] = median_time(
+            jax.jit(lambda r: threshold_top_k(r, k, fast_select=False)), r, iters=iters)
     ids, acts = jax.jit(lambda p: select(p, k, "lax"))(pre)
-    comp["decode_sparse"] = median_time(jax.jit(decode), sae, ids, acts, iters=iters)
-    # the decoder's forward + backward (grads of W_dec and the activations): gathered rows vs a dense z
+    comp["decode_sparse"] = median_time(jax.jit(lambda s, i, a: decode(s, i, a, "xla")), sae, ids, acts, iters=iters)
+    # the decoder's forward + backward (grads of W_dec and the activations): gathered rows (XLA),
+    # the Pallas gather kernel (its W_dec gradient by atomics or by XLA's scatter), a dense z
     target = x + 0.1
 
     def sparse_loss(w_dec, acts):
-        return jnp.sum(jnp.square(decode(sae.replace(w_dec=w_dec), ids, acts) - target))
+        return jnp.sum(jnp.square(decode(sae.replace(w_dec=w_dec), ids, acts, "xla") - target))
 
     def dense_loss(w_dec, acts):
         z = dense_latents(ids, acts, width)
         return jnp.sum(jnp.square(jnp.einsum("lnw,lwd->lnd", z, w_dec) + sae.b_dec[:, None] - target))
 
-    for tag, f in (("sparse", sparse_loss), ("dense", dense_loss)):
+    def pallas_loss(w_dec, acts):
+        return jnp.sum(jnp.square(decode(sae.replace(w_dec=w_dec), ids, acts, "pallas") - target))
+
+    losses_fb = {"sparse": sparse_loss, "dense": dense_loss}
+    if on_gpu:
+        comp["decode_pallas"] = median_time(jax.jit(lambda s, i, a: decode(s, i, a, "pallas")), sae, ids, acts,
+                                            iters=iters)
+        losses_fb["pallas"] = pallas_loss
+    for tag, f in losses_fb.items():
         comp[f"decode_fwd_bwd_{tag}"] = median_time(jax.jit(jax.grad(f, argnums=(0, 1))), sae.w_dec, acts,
                                                     iters=iters)
     # the step taken apart (the default top-k; nothing dead): the loss forward, its gradient, and the
@@ -213,6 +232,12 @@ def bench_model(name: str, *, rows: int, seq_len: int, iters: int, smoke: bool) 
     row["best_step"] = best_name
     row["step_over_floor"] = t_step / row[f"floor_{floor_tag}"]["floor_s"]
     row["step_over_peak_floor"] = t_step / row[f"floor_{floor_tag}"]["peak_floor_s"]
+    # the default (threshold top-k, fp32, the decode `auto` picks) against the fp32 floor, per step and chained
+    floor32 = row["floor_float32"]["floor_s"]
+    default = "threshold_fp32" if steps.get("threshold_fp32") else best_name
+    row["default_step"] = default
+    row["default_over_fp32_floor"] = steps[default] / floor32
+    row["chained_over_fp32_floor"] = comp["train_step_chained_donated"] / floor32
     # tokens/s of training 4 target layers: each token gives H vectors per layer
     sae_s_per_token = t_step * (4 / L) / batch_tokens
     row["sae_step_tokens_per_s"] = 1 / sae_s_per_token
@@ -223,8 +248,9 @@ def bench_model(name: str, *, rows: int, seq_len: int, iters: int, smoke: bool) 
 
 def table(rows: list[dict]) -> str:
     lines = ["| model | SAE (L x N x D -> W, k) | forward tok/s | SAE step ms (variants) | "
-             "SAE tok/s | train tok/s | floor ms fp32 / bf16 | step / floor | step / peak floor |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "SAE tok/s | train tok/s | floor ms fp32 / bf16 | step / floor | step / peak floor | "
+             "default / fp32 floor (chained) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         steps = ", ".join(f"{n} {'fail' if v is None else f'{v * 1e3:.2f}'}" for n, v in r["sae_step_s"].items())
         lines.append(
@@ -232,7 +258,8 @@ def table(rows: list[dict]) -> str:
             f"{r['k']} | {r['forward_tokens_per_s']:,.0f} | {steps} | {r['sae_step_tokens_per_s']:,.0f} | "
             f"{r['train_tokens_per_s']:,.0f} | {r['floor_float32']['floor_s'] * 1e3:.2f} / "
             f"{r['floor_bfloat16']['floor_s'] * 1e3:.2f} | {r['step_over_floor']:.2f} ({r['best_step']}) | "
-            f"{r['step_over_peak_floor']:.2f} |")
+            f"{r['step_over_peak_floor']:.2f} | {r['default_over_fp32_floor']:.2f} "
+            f"({r['chained_over_fp32_floor']:.2f}) |")
     return "\n".join(lines)
 
 
