@@ -146,6 +146,21 @@ def bench_model(name: str, *, rows: int, seq_len: int, iters: int, smoke: bool) 
             row[f"error_{vname}"] = f"{type(e).__name__}: {str(e)[:200]}"
         del state
     row["sae_step_s"] = steps
+    # check: 5 steps from one state with the default decode and with XLA's (dense encoder gradient)
+    # give the same losses (the gradients are equal up to summation order; the top-k may flip a tie)
+    fvus = {}
+    for dec in ("auto", "xla"):
+        tcfg = TrainConfig(width=width, k=k, batch_size=N, decode=dec)
+        state = init_train_state(jax.random.key(4), x, tcfg, 1000)
+        step = jax.jit(lambda s, x, tcfg=tcfg: train_step(s, x, tcfg))
+        curve = []
+        for i in range(5):
+            state, metrics = step(state, x + 0.01 * i)
+            curve.append(float(metrics["fvu"].mean()))
+        fvus[dec] = curve
+        del state
+    row["check_fvu_curves"] = fvus
+    row["check_fvu_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(fvus["auto"], fvus["xla"], strict=True))
     buf = ShuffleBuffer(data=jnp.zeros((L, 8 * N, D)), chunk=jnp.zeros((L, 2 * N, D)), key=jax.random.PRNGKey(0))
     row["buffer_draw_s"] = median_time(jax.jit(lambda b, c: draw(b, c, N)), buf, jnp.int32(0), iters=iters)
     del buf
