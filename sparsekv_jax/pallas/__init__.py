@@ -7,6 +7,10 @@
 * `layer_matmul` (`matmul`) -- decode matmuls against one layer of the stacked weights.
 * `rope_page_sums` (`page_rope`) -- per-page sums of keys turned back by their slot, read from
   one layer of the stacked cache (CHESS's pre-RoPE rebuild).
+* `threshold_top_k` (`topk`) -- exact row-wise top-k of non-negative values by a bisection on
+  their bit patterns (the SAE's and S³'s k of 64-128, where XLA sorts every row).
+* `gather_decode` / `gather_dot` (`sae_decode`) -- the Top-K SAE's decoder and its encoder at the
+  selected latents as gathers into registers; each is the other's gradient.
 
 Arguments are validated at the Python boundary (`validation`); value checks run only on
 concrete arrays, so calls from inside ``jit`` skip them.
