@@ -18,6 +18,11 @@ processes on a shared machine slow both sides: compare within one run only).
     xla     XLA's dense prefill attention, otherwise the defaults
     xs      the decode cache scanned as xs/ys, otherwise the defaults
     carry   the decode cache carried through the layer scan, otherwise the defaults (= auto)
+    heads3  the defaults on a mesh of 3 host devices splitting the 3 KV heads (``model=3``,
+            `sparsekv_jax.sharding`): the CPU's cores work on three independent attention loops
+            (XLA:CPU runs one loop's small matmuls on about 1.3 of 2 cores). The script then starts
+            JAX with ``--xla_force_host_platform_device_count=3``; the other configurations run
+            on the first of those devices.
 
 Each run's line gives the 1-minute load average when it started: measure on an idle machine.
 
@@ -44,6 +49,7 @@ CONFIGS = {
     "xla": {"dense_prefill": "xla"},
     "xs": {"decode_carry": False},
     "carry": {"decode_carry": True},
+    "heads3": {"mesh_model": 3},
 }
 
 
@@ -52,8 +58,11 @@ def _ours(params, backend, tokens, n_new):
     import jax
     import jax.numpy as jnp
 
+    from sparsekv_jax import sharding
     from sparsekv_jax.generate import GREEDY, decode_loop, prepare
     from sparsekv_jax.policies import Dense
+
+    params, backend = sharding.on_mesh(params, tokens, backend.mesh, backend)
 
     T = tokens.shape[1]
     lengths = jnp.asarray([T], jnp.int32)
@@ -122,10 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         raise SystemExit(f"--ours: unknown configuration(s) {bad}; known: {list(CONFIGS)}")
 
+    devices = max([CONFIGS[n].get("mesh_model", 1) for n in names])
+    if devices > 1:  # host devices exist only if asked for before JAX starts
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_force_host_platform_device_count={devices}").strip()
     import jax
     import jax.numpy as jnp
 
-    from sparsekv_jax import Backend, load
+    from sparsekv_jax import Backend, load, sharding
     from sparsekv_jax.eval.ruler import generate_samples
     from sparsekv_jax.models.embedded import embedded_gguf_path
 
@@ -137,7 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     sides = {}
     for name in names:
         t0 = time.perf_counter()
-        backend = Backend(**CONFIGS[name]).resolve(params)
+        kwargs = dict(CONFIGS[name])
+        model = kwargs.pop("mesh_model", 1)
+        mesh = sharding.make_mesh(data=1, model=model) if model > 1 else None
+        backend = Backend(**kwargs, mesh=mesh).resolve(params)
         sides[f"ours:{name}"] = _ours(params, backend, tokens, args.decode_tokens)
         print(f"ours:{name}: compiled in {time.perf_counter() - t0:.1f} s ({backend})", flush=True)
     if not args.no_transformers:
