@@ -113,27 +113,32 @@ def _flat_stack(sae: TopKSAE, x: jax.Array) -> tuple[int, tuple[int, ...], jax.A
     return s, batch, x.reshape(s, -1, sae.d_in)
 
 
+def _encoder_terms(sae: TopKSAE, x: jax.Array) -> tuple[int, tuple[int, ...], jax.Array, jax.Array, jax.Array]:
+    """``(s, batch, xc [s, n, D], W_enc [s, D, W], latent bias [s, W])`` with ``pre = xc · W_enc + bias``.
+
+    ``xc`` is centred with a stop-gradient ``b_dec``; ``b_dec`` gets its encoder gradient through a
+    latent bias term that is exactly 0 in value, ``-(b_dec - sg(b_dec)) W_enc``: its gradient is then
+    ``-W_enc Σ_n ∂pre``, a [width]-vector product, where differentiating ``x - b_dec`` would take a
+    dense ``∂pre W_encᵀ`` matmul over the whole batch (x itself needs no gradient)."""
+    s, batch, xs = _flat_stack(sae, x)
+    D, W = sae.d_in, sae.width
+    b_dec = sae.b_dec.reshape(s, D)
+    w = sae.w_enc.reshape(s, D, W)
+    xc = xs.astype(jnp.float32) - jax.lax.stop_gradient(b_dec)[:, None]
+    zero = b_dec - jax.lax.stop_gradient(b_dec)
+    return s, batch, xc, w, sae.b_enc.reshape(s, W) - jnp.einsum("sd,sdw->sw", zero, w)
+
+
 def pre_activations(sae: TopKSAE, x: jax.Array, compute_dtype: jnp.dtype | None = None) -> jax.Array:
     """``W_enc (x - b_dec) + b_enc`` in fp32, ``[*stack, *batch, width]``.
 
     ``compute_dtype`` (e.g. ``bfloat16``) casts the matmul inputs; it accumulates in fp32.
     """
-    s, batch, xs = _flat_stack(sae, x)
-    S, D, W = sae.stack_shape, sae.d_in, sae.width
-    b_dec = sae.b_dec.reshape(s, D)
-    w = sae.w_enc.reshape(s, D, W)
-    # Centre with a stop-gradient b_dec and give b_dec its encoder gradient through a term that is
-    # exactly 0 in value, ``-(b_dec - sg(b_dec)) W_enc``: the gradient of b_dec is then
-    # ``-W_enc Σ_n d_pre``, a [width]-vector product, where differentiating ``x - b_dec`` would take
-    # a dense ``d_pre W_encᵀ`` matmul over the whole batch (x itself needs no gradient).
-    xc = xs.astype(jnp.float32) - jax.lax.stop_gradient(b_dec)[:, None]
-    wc = w if compute_dtype is None else w.astype(compute_dtype)
+    _, batch, xc, w, bias = _encoder_terms(sae, x)
     if compute_dtype is not None:
-        xc = xc.astype(compute_dtype)
-    pre = jnp.einsum("snd,sdw->snw", xc, wc, preferred_element_type=jnp.float32)
-    zero = b_dec - jax.lax.stop_gradient(b_dec)
-    pre = pre + (sae.b_enc.reshape(s, W) - jnp.einsum("sd,sdw->sw", zero, w))[:, None]
-    return pre.reshape(*S, *batch, W)
+        xc, w = xc.astype(compute_dtype), w.astype(compute_dtype)
+    pre = jnp.einsum("snd,sdw->snw", xc, w, preferred_element_type=jnp.float32) + bias[:, None]
+    return pre.reshape(*sae.stack_shape, *batch, sae.width)
 
 
 def select(pre: jax.Array, k: int, method: str = "auto") -> tuple[jax.Array, jax.Array]:
@@ -236,17 +241,12 @@ def selected_activations(sae: TopKSAE, x: jax.Array, ids: jax.Array, method: str
     The encoder runs in fp32 here whatever a step's ``compute_dtype`` (which only feeds the selection).
     ``method`` as in `decode` (the same kernels: the dot is the decoder's gradient and vice versa).
     """
-    s, batch, xs = _flat_stack(sae, x)
-    D, W, kk = sae.d_in, sae.width, ids.shape[-1]
-    b_dec = sae.b_dec.reshape(s, D)
-    w = sae.w_enc.reshape(s, D, W)
-    xc = jax.lax.stop_gradient(xs.astype(jnp.float32) - b_dec[:, None])
-    # b_dec's encoder gradient through a zero-valued latent bias term, as in `pre_activations`
-    zero = b_dec - jax.lax.stop_gradient(b_dec)
-    bias = sae.b_enc.reshape(s, W) - jnp.einsum("sd,sdw->sw", zero, w)
+    s, _, xc, w, bias = _encoder_terms(sae, x)
+    xc = jax.lax.stop_gradient(xc)  # data: its cotangent (the decoder kernel) is never asked for
+    kk = ids.shape[-1]
     ids3 = ids.reshape(s, -1, kk)
     table = jnp.swapaxes(w, 1, 2)  # [s, W, D]: one row per latent
-    if resolve_decode(method, D) == "pallas":
+    if resolve_decode(method, sae.d_in) == "pallas":
         dots = gather_dot(table, ids3, xc, interpret=jax.default_backend() != "gpu")
     else:
         dots = gather_dot_reference(table, ids3, xc)
