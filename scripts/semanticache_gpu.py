@@ -68,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed run")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--layer-batches", default="4,32", help="layer_batch values timed for compression")
+    p.add_argument("--gsc", default="auto,jnp",
+                   help="where GSC runs, each timed: auto (the Pallas kernel on a GPU), jnp, pallas; the first is "
+                        "the reference the others' caches are checked equal to")
+    p.add_argument("--compress-only", action="store_true", help="stop after the compression rows (no decode)")
     p.add_argument("--max-batch", type=int, default=0, help="FullKV's largest batch (0: from device memory)")
     p.add_argument("--out", default=os.environ.get("OUT", "out"), help="directory for semanticache_gpu.json")
     args = p.parse_args(argv)
@@ -103,12 +107,17 @@ def main(argv: list[str] | None = None) -> int:
     record({"kind": "prefill", "batch": 1, "ms": prefill_s * 1e3})
 
     prompt = Prompt(tokens=tokens, lengths=lengths)
-    variants = [(f"budget {args.budget}, layer_batch={lb}", SemantiCache(args.budget, layer_batch=lb))
-                for lb in layer_batches]
-    variants.append((f"budget {args.budget}, previous layout rule, layer_batch={layer_batches[-1]}",
-                     SemantiCache(args.budget, layer_batch=layer_batches[-1], level_rule="finest")))
-    variants.append(("threshold tau=0.7 (cap = budget)", SemantiCache(args.budget, tau=0.7)))
+    gscs = [g.strip() for g in args.gsc.split(",") if g.strip()]
+    variants = []
+    for g in gscs:
+        variants += [(f"budget {args.budget}, layer_batch={lb}, gsc={g}", SemantiCache(args.budget, layer_batch=lb,
+                                                                                       gsc=g))
+                     for lb in layer_batches]
+        variants.append((f"budget {args.budget}, previous layout rule, layer_batch={layer_batches[-1]}, gsc={g}",
+                         SemantiCache(args.budget, layer_batch=layer_batches[-1], level_rule="finest", gsc=g)))
+        variants.append((f"threshold tau=0.7 (cap = budget), gsc={g}", SemantiCache(args.budget, tau=0.7, gsc=g)))
     merged = None
+    firsts: dict[str, object] = {}  # per setting (the label without gsc): the first gsc's cache
     for label, pol in variants:
         pol = pol.replace(delimiter_mask=mask).bind(Setup(cfg, prompt_len=T, max_new_tokens=steps, backend=backend))
         cap = pol.compressed_capacity(T, steps)
@@ -116,14 +125,25 @@ def main(argv: list[str] | None = None) -> int:
             fn = jax.jit(lambda cache, prompt, pol=pol, cap=cap: pol.compress(cache, None, cap, prompt))
             sec = _median_time(fn, full_cache, prompt, iters=iters)
             comp = fn(full_cache, prompt)
+            setting = label.rsplit(", gsc=", 1)[0]
+            same = None
+            if setting in firsts:  # share of entries whose position differs from the first gsc path's
+                same = float(jnp.mean(firsts[setting].positions != comp.layers.positions))
+            else:
+                firsts[setting] = comp.layers
             record({"kind": "compress", "variant": label, "ms": sec * 1e3, "share_of_prefill": sec / prefill_s,
                     "kept_fraction": _kept_fraction(comp, T), "length": int(comp.length[0]),
-                    "capacity": comp.capacity, "cache_bytes": comp.nbytes()})
+                    "capacity": comp.capacity, "cache_bytes": comp.nbytes(),
+                    "positions_differing_from_first_gsc": same})
             if merged is None:
                 merged = comp
         except Exception as e:  # noqa: BLE001 - report the point and go on
             record({"kind": "compress", "variant": label, "error": _why(e)})
     del full_cache
+    firsts.clear()
+    if args.compress_only:
+        _write(out_dir, rows, prefill_s)
+        return 0
 
     # -- 2./3. decode ---------------------------------------------------------------------------
     shapes = jax.eval_shape(lambda: init_cache(cfg, 1, T + steps, page_size=16, dtype=jnp.bfloat16))
@@ -183,34 +203,40 @@ def main(argv: list[str] | None = None) -> int:
         time_decode(f"snapkv({args.budget}) same capacity", cache, B)
         del cache
 
+    _write(out_dir, rows, prefill_s)
+    return 0
+
+
+def _write(out_dir: str, rows: list[dict], prefill_s: float) -> None:
     with open(os.path.join(out_dir, "semanticache_gpu.json"), "w") as f:
         json.dump(rows, f, indent=2)
     print_table(rows, prefill_s)
-    return 0
 
 
 def print_table(rows: list[dict], prefill_s: float) -> None:
     print(f"\nSemantiCache speed ({rows[0]['device']}, jax {rows[0]['jax']}, context {rows[0]['context']})")
-    print(f"{'what':<54}{'ms':>10}{'share / speedup':>17}{'cache GiB':>11}")
-    print(f"{'prefill (full attention, batch 1)':<54}{prefill_s * 1e3:>10.1f}")
+    print(f"{'what':<74}{'ms':>10}{'share / speedup':>17}{'cache GiB':>11}")
+    print(f"{'prefill (full attention, batch 1)':<74}{prefill_s * 1e3:>10.1f}")
     for r in rows:
         if r["kind"] == "compress":
             if "error" in r:
-                print(f"{'compress ' + r['variant']:<54}  {r['error']}")
+                print(f"{'compress ' + r['variant']:<74}  {r['error']}")
                 continue
-            print(f"{'compress ' + r['variant']:<54}{r['ms']:>10.1f}{100 * r['share_of_prefill']:>16.1f}%"
-                  f"{r['cache_bytes'] / GIB:>11.2f}   kept {r['kept_fraction']:.3f}")
+            diff = r.get("positions_differing_from_first_gsc")
+            print(f"{'compress ' + r['variant']:<74}{r['ms']:>10.1f}{100 * r['share_of_prefill']:>16.1f}%"
+                  f"{r['cache_bytes'] / GIB:>11.2f}   kept {r['kept_fraction']:.3f}"
+                  + ("" if diff is None else f"   entries at other positions than the first gsc's: {diff:.2e}"))
     full = {r["batch"]: r for r in rows if r["kind"] == "decode" and r["policy"] == "fullkv" and "error" not in r}
     for r in rows:
         if r["kind"] != "decode":
             continue
         label = f"decode {r['policy']}, batch {r['batch']} (ms/token)"
         if "error" in r:
-            print(f"{label:<54}  {r['error']}")
+            print(f"{label:<74}  {r['error']}")
             continue
         ref = full.get(r["batch"])
         speed = f"{ref['ms_per_token'] / r['ms_per_token']:.2f}x" if ref else ""
-        print(f"{label:<54}{r['ms_per_token']:>10.2f}{speed:>17}{r['cache_bytes'] / GIB:>11.2f}   length {r['length']}")
+        print(f"{label:<74}{r['ms_per_token']:>10.2f}{speed:>17}{r['cache_bytes'] / GIB:>11.2f}   length {r['length']}")
 
 
 if __name__ == "__main__":

@@ -234,7 +234,11 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
     (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5), 0.4),
     (SemantiCache(0.5, tau=0.8, chunk_size=8, window=4, search_steps=5, chunking="fixed", keys="post_rope"), 0.15),
     (SemantiCache(12, window=4, recent_ratio=0.5, search_steps=5, chunking="none"), 0.15),  # window: 6
-], ids=["threshold", "budget-fallback", "capped-fixed-post_rope", "none"])
+    # the same two on the GSC kernel (interpreted): the GPU's path
+    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, gsc="interpret"), 0.15),
+    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5, gsc="interpret"), 0.4),
+], ids=["threshold", "budget-fallback", "capped-fixed-post_rope", "none", "threshold-kernel",
+        "budget-fallback-kernel"])
 def test_chunking_gsc_and_merging_equal_the_numpy_reference(pol, delim_rate):
     sizes, levels = compare(pol, int(np.random.default_rng().integers(1 << 30)), delim_rate=delim_rate)
     assert min(sizes) < 40  # clusters did merge

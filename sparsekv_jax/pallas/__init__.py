@@ -11,6 +11,8 @@
   their bit patterns (the SAE's and S³'s k of 64-128, where XLA sorts every row).
 * `gather_decode` / `gather_dot` (`sae_decode`) -- the Top-K SAE's decoder and its encoder at the
   selected latents as gathers into registers; each is the other's gradient.
+* `greedy_seed_clustering_kernel` (`gsc`) -- SemantiCache's greedy seed-based clustering as a scan
+  over slots with a ring of seed flags (reference: `policies.clustering.greedy_seed_clustering`).
 
 Arguments are validated at the Python boundary (`validation`); value checks run only on
 concrete arrays, so calls from inside ``jit`` skip them.

@@ -1,6 +1,7 @@
 """Clustering mechanics for merging compressors (SemantiCache): the delimiter mask over a
 vocabulary, the chunk layout of a prompt, greedy seed-based clustering (GSC) in every chunk at once,
-the threshold search that fits a budget, and the merged entries of each cluster.
+the threshold search that fits a budget, and the merged entries of each cluster. GSC runs on a
+Pallas kernel on the GPU (`sparsekv_jax.pallas.gsc`; `greedy_seed_clustering` is its jnp reference).
 
 Everything here is vectorised over rows, KV heads and chunks; there is no per-token Python loop.
 Shapes: ``B`` rows, ``H`` KV heads, ``T`` prompt slots, ``D`` head dim, ``K`` thresholds.
@@ -15,7 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparsekv_jax.backend import on_gpu
 from sparsekv_jax.models.rope import apply_rope
+from sparsekv_jax.pallas.gsc import greedy_seed_clustering_kernel, gsc_kernel_applies
 
 DELIMITERS = ".,?!;: \t\n"  # SemantiCache's set: . , ? ! ; : space tab newline
 MERGE_ALL = -2.0  # below every cosine: one cluster per chunk
@@ -114,7 +117,10 @@ def similarity_band(keys: jax.Array, width: int) -> jax.Array:
     blocks = jnp.pad(u, [(0, 0)] * len(lead) + [(0, n * width - T), (0, 0)]).reshape(*lead, n, width, D)
     before = jnp.pad(blocks, [(0, 0)] * len(lead) + [(1, 0), (0, 0), (0, 0)])[..., :n, :, :]
     both = jnp.concatenate([before, blocks], axis=-2)  # [..., n, 2w, D]
-    sims = jnp.einsum("...ad,...cd->...ac", blocks, both, preferred_element_type=jnp.float32)  # [..., n, w, 2w]
+    # HIGHEST: true fp32 products (a GPU's default for fp32 is TF32), so the cosines compared with a
+    # threshold are the same on every backend up to summation order
+    sims = jnp.einsum("...ad,...cd->...ac", blocks, both, preferred_element_type=jnp.float32,
+                      precision=jax.lax.Precision.HIGHEST)  # [..., n, w, 2w]
     a, o = np.arange(width)[:, None], np.arange(width)[None, :]
     index = jnp.broadcast_to(jnp.asarray(width + a - o), sims.shape[:-1] + (width,))
     band = jnp.take_along_axis(sims, index, axis=-1).reshape(*lead, n * width, width)[..., :T, :]
@@ -160,11 +166,37 @@ def search_grid(top: float, steps: int) -> np.ndarray:
     return np.concatenate([[top], top - gaps]).astype(np.float32)
 
 
-def largest_fitting_clustering(band: jax.Array, member: jax.Array, place: jax.Array, kept_as_is: jax.Array,
-                               keep: jax.Array, top: float, steps: int) -> tuple[jax.Array, jax.Array]:
-    """``([B, H, T], [B, H])``: GSC (distances back to seeds) at, per (row, head), the largest
-    threshold ``<= top`` whose entries (``kept_as_is`` slots + clusters) fit ``keep`` ``[B]``, and
-    that threshold (``-inf`` where none fits: a layout whose coarsest clustering overflows).
+GSC_METHODS = ("auto", "jnp", "pallas", "interpret")
+
+
+def resolve_gsc(method: str, width: int) -> str:
+    """``"auto"`` → ``"pallas"`` (the kernel, `sparsekv_jax.pallas.gsc`) on a GPU when it takes this band
+    ``width``, else ``"jnp"`` (`greedy_seed_clustering`); ``"interpret"`` runs the kernel on the CPU (tests)."""
+    if method not in GSC_METHODS:
+        raise ValueError(f"gsc={method!r} must be one of {GSC_METHODS}")
+    if method == "auto":
+        return "pallas" if on_gpu() and gsc_kernel_applies(width) else "jnp"
+    if method in ("pallas", "interpret") and not gsc_kernel_applies(width):
+        raise ValueError(f"gsc={method!r}: the kernel needs a power-of-two band width in [2, 128], got {width} "
+                         "(chunk_size, or the prompt length with chunking='none'); use gsc='jnp'")
+    return method
+
+
+def clusterings(band: jax.Array, member: jax.Array, place: jax.Array, taus: jax.Array, method: str) -> jax.Array:
+    """`greedy_seed_clustering` for ``N`` chunk layouts sharing one band: ``member``/``place`` ``[N, B, T]``,
+    ``taus`` ``[N, K, B, H]`` → ``[N, K, B, H, T]``, on the kernel or in jnp (``method``: `resolve_gsc`)."""
+    method = resolve_gsc(method, band.shape[-1])
+    if method == "jnp":
+        return jax.vmap(greedy_seed_clustering, in_axes=(None, 0, 0, 0))(band, member, place, taus)
+    return greedy_seed_clustering_kernel(band, member, place, taus, interpret=method == "interpret")
+
+
+def search_clustering(band: jax.Array, member: jax.Array, place: jax.Array, kept_as_is: jax.Array,
+                      keep: jax.Array, top: float, steps: int, method: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """``([N, B, H, T], [N, B, H])``: per chunk layout (``member``/``place``/``kept_as_is`` ``[N, B, T]``)
+    and (row, head), GSC (distances back to seeds) at the largest threshold ``<= top`` whose entries
+    (``kept_as_is`` slots + clusters) fit ``keep`` ``[B]``, and that threshold (``-inf`` where none
+    fits: a layout whose coarsest clustering overflows).
 
     Two passes of ``steps`` thresholds, each evaluated at once: `search_grid`, then a linear
     grid between the last threshold that did not fit and the first that did, ending on that one,
@@ -172,28 +204,39 @@ def largest_fitting_clustering(band: jax.Array, member: jax.Array, place: jax.Ar
     into one cluster, which fits whenever the layout does). A larger ``keep`` never gives a lower
     threshold: each pass takes the first fitting entry of a descending list, and the second list
     only moves up with the first pass's result."""
+    N = member.shape[0]
     B, H = band.shape[:2]
-    fixed = kept_as_is.sum(1)[:, None]  # [B, 1]
+    fixed = kept_as_is.sum(-1)[:, None, :, None]  # [N, 1, B, 1]
 
-    def first_fit(taus):  # taus [K, B, H], descending
-        back = greedy_seed_clustering(band, member, place, taus)
-        fit = fixed + (member[:, None] & (back == 0)).sum(-1) <= keep[:, None]  # [K, B, H]
-        k = jnp.argmax(fit, axis=0)  # [B, H]
-        chosen = jnp.take_along_axis(taus, k[None], axis=0)[0]
-        return jnp.take_along_axis(back, k[None, ..., None], axis=0)[0], k, jnp.where(fit.any(0), chosen, -jnp.inf)
+    def first_fit(taus):  # taus [N, K, B, H], descending along K
+        back = clusterings(band, member, place, taus, method)  # [N, K, B, H, T]
+        fit = fixed + (member[:, None, :, None] & (back == 0)).sum(-1) <= keep[:, None]  # [N, K, B, H]
+        k = jnp.argmax(fit, axis=1)  # [N, B, H]
+        chosen = jnp.take_along_axis(taus, k[:, None], axis=1)[:, 0]
+        back = jnp.take_along_axis(back, k[:, None, ..., None], axis=1)[:, 0]
+        return back, k, jnp.where(fit.any(1), chosen, -jnp.inf)
 
     grid = jnp.asarray(search_grid(top, steps))
-    _, k1, _ = first_fit(jnp.broadcast_to(grid[:, None, None], (steps, B, H)))
-    lo, hi = grid[k1], grid[jnp.maximum(k1 - 1, 0)]
-    between = hi[None] + (lo - hi)[None] * (jnp.arange(1, steps) / steps)[:, None, None]
-    back, _, tau = first_fit(jnp.concatenate([between, lo[None]]))
+    _, k1, _ = first_fit(jnp.broadcast_to(grid[None, :, None, None], (N, steps, B, H)))
+    lo, hi = grid[k1], grid[jnp.maximum(k1 - 1, 0)]  # [N, B, H]
+    between = hi[:, None] + (lo - hi)[:, None] * (jnp.arange(1, steps) / steps)[None, :, None, None]
+    back, _, tau = first_fit(jnp.concatenate([between, lo[:, None]], axis=1))
     return back, tau
 
 
+def largest_fitting_clustering(band: jax.Array, member: jax.Array, place: jax.Array, kept_as_is: jax.Array,
+                               keep: jax.Array, top: float, steps: int,
+                               method: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """`search_clustering` on one layout: ``member``/``place``/``kept_as_is`` ``[B, T]`` →
+    ``([B, H, T], [B, H])``."""
+    back, tau = search_clustering(band, member[None], place[None], kept_as_is[None], keep, top, steps, method)
+    return back[0], tau[0]
+
+
 def least_lossy_clustering(band: jax.Array, layouts: tuple[jax.Array, ...], keep: jax.Array, top: float,
-                           steps: int) -> tuple[jax.Array, ...]:
+                           steps: int, method: str = "auto") -> tuple[jax.Array, ...]:
     """Budget mode over several chunk layouts: per (row, head), the layout whose budget search
-    (`largest_fitting_clustering`) reaches the highest threshold, i.e. whose clusters join only
+    (`search_clustering`) reaches the highest threshold, i.e. whose clusters join only
     the most similar keys; ties go to the earlier (finer) layout.
 
     ``layouts``: ``(forced, anchor, member, place)`` ``[N, B, T]`` each (`candidate_layouts`; the
@@ -202,9 +245,9 @@ def least_lossy_clustering(band: jax.Array, layouts: tuple[jax.Array, ...], keep
     the budget grows, so neither does their maximum."""
     forced, anchor, member, place = layouts
     kept_as_is = forced | anchor
-    # all layouts in one loop (vmap batches GSC's fori_loop; it runs to the longest chunk of any layout)
-    search = jax.vmap(lambda m, p, kept: largest_fitting_clustering(band, m, p, kept, keep, top, steps))
-    backs, taus = search(member, place, kept_as_is)  # [N, B, H, T], [N, B, H]
+    # all layouts at once: one kernel launch (or one vmapped jnp loop, to the longest chunk of any layout)
+    # [N, B, H, T], [N, B, H]
+    backs, taus = search_clustering(band, member, place, kept_as_is, keep, top, steps, method)
     choice = jnp.argmax(taus, axis=0)  # [B, H]: the first of equal maxima
     back = jnp.take_along_axis(backs, choice[None, ..., None], axis=0)[0]
     kept = jnp.take_along_axis(jnp.broadcast_to(kept_as_is[:, :, None], backs.shape), choice[None, ..., None],

@@ -100,6 +100,8 @@ class SemantiCache(Policy):
       level_rule: budget mode's layout per (layer, row, KV head): ``"least_lossy"`` (the highest
         threshold) or ``"finest"`` (per row the first that fits: the previous rule, for ablations).
       layer_batch: layers compressed together (`jax.lax.map` batch: memory against launches).
+      gsc: where GSC runs: ``"auto"`` (the Pallas kernel on a GPU, jnp elsewhere), ``"jnp"``,
+        ``"pallas"`` or ``"interpret"`` (the kernel on the CPU, for tests); same result on every path.
       delimiter_mask: ``[V]`` bool leaf (`from_tokenizer` / `with_tokenizer`).
       inv_freq: RoPE frequencies, set by `bind` for ``keys="pre_rope"``.
     """
@@ -115,6 +117,7 @@ class SemantiCache(Policy):
     search_steps: int = struct.field(pytree_node=False, default=16)
     level_rule: str = struct.field(pytree_node=False, default="least_lossy")
     layer_batch: int = struct.field(pytree_node=False, default=4)
+    gsc: str = struct.field(pytree_node=False, default="auto")
     delimiter_mask: jax.Array | None = None
     inv_freq: tuple[float, ...] | None = struct.field(pytree_node=False, default=None)
 
@@ -141,6 +144,8 @@ class SemantiCache(Policy):
             raise ValueError(f"level_rule={self.level_rule!r} must be one of {LEVEL_RULES}")
         if self.search_steps < 3:
             raise ValueError(f"search_steps={self.search_steps} must be >= 3")
+        if self.gsc not in clustering.GSC_METHODS:
+            raise ValueError(f"gsc={self.gsc!r} must be one of {clustering.GSC_METHODS}")
         if self.layer_batch < 1:
             raise ValueError(f"layer_batch={self.layer_batch} must be >= 1")
         if self.chunking != "none" and isinstance(self.budget, float) and self.budget < 2 / self.chunk_size:
@@ -244,16 +249,17 @@ class SemantiCache(Policy):
             band = clustering.similarity_band(content, width)
             if per_head:
                 back, kept_as_is, choice, tau = clustering.least_lossy_clustering(band, layouts, keep, top,
-                                                                                  self.search_steps)
+                                                                                  self.search_steps, self.gsc)
                 level = jnp.asarray(levels, jnp.int32)[choice]
             else:
                 kept_as_is = (forced | anchor)[:, None]
                 level = jnp.broadcast_to(row_level[:, None], k.shape[:2])
                 if search:
                     back, tau = clustering.largest_fitting_clustering(band, member, place, kept_as_is[:, 0], keep,
-                                                                      top, self.search_steps)
+                                                                      top, self.search_steps, self.gsc)
                 else:
-                    back = clustering.greedy_seed_clustering(band, member, place, jnp.full((1,) + k.shape[:2], top))[0]
+                    taus = jnp.full((1, 1) + k.shape[:2], top)
+                    back = clustering.clusterings(band, member[None], place[None], taus, self.gsc)[0, 0]
                     tau = jnp.full(k.shape[:2], top)
             seed_of = jnp.arange(T) - back.astype(jnp.int32)  # members: their seed; others: kept_as_is overrides
             return (clustering.merge_clusters(k, v, pos, content, seed_of, kept_as_is, prompt.lengths, n_out,
