@@ -182,7 +182,8 @@ def run(args) -> list[dict]:
                     if isinstance(comp, tuple):
                         comp, (chosen, _) = comp  # [L, B, H] levels
                         levels = np.stack([(np.asarray(chosen) == lv).mean((0, 2)) for lv in (0, 1, 2)], axis=1)
-                kept = np.asarray(stored_entries(comp)) / np.asarray(lengths)
+                total, pairs = stored_entries(comp)  # per row: live entries over (layer, KV head) pairs
+                kept = np.asarray(total) / pairs / np.asarray(lengths)
                 out, num, logp, agree = map(np.asarray, answer(params, logits, comp, suffix, reference))
                 if name == "fullkv":  # its answer is the reference; score it again against itself
                     ref_len = np.minimum(num, follow)
