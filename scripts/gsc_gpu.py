@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's sparsekv_jax
@@ -27,18 +25,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from sparsekv_jax.bench.e2e import _median_time as timed  # noqa: E402
 from sparsekv_jax.pallas.gsc import greedy_seed_clustering_kernel  # noqa: E402
 from sparsekv_jax.policies import clustering  # noqa: E402
-
-
-def timed(fn, *args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))
-    runs = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs)
 
 
 def main(argv: list[str] | None = None) -> int:
