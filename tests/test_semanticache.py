@@ -418,9 +418,12 @@ def test_spec_and_bad_settings():
     for kwargs, match in [(dict(tau=1.5), "tau=1.5"), (dict(chunking="words"), "chunking='words'"),
                           (dict(keys="both"), "keys='both'"), (dict(budget=0.01), "budget=0.01"),
                           (dict(budget=10, window=32), "window=32"), (dict(chunk_size=1), "chunk_size=1"),
-                          (dict(recent_ratio=1.0), "recent_ratio=1.0")]:
+                          (dict(recent_ratio=1.0), "recent_ratio=1.0"), (dict(gsc="cuda"), "gsc='cuda'")]:
         with pytest.raises(ValueError, match=match):
             SemantiCache(**kwargs)
+    # the kernel takes power-of-two bands up to 128: one chunk of a 48-token prompt is not one
+    with pytest.raises(ValueError, match="gsc='pallas'.*got 48"):
+        SemantiCache(12, window=4, chunking="none", gsc="pallas").bind(Setup(CFG, prompt_len=48))
 
 
 def test_without_a_tokenizer_generate_says_what_to_call(params):

@@ -170,6 +170,8 @@ class SemantiCache(Policy):
             raise ValueError(f"budget={self.budget} keeps {budget_tokens(self.budget, T)} entries of a {T}-token "
                              f"prompt, fewer than its {-(-T // self.chunk_size)} blocks of chunk_size="
                              f"{self.chunk_size}")
+        if T and self.gsc in ("pallas", "interpret"):
+            clustering.resolve_gsc(self.gsc, self._width(T))  # a band the kernel cannot take: say so before jit
         if self.keys == "pre_rope":
             return self.replace(inv_freq=tuple(float(f) for f in inverse_frequencies(setup.config)))
         return self
