@@ -6,7 +6,9 @@ jitted) against torch's `scaled_dot_product_attention` (causal; keys repeated pe
 transformers' sdpa path does), each in a child process pinned with ``taskset`` to one core and to
 two (torch gets as many threads as cores). A third probe asks whether XLA:CPU runs two independent
 loops at once: one jitted function holding two independent `fori_loop`s of small matmuls, against
-one such loop. Medians of ``--repeats`` runs after a warm-up, each ended by ``block_until_ready``.
+one such loop. Ours is timed twice: compiled with XLA's own dots and with oneDNN's
+(`Backend.prefill_dots`, what the CPU prefill uses since 2026-11-26). Medians of ``--repeats`` runs
+after a warm-up, each ended by ``block_until_ready``.
 
     python scripts/cpu_attention_scaling.py --out docs/results/cpu_attention_scaling
 """
@@ -44,6 +46,7 @@ def child(cores: int, repeats: int, length: int) -> dict:
     import torch
 
     from sparsekv_jax.attention import blocked_causal_attention
+    from sparsekv_jax.backend import Backend
 
     B, Hq, Hkv, D = 1, 9, 3, 64
     rng = np.random.default_rng(0)
@@ -52,6 +55,12 @@ def child(cores: int, repeats: int, length: int) -> dict:
     qj, kj, vj = map(jnp.asarray, (q, k, v))
     out_ours = np.asarray(ours(qj, kj, vj))
     ms_ours = _median(lambda: jax.block_until_ready(ours(qj, kj, vj)), repeats)
+    # the same program compiled with oneDNN's dots (what the CPU prefill uses, `Backend.prefill_dots`)
+    onednn = Backend(prefill_dots="onednn").resolve()
+    ours_onednn = onednn.compile_prefill(jax.jit(blocked_causal_attention).lower(qj, kj, vj))
+    on_onednn = '"__onednn_fusion"' in ours_onednn.as_text()
+    out_onednn = np.asarray(ours_onednn(qj, kj, vj))
+    ms_onednn = _median(lambda: jax.block_until_ready(ours_onednn(qj, kj, vj)), repeats)
 
     torch.set_num_threads(cores)
     G = Hq // Hkv
@@ -73,7 +82,9 @@ def child(cores: int, repeats: int, length: int) -> dict:
     two = jax.jit(lambda x: (chain(x), chain(x + 1.0)))
     ms_one = _median(lambda: jax.block_until_ready(one(x)), repeats)
     ms_two = _median(lambda: jax.block_until_ready(two(x)), repeats)
-    return {"cores": cores, "ours_ms": ms_ours, "torch_ms": ms_torch, "one_loop_ms": ms_one, "two_loops_ms": ms_two,
+    return {"cores": cores, "ours_ms": ms_ours, "ours_onednn_ms": ms_onednn, "onednn_fusions": on_onednn,
+            "max_abs_diff_onednn_vs_xla": float(np.abs(out_onednn - out_ours).max()), "torch_ms": ms_torch,
+            "one_loop_ms": ms_one, "two_loops_ms": ms_two,
             "max_abs_diff_vs_torch": float(np.abs(out_ours - out_torch).max()), "jax": jax.__version__,
             "torch": torch.__version__}
 
@@ -103,15 +114,18 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "cpu_attention_scaling.json"), "w") as f:
         json.dump({"length": args.length, "repeats": args.repeats, "cpu_count": n, "rows": rows}, f, indent=2)
     print(f"one layer's attention, {args.length} tokens, SmolLM2 shapes, fp32 (medians of {args.repeats}, ms)")
-    print(f"{'cores':>5} {'ours':>9} {'torch sdpa':>11} {'ours/torch':>11} {'1 loop':>8} {'2 indep. loops':>15}")
+    print(f"{'cores':>5} {'ours':>9} {'ours, oneDNN':>13} {'torch sdpa':>11} {'oneDNN/torch':>13} {'1 loop':>8} "
+          f"{'2 indep. loops':>15}")
     for r in rows:
-        print(f"{r['cores']:>5} {r['ours_ms']:>9.1f} {r['torch_ms']:>11.1f} {r['ours_ms'] / r['torch_ms']:>11.2f} "
-              f"{r['one_loop_ms']:>8.1f} {r['two_loops_ms']:>15.1f}")
+        print(f"{r['cores']:>5} {r['ours_ms']:>9.1f} {r['ours_onednn_ms']:>13.1f} {r['torch_ms']:>11.1f} "
+              f"{r['ours_onednn_ms'] / r['torch_ms']:>13.2f} {r['one_loop_ms']:>8.1f} {r['two_loops_ms']:>15.1f}")
     if len(rows) == 2:
         a, b = rows
-        print(f"scaling 1 -> 2 cores: ours {a['ours_ms'] / b['ours_ms']:.2f}x, "
-              f"torch {a['torch_ms'] / b['torch_ms']:.2f}x; largest difference of the outputs "
-              f"{max(r['max_abs_diff_vs_torch'] for r in rows):.1e}")
+        print(f"scaling 1 -> 2 cores: ours {a['ours_ms'] / b['ours_ms']:.2f}x, ours on oneDNN "
+              f"{a['ours_onednn_ms'] / b['ours_onednn_ms']:.2f}x, torch {a['torch_ms'] / b['torch_ms']:.2f}x; "
+              f"largest difference vs torch {max(r['max_abs_diff_vs_torch'] for r in rows):.1e}, oneDNN vs XLA dots "
+              f"{max(r['max_abs_diff_onednn_vs_xla'] for r in rows):.1e}; oneDNN fusions used: "
+              f"{all(r['onednn_fusions'] for r in rows)}")
     return 0
 
 

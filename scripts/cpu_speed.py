@@ -18,6 +18,8 @@ processes on a shared machine slow both sides: compare within one run only).
     xla     XLA's dense prefill attention, otherwise the defaults
     xs      the decode cache scanned as xs/ys, otherwise the defaults
     carry   the decode cache carried through the layer scan, otherwise the defaults (= auto)
+    xladots the prefill compiled with XLA's own dots (``Backend(prefill_dots="xla")``), otherwise the
+            defaults (which compile it with oneDNN's dots on an x86 CPU, `Backend.prefill_dots`)
     heads3  the defaults on a mesh of 3 host devices splitting the 3 KV heads (``model=3``,
             `sparsekv_jax.sharding`): the CPU's cores work on three independent attention loops
             (XLA:CPU runs one loop's small matmuls on about 1.3 of 2 cores). The script then starts
@@ -50,6 +52,7 @@ CONFIGS = {
     "xs": {"decode_carry": False},
     "carry": {"decode_carry": True},
     "heads3": {"mesh_model": 3},
+    "xladots": {"prefill_dots": "xla"},
 }
 
 
@@ -70,7 +73,7 @@ def _ours(params, backend, tokens, n_new):
     pol = Dense()
     pre = jax.jit(lambda p, t, ln: prepare(p, pol, t, ln, None, None, extra_tokens=n_new, page_size=16,
                                            prefill_chunk=None, capacity=capacity, backend=backend))
-    pre = pre.lower(params, tokens, lengths).compile()
+    pre = backend.compile_prefill(pre.lower(params, tokens, lengths))  # oneDNN's dots where prefill_dots says
     logits, cache, state, _ = pre(params, tokens, lengths)
     dec = jax.jit(lambda p, lg, c, st, k: decode_loop(p, pol, lg, c, st, k, max_new_tokens=n_new, sampling=GREEDY,
                                                        stop_tokens=(), backend=backend)[:2])

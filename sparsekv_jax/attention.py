@@ -60,6 +60,19 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
 PREFILL_BLOCK = 256  # query/key block of the CPU prefill: a [G*256, 256] fp32 score tile stays in L2
 
 
+def _rows_matmul(spec: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``einsum(spec, a, b)`` over ``[B, H, ...]`` operands as one batch of ``B*H`` matrices (fp32 out).
+
+    With two batch dimensions XLA:CPU's oneDNN dot fusion (`Backend.prefill_dots`) takes the online
+    softmax's ``acc * rescale + pv`` into the dot, a fusion oneDNN cannot run (the program then
+    falls back to XLA's dots); reshaped to one batch dimension and back, the dot stays alone, as
+    it does at B = 1. A reshape of leading dimensions: free on every backend."""
+    B, H = a.shape[:2]
+    out = jnp.einsum(spec.replace("bh", "z"), a.reshape(B * H, *a.shape[2:]), b.reshape(B * H, *b.shape[2:]),
+                     preferred_element_type=jnp.float32)
+    return out.reshape(B, H, *out.shape[1:])
+
+
 def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int = PREFILL_BLOCK,
                              sliding_window: int | None = None) -> jax.Array:
     """Causal attention as a loop over key blocks with an online softmax (flash-style), for the CPU.
@@ -96,7 +109,7 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block:
             m, l, acc = carry
             kj = jax.lax.dynamic_index_in_dim(kb, j, keepdims=False)
             vj = jax.lax.dynamic_index_in_dim(vb, j, keepdims=False)
-            s = jnp.einsum("bhqd,bhkd->bhqk", qi, kj, preferred_element_type=jnp.float32)
+            s = _rows_matmul("bhqd,bhkd->bhqk", qi, kj)
             if masked:
                 delta = (i - j) * block + q_off - k_off  # query position - key position
                 visible = delta >= 0
@@ -106,7 +119,7 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block:
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             rescale = jnp.exp(m - m_new)
-            pv = jnp.einsum("bhqk,bhkd->bhqd", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
+            pv = _rows_matmul("bhqk,bhkd->bhqd", p.astype(v.dtype), vj)
             return m_new, l * rescale + p.sum(-1), acc * rescale[..., None] + pv
 
         init = (jnp.full((B, Hkv, G * block), NEG_INF, jnp.float32), jnp.zeros((B, Hkv, G * block), jnp.float32),

@@ -8,6 +8,10 @@ effect (a different value compiles a different program). Nothing here is a modul
 the kernels only run interpreted (the tests force ``"pallas"`` there to check the GPU's code path).
 `Backend.resolve` turns every ``"auto"`` into a concrete choice before jit.
 
+A choice that is not a traced operation but an XLA compiler option (``prefill_dots``) is handed to
+`jax.jit` as ``compiler_options`` by whoever compiles the prefill (`generate`, the demo):
+`Backend.prefill_compiler_options`.
+
 The environment variable ``SPARSEKV_DECODE_MATMUL`` (``auto``/``xla``/``pallas``) sets the
 default of ``decode_matmul`` for a whole process (benchmarks, ``sparsekv eval``).
 """
@@ -15,7 +19,10 @@ default of ``decode_matmul`` for a whole process (benchmarks, ``sparsekv eval``)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import platform
+import re
 from typing import Any
 
 import jax
@@ -26,11 +33,76 @@ _IMPLS = ("auto", "pallas", "jnp")
 _MATMULS = ("auto", "xla", "pallas")
 _DENSE = ("auto", "xla", "cudnn", "blocked")
 _LOCAL = ("ring", "full")
+_DOTS = ("auto", "xla", "onednn")
+# XLA:CPU hands the program's dots (matmuls and batched matmuls) to oneDNN (x86 only)
+_ONEDNN_DOTS = {"xla_cpu_use_onednn": True, "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
 _WEIGHT_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
 def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
+
+
+@functools.cache
+def onednn_dots_available() -> bool:
+    """Whether this process's XLA:CPU compiles a dot with `_ONEDNN_DOTS` (an x86 CPU, and a jaxlib
+    that knows the options: their names are XLA's, which may change between versions)."""
+    if jax.default_backend() != "cpu" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        x = jax.numpy.ones((8, 8), jax.numpy.float32)
+        jax.jit(lambda a: a @ a, compiler_options=_ONEDNN_DOTS).lower(x).compile()
+    except Exception:  # an unknown option or value: keep XLA's own dots
+        return False
+    return True
+
+
+_FUSION_CALL = re.compile(r"calls=%([\w.\-]+)[^\n]*__onednn_fusion")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*\S+\s+([\w\-]+)\((.*?)\)")
+
+
+def onednn_fusions_runnable(hlo_text: str) -> bool:
+    """Whether every oneDNN fusion of a compiled program (``Compiled.as_text()``) has the one shape
+    oneDNN is known to run: one dot of the fusion's parameters, then a chain of elementwise
+    post-ops, each taking the previous result and parameters or constants.
+
+    XLA:CPU's dot fusion grows around a dot both ways. Elementwise work on the dot's result (scale,
+    mask, exp, a residual add) runs as oneDNN post-ops. But an op computed before the dot (an
+    elementwise producer, another dot), or a post-op whose other operand is computed inside the
+    fusion, gives a graph that oneDNN fails to compile when the program first runs, and the
+    process dies of SIGILL (``partition compile failed``; jaxlib 0.10.2, probed in
+    tests/test_backend.py). This checks the text before anything runs; anything it cannot parse
+    counts as not runnable.
+    """
+    computations: dict[str, dict[str, tuple[str, list[str]]]] = {}
+    current = None
+    for line in hlo_text.splitlines():
+        if line.endswith("{") and line.startswith("%"):
+            current = computations.setdefault(line.split()[0].lstrip("%"), {})
+        elif line.startswith("}"):
+            current = None
+        elif current is not None and (m := _INSTRUCTION.match(line)):
+            operands = [o.strip().lstrip("%") for o in m.group(3).split(",") if o.strip().startswith("%")]
+            current[m.group(1)] = (m.group(2), operands)
+    for name in _FUSION_CALL.findall(hlo_text):
+        body = computations.get(name, {})
+        dots = [n for n, (op, _) in body.items() if op == "dot"]
+        if len(dots) != 1:
+            return False
+        chain = set(dots)
+        for n, (op, operands) in body.items():  # HLO text lists operands before their users
+            kinds = [body[o][0] if o in body else "?" for o in operands]
+            if op in ("parameter", "constant"):
+                continue
+            if n == dots[0]:
+                if any(k != "parameter" for k in kinds):
+                    return False
+                continue
+            inner = [o for o, k in zip(operands, kinds, strict=True) if k not in ("parameter", "constant")]
+            if len(inner) != 1 or inner[0] not in chain:
+                return False
+            chain.add(n)
+    return True
 
 
 def _env_decode_matmul() -> str:
@@ -79,6 +151,14 @@ class Backend:
         global layers' paged cache, which alone the policy manages (`sparsekv_jax.local_layers`);
         ``"full"`` every layer in the paged cache, the window as a mask (the reference path; the policy
         then manages every layer). Other models ignore it.
+      prefill_dots: who computes the prefill program's matmuls on a CPU: ``"xla"`` (XLA:CPU's own
+        dot emitter) or ``"onednn"`` (XLA:CPU's oneDNN fusion of dots, an XLA compiler option:
+        `prefill_compiler_options`). ``"auto"`` = oneDNN on an x86 CPU for fp32 weights where this
+        jaxlib takes the option, XLA otherwise. oneDNN runs the blocked prefill attention's small
+        per-tile matmuls on both of a 2-core machine's cores where XLA's use about 1.3: SmolLM2's
+        fp32 prefill at 4k is ~10% faster with it (docs/BENCHMARKS.md, "CPU prefill with oneDNN
+        dots"). The decode loop keeps XLA's dots (oneDNN made its matrix-vector products 2x
+        slower), so `generate` compiles prefill and decode as two programs when this is oneDNN.
     """
 
     decode_attention: str = "auto"
@@ -92,8 +172,11 @@ class Backend:
     interpret: bool | None = None
     mesh: Any = None
     local_cache: str = "ring"
+    prefill_dots: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.prefill_dots not in _DOTS:
+            raise ValueError(f"Backend prefill_dots={self.prefill_dots!r}: expected one of {_DOTS}")
         if self.local_cache not in _LOCAL:
             raise ValueError(f"Backend local_cache={self.local_cache!r}: expected one of {_LOCAL}")
         for name in ("decode_attention", "sparse_prefill", "page_sums"):
@@ -113,7 +196,7 @@ class Backend:
     @property
     def resolved(self) -> bool:
         return "auto" not in (self.decode_attention, self.sparse_prefill, self.decode_carry, self.decode_matmul,
-                              self.page_sums) and self.interpret is not None
+                              self.page_sums, self.prefill_dots) and self.interpret is not None
 
     def resolve(self, params: Any = None) -> Backend:
         """Every ``"auto"`` made concrete for this platform (and ``params``' weights, for the
@@ -133,18 +216,41 @@ class Backend:
                 fits = (all(w.shape[1] % tile == 0 and w.shape[2] % tile == 0 for w in ws)
                         and len({w.dtype for w in ws}) == 1)
             matmul = "pallas" if fits else "xla"
+        dots = self.prefill_dots
+        if dots == "auto":
+            fp32 = params is not None and params.dtype == jax.numpy.float32
+            dots = "onednn" if fp32 and not gpu and onednn_dots_available() else "xla"
         return dataclasses.replace(
             self, decode_attention=pick(self.decode_attention), sparse_prefill=pick(self.sparse_prefill),
             page_sums=pick(self.page_sums), decode_matmul=matmul,
-            decode_carry=True if self.decode_carry == "auto" else bool(self.decode_carry),
+            decode_carry=True if self.decode_carry == "auto" else bool(self.decode_carry), prefill_dots=dots,
             interpret=(not gpu) if self.interpret is None else self.interpret)
+
+    def prefill_compiler_options(self) -> dict[str, Any] | None:
+        """XLA compiler options for a program that prefills (``compiler_options`` of `jax.jit` or of
+        ``Lowered.compile``), or ``None`` for XLA's defaults. Of a resolved backend."""
+        if self.prefill_dots == "auto":
+            raise ValueError("prefill_compiler_options of an unresolved Backend: call resolve(params) first")
+        return dict(_ONEDNN_DOTS) if self.prefill_dots == "onednn" else None
+
+    def compile_prefill(self, lowered: Any) -> Any:
+        """Compile a lowered prefill program (``jax.jit(f).lower(...)``) with
+        `prefill_compiler_options`, or with XLA's defaults where the options are none, where this
+        XLA cannot take them (`onednn_dots_available`), or where the oneDNN program would not run
+        (`onednn_fusions_runnable`). The same values either way."""
+        options = self.prefill_compiler_options()
+        if options is not None and onednn_dots_available():
+            compiled = lowered.compile(compiler_options=options)
+            if onednn_fusions_runnable(compiled.as_text()):
+                return compiled
+        return lowered.compile()
 
     @classmethod
     def reference(cls) -> Backend:
         """The jnp paths everywhere, the decode cache scanned layer by layer: the plainest program,
         a reference for the others."""
         return cls(decode_attention="jnp", sparse_prefill="jnp", decode_carry=False, decode_matmul="xla",
-                   page_sums="jnp")
+                   page_sums="jnp", prefill_dots="xla")
 
     @classmethod
     def kernels(cls, carry: bool = True) -> Backend:

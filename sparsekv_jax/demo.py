@@ -98,14 +98,16 @@ class _Programs:
     def __init__(self) -> None:
         self.compiled: dict[Any, Any] = {}
 
-    def get(self, name: str, fn, *args) -> tuple[Any, float]:
-        """``(compiled fn, compile seconds)``: 0 seconds when an equal program was compiled before."""
+    def get(self, name: str, fn, *args, prefill_of: Any = None) -> tuple[Any, float]:
+        """``(compiled fn, compile seconds)``: 0 seconds when an equal program was compiled before.
+        ``prefill_of``: the `Backend` whose `Backend.compile_prefill` compiles this (a prefill)."""
         leaves, tree = jax.tree.flatten(args)
         key = (name, tree, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves))
         if key in self.compiled:
             return self.compiled[key], 0.0
         t0 = time.perf_counter()
-        self.compiled[key] = jax.jit(fn).lower(*args).compile()
+        lowered = jax.jit(fn).lower(*args)
+        self.compiled[key] = lowered.compile() if prefill_of is None else prefill_of.compile_prefill(lowered)
         return self.compiled[key], time.perf_counter() - t0
 
 
@@ -152,7 +154,7 @@ def run(params: Any, tokenizer: Any, policies: list[tuple[str, Any]], tokens: np
 
         bar.set_postfix_str(f"one dense prefill for {len(shared)} policies")
         fn, c = programs.get("shared prefill", shared_prefill, params, pols, r0.tokens, r0.lengths,
-                             r0.question_start)
+                             r0.question_start, prefill_of=r0.backend)
         (logits, cache, observations, fraction), seconds = _timed(fn, params, pols, r0.tokens, r0.lengths,
                                                                    r0.question_start)
         compile_s += c
@@ -180,7 +182,7 @@ def run(params: Any, tokenizer: Any, policies: list[tuple[str, Any]], tokens: np
                                prompt_lengths=r.prompt_lengths)  # stats against the user's prompt
 
             args = (params, pol, r.tokens, r.lengths, r.question_start)
-            fn, c = programs.get(f"prefill {label}", own_prefill, *args)
+            fn, c = programs.get(f"prefill {label}", own_prefill, *args, prefill_of=r.backend)
             (logits, cache, state, stats), rows[i].prefill_s = _timed(fn, *args)
         compile_s += c
 

@@ -1,7 +1,8 @@
 """Jitted generation: prefill (one-shot or chunked) then a `lax.while_loop` decode.
 
-``generate(params, policy, tokens)`` is one `jax.jit`: prompts are right-padded ``[B, T]`` with
-per-row ``lengths``; each row stops on its own at a stop token. The policy's stages
+``generate(params, policy, tokens)`` is one `jax.jit` (two on an x86 CPU with fp32 weights: the
+prefill compiled with oneDNN dots, the decode loop without, `Backend.prefill_dots`): prompts are
+right-padded ``[B, T]`` with per-row ``lengths``; each row stops on its own at a stop token. The policy's stages
 (`sparsekv_jax.policies.base.Policy`) decide the prefill pattern, the compression after
 prefill and the pages each decode step reads.
 """
@@ -29,7 +30,13 @@ from sparsekv_jax.cache import (
     write_chunk,
 )
 from sparsekv_jax.models.params import Params
-from sparsekv_jax.models.transformer import attention_window, forward, forward_interleaved, logits_from_hidden
+from sparsekv_jax.models.transformer import (
+    attention_window,
+    forward,
+    forward_interleaved,
+    last_token_logits,
+    logits_from_hidden,
+)
 from sparsekv_jax.pallas.validation import is_concrete
 from sparsekv_jax.policies.base import Dense, Policy, Prompt, Setup
 
@@ -240,8 +247,7 @@ def _prefill(params: Params, pattern_stage: Policy, observers: dict[Any, Policy]
         block_fraction = jnp.float32(1.0)
     seen = dict(zip(observing, seen, strict=True))  # (a list inside jit: keys may be tuples, not pytree-sortable)
     observations = {n: seen[shares[n]] for n in observers}
-    last_hidden = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    logits = logits_from_hidden(params, last_hidden)
+    logits = last_token_logits(params, hidden, lengths, norm_every_position=backend.prefill_dots == "onednn")
     slot_used = jnp.arange(cache.capacity)[None, None, None, :] < lengths[None, :, None, None]
     layers = layers.replace(positions=jnp.where(slot_used, layers.positions, -1))
     layers = summarize_pages(layers, lengths, cache.page_size)
@@ -285,11 +291,11 @@ def extend(params: Params, cache: KVCache, tokens: jax.Array, lengths: jax.Array
         ring_attend = local_layers.chunk_attend(positions, offs[None, :] < lengths[:, None])
         hidden, (layers, local), _ = forward_interleaved(params, tokens, positions, cache.layers, local, attend,
                                                          ring_attend)
-    last = jnp.take_along_axis(hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
     layers = summarize_pages(layers, new_length, cache.page_size)
     cache = cache.replace(layers=layers, local=local, length=new_length,
                           next_position=cache.next_position + lengths)
-    return logits_from_hidden(params, last), cache
+    # a suffix is short: norming all of it costs nothing and keeps a oneDNN prefill program runnable
+    return last_token_logits(params, hidden, lengths, norm_every_position=True), cache
 
 
 def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array, state: tuple[Any, Any],
@@ -525,6 +531,30 @@ _generate_jit = jax.jit(
                      "backend"))
 
 
+_prepare_jit = jax.jit(prepare, static_argnames=("extra_tokens", "page_size", "prefill_chunk", "capacity", "backend"))
+_decode_loop_jit = jax.jit(decode_loop, static_argnames=("max_new_tokens", "sampling", "stop_tokens", "backend"))
+
+
+def _generate_split(params, policy, tokens, lengths, question_start, prompt_lengths, suffix, suffix_lengths, key, *,
+                    max_new_tokens, sampling, stop_tokens, page_size, prefill_chunk, capacity,
+                    backend) -> GenerateOutput:
+    """`_generate` as two programs: the prefill compiled by `Backend.compile_prefill` (oneDNN's
+    dots), the decode loop with XLA's (`Backend.prefill_dots`). The same values as the one
+    program; the cache passes between them on the device. Lowering and compiling are cached by
+    JAX, so a repeated call only checks the compiled program's text again."""
+    dynamic = (params, policy, tokens, lengths, suffix, suffix_lengths)
+    lowered = _prepare_jit.lower(*dynamic, extra_tokens=max_new_tokens, page_size=page_size,
+                                 prefill_chunk=prefill_chunk, capacity=capacity, question_start=question_start,
+                                 prompt_lengths=prompt_lengths, backend=backend)
+    logits, cache, state, pre_stats = backend.compile_prefill(lowered)(
+        *dynamic, question_start=question_start, prompt_lengths=prompt_lengths)
+    out, num_generated, cache, read, policy_stats = _decode_loop_jit(
+        params, policy, logits, cache, state, key, max_new_tokens=max_new_tokens, sampling=sampling,
+        stop_tokens=stop_tokens, backend=backend)
+    stats = {**pre_stats, "kv_read_fraction": read, **policy_stats}
+    return GenerateOutput(tokens=out, num_generated=num_generated, cache=cache, stats=stats)
+
+
 def validate_prompt(params: Params, tokens: Any, lengths: Any, max_new_tokens: int,
                     capacity: int | None) -> tuple[jax.Array, jax.Array, int]:
     """Checks done before jit; returns ``(tokens [B, T] int32, lengths [B] int32, capacity)``."""
@@ -710,10 +740,14 @@ def generate(params: Params, policy: Policy | None = None, tokens: Any = None, *
     if stop_tokens is None:
         stop_tokens = params.config.eos_token_ids
     key = jax.random.key(seed) if isinstance(seed, int) else seed
-    out = _generate_jit(params, run.policy, run.tokens, run.lengths, run.question_start, run.prompt_lengths,
-                        run.suffix, run.suffix_lengths, key, max_new_tokens=max_new_tokens, sampling=sampling,
-                        stop_tokens=tuple(int(t) for t in stop_tokens), page_size=page_size,
-                        prefill_chunk=prefill_chunk, capacity=run.capacity, backend=run.backend)
+    # under a caller's jit the program is the caller's: compiler options cannot apply there
+    inputs = jax.tree.leaves((params, run.policy, run.tokens, run.lengths, run.suffix, run.question_start, key))
+    split = run.backend.prefill_compiler_options() is not None and is_concrete(*inputs)
+    program = _generate_split if split else _generate_jit
+    out = program(params, run.policy, run.tokens, run.lengths, run.question_start, run.prompt_lengths,
+                  run.suffix, run.suffix_lengths, key, max_new_tokens=max_new_tokens, sampling=sampling,
+                  stop_tokens=tuple(int(t) for t in stop_tokens), page_size=page_size,
+                  prefill_chunk=prefill_chunk, capacity=run.capacity, backend=run.backend)
     # sizes are static: Python ints here (inside jit they would overflow int32 past 2 GiB)
     out.stats["cache_bytes"] = out.cache.nbytes()
     out.stats["cache_capacity"] = out.cache.capacity

@@ -71,8 +71,27 @@ def embed(params: Params, tokens: jax.Array) -> jax.Array:
 
 def logits_from_hidden(params: Params, hidden: jax.Array) -> jax.Array:
     """Final norm + LM head → fp32 logits (soft-capped when the config says so)."""
+    return _lm_head(params, _norm(params.config, hidden, params.final_norm))
+
+
+def last_token_logits(params: Params, hidden: jax.Array, lengths: jax.Array, *,
+                      norm_every_position: bool = False) -> jax.Array:
+    """fp32 logits ``[B, V]`` at each row's last real token of ``hidden`` ``[B, T, H]``.
+
+    ``norm_every_position`` applies the final norm to every position before taking the last, so
+    the LM head's dot reads a gather instead of the norm's multiply. XLA:CPU's oneDNN dot fusion
+    (`Backend.prefill_dots`) takes a lone elementwise producer into the dot, and oneDNN cannot run
+    that; a gather stays outside. It costs one norm over ``[B, T, H]`` (used on a CPU only).
+    """
+    last = (lengths - 1)[:, None, None]
+    if norm_every_position:
+        normed = _norm(params.config, hidden, params.final_norm)
+        return _lm_head(params, jnp.take_along_axis(normed, last, axis=1)[:, 0])
+    return logits_from_hidden(params, jnp.take_along_axis(hidden, last, axis=1)[:, 0])
+
+
+def _lm_head(params: Params, h: jax.Array) -> jax.Array:
     cfg = params.config
-    h = _norm(cfg, hidden, params.final_norm)
     w = params.embed.T if params.lm_head is None else params.lm_head
     logits = jnp.einsum("...h,hv->...v", h, w, preferred_element_type=jnp.float32)
     if cfg.final_logit_softcapping is not None:

@@ -1,0 +1,110 @@
+"""The CPU prefill compiled with oneDNN's dots (`Backend.prefill_dots`): the runnable-fusion check
+on the shapes oneDNN is known to fail, the fallback, and prefill values against XLA's own dots.
+
+A fusion the check wrongly let through would kill this process with SIGILL when it first runs, so
+the fallback tests below fail loudly if the check misses a shape."""
+
+from __future__ import annotations
+
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparsekv_jax.backend import Backend, onednn_dots_available, onednn_fusions_runnable
+from sparsekv_jax.generate import _prepare_jit, _setup, generate
+from sparsekv_jax.models.config import ModelConfig
+from sparsekv_jax.models.params import random_params
+from sparsekv_jax.policies import Dense, SnapKV
+
+CFG = ModelConfig(family="llama", vocab_size=97, hidden_size=64, num_layers=2, num_heads=6, num_kv_heads=2,
+                  head_dim=16, intermediate_size=96, max_position_embeddings=1024, eos_token_ids=(0,))
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+ONEDNN = Backend(prefill_dots="onednn", interpret=True).resolve()
+
+
+def _rand(*shape: int) -> np.ndarray:
+    return np.random.default_rng().standard_normal(shape).astype(np.float32)
+
+
+# (name, f(a [64, 96], w [96, 128], c [64, 128]), numpy reference, runnable by oneDNN)
+PATTERNS = [
+    ("dot alone", lambda a, w, c: a @ w, lambda a, w, c: a @ w, True),
+    ("post-op chain", lambda a, w, c: jnp.exp(0.1 * (a @ w) - c), lambda a, w, c: np.exp(0.1 * (a @ w) - c), True),
+    ("gather before the dot", lambda a, w, c: (a * a)[3:9] @ w, lambda a, w, c: (a * a)[3:9] @ w, True),
+    ("elementwise producer", lambda a, w, c: (a * a) @ w, lambda a, w, c: (a * a) @ w, False),
+    ("dot feeding a dot", lambda a, w, c: (a @ w) @ w.T, lambda a, w, c: (a @ w) @ w.T, False),
+    ("post-op of an inner product", lambda a, w, c: a @ w + c * c, lambda a, w, c: a @ w + c * c, False),
+]
+
+
+def test_onednn_is_available_exactly_on_x86():
+    assert onednn_dots_available() == X86
+    assert ONEDNN.prefill_compiler_options() is not None
+    assert Backend(prefill_dots="xla").prefill_compiler_options() is None
+
+
+@pytest.mark.parametrize("name,fn,ref,runnable", PATTERNS, ids=[p[0] for p in PATTERNS])
+def test_runnable_check_and_fallback(name, fn, ref, runnable):
+    """The check says which oneDNN fusions would run (from the compiled text, nothing run), and
+    `compile_prefill` runs every one of these programs, with XLA's dots where the check said no."""
+    a, w, c = _rand(64, 96), _rand(96, 128), _rand(64, 128)
+    lowered = jax.jit(fn).lower(a, w, c)
+    text = lowered.compile(compiler_options=ONEDNN.prefill_compiler_options()).as_text()
+    if X86:
+        assert text.count('"__onednn_fusion"') == 1  # the options took: one oneDNN fusion
+        assert onednn_fusions_runnable(text) == runnable
+    compiled = ONEDNN.compile_prefill(lowered)
+    assert ('"__onednn_fusion"' in compiled.as_text()) == (X86 and runnable)
+    np.testing.assert_allclose(np.asarray(compiled(a, w, c)), ref(a, w, c), rtol=2e-4, atol=2e-4)
+
+
+def test_check_refuses_what_it_cannot_read():
+    text = 'ROOT %f = f32[2] fusion(%p), kind=kCustom, calls=%missing, backend_config={"kind":"__onednn_fusion"}'
+    assert not onednn_fusions_runnable(text)
+    assert onednn_fusions_runnable("HloModule m\n\nENTRY %main () -> f32[] {\n}\n")
+
+
+def test_bad_settings_name_the_value():
+    with pytest.raises(ValueError, match="prefill_dots='mkl'"):
+        Backend(prefill_dots="mkl")
+    with pytest.raises(ValueError, match="unresolved"):
+        Backend().prefill_compiler_options()
+    bf16 = random_params(CFG, jax.random.key(0), jnp.bfloat16, 0.3)
+    assert Backend().resolve(bf16).prefill_dots == "xla"  # oneDNN is chosen for fp32 weights only
+    fp32 = random_params(CFG, jax.random.key(0), jnp.float32, 0.3)
+    assert Backend().resolve(fp32).prefill_dots == ("onednn" if X86 else "xla")
+
+
+@pytest.mark.parametrize("policy,suffix", [(Dense(), False), (SnapKV(0.4, window=8), False), (SnapKV(0.4, window=8),
+                                                                                                   True)])
+def test_prefill_on_onednn_matches_xla_dots(policy, suffix):
+    """Ragged rows, batch 3, a prompt past one attention block (the blocked attention): the prefill
+    program stays in the shape oneDNN runs (no fallback), and its logits and cache match XLA's."""
+    params = random_params(CFG, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
+    rng = np.random.default_rng()
+    tokens, lengths = rng.integers(1, CFG.vocab_size, (3, 300)), np.array([300, 271, 190])
+    kw = dict(suffix=rng.integers(1, CFG.vocab_size, (3, 5)), suffix_lengths=np.array([5, 3, 4])) if suffix else {}
+    outs = {}
+    for dots in ("xla", "onednn"):
+        run = _setup(params, policy, tokens, lengths, kw.get("suffix"), kw.get("suffix_lengths"), 6, 16, None, None,
+                     backend=Backend(prefill_dots=dots))
+        dynamic = (params, run.policy, run.tokens, run.lengths, run.suffix, run.suffix_lengths)
+        lowered = _prepare_jit.lower(*dynamic, extra_tokens=6, page_size=16, prefill_chunk=None,
+                                     capacity=run.capacity, question_start=None, prompt_lengths=run.prompt_lengths,
+                                     backend=run.backend)
+        compiled = run.backend.compile_prefill(lowered)
+        if dots == "onednn" and X86:
+            assert onednn_fusions_runnable(compiled.as_text()) and '"__onednn_fusion"' in compiled.as_text()
+        logits, cache, _, stats = compiled(*dynamic, question_start=None, prompt_lengths=run.prompt_lengths)
+        outs[dots] = (np.asarray(logits), np.asarray(cache.layers.k), np.asarray(stats["kv_stored_fraction"]))
+    for x, o in zip(outs["xla"], outs["onednn"], strict=True):
+        np.testing.assert_allclose(o, x, rtol=1e-4, atol=1e-4)
+    # and generate (two programs with oneDNN, one without) decodes the same tokens
+    a = generate(params, policy, tokens, lengths=lengths, max_new_tokens=6, stop_tokens=(),
+                 backend=Backend(prefill_dots="xla"), **kw)
+    b = generate(params, policy, tokens, lengths=lengths, max_new_tokens=6, stop_tokens=(),
+                 backend=Backend(prefill_dots="onednn"), **kw)
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
