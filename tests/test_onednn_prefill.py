@@ -2,7 +2,7 @@
 on the shapes oneDNN is known to fail, the fallback, and prefill values against XLA's own dots.
 
 A fusion the check wrongly let through would kill this process with SIGILL when it first runs, so
-the fallback tests below fail loudly if the check misses a shape."""
+`test_compile_prefill_runs_every_shape` fails loudly if the check misses a shape XLA forms."""
 
 from __future__ import annotations
 
@@ -29,14 +29,15 @@ def _rand(*shape: int) -> np.ndarray:
     return np.random.default_rng().standard_normal(shape).astype(np.float32)
 
 
-# (name, f(a [64, 96], w [96, 128], c [64, 128]), numpy reference, runnable by oneDNN)
+# (name, f(a [64, 96], w [96, 128], c [64, 128]), numpy reference, a fusion oneDNN runs as XLA forms it)
 PATTERNS = [
     ("dot alone", lambda a, w, c: a @ w, lambda a, w, c: a @ w, True),
     ("post-op chain", lambda a, w, c: jnp.exp(0.1 * (a @ w) - c), lambda a, w, c: np.exp(0.1 * (a @ w) - c), True),
     ("gather before the dot", lambda a, w, c: (a * a)[3:9] @ w, lambda a, w, c: (a * a)[3:9] @ w, True),
-    ("elementwise producer", lambda a, w, c: (a * a) @ w, lambda a, w, c: (a * a) @ w, False),
-    ("dot feeding a dot", lambda a, w, c: (a @ w) @ w.T, lambda a, w, c: (a @ w) @ w.T, False),
-    ("post-op of an inner product", lambda a, w, c: a @ w + c * c, lambda a, w, c: a @ w + c * c, False),
+    # jaxlib 0.10.2 puts the work before the dot into the fusion (SIGILL when run); 0.11.2 leaves it out
+    ("elementwise producer", lambda a, w, c: (a * a) @ w, lambda a, w, c: (a * a) @ w, None),
+    ("dot feeding a dot", lambda a, w, c: (a @ w) @ w.T, lambda a, w, c: (a @ w) @ w.T, None),
+    ("post-op of an inner product", lambda a, w, c: a @ w + c * c, lambda a, w, c: a @ w + c * c, None),
 ]
 
 
@@ -47,18 +48,57 @@ def test_onednn_is_available_exactly_on_x86():
 
 
 @pytest.mark.parametrize("name,fn,ref,runnable", PATTERNS, ids=[p[0] for p in PATTERNS])
-def test_runnable_check_and_fallback(name, fn, ref, runnable):
-    """The check says which oneDNN fusions would run (from the compiled text, nothing run), and
-    `compile_prefill` runs every one of these programs, with XLA's dots where the check said no."""
+def test_compile_prefill_runs_every_shape(name, fn, ref, runnable):
+    """`compile_prefill` runs each of these programs (a oneDNN fusion the check wrongly passed would
+    kill the process here) and keeps oneDNN's dots for the shapes oneDNN runs."""
     a, w, c = _rand(64, 96), _rand(96, 128), _rand(64, 128)
     lowered = jax.jit(fn).lower(a, w, c)
-    text = lowered.compile(compiler_options=ONEDNN.prefill_compiler_options()).as_text()
-    if X86:
-        assert text.count('"__onednn_fusion"') == 1  # the options took: one oneDNN fusion
-        assert onednn_fusions_runnable(text) == runnable
+    if X86:  # the options take: oneDNN fusions in the program
+        assert '"__onednn_fusion"' in lowered.compile(compiler_options=ONEDNN.prefill_compiler_options()).as_text()
     compiled = ONEDNN.compile_prefill(lowered)
-    assert ('"__onednn_fusion"' in compiled.as_text()) == (X86 and runnable)
+    if runnable:
+        assert ('"__onednn_fusion"' in compiled.as_text()) == X86
     np.testing.assert_allclose(np.asarray(compiled(a, w, c)), ref(a, w, c), rtol=2e-4, atol=2e-4)
+
+
+def _module(*body: str) -> str:
+    """A compiled program's text (the format of ``Compiled.as_text()``) with one oneDNN fusion of ``body``."""
+    return "\n".join([
+        "HloModule m, is_scheduled=true", "",
+        "%fused_computation (param_0: f32[4,8], param_1: f32[8,2], param_2: f32[4,2]) -> f32[4,2] {", *body, "}", "",
+        "ENTRY %main.1 (a.1: f32[4,8], w.1: f32[8,2], c.1: f32[4,2]) -> f32[4,2] {",
+        "  %a.1 = f32[4,8]{1,0} parameter(0)", "  %w.1 = f32[8,2]{1,0} parameter(1)",
+        "  %c.1 = f32[4,2]{1,0} parameter(2)",
+        '  ROOT %onednn_fusion = f32[4,2]{1,0} fusion(%a.1, %w.1, %c.1), kind=kCustom, calls=%fused_computation, '
+        'backend_config={"fusion_config":{"kind":"__onednn_fusion"},"outer_dimension_partitions":[]}', "}", ""])
+
+
+PARAMS = ["  %param_0 = f32[4,8]{1,0} parameter(0)", "  %param_1 = f32[8,2]{1,0} parameter(1)",
+          "  %param_2 = f32[4,2]{1,0} parameter(2)"]
+DOT = "dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}"
+
+
+@pytest.mark.parametrize("body,runnable", [
+    ([f"  ROOT %dot.1 = f32[4,2]{{1,0}} {DOT}"], True),
+    ([f"  %dot.1 = f32[4,2]{{1,0}} {DOT}", "  %constant.1 = f32[] constant(0.5)",
+      "  %multiply.1 = f32[4,2]{1,0} multiply(%dot.1, %param_2)",
+      "  %add.1 = f32[4,2]{1,0} add(%multiply.1, %constant.1)",
+      "  ROOT %exponential.1 = f32[4,2]{1,0} exponential(%add.1)"], True),
+    (["  %multiply.0 = f32[4,8]{1,0} multiply(%param_0, %param_0)",
+      "  ROOT %dot.1 = f32[4,2]{1,0} dot(%multiply.0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}"],
+     False),  # work before the dot
+    ([f"  %dot.1 = f32[4,2]{{1,0}} {DOT}", "  %multiply.0 = f32[4,2]{1,0} multiply(%param_2, %param_2)",
+      "  ROOT %add.1 = f32[4,2]{1,0} add(%dot.1, %multiply.0)"], False),  # a post-op of an inner product
+    ([f"  %dot.1 = f32[4,2]{{1,0}} {DOT}",
+      "  ROOT %dot.2 = f32[4,2]{1,0} dot(%dot.1, %param_2), lhs_contracting_dims={1}, rhs_contracting_dims={0}"],
+     False),  # two dots
+    ([f"  %dot.1 = f32[4,2]{{1,0}} {DOT}", "  %constant.1 = f32[] constant(0.5)",
+      "  %broadcast.1 = f32[4,2]{1,0} broadcast(%constant.1), dimensions={}",
+      "  ROOT %multiply.1 = f32[4,2]{1,0} multiply(%dot.1, %broadcast.1)"], False),  # a broadcast made inside
+], ids=["dot", "post-op chain", "pre-op", "inner post-op", "two dots", "inner broadcast"])
+def test_check_on_fusion_shapes(body, runnable):
+    """The check on each fusion shape, in the text format of jaxlib 0.10.2 and 0.11.2."""
+    assert onednn_fusions_runnable(_module(*PARAMS, *body)) == runnable
 
 
 def test_check_refuses_what_it_cannot_read():
