@@ -70,9 +70,9 @@ def onednn_fusions_runnable(hlo_text: str) -> bool:
     mask, exp, a residual add) runs as oneDNN post-ops. But an op computed before the dot (an
     elementwise producer, another dot), or a post-op whose other operand is computed inside the
     fusion, gives a graph that oneDNN fails to compile when the program first runs, and the
-    process dies of SIGILL (``partition compile failed``; jaxlib 0.10.2, probed in
-    tests/test_backend.py). This checks the text before anything runs; anything it cannot parse
-    counts as not runnable.
+    process dies of SIGILL (``partition compile failed``; jaxlib 0.10.2, whose XLA forms such
+    fusions; 0.11.2's keeps that work outside). This checks the text before anything runs
+    (tests/test_onednn_prefill.py); anything it cannot parse counts as not runnable.
     """
     computations: dict[str, dict[str, tuple[str, list[str]]]] = {}
     current = None
