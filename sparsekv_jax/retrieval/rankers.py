@@ -9,6 +9,7 @@ ships the sentence-transformers model for offline use).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import numpy as np
@@ -21,6 +22,9 @@ def bm25_scores(texts: list[str], query: str, k1: float = 1.5, b: float = 0.75) 
     stop words removed, no stemming."""
     import bm25s
 
+    # bm25s sets its own logger to DEBUG on import: where the root logger has a handler (absl's,
+    # under JAX), every index build printed "Building index from IDs objects"
+    logging.getLogger("bm25s").setLevel(logging.WARNING)
     if not texts:
         return np.zeros(0, np.float32)
     corpus = bm25s.tokenize(texts, stopwords="en", show_progress=False)
