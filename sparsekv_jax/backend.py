@@ -157,8 +157,9 @@ class Backend:
         jaxlib takes the option, XLA otherwise. oneDNN runs the blocked prefill attention's small
         per-tile matmuls on both of a 2-core machine's cores where XLA's use about 1.2: SmolLM2's
         fp32 prefill at 4k took 9.45 s with it, 11.45 s without, and transformers 11.38 s in the
-        same run (docs/BENCHMARKS.md, "CPU prefill on oneDNN's dots"). The decode loop keeps XLA's dots (oneDNN made its matrix-vector products 2x
-        slower), so `generate` compiles prefill and decode as two programs when this is oneDNN.
+        same run (docs/BENCHMARKS.md, "CPU prefill on oneDNN's dots"). The decode loop keeps
+        XLA's dots (oneDNN made its matrix-vector products 2x slower), so `generate` compiles
+        prefill and decode as two programs when this is oneDNN.
     """
 
     decode_attention: str = "auto"
