@@ -514,9 +514,13 @@ def _generate(params: Params, policy: Policy, tokens: jax.Array, lengths: jax.Ar
                                               prefill_chunk=prefill_chunk, capacity=capacity,
                                               question_start=question_start, prompt_lengths=prompt_lengths,
                                               backend=backend)
-    out, num_generated, cache, read, policy_stats = decode_loop(
-        params, policy, logits, cache, state, key, max_new_tokens=max_new_tokens, sampling=sampling,
-        stop_tokens=stop_tokens, backend=backend)
+    return _output(pre_stats, decode_loop(params, policy, logits, cache, state, key, max_new_tokens=max_new_tokens,
+                                          sampling=sampling, stop_tokens=stop_tokens, backend=backend))
+
+
+def _output(pre_stats: dict[str, Any], decoded: tuple) -> GenerateOutput:
+    """`GenerateOutput` from `prepare`'s stats and `decode_loop`'s results."""
+    out, num_generated, cache, read, policy_stats = decoded
     stats = {
         **pre_stats,  # kv_stored_fraction: live entries / the user's prompt; prefill_block_fraction
         "kv_read_fraction": read,  # mean over steps of pages read / pages in use
@@ -548,11 +552,9 @@ def _generate_split(params, policy, tokens, lengths, question_start, prompt_leng
                                  prompt_lengths=prompt_lengths, backend=backend)
     logits, cache, state, pre_stats = backend.compile_prefill(lowered)(
         *dynamic, question_start=question_start, prompt_lengths=prompt_lengths)
-    out, num_generated, cache, read, policy_stats = _decode_loop_jit(
-        params, policy, logits, cache, state, key, max_new_tokens=max_new_tokens, sampling=sampling,
-        stop_tokens=stop_tokens, backend=backend)
-    stats = {**pre_stats, "kv_read_fraction": read, **policy_stats}
-    return GenerateOutput(tokens=out, num_generated=num_generated, cache=cache, stats=stats)
+    return _output(pre_stats, _decode_loop_jit(params, policy, logits, cache, state, key,
+                                               max_new_tokens=max_new_tokens, sampling=sampling,
+                                               stop_tokens=stop_tokens, backend=backend))
 
 
 def validate_prompt(params: Params, tokens: Any, lengths: Any, max_new_tokens: int,
