@@ -51,6 +51,13 @@ VARIANTS = {
     "delimiters@0.5": dict(budget=0.5),
     "fixed64@0.35": dict(budget=0.35, chunking="fixed"),
     "fixed64@0.5": dict(budget=0.5, chunking="fixed"),
+    "none@0.35": dict(budget=0.35, chunking="none", layer_batch=1),
+    "none@0.5": dict(budget=0.5, chunking="none", layer_batch=1),
+    # wider blocks: repeats a few sentences apart fall in one chunk (GSC in jnp: the kernel takes <= 128)
+    **{f"fixed512@{b}": dict(budget=b, chunking="fixed", chunk_size=512) for b in (0.2, 0.35, 0.5)},
+    # numbers: the default keeps digit tokens unmerged; "paper" merges them as the paper's algorithm
+    # does (every variant above keeps them; rows recorded before 2026-11-26 15:00 UTC did not)
+    **{f"paper@{b}": dict(budget=b, keep_numbers=False) for b in (0.2, 0.35, 0.5)},
     # the previous layout rule (per row, the first layout that fits)
     **{f"finest@{b}": dict(budget=b, level_rule="finest") for b in (0.2, 0.35, 0.5)},
     # keys: pre-RoPE content (default: delimiters@0.35) vs the stored post-RoPE keys

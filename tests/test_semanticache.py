@@ -26,6 +26,8 @@ CFG = ModelConfig(family="llama", vocab_size=23, hidden_size=32, num_layers=2, n
                   head_dim=16, intermediate_size=48, max_position_embeddings=512, eos_token_ids=(0,))
 DELIMS = (1, 2, 3)  # ids that are delimiters in the synthetic vocabulary
 MASK = np.isin(np.arange(CFG.vocab_size), DELIMS)
+NUMBERS = (4, 5)  # ids that are digits
+NUMBER_MASK = np.isin(np.arange(CFG.vocab_size), NUMBERS)
 INV_FREQ = inverse_frequencies(CFG)
 
 
@@ -45,8 +47,14 @@ def ref_forced(n: int, keep: int, sinks: int, window: int, width: int) -> tuple[
     return s, w
 
 
-def ref_chunks(delim: np.ndarray, n: int, s: int, w: int, level: int, width: int):
-    """``(kept-as-is slots, chunks as lists of slots)`` of one row, built token by token."""
+def masked(pol: SemantiCache) -> SemantiCache:
+    """``pol`` with the synthetic vocabulary's delimiter and digit masks (what `with_tokenizer` sets)."""
+    return pol.replace(delimiter_mask=jnp.asarray(MASK), number_mask=jnp.asarray(NUMBER_MASK))
+
+
+def ref_chunks(delim: np.ndarray, n: int, s: int, w: int, level: int, width: int, protect: np.ndarray):
+    """``(kept-as-is slots, chunks as lists of slots)`` of one row, built token by token; a
+    protected slot (a digit under ``keep_numbers``) is kept as it is and ends the chunk at every level."""
     kept = list(range(s)) + list(range(n - w, n))
     chunks: list[list[int]] = []
     current: list[int] = []
@@ -58,7 +66,7 @@ def ref_chunks(delim: np.ndarray, n: int, s: int, w: int, level: int, width: int
         current = []
 
     for t in range(s, n - w):
-        if level == 0 and delim[t]:
+        if (level == 0 and delim[t]) or protect[t]:
             kept.append(t)
             close()
             continue
@@ -125,7 +133,10 @@ def ref_compress(k, v, pos, tokens, lengths, pol: SemantiCache, margins: list[fl
         s, w = ref_forced(n, keep, pol.sinks, max(pol.window, math.floor(pol.recent_ratio * keep + 1e-6)), width)
         delim = MASK[tokens[b]] if pol.chunking == "delimiters" else np.zeros(T, bool)
         order = (0, 1, 2) if pol.chunking == "delimiters" else (2,)
-        layouts = {level: ref_chunks(delim, n, s, w, level, width) for level in order}
+        protect = NUMBER_MASK[tokens[b]] if pol.keep_numbers else np.zeros(T, bool)
+        layouts = {level: ref_chunks(delim, n, s, w, level, width, protect) for level in order}
+        if sum(map(len, layouts[order[-1]])) > keep:  # the digits do not fit this row: not kept
+            layouts = {level: ref_chunks(delim, n, s, w, level, width, np.zeros(T, bool)) for level in order}
         finest = next(lv for lv in order if len(layouts[lv][0]) + len(layouts[lv][1]) <= keep or lv == order[-1])
         for l in range(L):
             for h in range(H):
@@ -167,8 +178,9 @@ def ref_compress(k, v, pos, tokens, lengths, pol: SemantiCache, margins: list[fl
 
 # -- synthetic caches with planted clusters ----------------------------------------------------------
 
-def planted(seed: int, lengths, T: int, delim_rate: float, L: int = 2, H: int = 2):
-    """Prefilled cache whose pre-RoPE keys are noisy copies of a few directions per head."""
+def planted(seed: int, lengths, T: int, delim_rate: float, L: int = 2, H: int = 2, number_rate: float = 0.0):
+    """Prefilled cache whose pre-RoPE keys are noisy copies of a few directions per head; digits
+    (2 of the 19 other ids) are drawn at least at ``number_rate``."""
     rng = np.random.default_rng(seed)
     B, D = len(lengths), CFG.head_dim
     centers = rng.normal(size=(L, B, H, 4, D))
@@ -178,6 +190,7 @@ def planted(seed: int, lengths, T: int, delim_rate: float, L: int = 2, H: int = 
     keys = rope(content, positions).astype(np.float32)
     values = rng.normal(size=(L, B, H, T, D)).astype(np.float32)
     tokens = rng.integers(4, CFG.vocab_size, (B, T))
+    tokens[rng.uniform(size=(B, T)) < number_rate] = rng.choice(NUMBERS)
     tokens[rng.uniform(size=(B, T)) < delim_rate] = rng.choice(DELIMS)
     cfg = ModelConfig(**{**CFG.__dict__, "num_layers": L, "num_kv_heads": H, "num_heads": 2 * H})
     cache = init_cache(cfg, B, T + 8, page_size=8, dtype=jnp.float32)
@@ -192,10 +205,12 @@ def planted(seed: int, lengths, T: int, delim_rate: float, L: int = 2, H: int = 
     return cache, keys, values, positions, tokens
 
 
-def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, delim_rate: float = 0.15):
-    pol = pol.replace(delimiter_mask=jnp.asarray(MASK)).bind(Setup(CFG, prompt_len=T))
+def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, delim_rate: float = 0.15,
+            number_rate: float = 0.0):
+    pol = masked(pol).bind(Setup(CFG, prompt_len=T))
     for attempt in range(6):  # redraw when a cosine lies within rounding of a threshold
-        cache, keys, values, positions, tokens = planted(seed + attempt, lengths, T, delim_rate)
+        cache, keys, values, positions, tokens = planted(seed + attempt, lengths, T, delim_rate,
+                                                         number_rate=number_rate)
         margins: list[float] = []
         ref, chosen = ref_compress(keys, values, positions, tokens, np.asarray(lengths), pol, margins)
         if min(margins, default=1.0) > 2e-6:
@@ -228,22 +243,64 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
     return sizes, [chosen[i][0] for i in order]
 
 
-@pytest.mark.parametrize("pol, delim_rate", [
-    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4), 0.15),  # the paper's threshold mode
+@pytest.mark.parametrize("pol, delim_rate, number_rate", [
+    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4), 0.15, 0.1),  # threshold mode, digits kept
+    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, keep_numbers=False), 0.15, 0.1),  # the paper's
     # budget mode; 40% delimiters: the paper's layout cannot fit 30%, heads use coarser chunks
-    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5), 0.4),
-    (SemantiCache(0.5, tau=0.8, chunk_size=8, window=4, search_steps=5, chunking="fixed", keys="post_rope"), 0.15),
-    (SemantiCache(12, window=4, recent_ratio=0.5, search_steps=5, chunking="none"), 0.15),  # window: 6
-    # the same two on the GSC kernel (interpreted): the GPU's path
-    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, gsc="interpret"), 0.15),
-    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5, gsc="interpret"), 0.4),
-], ids=["threshold", "budget-fallback", "capped-fixed-post_rope", "none", "threshold-kernel",
-        "budget-fallback-kernel"])
-def test_chunking_gsc_and_merging_equal_the_numpy_reference(pol, delim_rate):
-    sizes, levels = compare(pol, int(np.random.default_rng().integers(1 << 30)), delim_rate=delim_rate)
+    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5), 0.4, 0.1),
+    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5, keep_numbers=False), 0.4, 0.1),
+    # 40%+ digits at a 30% budget: they do not fit, those rows merge them
+    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5), 0.15, 0.4),
+    (SemantiCache(0.5, tau=0.8, chunk_size=8, window=4, search_steps=5, chunking="fixed", keys="post_rope"), 0.15,
+     0.1),
+    (SemantiCache(12, window=4, recent_ratio=0.5, search_steps=5, chunking="none"), 0.15, 0.1),  # window: 6
+    # on the GSC kernel (interpreted): the GPU's path
+    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, gsc="interpret"), 0.15, 0.1),
+    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5, gsc="interpret"), 0.4, 0.1),
+], ids=["threshold", "threshold-paper", "budget-fallback", "budget-fallback-paper", "digits-overflow",
+        "capped-fixed-post_rope", "none", "threshold-kernel", "budget-fallback-kernel"])
+def test_chunking_gsc_and_merging_equal_the_numpy_reference(pol, delim_rate, number_rate):
+    sizes, levels = compare(pol, int(np.random.default_rng().integers(1 << 30)), delim_rate=delim_rate,
+                            number_rate=number_rate)
     assert min(sizes) < 40  # clusters did merge
     if delim_rate > 0.3:
         assert max(levels) > 0  # the fallback was taken
+
+
+def test_digits_are_kept_as_they_are():
+    """``keep_numbers`` (the default): every digit between the sinks and the window is its own entry,
+    its key, value and position bit for bit, even where its key equals its neighbours' (which the
+    paper's algorithm merges, ``keep_numbers=False``)."""
+    T, lengths = 48, (48, 40)
+    rng = np.random.default_rng()
+    cache, keys, values, positions, tokens = planted(int(rng.integers(1 << 30)), lengths, T, 0.1)
+    tokens[np.isin(tokens, NUMBERS)] = 6
+    for b, n in enumerate(lengths):  # four digits per row, between the sinks and the window
+        tokens[b, rng.choice(np.arange(2, n - 2), 4, replace=False)] = rng.choice(NUMBERS, 4)
+    same = jnp.broadcast_to(cache.layers.k[:, :, :, :1], cache.layers.k.shape)  # one key everywhere: all merge
+    cache = cache.replace(layers=cache.layers.replace(k=same))
+    prompt = Prompt(tokens=jnp.asarray(tokens, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32))
+    kept = {}
+    for keep_numbers in (True, False):
+        pol = masked(SemantiCache(0.6, chunk_size=8, sinks=2, window=2, keep_numbers=keep_numbers)).bind(
+            Setup(CFG, prompt_len=T))
+        out = jax.tree.map(np.asarray, pol.compress(cache, None, T, prompt).layers)
+        found = []
+        for b, n in enumerate(lengths):
+            digits = [t for t in range(2, n - 2) if tokens[b, t] in NUMBERS]
+            for t in digits:
+                at = out.positions[:, b] == t  # [L, H, S]
+                singles = at & (out.bias[:, b] == 0)
+                found.append(bool(singles.any(-1).all()))
+                if keep_numbers:
+                    assert (singles.sum(-1) == 1).all(), (b, t)
+                    slot = singles.argmax(-1)
+                    np.testing.assert_array_equal(np.take_along_axis(out.k[:, b], slot[..., None, None], 2)[:, :, 0],
+                                                  np.asarray(same)[:, b, :, t])
+                    np.testing.assert_array_equal(np.take_along_axis(out.v[:, b], slot[..., None, None], 2)[:, :, 0],
+                                                  values[:, b, :, t])
+        kept[keep_numbers] = np.mean(found)
+    assert kept[True] == 1.0 and kept[False] < 0.5
 
 
 def test_budget_mode_threshold_never_falls_as_the_budget_grows():
@@ -305,7 +362,7 @@ def test_tau_above_every_similarity_is_full_attention(params):
     attention of singletons is plain attention): logits identical to full attention."""
     tokens, lengths = _prompt()
     forced = np.random.default_rng().integers(4, CFG.vocab_size, (2, 4))
-    pol = SemantiCache(1.0, tau=1.0, window=8).replace(delimiter_mask=jnp.asarray(MASK))
+    pol = masked(SemantiCache(1.0, tau=1.0, window=8))
     dense = teacher_force(params, Dense(), tokens, forced, lengths=lengths)[0]
     got = teacher_force(params, pol, tokens, forced, lengths=lengths)[0]
     np.testing.assert_array_equal(np.asarray(got), np.asarray(dense))
@@ -334,7 +391,7 @@ def test_merged_duplicates_attend_like_the_originals():
     cache = cache.replace(layers=summarize_pages(cache.layers.replace(k=jnp.asarray(keys), v=jnp.asarray(values),
                                                                       positions=pos), ln, 8),
                           length=ln, next_position=ln)
-    pol = SemantiCache(1.0, tau=0.999, sinks=0, window=0, chunking="none", keys="post_rope")
+    pol = masked(SemantiCache(1.0, tau=0.999, sinks=0, window=0, chunking="none", keys="post_rope"))
     merged = pol.compress(cache, None, T, Prompt(jnp.zeros((B, T), jnp.int32), ln))
     assert int(merged.length.max()) < T / 2 and float(merged.layers.bias.max()) > 1.0
     q = jnp.asarray(rng.normal(size=(B, 4, D)), jnp.float32)
@@ -359,7 +416,7 @@ def test_budget_is_never_exceeded_and_memory_is_the_kept_count(params):
     tokens, lengths = _prompt(T=96)
     tokens[1, 20:60] = 1  # a delimiter-dense stretch
     new, budget = 5, 0.2
-    pol = SemantiCache(budget, window=8).replace(delimiter_mask=jnp.asarray(MASK))
+    pol = masked(SemantiCache(budget, window=8))
     out = generate(params, pol, tokens, lengths=lengths, max_new_tokens=new, stop_tokens=(), page_size=8,
                    prefill_chunk=32)
     keep = np.asarray([budget_tokens(budget, int(n)) for n in lengths])
@@ -383,7 +440,7 @@ def test_composes_with_quest_and_chess(params):
     runs every compress x decode pair at the defaults.)"""
     tokens, lengths = _prompt(T=96)
     forced = np.random.default_rng().integers(4, CFG.vocab_size, (2, 4))
-    sc = SemantiCache(0.35, window=8).replace(delimiter_mask=jnp.asarray(MASK))
+    sc = masked(SemantiCache(0.35, window=8))
     alone = np.asarray(teacher_force(params, sc, tokens, forced, lengths=lengths, page_size=8)[0])
     got = teacher_force(params, Pipeline(compress=sc, decode=CHESS.covering()), tokens, forced, lengths=lengths,
                         page_size=8)[0]
@@ -410,6 +467,11 @@ def test_delimiter_mask_of_smollm2(smol):
         assert not any(mask[i] for i in ids(text)), text
     sentence = ids("The grass is green. Here: 12, go!\n")
     assert [tok.decode([i]) for i in sentence if mask[i]] == [".", ":", " ", ",", "!", "\n"]
+    digits = np.asarray(pol.number_mask)
+    assert digits.shape == (len(tok),) and not (digits & mask).any()
+    assert [tok.decode([i]) for i in ids("In 1998, 7975467 of 3.14 fair-submission x2") if digits[i]] == list(
+        "1998" "7975467" "314" "2")
+    assert SemantiCache.from_tokenizer(tok, 0.2, keep_numbers=False).number_mask is None
 
 
 def test_spec_and_bad_settings():
@@ -418,12 +480,13 @@ def test_spec_and_bad_settings():
     for kwargs, match in [(dict(tau=1.5), "tau=1.5"), (dict(chunking="words"), "chunking='words'"),
                           (dict(keys="both"), "keys='both'"), (dict(budget=0.01), "budget=0.01"),
                           (dict(budget=10, window=32), "window=32"), (dict(chunk_size=1), "chunk_size=1"),
-                          (dict(recent_ratio=1.0), "recent_ratio=1.0"), (dict(gsc="cuda"), "gsc='cuda'")]:
+                          (dict(recent_ratio=1.0), "recent_ratio=1.0"), (dict(gsc="cuda"), "gsc='cuda'"),
+                          (dict(keep_numbers="yes"), "keep_numbers='yes'")]:
         with pytest.raises(ValueError, match=match):
             SemantiCache(**kwargs)
     # the kernel takes power-of-two bands up to 128: one chunk of a 48-token prompt is not one
     with pytest.raises(ValueError, match="gsc='pallas'.*got 48"):
-        SemantiCache(12, window=4, chunking="none", gsc="pallas").bind(Setup(CFG, prompt_len=48))
+        masked(SemantiCache(12, window=4, chunking="none", gsc="pallas")).bind(Setup(CFG, prompt_len=48))
 
 
 def test_without_a_tokenizer_generate_says_what_to_call(params):

@@ -32,6 +32,13 @@ def delimiter_mask(tokenizer: Any, delimiters: str = DELIMITERS) -> np.ndarray:
     return np.array([bool(s) and set(s) <= chars for s in texts], bool)
 
 
+def number_mask(tokenizer: Any) -> np.ndarray:
+    """``[V]`` bool over the tokenizer's ids: the decoded token, without surrounding whitespace, is
+    non-empty and made only of the digits 0-9 (SmolLM2: the ten single digits)."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False)
+    return np.array([bool(s.strip()) and set(s.strip()) <= set("0123456789") for s in texts], bool)
+
+
 def forced_counts(keep: jax.Array, lengths: jax.Array, sinks: int, window: int, width: int,
                   recent_ratio: float = 0.0, longest: int = 0) -> tuple[jax.Array, jax.Array]:
     """Per-row sinks and window ``([B], [B])``: as many as asked — ``sinks``, and a window of
@@ -53,14 +60,15 @@ def forced_counts(keep: jax.Array, lengths: jax.Array, sinks: int, window: int, 
 
 
 def chunk_layout(is_delim: jax.Array, lengths: jax.Array, sinks: jax.Array, window: jax.Array, level: jax.Array,
-                 chunk_size: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+                 chunk_size: int, protect: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """Where each prompt slot goes, per row (``[B, T]`` each): ``(forced, anchor, member, place)``.
 
     ``forced``: sinks and window (kept as they are); ``anchor``: delimiters kept unmerged;
     ``member``: clustered; ``place``: its index in its chunk (``-1`` off members). ``level`` ``[B]``:
     0 = chunks between delimiters, delimiters anchors; 1 = a chunk is a run of words and the
     delimiters after it (no anchors); 2 = ``chunk_size`` blocks of the middle. Chunks longer than
-    ``chunk_size`` are split.
+    ``chunk_size`` are split. ``protect`` ``[B, T]``: slots that are anchors at every level (a chunk
+    never spans one: GSC's chunks are runs of consecutive members).
     """
     T = is_delim.shape[1]
     t = jnp.arange(T)[None]
@@ -70,6 +78,8 @@ def chunk_layout(is_delim: jax.Array, lengths: jax.Array, sinks: jax.Array, wind
     delim = is_delim & middle
     lvl = level[:, None]
     anchor = delim & (lvl == 0)
+    if protect is not None:
+        anchor = anchor | (protect & middle)
     member = middle & ~anchor
 
     def prev(x):
@@ -77,31 +87,40 @@ def chunk_layout(is_delim: jax.Array, lengths: jax.Array, sinks: jax.Array, wind
 
     clause = ~prev(middle) | (prev(delim) & ~delim)  # level 1: words, then the delimiters closing them
     block = (t - sinks[:, None]) % chunk_size == 0
-    start = jnp.where(lvl == 0, ~prev(member), jnp.where(lvl == 1, clause, block))
+    start = ~prev(member) | jnp.where(lvl == 0, False, jnp.where(lvl == 1, clause, block))
     run_start = jax.lax.cummax(jnp.where(member & start, t, -1), axis=1)
     place = jnp.where(member, (t - run_start) % chunk_size, -1)
     return forced, anchor, member, place
 
 
 def candidate_layouts(is_delim: jax.Array, lengths: jax.Array, keep: jax.Array, sinks: int, window: int,
-                      chunk_size: int, levels: tuple[int, ...], recent_ratio: float = 0.0) -> tuple[jax.Array, ...]:
+                      chunk_size: int, levels: tuple[int, ...], recent_ratio: float = 0.0,
+                      protect: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """`chunk_layout` at each of ``levels``: ``(forced, anchor, member, place)`` ``[N, B, T]`` each and
     ``fits`` ``[N, B]``: the level's coarsest clustering (one cluster per chunk) fits the row's
-    budget ``keep``. Sinks and window are the same at every level (`forced_counts`)."""
+    budget ``keep``. Sinks and window are the same at every level (`forced_counts`). ``protect``
+    ``[B, T]``: anchors at every level, dropped in a row whose last level would not fit with them."""
     sinks_b, window_b = forced_counts(keep, lengths, sinks, window, chunk_size, recent_ratio, is_delim.shape[1])
-    stacked = [chunk_layout(is_delim, lengths, sinks_b, window_b, jnp.full(lengths.shape, lv, jnp.int32), chunk_size)
-               for lv in levels]
-    forced, anchor, member, place = jax.tree.map(lambda *x: jnp.stack(x), *stacked)
-    fits = (forced | anchor | (place == 0)).sum(-1) <= keep
-    return forced, anchor, member, place, fits
+
+    def layouts(protect):
+        stacked = [chunk_layout(is_delim, lengths, sinks_b, window_b, jnp.full(lengths.shape, lv, jnp.int32),
+                                chunk_size, protect) for lv in levels]
+        forced, anchor, member, place = jax.tree.map(lambda *x: jnp.stack(x), *stacked)
+        return forced, anchor, member, place, (forced | anchor | (place == 0)).sum(-1) <= keep
+
+    if protect is None:
+        return layouts(None)
+    return layouts(protect & layouts(protect)[-1][-1][:, None])
 
 
 def fitting_layout(is_delim: jax.Array, lengths: jax.Array, keep: jax.Array, sinks: int, window: int,
-                   chunk_size: int, levels: tuple[int, ...], recent_ratio: float = 0.0) -> tuple[jax.Array, ...]:
+                   chunk_size: int, levels: tuple[int, ...], recent_ratio: float = 0.0,
+                   protect: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """``(forced, anchor, member, place, level)``: `chunk_layout` at each row's first level of
     ``levels`` whose coarsest clustering (one cluster per chunk) fits the row's budget ``keep``
     (the last level when none does). Threshold mode's layout."""
-    *layout, fits = candidate_layouts(is_delim, lengths, keep, sinks, window, chunk_size, levels, recent_ratio)
+    *layout, fits = candidate_layouts(is_delim, lengths, keep, sinks, window, chunk_size, levels, recent_ratio,
+                                      protect)
     first = jnp.argmax(fits.at[-1].set(True), axis=0)  # [B]
     return (*(jnp.take_along_axis(x, first[None, :, None], 0)[0] for x in layout),
             jnp.asarray(levels, jnp.int32)[first])
