@@ -110,7 +110,8 @@ def candidate_layouts(is_delim: jax.Array, lengths: jax.Array, keep: jax.Array, 
 
     if protect is None:
         return layouts(None)
-    return layouts(protect & layouts(protect)[-1][-1][:, None])
+    fits = layouts(protect)[-1]  # [N, B]
+    return layouts(protect & fits[-1][:, None])  # a row whose coarsest level overflows keeps no digits
 
 
 def fitting_layout(is_delim: jax.Array, lengths: jax.Array, keep: jax.Array, sinks: int, window: int,

@@ -26,7 +26,8 @@ Choices where the paper is silent (docs/SEMANTICACHE.md shows them in ablations)
   similar keys (pre-RoPE cosine 0.80-0.98 on SmolLM2), so GSC merges a number into one entry whose
   mean value is no digit: RULER's needles were lost at every budget. Kept digits count in the
   budget; a row whose digits would not fit with one entry per chunk merges them as the paper does.
-  RULER 4k at 50%, question-agnostic: 29.07 with, 13.33 without (docs/SEMANTICACHE.md).
+  The same prefilled caches, RULER 4k at 50%, question-agnostic: 28.81 with, 13.32 without
+  (docs/SEMANTICACHE.md).
 * **Sinks and window.** The first ``sinks`` (4) and last ``window`` (32) prompt entries are kept as
   they are, counted inside the budget (as every compressor here).
 * **Bounded chunks.** A run of more than ``chunk_size`` (64) tokens without a delimiter is split, so
@@ -260,7 +261,8 @@ class SemantiCache(Policy):
         n_out = min(T, budget_tokens(self.budget, T))
         width, levels = self._width(T), self._levels()
         is_delim = self._is_delim(prompt)[:, :T]
-        protect = None if not self.keep_numbers else self._protected(prompt)[:, :T]
+        protect = self._protected(prompt)
+        protect = None if protect is None else protect[:, :T]
         per_head = not self.threshold_mode and self.level_rule == "least_lossy"
         if per_head:  # budget mode: every layout's search, the least lossy per (row, head)
             *layouts, _ = clustering.candidate_layouts(is_delim, prompt.lengths, keep, self.sinks, self.window,
