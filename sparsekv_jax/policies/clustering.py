@@ -39,6 +39,28 @@ def number_mask(tokenizer: Any) -> np.ndarray:
     return np.array([bool(s.strip()) and set(s.strip()) <= set("0123456789") for s in texts], bool)
 
 
+def word_start_mask(tokenizer: Any) -> np.ndarray:
+    """``[V]`` bool over the tokenizer's ids: the token begins a word. Its decoded text starts with
+    whitespace, or its piece carries the tokenizer's word-start marker (byte-level BPE's ``Ġ``,
+    SentencePiece's ``▁``: some tokenizers drop the space when decoding one token)."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False)
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return np.array([(bool(s) and s[0].isspace()) or str(p or "").startswith(("\u0120", "\u2581"))
+                     for s, p in zip(texts, pieces, strict=True)], bool)
+
+
+def number_words(is_digit: jax.Array, starts_word: jax.Array, is_delim: jax.Array) -> jax.Array:
+    """``[B, T]`` bool: every token of a word that holds a digit (``"x86"``, a UUID's letters), not
+    the delimiters. A word is a run of tokens, cut before a word-start token and around every
+    delimiter (``"3.14"`` is two words)."""
+    # a delimiter opens a new id too; it holds no digit and is never kept, so what follows it in that
+    # id is a word of its own
+    word = jnp.cumsum(starts_word | is_delim, axis=1)  # [B, T] in 0..T
+    has_digit = jax.vmap(lambda d, w: jax.ops.segment_max(d, w, num_segments=is_digit.shape[1] + 1))(
+        is_digit.astype(jnp.int32), word)
+    return (jnp.take_along_axis(has_digit, word, axis=1) > 0) & ~is_delim
+
+
 def forced_counts(keep: jax.Array, lengths: jax.Array, sinks: int, window: int, width: int,
                   recent_ratio: float = 0.0, longest: int = 0) -> tuple[jax.Array, jax.Array]:
     """Per-row sinks and window ``([B], [B])``: as many as asked — ``sinks``, and a window of
@@ -95,11 +117,12 @@ def chunk_layout(is_delim: jax.Array, lengths: jax.Array, sinks: jax.Array, wind
 
 def candidate_layouts(is_delim: jax.Array, lengths: jax.Array, keep: jax.Array, sinks: int, window: int,
                       chunk_size: int, levels: tuple[int, ...], recent_ratio: float = 0.0,
-                      protect: jax.Array | None = None) -> tuple[jax.Array, ...]:
+                      protect: jax.Array | tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, ...]:
     """`chunk_layout` at each of ``levels``: ``(forced, anchor, member, place)`` ``[N, B, T]`` each and
     ``fits`` ``[N, B]``: the level's coarsest clustering (one cluster per chunk) fits the row's
     budget ``keep``. Sinks and window are the same at every level (`forced_counts`). ``protect``
-    ``[B, T]``: anchors at every level, dropped in a row whose last level would not fit with them."""
+    ``[B, T]``: anchors at every level; or a tuple of such masks, the most protective first: each
+    row takes the first with which its last level fits, none where no mask does."""
     sinks_b, window_b = forced_counts(keep, lengths, sinks, window, chunk_size, recent_ratio, is_delim.shape[1])
 
     def layouts(protect):
@@ -110,13 +133,16 @@ def candidate_layouts(is_delim: jax.Array, lengths: jax.Array, keep: jax.Array, 
 
     if protect is None:
         return layouts(None)
-    fits = layouts(protect)[-1]  # [N, B]
-    return layouts(protect & fits[-1][:, None])  # a row whose coarsest level overflows keeps no digits
+    chosen, placed = jnp.zeros(is_delim.shape, bool), jnp.zeros(lengths.shape, bool)
+    for mask in (protect,) if isinstance(protect, jax.Array) else protect:  # a static handful of masks
+        fits = layouts(mask)[-1][-1] & ~placed  # [B]: the coarsest level fits with this mask
+        chosen, placed = jnp.where(fits[:, None], mask, chosen), placed | fits
+    return layouts(chosen)  # a row whose coarsest level overflows with every mask keeps nothing protected
 
 
 def fitting_layout(is_delim: jax.Array, lengths: jax.Array, keep: jax.Array, sinks: int, window: int,
                    chunk_size: int, levels: tuple[int, ...], recent_ratio: float = 0.0,
-                   protect: jax.Array | None = None) -> tuple[jax.Array, ...]:
+                   protect: jax.Array | tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, ...]:
     """``(forced, anchor, member, place, level)``: `chunk_layout` at each row's first level of
     ``levels`` whose coarsest clustering (one cluster per chunk) fits the row's budget ``keep``
     (the last level when none does). Threshold mode's layout."""

@@ -28,6 +28,12 @@ Choices where the paper is silent (docs/SEMANTICACHE.md shows them in ablations)
   budget; a row whose digits would not fit with one entry per chunk merges them as the paper does.
   The same prefilled caches, RULER 4k at 50%, question-agnostic: 28.81 with, 13.32 without
   (docs/SEMANTICACHE.md).
+* **So are the words around them** (``number_words=True``, the default with ``keep_numbers``): every
+  token of a word that holds a digit (a UUID's letters, ``"x86"``, ``"1990s"``; a word is cut before
+  a token that starts with whitespace and around delimiters, `clustering.number_words`). A row where
+  the words would not fit keeps only the digits; one where the digits would not fit, nothing.
+  RULER 4k at 50%, question-agnostic: 30.24 with the words, 29.07 with the digits only (UUID
+  needles: 16 against 4; docs/RESULTS.md).
 * **Sinks and window.** The first ``sinks`` (4) and last ``window`` (32) prompt entries are kept as
   they are, counted inside the budget (as every compressor here).
 * **Bounded chunks.** A run of more than ``chunk_size`` (64) tokens without a delimiter is split, so
@@ -40,6 +46,8 @@ Choices where the paper is silent (docs/SEMANTICACHE.md shows them in ablations)
   position* (rounded half up), which is also the entry's position; a singleton keeps its stored
   key, value and position bit for bit. Entries are stored in the order of their first slot.
   ``keys="post_rope"`` compares and averages the stored keys (position: the mean too).
+  ``similarity="keys_values"`` (an ablation) clusters on the lesser of the key and the value cosine,
+  so a member's value must be as alike as its key: lower on RULER 4k (27.26 against 29.71 at 50%).
 * **Budget mode** (``tau=None``): per (layer, row, KV head) the *largest* ``tau`` whose clusters fit
   the budget: a pass of ``search_steps`` thresholds log-spaced below the top (`search_grid`), then
   a linear pass between the last that did not fit and the first that did; each pass evaluates all
@@ -86,6 +94,7 @@ from sparsekv_jax.policies.common import budget_tokens, check_budget, check_sink
 CHUNKINGS = ("delimiters", "fixed", "none")
 LEVEL_RULES = ("least_lossy", "finest")
 KEYS = ("pre_rope", "post_rope")
+SIMILARITIES = ("keys", "keys_values")
 
 
 @struct.dataclass
@@ -102,10 +111,14 @@ class SemantiCache(Policy):
         default 0: ``window`` entries).
       keep_numbers: digit tokens are kept unmerged, anchors at every chunk layout (our addition;
         dropped in a row where they would not fit the budget). ``False``: the paper as written.
+      number_words: with ``keep_numbers``, the whole word around a digit is kept (the digits only in
+        a row where the words would not fit); ``False``: the digits only.
       chunking: ``"delimiters"`` (the paper), ``"fixed"`` (``chunk_size`` blocks, no anchors) or
         ``"none"`` (one chunk: global clustering) — the paper's Table 4 variants.
       chunk_size: longest chunk (longer delimiter-free runs are split); the fixed block size.
       keys: ``"pre_rope"`` (content similarity, merged at the mean position) or ``"post_rope"``.
+      similarity: ``"keys"`` (the paper: GSC compares keys) or ``"keys_values"`` (the lesser of the
+        key and the value cosine; an ablation).
       search_steps: thresholds tried per grid pass in budget mode (two passes).
       level_rule: budget mode's layout per (layer, row, KV head): ``"least_lossy"`` (the highest
         threshold) or ``"finest"`` (per row the first that fits: the previous rule, for ablations).
@@ -114,6 +127,8 @@ class SemantiCache(Policy):
         ``"pallas"`` or ``"interpret"`` (the kernel on the CPU, for tests); same result on every path.
       delimiter_mask: ``[V]`` bool leaf (`from_tokenizer` / `with_tokenizer`).
       number_mask: ``[V]`` bool leaf of digit tokens, set by `with_tokenizer` when ``keep_numbers``.
+      word_start_mask: ``[V]`` bool leaf of tokens that begin a word, set by `with_tokenizer` when
+        ``keep_numbers`` and ``number_words``.
       inv_freq: RoPE frequencies, set by `bind` for ``keys="pre_rope"``.
     """
 
@@ -123,15 +138,18 @@ class SemantiCache(Policy):
     window: int = struct.field(pytree_node=False, default=32)
     recent_ratio: float = struct.field(pytree_node=False, default=0.0)
     keep_numbers: bool = struct.field(pytree_node=False, default=True)
+    number_words: bool = struct.field(pytree_node=False, default=True)
     chunking: str = struct.field(pytree_node=False, default="delimiters")
     chunk_size: int = struct.field(pytree_node=False, default=64)
     keys: str = struct.field(pytree_node=False, default="pre_rope")
+    similarity: str = struct.field(pytree_node=False, default="keys")
     search_steps: int = struct.field(pytree_node=False, default=16)
     level_rule: str = struct.field(pytree_node=False, default="least_lossy")
     layer_batch: int = struct.field(pytree_node=False, default=4)
     gsc: str = struct.field(pytree_node=False, default="auto")
     delimiter_mask: jax.Array | None = None
     number_mask: jax.Array | None = None
+    word_start_mask: jax.Array | None = None
     inv_freq: tuple[float, ...] | None = struct.field(pytree_node=False, default=None)
 
     stages = ("compress",)
@@ -149,10 +167,14 @@ class SemantiCache(Policy):
             raise ValueError(f"tau={self.tau!r} must be None (budget mode) or a cosine threshold in [-1, 1]")
         if not isinstance(self.keep_numbers, bool):
             raise ValueError(f"keep_numbers={self.keep_numbers!r} must be True or False")
+        if not isinstance(self.number_words, bool):
+            raise ValueError(f"number_words={self.number_words!r} must be True or False")
         if self.chunking not in CHUNKINGS:
             raise ValueError(f"chunking={self.chunking!r} must be one of {CHUNKINGS}")
         if self.keys not in KEYS:
             raise ValueError(f"keys={self.keys!r} must be one of {KEYS}")
+        if self.similarity not in SIMILARITIES:
+            raise ValueError(f"similarity={self.similarity!r} must be one of {SIMILARITIES}")
         if self.chunk_size < 2:
             raise ValueError(f"chunk_size={self.chunk_size} must be >= 2")
         if self.level_rule not in LEVEL_RULES:
@@ -174,15 +196,13 @@ class SemantiCache(Policy):
 
     def with_tokenizer(self, tokenizer: Any) -> SemantiCache:
         numbers = jnp.asarray(clustering.number_mask(tokenizer)) if self.keep_numbers else None
-        return self.replace(delimiter_mask=jnp.asarray(clustering.delimiter_mask(tokenizer)), number_mask=numbers)
+        starts = (jnp.asarray(clustering.word_start_mask(tokenizer)) if self.keep_numbers and self.number_words
+                  else None)
+        return self.replace(delimiter_mask=jnp.asarray(clustering.delimiter_mask(tokenizer)), number_mask=numbers,
+                            word_start_mask=starts)
 
     def bind(self, setup: Setup) -> SemantiCache:
-        if self.keep_numbers and self.number_mask is None:
-            raise ValueError("SemantiCache(keep_numbers=True) needs the tokenizer's digit tokens: build it with "
-                             "SemantiCache.from_tokenizer(tokenizer, ...) or call policy.with_tokenizer(tokenizer)")
-        if self.chunking == "delimiters" and self.delimiter_mask is None:
-            raise ValueError("SemantiCache(chunking='delimiters') needs the tokenizer's delimiter mask: build it with "
-                             "SemantiCache.from_tokenizer(tokenizer, ...) or call policy.with_tokenizer(tokenizer)")
+        self._check_masks()
         T = setup.prompt_len
         check_sinks_window(self.budget, self.sinks, self.window, T)
         if T and self.chunking != "none" and budget_tokens(self.budget, T) < -(-T // self.chunk_size):
@@ -199,8 +219,8 @@ class SemantiCache(Policy):
     def name(self) -> str:
         defaults = {f.name: f.default for f in dataclasses.fields(SemantiCache)}
         shown = [f"{n}={getattr(self, n)!r}"
-                 for n in ("tau", "sinks", "window", "recent_ratio", "keep_numbers", "chunking", "chunk_size", "keys",
-                           "level_rule")
+                 for n in ("tau", "sinks", "window", "recent_ratio", "keep_numbers", "number_words", "chunking",
+                           "chunk_size", "keys", "similarity", "level_rule")
                  if getattr(self, n) != defaults[n]]
         return f"SemantiCache({', '.join([repr(self.budget), *shown])})"
 
@@ -236,10 +256,27 @@ class SemantiCache(Policy):
             return jnp.take(self.delimiter_mask, prompt.tokens, mode="fill", fill_value=False)
         return jnp.zeros(prompt.tokens.shape, bool)
 
-    def _protected(self, prompt: Prompt) -> jax.Array | None:
+    def _protected(self, prompt: Prompt) -> tuple[jax.Array, ...] | None:
+        """The slots kept unmerged at every layout, most protective first (`clustering.candidate_layouts`
+        takes, per row, the first that fits): the words holding a digit, then the digits alone."""
         if not self.keep_numbers:
             return None
-        return jnp.take(self.number_mask, prompt.tokens, mode="fill", fill_value=False)
+        digits = jnp.take(self.number_mask, prompt.tokens, mode="fill", fill_value=False)
+        if not self.number_words:
+            return (digits,)
+        starts = jnp.take(self.word_start_mask, prompt.tokens, mode="fill", fill_value=False)
+        delims = jnp.take(self.delimiter_mask, prompt.tokens, mode="fill", fill_value=False)
+        return clustering.number_words(digits, starts, delims), digits
+
+    def _check_masks(self) -> None:
+        fix = "build it with SemantiCache.from_tokenizer(tokenizer, ...) or call policy.with_tokenizer(tokenizer)"
+        if self.keep_numbers and self.number_mask is None:
+            raise ValueError(f"SemantiCache(keep_numbers=True) needs the tokenizer's digit tokens: {fix}")
+        if self.keep_numbers and self.number_words and self.word_start_mask is None:
+            raise ValueError(f"SemantiCache(number_words=True) needs the tokenizer's word-start tokens: {fix}")
+        if (self.chunking == "delimiters" or self.keep_numbers and self.number_words) and self.delimiter_mask is None:
+            raise ValueError(f"SemantiCache(chunking={self.chunking!r}, number_words={self.number_words}) needs the "
+                             f"tokenizer's delimiter mask: {fix}")
 
     def choices(self, cache: KVCache, prompt: Prompt) -> tuple[jax.Array, jax.Array]:
         """``(level, tau)`` ``[L, B, H]``: the chunk layout level (0, 1, 2) and the threshold GSC
@@ -247,12 +284,7 @@ class SemantiCache(Policy):
         return self._cluster(cache, prompt)[1]
 
     def _cluster(self, cache: KVCache, prompt: Prompt) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, jax.Array]]:
-        if self.chunking == "delimiters" and self.delimiter_mask is None:
-            raise ValueError("SemantiCache needs the tokenizer's delimiter mask: SemantiCache.from_tokenizer(tok) "
-                             "or policy.with_tokenizer(tok)")
-        if self.keep_numbers and self.number_mask is None:
-            raise ValueError("SemantiCache(keep_numbers=True) needs the tokenizer's digit tokens: "
-                             "SemantiCache.from_tokenizer(tok) or policy.with_tokenizer(tok)")
+        self._check_masks()
         if self.keys == "pre_rope" and self.inv_freq is None:
             raise ValueError("SemantiCache(keys='pre_rope') needs the RoPE frequencies: policy.bind(Setup(config)) "
                              "first (generate and sparsekv eval do)")
@@ -262,7 +294,7 @@ class SemantiCache(Policy):
         width, levels = self._width(T), self._levels()
         is_delim = self._is_delim(prompt)[:, :T]
         protect = self._protected(prompt)
-        protect = None if protect is None else protect[:, :T]
+        protect = None if protect is None else tuple(p[:, :T] for p in protect)
         per_head = not self.threshold_mode and self.level_rule == "least_lossy"
         if per_head:  # budget mode: every layout's search, the least lossy per (row, head)
             *layouts, _ = clustering.candidate_layouts(is_delim, prompt.lengths, keep, self.sinks, self.window,
@@ -280,6 +312,8 @@ class SemantiCache(Policy):
             if inv_freq is not None:
                 content = clustering.rotate(content, -pos, inv_freq)
             band = clustering.similarity_band(content, width)
+            if self.similarity == "keys_values":  # a member's value must be as alike as its key
+                band = jnp.minimum(band, clustering.similarity_band(v.astype(jnp.float32), width))
             if per_head:
                 back, kept_as_is, choice, tau = clustering.least_lossy_clustering(band, layouts, keep, top,
                                                                                   self.search_steps, self.gsc)
