@@ -1,5 +1,6 @@
-"""RULER 4k and 8k, both question modes, SmolLM2: SemantiCache with its digits kept (the default since
-2026-11-26) and as the paper writes it (digits merge), against SnapKV, H2O, StreamingLLM and (question-aware)
+"""RULER 4k and 8k, both question modes, SmolLM2: SemantiCache keeping the words that hold a digit (the
+default since 2026-11-26 16:00 UTC), keeping only the digits (the default before), and as the paper writes it
+(digits merge), against SnapKV, H2O, StreamingLLM and (question-aware)
 BSER at 20 / 35 / 50%. Every number comes from a committed `summary.json` of a `sparsekv eval` run on an
 H100 with the same prompts (seed 0, n = 25 per task); the sources of each panel are listed below.
 `python docs/results/semanticache_numbers_h100/plot.py` draws `score_vs_budget.png` and prints the table."""
@@ -14,17 +15,19 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 here = Path(__file__).parent
 res = here.parent
+words = res / "semanticache_number_words_h100"
 PANELS = {  # (question, length): summaries; the first that has a policy gives its row
-    ("agnostic", 4096): [here / "k4ag", res / "semanticache_eval_h100/sc_ruler4k_agnostic",
+    ("agnostic", 4096): [here / "k4ag", words / "w4ag", res / "semanticache_eval_h100/sc_ruler4k_agnostic",
                          res / "methods_h100/ruler4k_agnostic", res / "bser_rows_h100/r4ag"],
-    ("agnostic", 8192): [here / "k8ag", res / "semanticache_eval_h100/sc_ruler8k_agnostic",
+    ("agnostic", 8192): [here / "k8ag", words / "w8ag", res / "semanticache_eval_h100/sc_ruler8k_agnostic",
                          res / "semanticache_eval_h100/round2/sc8k", res / "bser_rows_h100/r8ag"],
-    ("aware", 4096): [here / "k4aw", res / "aware_budgets_h100/a4", res / "aware_budgets_h100/b4",
+    ("aware", 4096): [here / "k4aw", words / "w4aw", res / "aware_budgets_h100/a4", res / "aware_budgets_h100/b4",
                       res / "bser_eval_h100/ruler4k_aware_budgets"],
-    ("aware", 8192): [here / "k8aw", res / "aware_budgets_h100/c8", res / "aware_budgets_h100/d8",
+    ("aware", 8192): [here / "k8aw", words / "w8aw", res / "aware_budgets_h100/c8", res / "aware_budgets_h100/d8",
                       res / "bser_eval_h100/ruler8k_aware_budgets"],
 }
 LINES = {  # label -> policy spec as recorded
+    "semanticache (number words kept)": "semanticache({b}, number_words=True)",
     "semanticache (digits kept)": "semanticache({b}, keep_numbers=True)",
     "semanticache (paper: digits merge)": "semanticache({b})",
     "snapkv": "snapkv({b})", "h2o": "h2o({b})", "streamingllm": "streamingllm({b})", "bser": "bser({b})",
@@ -42,7 +45,7 @@ def averages(sources: list[Path]) -> dict[str, float]:
     return out
 
 
-fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+fig, axes = plt.subplots(2, 2, figsize=(11, 8.6))
 table = ["| policy | " + " | ".join(f"{q} {n // 1024}k {int(100 * b)}%" for q, n in PANELS for b in BUDGETS) + " |",
          "|---|" + "---:|" * (len(PANELS) * len(BUDGETS))]
 found = {panel: averages(src) for panel, src in PANELS.items()}
@@ -53,7 +56,8 @@ for label, spec in LINES.items():
         cells += ["" if y is None else f"{y:.2f}" for y in ys]
         if any(y is not None for y in ys):
             ax.plot([100 * b for b in BUDGETS], ys, marker="o", label=label,
-                    lw=2.4 if "kept" in label else 1.2, ls=":" if "paper" in label else "-")
+                    lw=2.4 if "words" in label else 1.6 if "kept" in label else 1.2,
+                    ls=":" if "paper" in label else "--" if "digits" in label else "-")
     table.append(f"| {label} | " + " | ".join(cells) + " |")
 for ax, (question, length) in zip(axes.flat, PANELS, strict=True):
     ax.axhline(found[question, length]["fullkv"], color="black", ls="--", label="full attention")
@@ -61,9 +65,9 @@ for ax, (question, length) in zip(axes.flat, PANELS, strict=True):
     ax.set_xticks([100 * b for b in BUDGETS])
     ax.set_xlabel("KV kept (% of the prompt)")
     ax.set_ylabel("average score")
-axes[0, 0].legend(fontsize=8, loc="upper left")
-fig.suptitle("SmolLM2-135M, H100: SemantiCache keeping numbers, against the paper's rule and the baselines")
-fig.tight_layout()
+fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=8)
+fig.suptitle("SmolLM2-135M, H100: SemantiCache keeping numbers (words or digits), the paper's rule, the baselines")
+fig.tight_layout(rect=(0, 0.07, 1, 1))
 fig.savefig(here / "score_vs_budget.png", dpi=110)
 print("\n".join(table))
 print("full attention: " + ", ".join(f"{q} {n // 1024}k {found[q, n]['fullkv']:.2f}" for q, n in PANELS))
