@@ -42,9 +42,11 @@ def number_mask(tokenizer: Any) -> np.ndarray:
 def word_start_mask(tokenizer: Any) -> np.ndarray:
     """``[V]`` bool over the tokenizer's ids: the token begins a word. Its decoded text starts with
     whitespace, or its piece carries the tokenizer's word-start marker (byte-level BPE's ``Ġ``,
-    SentencePiece's ``▁``: some tokenizers drop the space when decoding one token)."""
+    SentencePiece's ``▁``: some tokenizers drop the space when decoding one token; a tokenizer
+    without ``convert_ids_to_tokens`` is read from its decoded text alone)."""
     texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False)
-    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    to_pieces = getattr(tokenizer, "convert_ids_to_tokens", None)  # a minimal tokenizer may only decode
+    pieces = to_pieces(list(range(len(tokenizer)))) if to_pieces else [""] * len(texts)
     return np.array([(bool(s) and s[0].isspace()) or str(p or "").startswith(("\u0120", "\u2581"))
                      for s, p in zip(texts, pieces, strict=True)], bool)
 
