@@ -383,4 +383,5 @@ def test_probs_stacked_layer(rng):
     assert rel_err(np.asarray(probs), np.asarray(ref)) <= TOL[jnp.bfloat16]
     read = np.repeat(np.asarray(mask), Hq // Hkv, axis=1)
     assert np.all(np.asarray(probs)[~read] == 0)
-    np.testing.assert_allclose(np.asarray(probs).sum(-1), 1.0, atol=1e-5)
+    # a head whose one listed page lies past its row's length reads nothing: its probabilities are all 0
+    np.testing.assert_allclose(np.asarray(probs).sum(-1), read.any(-1).astype(np.float32), atol=1e-5)
