@@ -55,9 +55,12 @@ VARIANTS = {
     "none@0.5": dict(budget=0.5, chunking="none", layer_batch=1),
     # wider blocks: repeats a few sentences apart fall in one chunk (GSC in jnp: the kernel takes <= 128)
     **{f"fixed512@{b}": dict(budget=b, chunking="fixed", chunk_size=512) for b in (0.2, 0.35, 0.5)},
-    # numbers: the default keeps the words that hold a digit unmerged; "digits" keeps only the digit
-    # tokens; "paper" merges them as the paper's algorithm does (every variant above keeps the words;
-    # rows recorded before 2026-11-26 15:00 UTC kept nothing, those before 16:00 UTC only the digits)
+    # numbers: the default keeps the sentences (up to 64 tokens) that hold a digit unmerged, while they
+    # take at most half the budget; "words" keeps the words that hold a digit; "digits" only the digit
+    # tokens; "paper" merges them as the paper's algorithm does (every variant above keeps the sentences;
+    # rows recorded before 2026-11-26 15:00 UTC kept nothing, those before 16:00 UTC only the digits,
+    # those before 19:00 UTC the words)
+    **{f"words@{b}": dict(budget=b, number_sentences=0) for b in (0.2, 0.35, 0.5)},
     **{f"digits@{b}": dict(budget=b, number_words=False) for b in (0.2, 0.35, 0.5)},
     **{f"paper@{b}": dict(budget=b, keep_numbers=False) for b in (0.2, 0.35, 0.5)},
     # the previous layout rule (per row, the first layout that fits)

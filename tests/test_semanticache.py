@@ -26,6 +26,8 @@ CFG = ModelConfig(family="llama", vocab_size=23, hidden_size=32, num_layers=2, n
                   head_dim=16, intermediate_size=48, max_position_embeddings=512, eos_token_ids=(0,))
 DELIMS = (1, 2, 3)  # ids that are delimiters in the synthetic vocabulary
 MASK = np.isin(np.arange(CFG.vocab_size), DELIMS)
+SENTENCE_ENDS = (1, 2)  # delimiters that close a sentence ("." and "\n"; 3 is ",")
+SENTENCE_END_MASK = np.isin(np.arange(CFG.vocab_size), SENTENCE_ENDS)
 NUMBERS = (4, 5)  # ids that are digits
 NUMBER_MASK = np.isin(np.arange(CFG.vocab_size), NUMBERS)
 WORD_STARTS = tuple(range(6, 17))  # ids that begin a word (a leading space)
@@ -50,10 +52,10 @@ def ref_forced(n: int, keep: int, sinks: int, window: int, width: int) -> tuple[
 
 
 def masked(pol: SemantiCache) -> SemantiCache:
-    """``pol`` with the synthetic vocabulary's delimiter, digit and word-start masks (what
-    `with_tokenizer` sets)."""
+    """``pol`` with the synthetic vocabulary's delimiter, digit, word-start and sentence-end masks
+    (what `with_tokenizer` sets)."""
     return pol.replace(delimiter_mask=jnp.asarray(MASK), number_mask=jnp.asarray(NUMBER_MASK),
-                       word_start_mask=jnp.asarray(WORD_START_MASK))
+                       word_start_mask=jnp.asarray(WORD_START_MASK), sentence_end_mask=jnp.asarray(SENTENCE_END_MASK))
 
 
 def ref_number_words(row: np.ndarray) -> np.ndarray:
@@ -67,6 +69,19 @@ def ref_number_words(row: np.ndarray) -> np.ndarray:
             word = []
         if not MASK[token]:
             word.append(t)
+    return out
+
+
+def ref_number_sentences(row: np.ndarray, longest: int) -> np.ndarray:
+    """The tokens of every sentence of at most ``longest`` tokens that holds a digit, sentence by
+    sentence: a sentence-end token closes the sentence it belongs to."""
+    out, sentence = np.zeros(len(row), bool), []
+    for t, token in enumerate(row):
+        sentence.append(t)
+        if SENTENCE_END_MASK[token] or t == len(row) - 1:
+            if len(sentence) <= longest and any(NUMBER_MASK[row[i]] for i in sentence):
+                out[sentence] = True
+            sentence = []
     return out
 
 
@@ -139,7 +154,8 @@ def ref_compress(k, v, pos, tokens, lengths, pol: SemantiCache, margins: list[fl
     {(layer, row, head): (level, threshold)})``. Budget mode: per (layer, row, head) the level whose
     search reaches the highest threshold (the first of equal ones); threshold mode (or
     ``level_rule="finest"``): per row the first level whose coarsest clustering fits. ``protection``
-    gets each row's kept-unmerged class: 2 = words with digits, 1 = digits, 0 = nothing."""
+    gets each row's kept-unmerged class: 3 = sentences with digits (and the words with digits of
+    longer ones), 2 = words with digits, 1 = digits, 0 = nothing."""
     L, B, H, _, D = k.shape
     T = tokens.shape[1]
     width = T if pol.chunking == "none" else min(pol.chunk_size, T)
@@ -152,15 +168,21 @@ def ref_compress(k, v, pos, tokens, lengths, pol: SemantiCache, margins: list[fl
         s, w = ref_forced(n, keep, pol.sinks, max(pol.window, math.floor(pol.recent_ratio * keep + 1e-6)), width)
         delim = MASK[tokens[b]] if pol.chunking == "delimiters" else np.zeros(T, bool)
         order = (0, 1, 2) if pol.chunking == "delimiters" else (2,)
-        # kept unmerged: the words holding a digit, else the digits, else nothing: the first that fits
-        candidates = ([ref_number_words(tokens[b])] if pol.keep_numbers and pol.number_words else []) + (
-            [NUMBER_MASK[tokens[b]]] if pol.keep_numbers else []) + [np.zeros(T, bool)]
-        for protect in candidates:
+        # kept unmerged: the sentences holding a digit (within their share of the budget), else the
+        # words holding a digit, else the digits, else nothing: the first that fits
+        words, digits = ref_number_words(tokens[b]), NUMBER_MASK[tokens[b]]
+        candidates = []
+        if pol.keep_numbers and pol.number_words and pol.number_sentences:  # padding is in no sentence
+            sentences = np.pad(ref_number_sentences(tokens[b][:n], pol.number_sentences), (0, T - n))
+            candidates += [(3, sentences | words, pol.sentence_share)]
+        candidates += [(2, words, 1.0)] if pol.keep_numbers and pol.number_words else []
+        candidates += [(1, digits, 1.0)] if pol.keep_numbers else []
+        for kind, protect, share in candidates + [(0, np.zeros(T, bool), 1.0)]:
+            protect = np.asarray(protect, bool)
             layouts = {level: ref_chunks(delim, n, s, w, level, width, protect) for level in order}
-            if sum(map(len, layouts[order[-1]])) <= keep:
+            if kind == 0 or (sum(map(len, layouts[order[-1]])) <= keep and protect[s:n - w].sum() <= share * keep):
                 break
-        rank = next(j for j, c in enumerate(candidates) if c is protect)
-        protection.append(len(candidates) - 1 - rank)  # 2 = words, 1 = digits, 0 = nothing (when kept)
+        protection.append(kind)
         finest = next(lv for lv in order if len(layouts[lv][0]) + len(layouts[lv][1]) <= keep or lv == order[-1])
         for l in range(L):
             for h in range(H):
@@ -208,7 +230,7 @@ def ref_compress(k, v, pos, tokens, lengths, pol: SemantiCache, margins: list[fl
 
 def planted(seed: int, lengths, T: int, delim_rate: float, L: int = 2, H: int = 2, number_rate: float = 0.0):
     """Prefilled cache whose pre-RoPE keys are noisy copies of a few directions per head; digits
-    (2 of the 19 other ids) are drawn at least at ``number_rate``."""
+    (2 of the 19 other ids) are drawn at least at ``number_rate``, delimiters at ``delim_rate``."""
     rng = np.random.default_rng(seed)
     B, D = len(lengths), CFG.head_dim
     centers = rng.normal(size=(L, B, H, 4, D))
@@ -218,8 +240,8 @@ def planted(seed: int, lengths, T: int, delim_rate: float, L: int = 2, H: int = 
     keys = rope(content, positions).astype(np.float32)
     values = rng.normal(size=(L, B, H, T, D)).astype(np.float32)
     tokens = rng.integers(4, CFG.vocab_size, (B, T))
-    tokens[rng.uniform(size=(B, T)) < number_rate] = rng.choice(NUMBERS)
-    tokens[rng.uniform(size=(B, T)) < delim_rate] = rng.choice(DELIMS)
+    tokens = np.where(rng.uniform(size=(B, T)) < number_rate, rng.choice(NUMBERS, (B, T)), tokens)
+    tokens = np.where(rng.uniform(size=(B, T)) < delim_rate, rng.choice(DELIMS, (B, T)), tokens)  # 2/3 end sentences
     cfg = ModelConfig(**{**CFG.__dict__, "num_layers": L, "num_kv_heads": H, "num_heads": 2 * H})
     cache = init_cache(cfg, B, T + 8, page_size=8, dtype=jnp.float32)
     S = cache.capacity
@@ -273,14 +295,18 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
 
 
 @pytest.mark.parametrize("pol, delim_rate, number_rate, kept", [
-    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4), 0.15, 0.1, 2),  # threshold mode, number words kept
+    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4), 0.15, 0.02, 3),  # threshold mode, number sentences kept
+    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, number_sentences=0), 0.15, 0.1, 2),  # number words kept
     (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, keep_numbers=False), 0.15, 0.1, 0),  # the paper's
     # budget mode; 40% delimiters: the paper's layout cannot fit 30%, heads use coarser chunks
     (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5), 0.4, 0.1, None),
     (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5, keep_numbers=False), 0.4, 0.1, 0),
+    # 75%: sentences of up to 12 tokens holding a digit fit their half of the budget (the longer ones keep
+    # their words: the reference case fails if a sentence's length is not checked)
+    (SemantiCache(0.75, chunk_size=8, sinks=2, window=2, search_steps=5, number_sentences=12), 0.15, 0.03, 3),
     # 75%: the words around the digits fit (rows that keep words next to rows that keep only digits:
     # test_rows_whose_number_words_do_not_fit_keep_their_digits)
-    (SemantiCache(0.75, chunk_size=8, sinks=2, window=2, search_steps=5), 0.15, 0.05, 2),
+    (SemantiCache(0.75, chunk_size=8, sinks=2, window=2, search_steps=5, number_sentences=0), 0.15, 0.05, 2),
     (SemantiCache(0.6, chunk_size=8, sinks=2, window=2, search_steps=5, number_words=False), 0.15, 0.05, 1),
     # 40%+ digits at a 30% budget: they do not fit, those rows merge them
     (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5), 0.15, 0.4, 0),
@@ -291,31 +317,45 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
     # on the GSC kernel (interpreted): the GPU's path
     (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, gsc="interpret"), 0.15, 0.1, 2),
     (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5, gsc="interpret"), 0.4, 0.1, None),
-], ids=["threshold", "threshold-paper", "budget-fallback", "budget-fallback-paper", "number-words", "digits-only",
+], ids=["threshold", "threshold-words", "threshold-paper", "budget-fallback", "budget-fallback-paper",
+        "number-sentences", "number-words", "digits-only",
         "digits-overflow", "capped-fixed-post_rope", "none", "keys_values", "threshold-kernel",
         "budget-fallback-kernel"])
 def test_chunking_gsc_and_merging_equal_the_numpy_reference(pol, delim_rate, number_rate, kept):
-    """``kept``: the class kept unmerged (2 = words holding a digit, 1 = digits, 0 = nothing) that some
-    row of the draw must take, as the reference decides it."""
+    """``kept``: the class kept unmerged (3 = sentences holding a digit, 2 = words holding a digit,
+    1 = digits, 0 = nothing) that some row of the draw must take, as the reference decides it."""
     sizes, levels, protection = compare(pol, int(np.random.default_rng().integers(1 << 30)), delim_rate=delim_rate,
                                         number_rate=number_rate)
     assert min(sizes) < 40  # clusters did merge
     if delim_rate > 0.3:
         assert max(levels) > 0  # the fallback was taken
     if kept is not None:
-        assert kept in protection and max(protection) <= (2 if pol.number_words else 1) * pol.keep_numbers
+        most = (3 if pol.number_sentences else 2) if pol.number_words else 1
+        assert kept in protection and max(protection) <= most * pol.keep_numbers, protection
 
 
 def test_rows_whose_number_words_do_not_fit_keep_their_digits():
     """At 55%, some rows keep the words around their digits unmerged and the rest, where those words
     would overflow one entry per chunk, keep only the digits (the numpy reference decides which)."""
-    pol = SemantiCache(0.55, chunk_size=8, sinks=2, window=2, search_steps=5)
+    pol = SemantiCache(0.55, chunk_size=8, sinks=2, window=2, search_steps=5, number_sentences=0)
     seen = []
     for seed in np.random.default_rng().integers(1 << 30, size=5):  # ~1 draw in 10 has one class only
         seen.append(compare(pol, int(seed), lengths=(48, 46, 44, 40, 36, 29), number_rate=0.05)[2])
         if {1, 2} <= set(seen[-1]):
             break
     assert {1, 2} <= set(seen[-1]), seen
+
+
+def test_number_sentences_over_their_share_keep_their_words():
+    """The same draw at a share of 1 and of 0.3: rows whose number sentences fit one entry per chunk
+    but take more than 30% of the budget keep only the words holding a digit."""
+    for seed in np.random.default_rng().integers(1 << 30, size=4):
+        found = [compare(SemantiCache(0.75, chunk_size=8, sinks=2, window=2, search_steps=5, number_sentences=12,
+                                      sentence_share=share), int(seed), lengths=(48, 46, 44, 40), number_rate=0.04)[2]
+                 for share in (1.0, 0.3)]
+        if any(a == 3 and b == 2 for a, b in zip(*found, strict=True)):
+            break
+    assert any(a == 3 and b == 2 for a, b in zip(*found, strict=True)), found
 
 
 def test_digits_are_kept_as_they_are():
@@ -537,6 +577,25 @@ def test_delimiter_mask_of_smollm2(smol):
     assert "".join(tok.decode([i]) for i, k in zip(text, np.asarray(kept), strict=True) if k) == (
         "3f2b8c1a-5d4e" " x86" "1990s" "12")
     assert SemantiCache.from_tokenizer(tok, 0.2, number_words=False).word_start_mask is None
+    # number sentences: "." "?" "!" and newlines close a sentence, "," ":" and spaces do not; a sentence that
+    # holds a digit is kept whole (the needle's key with its value), up to number_sentences tokens
+    ends = np.asarray(pol.sentence_end_mask)
+    assert ends.shape == (len(tok),) and not (ends & ~mask).any()
+    for text, closes in ((".", True), ("?", True), ("!", True), ("\n", True), (",", False), (":", False),
+                         (" ", False)):
+        assert all(ends[i] == closes for i in ids(text)), text
+    text = ids("The sky is blue. One of the magic numbers for wise-cook is: 7975467. Nothing here!\nIn 1990 it was.")
+    row = jnp.asarray(np.asarray(text))[None]
+
+    def kept_text(longest):
+        kept = clustering.number_sentences(pol.number_mask[row], pol.sentence_end_mask[row],
+                                           jnp.asarray([len(text)]), longest)[0]
+        return "".join(tok.decode([i]) for i, k in zip(text, np.asarray(kept), strict=True) if k)
+
+    # "!\n" is one token: the newline closes "Nothing here!", which holds no digit
+    assert kept_text(64) == " One of the magic numbers for wise-cook is: 7975467." "In 1990 it was."
+    assert kept_text(10) == "In 1990 it was."  # the needle's sentence is longer than 10 tokens
+    assert SemantiCache.from_tokenizer(tok, 0.2, number_sentences=0).sentence_end_mask is None
 
 
 def test_spec_and_bad_settings():
@@ -548,7 +607,11 @@ def test_spec_and_bad_settings():
                           (dict(budget=10, window=32), "window=32"), (dict(chunk_size=1), "chunk_size=1"),
                           (dict(recent_ratio=1.0), "recent_ratio=1.0"), (dict(gsc="cuda"), "gsc='cuda'"),
                           (dict(keep_numbers="yes"), "keep_numbers='yes'"),
-                          (dict(number_words=1), "number_words=1")]:
+                          (dict(number_words=1), "number_words=1"), (dict(number_sentences=-1), "number_sentences=-1"),
+                          (dict(number_sentences=True), "number_sentences=True"),
+                          (dict(number_sentences=2.5), "number_sentences=2.5"),
+                          (dict(sentence_share=0.0), "sentence_share=0.0"),
+                          (dict(sentence_share=1.5), "sentence_share=1.5")]:
         with pytest.raises(ValueError, match=match):
             SemantiCache(**kwargs)
     # the kernel takes power-of-two bands up to 128: one chunk of a 48-token prompt is not one
@@ -563,6 +626,9 @@ def test_without_a_tokenizer_generate_says_what_to_call(params):
     no_words = masked(SemantiCache(0.5, window=8)).replace(word_start_mask=None)
     with pytest.raises(ValueError, match="number_words=True.*word-start.*with_tokenizer"):
         generate(params, no_words, tokens, lengths=lengths, max_new_tokens=2)
+    no_ends = masked(SemantiCache(0.5, window=8)).replace(sentence_end_mask=None)
+    with pytest.raises(ValueError, match="number_sentences=64.*sentence-end.*with_tokenizer"):
+        generate(params, no_ends, tokens, lengths=lengths, max_new_tokens=2)
     with pytest.raises(ValueError, match="with_tokenizer"):
         generate(params, Pipeline(compress=SemantiCache(0.5, window=8), decode=Quest(0.5)), tokens, lengths=lengths,
                  max_new_tokens=2)

@@ -21,6 +21,7 @@ from sparsekv_jax.models.rope import apply_rope
 from sparsekv_jax.pallas.gsc import greedy_seed_clustering_kernel, gsc_kernel_applies
 
 DELIMITERS = ".,?!;: \t\n"  # SemantiCache's set: . , ? ! ; : space tab newline
+SENTENCE_ENDS = ".?!\n"  # the delimiters that close a sentence
 MERGE_ALL = -2.0  # below every cosine: one cluster per chunk
 
 
@@ -49,6 +50,35 @@ def word_start_mask(tokenizer: Any) -> np.ndarray:
     pieces = to_pieces(list(range(len(tokenizer)))) if to_pieces else [""] * len(texts)
     return np.array([(bool(s) and s[0].isspace()) or str(p or "").startswith(("\u0120", "\u2581"))
                      for s, p in zip(texts, pieces, strict=True)], bool)
+
+
+def sentence_end_mask(tokenizer: Any, ends: str = SENTENCE_ENDS) -> np.ndarray:
+    """``[V]`` bool over the tokenizer's ids: a delimiter token (`delimiter_mask`) holding one of
+    ``ends`` (``.`` ``?`` ``!`` newline): the last token of a sentence (SmolLM2: ``"."``, ``".\\n\\n"``,
+    ``" ?"``)."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False)
+    delims, marks = set(DELIMITERS), set(ends)
+    return np.array([bool(s) and set(s) <= delims and bool(set(s) & marks) for s in texts], bool)
+
+
+def number_sentences(is_digit: jax.Array, ends_sentence: jax.Array, lengths: jax.Array, longest: int) -> jax.Array:
+    """``[B, T]`` bool: every token of a sentence that holds a digit and is at most ``longest``
+    tokens long, its closing delimiter included. A sentence ends at a sentence-end token
+    (`sentence_end_mask`) and at the row's last token (``lengths`` ``[B]``); padding is in none."""
+    T = is_digit.shape[1]
+    t = jnp.arange(T)[None]
+    live = t < lengths[:, None]
+    ends_sentence = ends_sentence | (t >= lengths[:, None] - 1)  # each padding slot: a "sentence" of its own
+    sentence = jnp.cumsum(ends_sentence, axis=1) - ends_sentence  # the end token closes its own sentence
+    is_digit = is_digit & live
+
+    def per_row(d, s):
+        return (jax.ops.segment_max(d, s, num_segments=T),
+                jax.ops.segment_sum(jnp.ones_like(d), s, num_segments=T))
+
+    has_digit, size = jax.vmap(per_row)(is_digit.astype(jnp.int32), sentence)
+    keep = (has_digit > 0) & (size <= longest)
+    return jnp.take_along_axis(keep, sentence, axis=1) & live
 
 
 def number_words(is_digit: jax.Array, starts_word: jax.Array, is_delim: jax.Array) -> jax.Array:
@@ -119,12 +149,15 @@ def chunk_layout(is_delim: jax.Array, lengths: jax.Array, sinks: jax.Array, wind
 
 def candidate_layouts(is_delim: jax.Array, lengths: jax.Array, keep: jax.Array, sinks: int, window: int,
                       chunk_size: int, levels: tuple[int, ...], recent_ratio: float = 0.0,
-                      protect: jax.Array | tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, ...]:
+                      protect: jax.Array | tuple[jax.Array, ...] | None = None,
+                      shares: tuple[float, ...] | None = None) -> tuple[jax.Array, ...]:
     """`chunk_layout` at each of ``levels``: ``(forced, anchor, member, place)`` ``[N, B, T]`` each and
     ``fits`` ``[N, B]``: the level's coarsest clustering (one cluster per chunk) fits the row's
     budget ``keep``. Sinks and window are the same at every level (`forced_counts`). ``protect``
     ``[B, T]``: anchors at every level; or a tuple of such masks, the most protective first: each
-    row takes the first with which its last level fits, none where no mask does."""
+    row takes the first with which its last level fits, none where no mask does. ``shares`` (one
+    per mask; default 1): a row takes a mask only where the slots it protects (outside sinks and
+    window) are at most that share of ``keep``."""
     sinks_b, window_b = forced_counts(keep, lengths, sinks, window, chunk_size, recent_ratio, is_delim.shape[1])
 
     def layouts(protect):
@@ -135,21 +168,24 @@ def candidate_layouts(is_delim: jax.Array, lengths: jax.Array, keep: jax.Array, 
 
     if protect is None:
         return layouts(None)
+    masks = (protect,) if isinstance(protect, jax.Array) else protect
     chosen, placed = jnp.zeros(is_delim.shape, bool), jnp.zeros(lengths.shape, bool)
-    for mask in (protect,) if isinstance(protect, jax.Array) else protect:  # a static handful of masks
-        fits = layouts(mask)[-1][-1] & ~placed  # [B]: the coarsest level fits with this mask
+    for mask, share in zip(masks, shares or (1.0,) * len(masks), strict=True):  # a static handful of masks
+        _, anchor, _, _, fits = layouts(mask)  # the last level's anchors are the protected slots alone
+        fits = fits[-1] & (anchor[-1].sum(-1) <= share * keep) & ~placed  # [B]
         chosen, placed = jnp.where(fits[:, None], mask, chosen), placed | fits
     return layouts(chosen)  # a row whose coarsest level overflows with every mask keeps nothing protected
 
 
 def fitting_layout(is_delim: jax.Array, lengths: jax.Array, keep: jax.Array, sinks: int, window: int,
                    chunk_size: int, levels: tuple[int, ...], recent_ratio: float = 0.0,
-                   protect: jax.Array | tuple[jax.Array, ...] | None = None) -> tuple[jax.Array, ...]:
+                   protect: jax.Array | tuple[jax.Array, ...] | None = None,
+                   shares: tuple[float, ...] | None = None) -> tuple[jax.Array, ...]:
     """``(forced, anchor, member, place, level)``: `chunk_layout` at each row's first level of
     ``levels`` whose coarsest clustering (one cluster per chunk) fits the row's budget ``keep``
     (the last level when none does). Threshold mode's layout."""
     *layout, fits = candidate_layouts(is_delim, lengths, keep, sinks, window, chunk_size, levels, recent_ratio,
-                                      protect)
+                                      protect, shares)
     first = jnp.argmax(fits.at[-1].set(True), axis=0)  # [B]
     return (*(jnp.take_along_axis(x, first[None, :, None], 0)[0] for x in layout),
             jnp.asarray(levels, jnp.int32)[first])
