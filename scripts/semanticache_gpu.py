@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     mask = jnp.arange(cfg.vocab_size) % 7 == 0  # synthetic delimiter ids (no tokenizer on the GPU box)
     digits = jnp.arange(cfg.vocab_size) % 50 == 1  # synthetic digit ids: 2% of the prompt, kept unmerged
     starts = jnp.arange(cfg.vocab_size) % 3 != 2  # synthetic word starts: 2 of 3 tokens (SmolLM2: 65%)
+    ends = jnp.arange(cfg.vocab_size) % 21 == 0  # synthetic sentence ends: 1 of 3 delimiters
 
     @jax.jit
     def run_prefill(params, tokens):
@@ -118,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         variants.append((f"budget {args.budget}, previous layout rule, layer_batch={layer_batches[-1]}, gsc={g}",
                          SemantiCache(args.budget, layer_batch=layer_batches[-1], level_rule="finest", gsc=g)))
         variants.append((f"threshold tau=0.7 (cap = budget), gsc={g}", SemantiCache(args.budget, tau=0.7, gsc=g)))
+        variants.append((f"budget {args.budget}, words only (number_sentences=0), layer_batch={layer_batches[-1]}, "
+                         f"gsc={g}",
+                         SemantiCache(args.budget, layer_batch=layer_batches[-1], number_sentences=0, gsc=g)))
         variants.append((f"budget {args.budget}, digits only (number_words=False), layer_batch={layer_batches[-1]}, "
                          f"gsc={g}",
                          SemantiCache(args.budget, layer_batch=layer_batches[-1], number_words=False, gsc=g)))
@@ -126,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     merged = None
     firsts: dict[str, object] = {}  # per setting (the label without gsc): the first gsc's cache
     for label, pol in variants:
-        pol = pol.replace(delimiter_mask=mask, number_mask=digits, word_start_mask=starts).bind(
+        pol = pol.replace(delimiter_mask=mask, number_mask=digits, word_start_mask=starts, sentence_end_mask=ends).bind(
             Setup(cfg, prompt_len=T, max_new_tokens=steps, backend=backend))
         cap = pol.compressed_capacity(T, steps)
         try:
