@@ -129,7 +129,8 @@ def test_h2o_runs_through_the_decode_kernel(params, monkeypatch):
                    backend=Backend(decode_attention="pallas", decode_carry=True))
     assert calls and all(c.get("return_probs") for c in calls)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
-    np.testing.assert_allclose(np.asarray(got.cache.layers.k), np.asarray(ref.cache.layers.k), atol=1e-5)
+    # fp32, the kernel's summation order: a relative bound too (a fresh-clone run saw 1.5e-5 on a key of 0.91)
+    np.testing.assert_allclose(np.asarray(got.cache.layers.k), np.asarray(ref.cache.layers.k), rtol=2e-5, atol=2e-5)
 
 
 def test_backend_is_a_static_value_that_takes_effect_after_a_compile(params, monkeypatch):

@@ -295,15 +295,18 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
 
 
 @pytest.mark.parametrize("pol, delim_rate, number_rate, kept", [
-    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4), 0.15, 0.02, 3),  # threshold mode, number sentences kept
+    # threshold mode, number sentences kept (share 1: ids 4 and 5 are digits, so ~12% of tokens are, and most
+    # sentences hold one; at the default share a draw could keep the words in every row)
+    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, sentence_share=1.0), 0.15, 0.02, 3),
     (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, number_sentences=0), 0.15, 0.1, 2),  # number words kept
     (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, keep_numbers=False), 0.15, 0.1, 0),  # the paper's
     # budget mode; 40% delimiters: the paper's layout cannot fit 30%, heads use coarser chunks
     (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5), 0.4, 0.1, None),
     (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5, keep_numbers=False), 0.4, 0.1, 0),
-    # 75%: sentences of up to 12 tokens holding a digit fit their half of the budget (the longer ones keep
-    # their words: the reference case fails if a sentence's length is not checked)
-    (SemantiCache(0.75, chunk_size=8, sinks=2, window=2, search_steps=5, number_sentences=12), 0.15, 0.03, 3),
+    # 90%: sentences of up to 12 tokens holding a digit are kept (the longer ones keep their words: the
+    # reference case fails if a sentence's length is not checked; the share: the test after this one)
+    (SemantiCache(0.9, chunk_size=8, sinks=2, window=2, search_steps=5, number_sentences=12, sentence_share=1.0),
+     0.15, 0.0, 3),
     # 75%: the words around the digits fit (rows that keep words next to rows that keep only digits:
     # test_rows_whose_number_words_do_not_fit_keep_their_digits)
     (SemantiCache(0.75, chunk_size=8, sinks=2, window=2, search_steps=5, number_sentences=0), 0.15, 0.05, 2),
@@ -315,7 +318,7 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
     (SemantiCache(12, window=4, recent_ratio=0.5, search_steps=5, chunking="none"), 0.15, 0.1, None),  # window: 6
     (SemantiCache(0.4, chunk_size=8, sinks=2, window=2, search_steps=5, similarity="keys_values"), 0.15, 0.05, None),
     # on the GSC kernel (interpreted): the GPU's path
-    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, gsc="interpret"), 0.15, 0.1, 2),
+    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, sentence_share=1.0, gsc="interpret"), 0.15, 0.02, 3),
     (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5, gsc="interpret"), 0.4, 0.1, None),
 ], ids=["threshold", "threshold-words", "threshold-paper", "budget-fallback", "budget-fallback-paper",
         "number-sentences", "number-words", "digits-only",
@@ -344,6 +347,23 @@ def test_rows_whose_number_words_do_not_fit_keep_their_digits():
         if {1, 2} <= set(seen[-1]):
             break
     assert {1, 2} <= set(seen[-1]), seen
+
+
+@pytest.mark.parametrize("longest", [4, 8, 40])
+def test_number_sentences_equal_the_reference(longest):
+    """`clustering.number_sentences` on 64 random padded rows against the token-by-token reference: a
+    row's last sentence ends at its length, and the padding after it (random ids: digits and
+    sentence ends too) is in no sentence."""
+    rng = np.random.default_rng()
+    B, T = 64, 40
+    tokens = rng.integers(0, CFG.vocab_size, (B, T))
+    lengths = rng.integers(1, T + 1, B)
+    got = np.asarray(clustering.number_sentences(jnp.asarray(NUMBER_MASK[tokens]),
+                                                 jnp.asarray(SENTENCE_END_MASK[tokens]), jnp.asarray(lengths), longest))
+    want = np.stack([np.pad(ref_number_sentences(row[:n], longest), (0, T - n)) for row, n in zip(tokens, lengths,
+                                                                                                  strict=True)])
+    np.testing.assert_array_equal(got, want)
+    assert want.any() and (~want).any()
 
 
 def test_number_sentences_over_their_share_keep_their_words():
