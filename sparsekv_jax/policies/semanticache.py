@@ -243,8 +243,7 @@ class SemantiCache(Policy):
         defaults = {f.name: f.default for f in dataclasses.fields(SemantiCache)}
         shown = [f"{n}={getattr(self, n)!r}"
                  for n in ("tau", "sinks", "window", "recent_ratio", "keep_numbers", "number_words", "number_sentences",
-                           "sentence_share", "chunking",
-                           "chunk_size", "keys", "similarity", "level_rule")
+                           "sentence_share", "chunking", "chunk_size", "keys", "similarity", "level_rule")
                  if getattr(self, n) != defaults[n]]
         return f"SemantiCache({', '.join([repr(self.budget), *shown])})"
 
