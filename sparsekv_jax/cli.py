@@ -12,25 +12,29 @@ SHAPE_PRESETS = ("smollm2", "llama3.1-8b")
 
 
 def _config_for(model: str):
-    """A `ModelConfig` without loading weights (presets, HF dirs, GGUF files)."""
+    """A `ModelConfig` without loading weights: the shape presets, any embedded model `load` knows,
+    a HF model directory or a GGUF file (`sparsekv_jax.models.embedded.model_config`)."""
     from sparsekv_jax.models import config as mc
+    from sparsekv_jax.models.embedded import model_config
 
     if model == "smollm2":
         return mc.smollm2_135m_config()
     if model == "llama3.1-8b":
         return mc.llama31_8b_config()
-    path = Path(model)
-    if path.is_dir():
-        cfg_file = path / "config.json"
-        if not cfg_file.exists():
-            raise SystemExit(f"sparsekv: error: {path} has no config.json")
-        return mc.ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
-    if path.suffix == ".gguf" and path.exists():
-        from sparsekv_jax.models.loading import gguf_config
+    return model_config(model)
 
-        return gguf_config(path)
-    raise SystemExit(f"sparsekv: error: --model {model!r} is not one of {SHAPE_PRESETS}, "
-                     "a model directory or a .gguf file")
+
+# What a model that cannot be found, read, fetched or converted raises (`load`, `model_config`).
+MODEL_ERRORS = (ValueError, OSError, RuntimeError)
+
+
+def _model_failed(prog: str, model: str, e: BaseException) -> int:
+    """One line on stderr naming the model and what is wrong (no traceback); exit status 2."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    if model not in text:
+        text = f"--model {model}: {text}"
+    print(f"{prog}: error: {text}", file=sys.stderr)
+    return 2
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -88,7 +92,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     mesh = _mesh(args.mesh, "sparsekv", args.distributed)
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
-    params, tokenizer = load(args.model, dtype=dtype, progress=not args.quiet)
+    try:
+        params, tokenizer = load(args.model, dtype=dtype, progress=not args.quiet)
+    except MODEL_ERRORS as e:
+        if args.debug:
+            raise
+        return _model_failed("sparsekv", args.model, e)
     policy = policy.with_tokenizer(tokenizer)
     if args.chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
@@ -122,7 +131,12 @@ def _fmt_bytes(n: float) -> str:
 def cmd_info(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    cfg = _config_for(args.model)
+    try:
+        cfg = _config_for(args.model)
+    except MODEL_ERRORS as e:
+        if args.debug:
+            raise
+        return _model_failed("sparsekv info", args.model, e)
     elem = {"bfloat16": 2, "float32": 4}[args.dtype]
     per_token = cfg.kv_bytes_per_token(elem)
     info = {
@@ -265,7 +279,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate a continuation of PROMPT (argument, --prompt-file, or stdin).")
     g.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt text (default: read stdin)")
     g.add_argument("--prompt-file", metavar="F", help="read the prompt from file F")
-    g.add_argument("--model", default="smollm2", help="'smollm2' (default), a HF model directory or a .gguf file")
+    g.add_argument("--model", default="smollm2",
+                   help="'smollm2' (default), another embedded model (gemma3-270m, qwen2.5-coder-1.5b, "
+                        "qwen2.5-coder-0.5b), a HF model directory or a .gguf file")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--policy", default="fullkv", metavar="SPEC",
                    help="KV policy, e.g. 'snapkv(budget=0.25)' or 'pipeline(compress=snapkv(0.25), decode=quest(0.25))'"
@@ -279,17 +295,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mesh", default=None, metavar="data=D,model=M", help=MESH_HELP)
     g.add_argument("--distributed", action="store_true", help=DISTRIBUTED_HELP)
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bars or timing line")
+    g.add_argument("--debug", action="store_true", help="show the traceback of a model that fails to load")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", help="model configuration and memory",
                        description="Print a model's configuration, parameter count, KV bytes per token and "
                                    "the KV cache memory for a context length and batch size.")
     i.add_argument("--model", default="smollm2",
-                   help=f"one of {', '.join(SHAPE_PRESETS)} (built-in shapes), a HF model directory or a .gguf file")
+                   help=f"one of {', '.join(SHAPE_PRESETS)} (built-in shapes), an embedded model generate loads "
+                        "(gemma3-270m, qwen2.5-coder-1.5b, ...: read from its GGUF's metadata, fetched if needed), "
+                        "a HF model directory or a .gguf file")
     i.add_argument("--context", type=int, default=8192, metavar="T", help="context length in tokens")
     i.add_argument("--batch", type=int, default=1, metavar="B", help="batch size")
     i.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="storage dtype")
     i.add_argument("--json", action="store_true", help="print JSON")
+    i.add_argument("--debug", action="store_true", help="show the traceback of a model that fails to load")
     i.set_defaults(func=cmd_info)
 
     e = sub.add_parser("eval", help="evaluate KV policies on RULER / LongBench",

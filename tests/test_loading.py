@@ -326,7 +326,7 @@ def test_truncated_and_corrupted_gguf(tmp_path):
         load_gguf(cut)
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"NOPE" + data[4:])
-    with pytest.raises(ValueError, match=r"bad\.gguf.*truncated or corrupted"):
+    with pytest.raises(ValueError, match=r"bad\.gguf: not a GGUF file"):
         load_gguf(bad)
 
 
@@ -406,10 +406,10 @@ def test_failed_conversion_leaves_nothing_half_written(tmp_path, monkeypatch):
             Path(d, "tokenizer.json").write_text("{")
             raise OSError("disk full")
 
-    monkeypatch.setattr(embedded, "fetch_wheel_file", lambda *a, **k: tmp_path / "x.gguf")
+    monkeypatch.setattr(embedded, "embedded_gguf_path", lambda *a, **k: tmp_path / "x.gguf")
     monkeypatch.setattr(embedded, "_convert", lambda *a, **k: (arrays, cfg, FailingTokenizer()))
     # a damaged entry from an earlier run is discarded, then the rebuild fails half-way
-    broken = tmp_path / "converted" / f"smollm2-{SMOL.sha256[:12]}-v{embedded._FORMAT_VERSION}"
+    broken = tmp_path / "converted" / f"smollm2-{SMOL.file_sha256[:12]}-v{embedded._FORMAT_VERSION}"
     broken.mkdir(parents=True)
     (broken / "meta.json").write_text("{not json")
     with pytest.warns(UserWarning, match="unreadable"), pytest.raises(OSError, match="disk full"):

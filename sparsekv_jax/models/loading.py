@@ -26,7 +26,7 @@ from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import LayerParams, Params, expected_shapes, params_from_arrays
 
 __all__ = ["load_hf_dir", "load_gguf", "load_tokenizer", "read_hf_arrays", "read_gguf_arrays",
-           "arrays_to_params"]
+           "arrays_to_params", "gguf_config", "read_hf_config"]
 
 # Field name → (HF tensor name template, transpose to [in, out]). Layer templates take `{i}`.
 _HF_GLOBAL: dict[str, tuple[str, bool]] = {
@@ -92,7 +92,15 @@ _GGUF_LAYER_GEMMA3: dict[str, tuple[str, bool]] = {
     "post_attn_norm": ("blk.{i}.post_attention_norm.weight", False),
     "post_mlp_norm": ("blk.{i}.post_ffw_norm.weight", False),
 }
-_GGUF_LAYER_MAPS = {"llama": _GGUF_LAYER, "gemma3": _GGUF_LAYER_GEMMA3}
+# llama.cpp's qwen2 names: llama's plus the q/k/v biases; q/k rows are not permuted (llama.cpp's
+# converter permutes only the llama family's).
+_GGUF_LAYER_QWEN2: dict[str, tuple[str, bool]] = {
+    **_GGUF_LAYER,
+    "bq": ("blk.{i}.attn_q.bias", False),
+    "bk": ("blk.{i}.attn_k.bias", False),
+    "bv": ("blk.{i}.attn_v.bias", False),
+}
+_GGUF_LAYER_MAPS = {"llama": _GGUF_LAYER, "gemma3": _GGUF_LAYER_GEMMA3, "qwen2": _GGUF_LAYER_QWEN2}
 _GGUF_ARCHITECTURES = tuple(_GGUF_LAYER_MAPS)
 # llama.cpp's fixed Gemma 3 facts that the GGUF metadata does not carry (llama-model.cpp): every
 # 6th layer is global (5 local : 1 global), local layers' RoPE base is 10k.
@@ -153,14 +161,25 @@ def _check_names_and_shapes(plan: dict[str, list[tuple[str, bool, tuple[int, ...
             f"them): {shown}")
 
 
+def _check_finite(a: np.ndarray, name: str, where: str) -> None:
+    """`ValueError` naming the tensor when ``a`` holds NaN or ±inf (a damaged file decodes to them)."""
+    if np.issubdtype(a.dtype, np.floating) and not np.isfinite(a).all():
+        bad = int(a.size - np.isfinite(a).sum())
+        raise ValueError(f"{where}: tensor {name} has {bad} non-finite values (NaN/inf) of {a.size}; "
+                         "the file is damaged")
+
+
 def _gather(plan: dict[str, list[tuple[str, bool, tuple[int, ...]]]],
-            read: Callable[[str], np.ndarray], bar: tqdm | None = None) -> dict[str, np.ndarray]:
-    """Read every planned tensor, transpose projections, stack layers (numpy, host)."""
+            read: Callable[[str], np.ndarray], bar: tqdm | None = None,
+            where: str = "checkpoint") -> dict[str, np.ndarray]:
+    """Read every planned tensor, transpose projections, stack layers (numpy, host); every tensor
+    must be finite (`ValueError` naming the first that is not)."""
     out = {}
     for field, entries in plan.items():
         parts = []
         for name, transpose, _ in entries:
             a = read(name)
+            _check_finite(a, name, where)
             parts.append(a.T if transpose else a)
             if bar is not None:
                 bar.update(1)
@@ -207,7 +226,7 @@ def read_hf_config(path: str | Path) -> ModelConfig:
     """Parse ``config.json`` of a Hugging Face model directory (raises on unsupported archs)."""
     cfg_file = Path(path) / "config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"{path}: no config.json")
+        raise FileNotFoundError(f"{path}: not a model directory (no config.json)")
     try:
         raw = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
@@ -262,7 +281,7 @@ def read_hf_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str, 
 
         total = sum(len(v) for v in plan.values())
         with tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress) as bar:
-            arrays = _gather(plan, read, bar)
+            arrays = _gather(plan, read, bar, str(path))
     return arrays, cfg
 
 
@@ -318,6 +337,10 @@ def _open_gguf(path: Path) -> Any:
 
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such GGUF file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     try:
         return GGUFReader(str(path))
     except Exception as e:  # the reader raises ValueError/IndexError/struct errors on bad files
@@ -379,6 +402,8 @@ def _gguf_config(reader: Any, path: Path, vocab_size: int, tied: bool) -> ModelC
             rope_local_theta=_GEMMA3_LOCAL_ROPE_THETA,
             final_logit_softcapping=None if cap is None else _float32_clean(cap),
         )
+    if arch == "qwen2":
+        family_fields = dict(qkv_bias=True)
     return ModelConfig(
         family=arch,
         vocab_size=vocab_size,
@@ -398,6 +423,23 @@ def _gguf_config(reader: Any, path: Path, vocab_size: int, tied: bool) -> ModelC
     )
 
 
+def gguf_config(path: str | Path) -> ModelConfig:
+    """The `ModelConfig` of a GGUF file from its metadata and tensor shapes, without reading weights.
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: not a GGUF file (or truncated), unsupported architecture, missing metadata.
+    """
+    path = Path(path)
+    reader = _open_gguf(path)
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        _gguf_config(reader, path, 1, True)  # the architecture first: the more useful message
+        raise ValueError(f"{path}: missing tensors: token_embd.weight")
+    vocab = int(tensors["token_embd.weight"].shape.tolist()[-1])  # GGUF dims innermost first
+    return _gguf_config(reader, path, vocab, tied="output.weight" not in tensors)
+
+
 def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's q/k row permutation.
 
@@ -411,7 +453,7 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def read_gguf_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str, np.ndarray], ModelConfig]:
-    """Dequantised float32 host weights of a llama- or gemma3-architecture GGUF, plus its config.
+    """Dequantised float32 host weights of a llama-, qwen2- or gemma3-architecture GGUF, plus its config.
 
     Quantised tensors (Q4_0/Q4_1/Q5_0/Q8_0, the K-quants Q4_K/Q5_K/Q6_K of a Q4_K_M file, …) are
     dequantised by the ``gguf`` package's `gguf.quants.dequantize`. Gemma 3's norm weights are
@@ -461,6 +503,8 @@ def read_gguf_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str
         w = np.asarray(w, dtype=np.float32).reshape(shapes[name])
         if cfg.family == "gemma3":  # stored as 1 + w; q/k rows are in HF order already
             return w - 1.0 if name.endswith("norm.weight") else w
+        if cfg.family != "llama":  # qwen2: q/k rows (and biases) are in HF order already
+            return w
         if ".attn_q." in name:
             w = _unpermute_rope_rows(w, cfg.num_heads)
         elif ".attn_k." in name:
@@ -469,16 +513,18 @@ def read_gguf_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str
 
     total = sum(len(v) for v in plan.values())
     with tqdm(total=total, desc="dequantising GGUF", unit="tensor", disable=not progress) as bar:
-        arrays = _gather(plan, read, bar)
+        arrays = _gather(plan, read, bar, str(path))
     return arrays, cfg
 
 
 def load_gguf(path: str | Path, dtype: Any = jnp.float32, *,
               progress: bool = False) -> tuple[Params, ModelConfig]:
-    """Load a llama- or gemma3-architecture GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K/… via ``gguf``).
+    """Load a llama-, qwen2- or gemma3-architecture GGUF file (F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q4_K/Q6_K/… via
+    ``gguf``).
 
     For llama, q/k projection rows are un-permuted from llama.cpp's rope layout back to Hugging Face's, so
-    the result matches what ``transformers`` loads from the same file.
+    the result matches what ``transformers`` loads from the same file (qwen2's and gemma3's are stored
+    unpermuted); qwen2's q/k/v biases are read too. Every weight must be finite.
 
     Args:
       path: the ``.gguf`` file.
@@ -490,7 +536,8 @@ def load_gguf(path: str | Path, dtype: Any = jnp.float32, *,
 
     Raises:
       ValueError: truncated/corrupted file, unsupported ``general.architecture`` (named),
-        missing metadata or tensors (named), unsupported quantisation types.
+        missing metadata or tensors (named), unsupported quantisation types, non-finite weights
+        (the tensor named).
     """
     arrays, cfg = read_gguf_arrays(path, progress=progress)
     return arrays_to_params(cfg, arrays, dtype), cfg
