@@ -144,6 +144,9 @@ def test_regenerate_tables_and_plots(tmp_path: Path, capsys):
     md = (out / "RESULTS.md").read_text()
     assert "### m · ruler · 4k · question-agnostic" in md and "### m · ruler · 8k · question-agnostic" in md
     assert "### m · ruler-variants · 16k · question-aware" in md
+    # columns in RULER's task order, value types as listed (numbers, words, uuids)
+    assert md.index("niah_single_2@numbers@16k") < md.index("niah_single_2@words@16k") < \
+        md.index("niah_single_2@uuids@16k") < md.index("niah_multikey_1@numbers@16k")
     # a row's numbers are the records' own: average of the two task percentages, by hand
     full4 = [r for r in recs_a if r["policy"] == "fullkv" and r["length"] == 4096]
     per_task = [100 * np.mean([r["score"] for r in full4 if r["task"] == t]) for t in ("niah_single_1", "vt")]
@@ -156,7 +159,8 @@ def test_regenerate_tables_and_plots(tmp_path: Path, capsys):
     words = {r["policy"]: r for r in typed_summary["needle_types"]["words"]["rows"]}
     wfull = [r["score"] for r in typed if r["policy"] == "fullkv" and "@words" in r["task"]]
     assert words["fullkv"]["ci"]["average"][0] == pytest.approx(100 * np.mean(wfull), abs=1e-3)  # equal n per task
-    for name in ("score_vs_kv_m_ruler.png", "score_vs_kv_m_ruler-variants.png", "needle_types_m_16k_aware.png"):
+    for name in ("score_vs_kv_m_ruler.png", "score_vs_kv_m_ruler-variants.png",
+                 "needle_types_m_ruler-variants_16k_aware.png"):
         assert (out / name).stat().st_size > 5000, name
         assert f"]({name})" in md
     assert report.main([str(tmp_path / "nothing"), "--out", str(out)]) == 2

@@ -447,7 +447,8 @@ def find_results(sources: Sequence[str | Path]) -> list[Path]:
 
 def needle_type(task: str) -> str | None:
     """The needle value type of a RULER variant task (``niah_single_2@words`` → ``"words"``), else ``None``."""
-    if "@" not in task:
+    parts = task.partition("@")[2].split("+")
+    if not [p for p in parts if p and p != "split"]:  # not a value-type variant
         return None
     from sparsekv_jax.eval.ruler import ruler_config
 
@@ -474,6 +475,21 @@ def _row_order(records: Sequence[dict[str, Any]]) -> list[str]:
                 label)
 
     return sorted(first, key=key)
+
+
+def _column_order(records: Sequence[dict[str, Any]]) -> list[str]:
+    """Columns by length, then RULER's task order (variants by value type), then name."""
+    from sparsekv_jax.eval.ruler import NEEDLE_TYPES, RULER_CONFIGS
+
+    tasks = list(RULER_CONFIGS)
+    cols = {}
+    for r in records:
+        base = r["task"].partition("@")[0]
+        t = needle_type(r["task"])
+        cols[r.get("column") or column_name(r["task"], r.get("length"))] = (
+            r.get("length") or 0, tasks.index(base) if base in tasks else len(tasks),
+            NEEDLE_TYPES.index(t) if t in NEEDLE_TYPES else -1, r["task"])
+    return sorted(cols, key=lambda c: cols[c])
 
 
 def kv_kept(row: dict[str, Any]) -> float | None:
@@ -571,11 +587,13 @@ def regenerate(sources: Sequence[str | Path], out_dir: str | Path, *, resamples:
 
     * ``RESULTS.md``: per model, suite and length, one table per question mode (rows policies,
       columns tasks, averages with paired bootstrap 95% intervals against full attention, see
-      :func:`markdown_table`); for needle value-type variants, one more table per model, length
-      and question mode: the average over the needle tasks per value type, with intervals;
+      :func:`markdown_table`); where both question modes ran, a table of the two side by side
+      (question-agnostic: what a context compressed once and asked several questions gives); for
+      needle value-type variants, a table per model, length and question mode: the average over
+      the needle tasks per value type, with intervals;
     * ``results.json``: every summary behind those tables;
     * ``score_vs_kv_<model>_<suite>.png``: average (95% CI) against the KV kept, a panel per length;
-    * ``needle_types_<model>_<length>_<question>.png``: average (95% CI) per needle value type.
+    * ``needle_types_<model>_<suite>_<length>_<question>.png``: average (95% CI) per needle value type.
 
     Returns ``{name: path}`` of the files written.
     """
@@ -600,7 +618,8 @@ def regenerate(sources: Sequence[str | Path], out_dir: str | Path, *, resamples:
         groups[model_suite][r.get("length")][str(r.get("question", ""))].append(r)
 
     def summary_of(rs: list[dict[str, Any]], title: str) -> dict[str, Any]:
-        summ = summarize(rs, policy_order=_row_order(rs), resamples=resamples, seed=seed)
+        summ = summarize(rs, policy_order=_row_order(rs), column_order=_column_order(rs), resamples=resamples,
+                         seed=seed)
         summ["title"] = title
         return summ
 
@@ -621,21 +640,24 @@ def regenerate(sources: Sequence[str | Path], out_dir: str | Path, *, resamples:
                 everything.append(summ)
                 panels.append(summ)
                 md += [f"### {model} · {suite} · {_length_label(length) or 'all lengths'} · question-{question}", ""]
-                md += [line for line in markdown_table({k: v for k, v in summ.items() if k not in ("model", "suite",
-                        "question", "n", "seed")}).splitlines()]
-                md.append("")
+                table = markdown_table({k: v for k, v in summ.items() if k not in ("model", "suite", "question", "n",
+                                                                                   "seed")})
+                md += [*table.strip().splitlines(), ""]
                 typed = [r for r in rs if needle_type(r["task"])]
-                if typed:
+                if len({needle_type(r["task"]) for r in typed}) > 1:
                     present = {needle_type(r["task"]) for r in typed}
                     by_type = {t: summary_of([r for r in typed if needle_type(r["task"]) == t], t)
                                for t in ("numbers", "words", "uuids") if t in present}
                     md += _needle_type_table(by_type, f"{model} · {_length_label(length)} · question-{question}")
-                    name = _slug("needle_types", model, _length_label(length), question) + ".png"
+                    name = _slug("needle_types", model, suite, _length_label(length), question) + ".png"
                     paths[name] = plot_needle_types(by_type, out / name, f"{model} · {suite} · "
                                                     f"{_length_label(length)} · question-{question}")
                     md += [f"![needle types]({name})", ""]
                     everything.append({"model": model, "suite": suite, "length": length, "question": question,
                                        "needle_types": by_type})
+            if len(by_length[length]) > 1:
+                md += _question_modes_table(panels[-len(by_length[length]):],
+                                            f"{model} · {suite} · {_length_label(length) or 'all lengths'}")
         name = _slug("score_vs_kv", model, suite) + ".png"
         paths[name] = plot_score_vs_kv(panels, out / name, f"{model} · {suite}")
         md += [f"![score vs KV kept]({name})", ""]
@@ -644,6 +666,29 @@ def regenerate(sources: Sequence[str | Path], out_dir: str | Path, *, resamples:
     paths["results.json"] = out / "results.json"
     paths["results.json"].write_text(json.dumps(everything, indent=1, default=str) + "\n")
     return paths
+
+
+def _question_modes_table(summaries: Sequence[dict[str, Any]], title: str) -> list[str]:
+    """Markdown: rows policies, a column per question mode (average [95% CI] · % of full [95% CI]):
+    question-agnostic (one compressed context serving any question) beside question-aware."""
+    labels = list(dict.fromkeys(r["policy"] for summ in summaries for r in summ["rows"]))
+    head = ["policy"] + [f"question-{summ['question']}: average [95% CI] · % of full [95% CI]" for summ in summaries]
+    lines = [f"Question-agnostic beside question-aware, {title}:", "", "| " + " | ".join(head) + " |",
+             "|" + "|".join(["---"] + ["---:"] * len(summaries)) + "|"]
+    for label in labels:
+        cells = [label.replace("|", "\\|")]
+        for summ in summaries:
+            row = next((r for r in summ["rows"] if r["policy"] == label), None)
+            cells.append(_avg_and_kept(None if row is None else row.get("ci")))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _avg_and_kept(ci: Mapping[str, Any] | None) -> str:
+    ci = ci or {}
+    avg = ci.get("average")
+    kept = "–" if ci.get("ratio") is None else f"{ci['ratio'][0]:.1f} {_interval(ci['ratio'], 1)}"
+    return "–" if avg is None else f"{avg[0]:.2f} {_interval(avg)} · {kept}"
 
 
 def _needle_type_table(by_type: Mapping[str, dict[str, Any]], title: str) -> list[str]:
@@ -657,10 +702,7 @@ def _needle_type_table(by_type: Mapping[str, dict[str, Any]], title: str) -> lis
         cells = [label.replace("|", "\\|")]
         for t in types:
             row = next((r for r in by_type[t]["rows"] if r["policy"] == label), None)
-            ci = {} if row is None else (row.get("ci") or {})
-            avg = ci.get("average")
-            kept = "–" if ci.get("ratio") is None else f"{ci['ratio'][0]:.1f} {_interval(ci['ratio'], 1)}"
-            cells.append("–" if avg is None else f"{avg[0]:.2f} {_interval(avg)} · {kept}")
+            cells.append(_avg_and_kept(None if row is None else row.get("ci")))
         lines.append("| " + " | ".join(cells) + " |")
     return lines + [""]
 
