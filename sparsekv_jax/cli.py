@@ -256,7 +256,14 @@ question placement (--question):
   aware     the whole prompt (question included) is prefilled before compression
 
 output (--out DIR): results.jsonl (one line per task, length, policy and sample; a rerun skips
-finished lines), summary.json, summary.md, score_vs_budget.png, score_vs_length.png.
+finished lines), summary.json, summary.md (averages with paired bootstrap 95% intervals against full
+attention), score_vs_budget.png, score_vs_length.png. Tables and plots over several runs:
+python -m sparsekv_jax.eval.report DIR... --out OUT.
+
+RULER suites: ruler (RULER's 13 tasks; --tasks may name needle variants: niah_single_2@words,
+niah_multikey_2@uuids:numbers), ruler-variants (the 8 needle tasks with number, word and UUID
+values), ruler-shared (multi-key needle contexts asked one key at a time: a shared context; --n
+counts contexts, 4 questions each).
 
 examples:
   sparsekv eval --suite ruler --tasks niah_single_1,vt --lengths 2k,4k \\
@@ -317,8 +324,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run each policy on a benchmark suite with batched greedy generation, "
                                    "score the answers, and write results, tables and plots.")
     e.add_argument("--model", default="smollm2", help="'smollm2' (default), a HF model directory or a .gguf file")
-    e.add_argument("--suite", default="ruler", metavar="ruler|longbench|PATH",
-                   help="'ruler' (generated), 'longbench' (MiniLongBench: 113 LongBench prompts over 10 tasks, "
+    e.add_argument("--suite", default="ruler", metavar="ruler|ruler-variants|ruler-shared|longbench|PATH",
+                   help="'ruler' (generated; 'ruler-variants', 'ruler-shared': see below), "
+                        "'longbench' (MiniLongBench: 113 LongBench prompts over 10 tasks, "
                         "package data shipped in sparsekv_jax/datasets), or a directory / .jsonl(.gz) file of "
                         "LongBench-format or RULER-format (input/outputs) records")
     e.add_argument("--tasks", default=None, metavar="T1,T2",

@@ -74,7 +74,10 @@ def test_summarize_kept_and_markdown(tmp_path):
     assert rows["quest(100)"]["kept_pct"] == 0.0  # over the column it has
     assert rows["quest(100)"]["budget_fraction"] == {"1k": 0.1}  # 100 tokens of a 1000-token prompt
     md = report.markdown_table(s)
-    assert "| snapkv(0.1) | 50.00 | 25.00 | 37.50 | 50.0 |" in md
+    # one sample a column: every resample is the sample itself, so each interval is a point
+    assert ("| 3 | snapkv(0.1) | 50.00 | 25.00 | 37.50 | [37.50, 37.50] | 50.0 | [50.0, 50.0] | "
+            "-37.50 [-37.50, -37.50] | – | 0.100 | 1.000 |") in md
+    assert rows["snapkv(0.5)"]["overlaps"] == ["fullkv"]  # the same scores: both intervals are the point 100
     paths = report.write_reports(s, tmp_path)
     assert paths["budget_plot"].stat().st_size > 1000 and paths["length_plot"].stat().st_size > 1000
 

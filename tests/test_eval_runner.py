@@ -267,3 +267,45 @@ def test_eval_prefill_chunk(tiny_load, tmp_path, capsys):
     (rec,) = _lines(out / "results.jsonl")
     assert rec["policy"] == "quest(0.5)" and rec["prompt_tokens"] > 128  # more than one chunk
     assert 0 < rec["stats"]["kv_read_fraction"] < 1
+
+
+def test_a_results_file_cut_short_is_repaired_on_resume(tiny, tmp_path):
+    """Issue 42.4: the last line of results.jsonl cut mid-record (a run killed while writing) is set
+    aside on resume, its sample runs again on a line of its own, and the summary counts what reads."""
+    data = _ruler_file(tmp_path / "data")
+    out = tmp_path / "run"
+    kw = dict(suite=str(data), policies=[Dense()], n=3, batch_size=3, out_dir=out, question="aware", progress=False,
+              pad_multiple=256, add_fullkv=False)
+    runner.run_eval(tiny, **kw)
+    path = out / "results.jsonl"
+    first = path.read_text()
+    lines = first.splitlines(keepends=True)
+    assert len(lines) == 3
+    cut = lines[2][: len(lines[2]) // 2]
+    path.write_text(lines[0] + lines[1] + cut)  # as a kill mid-write leaves it
+    with pytest.warns(UserWarning, match="1 unreadable line"):
+        summary = runner.run_eval(tiny, **kw)
+    text = path.read_text()
+    recs = [json.loads(line) for line in text.splitlines()]  # every line parses
+    assert len(recs) == 3 and len({r["key"] for r in recs}) == 3 and text.endswith("\n")
+    assert recs[2]["key"] == json.loads(lines[2])["key"]  # the lost sample, run again
+    assert (out / "results.jsonl.damaged").read_text() == cut + "\n"
+    (row,) = summary["rows"]
+    assert sum(row["n"].values()) == 3 and sum(row["ci"]["n"].values()) == 3
+    assert json.loads((out / "summary.json").read_text())["rows"][0]["n"] == row["n"]
+
+
+def test_shared_context_questions_read_one_compressed_context(tiny, tmp_path):
+    """``ruler-shared``: a context's four one-key questions run on the same context tokens; question-
+    agnostic compression (it never sees the question) keeps the same entries for all four."""
+    out = tmp_path / "shared"
+    summary = runner.run_eval(tiny, suite="ruler-shared", tasks=["niah_multiquery"], lengths=[1024],
+                              policies=[SnapKV(0.25)], n=1, batch_size=4, out_dir=out, question="agnostic",
+                              progress=False, pad_multiple=256, add_fullkv=False)
+    recs = _lines(out / "results.jsonl")
+    assert sorted(r["index"] for r in recs) == [0, 1, 2, 3]
+    assert {r["task"] for r in recs} == {"niah_multiquery@split"} and {r["suite"] for r in recs} == {"ruler-shared"}
+    assert len({r["context_tokens"] for r in recs}) == 1  # one context
+    assert len({tuple(r["answers"]) for r in recs}) == 4  # four questions
+    assert len({r["stats"]["kv_stored_fraction"] for r in recs}) == 1
+    assert summary["columns"] == ["niah_multiquery@split@1k"]

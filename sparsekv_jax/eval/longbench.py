@@ -51,7 +51,7 @@ from sparsekv_jax.eval.tasks import (
     Sample,
     Task,
     count_tokens,
-    iter_jsonl,
+    iter_jsonl_lines,
     jsonl_files,
     jsonl_stem,
     render_prompt,
@@ -233,21 +233,32 @@ def _parse_answers(record: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, 
     return tuple(answers), None if classes is None else tuple(classes)
 
 
-def _record_to_sample(record: dict[str, Any], task: str, index: int, source: str) -> Sample:
+def _record_to_sample(record: dict[str, Any], task: str, index: int, source: str, line: int | None = None) -> Sample:
+    where = f"{source} line {index + 1 if line is None else line}"
+    if "outputs" in record and "answers" not in record:
+        raise ValueError(f"{where}: a RULER record ('outputs', no 'answers') among LongBench records; a LongBench "
+                         "record needs 'answers' and 'prompt' or 'context' + 'input'")
     metric = DATASET2METRIC.get(task)
     if metric is None:
-        raise ValueError(f"unknown LongBench task {task!r}; known: {sorted(DATASET2METRIC)}")
+        raise ValueError(f"{where}: unknown LongBench task {task!r} (from the record's 'task'/'dataset' field or "
+                         f"the file name); known: {sorted(DATASET2METRIC)}")
     if "prompt" in record and record["prompt"] is not None:
-        context, question = split_prompt(task, record["prompt"])
+        try:
+            context, question = split_prompt(task, record["prompt"])
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
     elif "context" in record and "input" in record:
         context, question = _format(task, record["context"], record["input"] or "")
     else:
-        raise ValueError(f"{source} line {index + 1}: a record needs 'prompt' or 'context' + 'input'")
+        missing = "'context'" if "input" in record else "'input'" if "context" in record else "'prompt'"
+        raise ValueError(f"{where}: LongBench record without {missing}; it needs 'prompt' or 'context' + 'input'")
+    if "answers" not in record:
+        raise ValueError(f"{where}: LongBench record without 'answers'")
     answers, classes = _parse_answers(record)
     if not answers:
-        raise ValueError(f"{source} line {index + 1}: no answers")
+        raise ValueError(f"{where}: no answers ('answers' is empty)")
     if metric == "classification" and not classes:
-        raise ValueError(f"{source} line {index + 1}: task {task} needs all_classes")
+        raise ValueError(f"{where}: task {task} needs all_classes")
     sid = record.get("id", record.get("_id"))
     return Sample(
         task=task,
@@ -272,11 +283,11 @@ def read_jsonl(path: str | os.PathLike[str], task: str | None = None, limit: int
     """
     path = Path(path)
     samples: list[Sample] = []
-    for record in iter_jsonl(path):
+    for line, record in iter_jsonl_lines(path):
         name = task or record.get("task") or record.get("dataset") or jsonl_stem(path)
         if name.endswith("_e"):  # LongBench-E files: same task, length-balanced subset
             name = name[:-2]
-        samples.append(_record_to_sample(record, name, len(samples), str(path)))
+        samples.append(_record_to_sample(record, name, len(samples), str(path), line))
         if limit is not None and len(samples) >= limit:
             break
     return samples

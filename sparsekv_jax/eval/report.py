@@ -11,17 +11,24 @@ per policy family, budget on x) and ``score_vs_length.png`` (one line per policy
 
 from __future__ import annotations
 
+import argparse
+import gzip
 import json
 import math
+import re
+import sys
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["column_name", "load_results", "markdown_table", "plot_score_vs_budget", "plot_score_vs_length",
-           "summarize", "write_reports"]
+__all__ = ["BOOTSTRAP_RESAMPLES", "BOOTSTRAP_SEED", "column_name", "load_results", "markdown_table",
+           "paired_bootstrap", "plot_needle_types", "plot_score_vs_budget", "plot_score_vs_kv",
+           "plot_score_vs_length", "regenerate", "sample_key", "summarize", "write_reports"]
 
 FIDELITY_KEYS = ("kl_first", "kl_mean", "top1_agreement", "layer_rel_error_mean")
+BOOTSTRAP_RESAMPLES = 2000  # resamples of every interval
+BOOTSTRAP_SEED = 0
 
 
 def _length_label(length: int | None) -> str:
@@ -36,10 +43,13 @@ def column_name(task: str, length: int | None) -> str:
 
 
 def load_results(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a ``results.jsonl`` (the last one per ``key`` wins; broken lines are skipped)."""
+    """Records of a ``results.jsonl`` or gzip'd ``results.jsonl.gz`` (the last one per ``key`` wins;
+    broken lines are skipped)."""
     records: dict[str, dict[str, Any]] = {}
     anonymous: list[dict[str, Any]] = []
-    with Path(path).open(encoding="utf-8") as f:
+    path = Path(path)
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for line in f:
             try:
                 rec = json.loads(line)
@@ -65,8 +75,104 @@ def _is_reference(row: dict[str, Any]) -> bool:
     return row["family"] == "fullkv"
 
 
+def paired_bootstrap(policy: Mapping[str, Sequence[float]], reference: Mapping[str, Sequence[float]] | None = None,
+                     *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED,
+                     level: float = 0.95) -> dict[str, Any]:
+    """Paired (stratified) bootstrap of a policy's average score against full attention's.
+
+    ``policy[c]`` and ``reference[c]`` are the per-sample scores (in ``[0, 1]``) of column ``c``
+    (a task at a length) on the same samples, in the same order. The average is the one of the
+    summary tables: ``A = mean over columns of 100 * mean(scores of the column)``. Each resample
+    draws, per column, ``n_c`` sample indices with replacement and takes the same indices for the
+    policy and the reference (paired), so the interval reflects the samples both ran on rather
+    than two independent draws. Draw order (for a replayable reference): ``rng =
+    numpy.random.default_rng(seed)``; for each column in ``policy``'s order, ``rng.integers(0,
+    n_c, size=(resamples, n_c))``. Intervals are percentile intervals (``numpy.percentile``, linear).
+
+    Returns ``{"average": [A, lo, hi]}`` and, with a ``reference``, also ``"reference"`` (its
+    average), ``"difference"`` (``A_policy - A_full``, in points) and ``"ratio"`` (``100 *
+    A_policy / A_full``: the "% of full kept"; ``None`` when full attention's average is 0;
+    resamples where it is 0 are left out and counted in ``"ratio_undefined"``); ``"n"`` samples
+    per column; ``"resamples"``, ``"seed"``, ``"level"``. Raises ``ValueError`` for columns whose
+    lengths differ or are empty.
+    """
+    import numpy as np
+
+    if resamples < 1 or not 0.0 < level < 1.0:
+        raise ValueError(f"resamples={resamples} must be >= 1 and level={level} in (0, 1)")
+    cols = list(policy)
+    if not cols:
+        raise ValueError("no columns to bootstrap")
+    if reference is not None and set(reference) != set(cols):
+        raise ValueError(f"policy columns {sorted(cols)} differ from the reference's {sorted(reference)}")
+    rng = np.random.default_rng(seed)
+    q = [50 * (1 - level), 50 * (1 + level)]
+    pol_avg = np.zeros(resamples)
+    ref_avg = np.zeros(resamples)
+    n = {}
+    for c in cols:
+        x = np.asarray(policy[c], np.float64)
+        if x.ndim != 1 or x.size == 0:
+            raise ValueError(f"column {c!r}: expected a non-empty list of scores")
+        y = None if reference is None else np.asarray(reference[c], np.float64)
+        if y is not None and y.shape != x.shape:
+            raise ValueError(f"column {c!r}: {x.size} policy scores but {y.size} reference scores")
+        n[c] = int(x.size)
+        idx = rng.integers(0, x.size, size=(resamples, x.size))
+        pol_avg += 100.0 * x[idx].mean(axis=1)
+        if y is not None:
+            ref_avg += 100.0 * y[idx].mean(axis=1)
+    pol_avg /= len(cols)
+
+    def interval(est: float, draws: Any) -> list[float]:
+        lo, hi = np.percentile(draws, q)
+        return [round(float(est), 3), round(float(lo), 3), round(float(hi), 3)]
+
+    a = sum(100.0 * float(np.mean(policy[c])) for c in cols) / len(cols)
+    out: dict[str, Any] = {"average": interval(a, pol_avg), "n": n, "resamples": resamples, "seed": seed,
+                           "level": level}
+    if reference is None:
+        return out
+    ref_avg /= len(cols)
+    f = sum(100.0 * float(np.mean(reference[c])) for c in cols) / len(cols)
+    out["reference"] = interval(f, ref_avg)
+    out["difference"] = interval(a - f, pol_avg - ref_avg)
+    ok = ref_avg > 0
+    out["ratio_undefined"] = int((~ok).sum())
+    out["ratio"] = interval(100.0 * a / f, 100.0 * pol_avg[ok] / ref_avg[ok]) if f > 0 and ok.any() else None
+    return out
+
+
+def sample_key(record: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What identifies a record's sample across policies: suite, seed, question mode, task, length, index."""
+    return (record.get("suite"), record.get("seed"), record.get("question"), record["task"], record.get("length"),
+            record.get("index"))
+
+
+def _paired_scores(recs: Sequence[dict[str, Any]], ref: Mapping[tuple[Any, ...], dict[str, Any]] | None
+                   ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Per column, the scores of ``recs`` that have a reference record of the same sample, and those."""
+    pol: dict[str, list[float]] = defaultdict(list)
+    full: dict[str, list[float]] = defaultdict(list)
+    for r in sorted(recs, key=lambda r: (str(sample_key(r)))):
+        c = r.get("column") or column_name(r["task"], r.get("length"))
+        if ref is None:
+            pol[c].append(float(r["score"]))
+            continue
+        other = ref.get(sample_key(r))
+        if other is not None:
+            pol[c].append(float(r["score"]))
+            full[c].append(float(other["score"]))
+    return dict(pol), dict(full)
+
+
+def _overlap(a: Sequence[float] | None, b: Sequence[float] | None) -> bool:
+    return a is not None and b is not None and a[1] <= b[2] and b[1] <= a[2]
+
+
 def summarize(records: Sequence[dict[str, Any]], policy_order: Sequence[str] | None = None,
-              column_order: Sequence[str] | None = None) -> dict[str, Any]:
+              column_order: Sequence[str] | None = None, *, resamples: int = BOOTSTRAP_RESAMPLES,
+              seed: int = BOOTSTRAP_SEED) -> dict[str, Any]:
     """Aggregate result records into ``{"columns", "rows", "reference", "lengths"}``.
 
     Each row: ``policy`` (label), ``family``, ``budget``, ``scores`` ``{column: pct}``, ``n``
@@ -74,7 +180,12 @@ def summarize(records: Sequence[dict[str, Any]], policy_order: Sequence[str] | N
     the full-attention row's, on the columns both have; ``None`` without a full-attention row),
     ``by_length`` ``{length: average over tasks}``, ``budget_fraction`` ``{length: budget as a
     fraction of the mean prompt}``, ``kv_stored_fraction``, ``kv_read_fraction``,
-    ``seconds_per_sample`` and ``fidelity`` (means of :data:`FIDELITY_KEYS`, or ``None``).
+    ``seconds_per_sample`` and ``fidelity`` (means of :data:`FIDELITY_KEYS`, or ``None``);
+    ``ci``: :func:`paired_bootstrap` of the row against full attention on the samples both have
+    (matched by :func:`sample_key`; ``average``, ``difference`` in points, ``ratio`` = % of full
+    kept, each ``[estimate, lo, hi]``), or of the row alone without a full-attention row;
+    ``overlaps``: the other policies whose 95% intervals of the % of full kept overlap this
+    row's (of the average, without a full-attention row).
     """
     by_policy: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
@@ -128,6 +239,18 @@ def summarize(records: Sequence[dict[str, Any]], policy_order: Sequence[str] | N
             "fidelity": ({k: _mean([f.get(k) for f in fid_recs]) for k in FIDELITY_KEYS} if fid_recs else None),
         })
     ref = next((r for r in rows if _is_reference(r)), None)
+    ref_records = None if ref is None else {sample_key(r): r for r in by_policy[ref["policy"]]}
+    for row in rows:
+        pol, full = _paired_scores(by_policy[row["policy"]], ref_records)
+        # with a reference: the samples both ran on; without one: the row's own samples
+        row["ci"] = (paired_bootstrap(pol, None if ref_records is None else full, resamples=resamples, seed=seed)
+                     if pol else None)
+    # "≈": rows whose intervals of the % of full kept (their average's, without a reference) overlap; full
+    # attention's own is the point 100, so a row whose interval holds 100 lists it
+    stat = "ratio" if ref is not None else "average"
+    for row in rows:
+        mine = (row["ci"] or {}).get(stat)
+        row["overlaps"] = [o["policy"] for o in rows if o is not row and _overlap(mine, (o["ci"] or {}).get(stat))]
     for row in rows:
         row["kept_pct"] = None
         if ref is None:
@@ -149,18 +272,24 @@ def markdown_table(summary: dict[str, Any]) -> str:
     """The summary as markdown: a header line and one table (rows policies, columns task@length)."""
     cols = summary["columns"]
     has_fid = any(r["fidelity"] for r in summary["rows"])
-    head = ["policy", *cols, "average", "% of full kept", "KV stored", "KV read"]
+    has_ref = summary.get("reference") is not None
+    head = ["#", "policy", *cols, "average", "95% CI", "% of full kept", "95% CI", "Δ vs full (points)",
+            "≈ (intervals overlap)", "KV stored", "KV read"]
+    number = {r["policy"]: i + 1 for i, r in enumerate(summary["rows"])}
     if has_fid:
         head += ["KL first", "KL mean", "top-1 agree", "attn rel err"]
     lines = []
     meta = [f"{k}: `{summary[k]}`" for k in ("model", "suite", "question", "seed", "n") if k in summary]
     if meta:
         lines += ["# Evaluation summary", "", ", ".join(meta), ""]
-    lines += ["| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "|".join(["---:", "---"] + ["---:"] * (len(head) - 2)) + "|"]
     for r in summary["rows"]:
-        cells = [r["policy"].replace("|", "\\|")] + [_fmt(r["scores"].get(c)) for c in cols]
-        cells += [_fmt(r["average"]), _fmt(r["kept_pct"], 1), _fmt(r["kv_stored_fraction"], 3),
-                  _fmt(r["kv_read_fraction"], 3)]
+        ci = r.get("ci") or {}
+        cells = [str(number[r["policy"]]), r["policy"].replace("|", "\\|")] + [_fmt(r["scores"].get(c)) for c in cols]
+        cells += [_fmt(r["average"]), _interval(ci.get("average")), _fmt(r["kept_pct"], 1),
+                  _interval(ci.get("ratio"), 1), _signed(ci.get("difference")),
+                  ", ".join(str(number[o]) for o in r.get("overlaps", [])) or "–",
+                  _fmt(r["kv_stored_fraction"], 3), _fmt(r["kv_read_fraction"], 3)]
         if has_fid:
             f = r["fidelity"] or {}
             cells += [_fmt(f.get("kl_first"), 4), _fmt(f.get("kl_mean"), 4), _fmt(f.get("top1_agreement"), 3),
@@ -169,12 +298,35 @@ def markdown_table(summary: dict[str, Any]) -> str:
     lines += ["", "Scores are RULER / LongBench percentages (100 × mean per-sample score). "
               "\"% of full kept\" is the policy's average over the full-attention (fullkv) average on "
               "the same columns. KV stored: entries kept after compression / prompt length; KV read: "
-              "pages read per decode step / pages in use."]
+              "pages read per decode step / pages in use.", "", _ci_note(summary, has_ref)]
     if has_fid:
         lines.append("Fidelity (against full attention on the same prompt): KL(full ‖ policy) at the first "
                      "answer token and mean along full attention's greedy answer, top-1 agreement, and "
                      "‖o_policy − o_full‖ / ‖o_full‖ of the attention outputs averaged over layers and steps.")
     return "\n".join(lines) + "\n"
+
+
+def _interval(ci: Sequence[float] | None, digits: int = 2) -> str:
+    return "–" if ci is None else f"[{ci[1]:.{digits}f}, {ci[2]:.{digits}f}]"
+
+
+def _signed(ci: Sequence[float] | None) -> str:
+    return "–" if ci is None else f"{ci[0]:+.2f} [{ci[1]:+.2f}, {ci[2]:+.2f}]"
+
+
+def _ci_note(summary: dict[str, Any], has_ref: bool) -> str:
+    ci = next((r["ci"] for r in summary["rows"] if r.get("ci")), None)
+    b, seed = (ci["resamples"], ci["seed"]) if ci else (BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED)
+    if not has_ref:
+        return (f"95% CI: percentile bootstrap of the average ({b} resamples of the samples within each column, "
+                f"seed {seed}); no full-attention row, so no paired intervals. ≈ lists the rows whose average "
+                "intervals overlap.")
+    return (f"95% CI: paired percentile bootstrap against full attention ({b} resamples of the samples within each "
+            f"column, the same resampled samples for the policy and for full attention, seed {seed}), on the samples "
+            "both ran. \"average\": the policy's average; \"% of full kept\": the ratio of the two averages × 100; "
+            "Δ: their difference in points. ≈ lists the rows (by #) whose \"% of full kept\" intervals overlap this "
+            "row's: overlapping intervals do not separate the two policies at this sample size (non-overlap is "
+            "the conservative reading; it is not a paired test of the two policies against each other).")
 
 
 def _plt() -> Any:
@@ -266,3 +418,315 @@ def write_reports(summary: dict[str, Any], out_dir: str | Path) -> dict[str, Pat
         paths["budget_plot"] = plot_score_vs_budget(summary, out / "score_vs_budget.png")
         paths["length_plot"] = plot_score_vs_length(summary, out / "score_vs_length.png")
     return paths
+
+
+# ----------------------------------------------------------------------------------------------
+# Regenerating the results tables and plots from committed records (``python -m ...report``).
+# ----------------------------------------------------------------------------------------------
+
+RESULTS_FILES = ("results.jsonl", "results.jsonl.gz")
+
+
+def find_results(sources: Sequence[str | Path]) -> list[Path]:
+    """The ``results.jsonl`` / ``results.jsonl.gz`` files of ``sources`` (files as given, folders
+    searched recursively), sorted. Raises ``FileNotFoundError`` naming a source with none."""
+    out: list[Path] = []
+    for src in sources:
+        src = Path(src)
+        if src.is_file():
+            out.append(src)
+            continue
+        if not src.is_dir():
+            raise FileNotFoundError(f"{src}: no such file or folder")
+        found = sorted(p for name in RESULTS_FILES for p in src.rglob(name))
+        if not found:
+            raise FileNotFoundError(f"{src}: no {' or '.join(RESULTS_FILES)} in it or below it")
+        out += found
+    return list(dict.fromkeys(out))
+
+
+def needle_type(task: str) -> str | None:
+    """The needle value type of a RULER variant task (``niah_single_2@words`` → ``"words"``), else ``None``."""
+    parts = task.partition("@")[2].split("+")
+    if not [p for p in parts if p and p != "split"]:  # not a value-type variant
+        return None
+    from sparsekv_jax.eval.ruler import ruler_config
+
+    try:
+        return ruler_config(task).type_needle_v
+    except ValueError:
+        return None
+
+
+def _slug(*parts: Any) -> str:
+    return "_".join(re.sub(r"[^A-Za-z0-9_.+-]+", "-", str(p)).strip("-") for p in parts if p not in (None, ""))
+
+
+def _row_order(records: Sequence[dict[str, Any]]) -> list[str]:
+    """Full attention first, then by family and budget."""
+    first: dict[str, dict[str, Any]] = {}
+    for r in records:
+        first.setdefault(r["policy"], r)
+
+    def key(label: str) -> tuple[Any, ...]:
+        r = first[label]
+        b = r.get("budget")
+        return (r.get("family") != "fullkv", str(r.get("family")), isinstance(b, int), b if b is not None else 0,
+                label)
+
+    return sorted(first, key=key)
+
+
+def _column_order(records: Sequence[dict[str, Any]]) -> list[str]:
+    """Columns by length, then RULER's task order (variants by value type), then name."""
+    from sparsekv_jax.eval.ruler import NEEDLE_TYPES, RULER_CONFIGS
+
+    tasks = list(RULER_CONFIGS)
+    cols = {}
+    for r in records:
+        base = r["task"].partition("@")[0]
+        t = needle_type(r["task"])
+        cols[r.get("column") or column_name(r["task"], r.get("length"))] = (
+            r.get("length") or 0, tasks.index(base) if base in tasks else len(tasks),
+            NEEDLE_TYPES.index(t) if t in NEEDLE_TYPES else -1, r["task"])
+    return sorted(cols, key=lambda c: cols[c])
+
+
+def kv_kept(row: dict[str, Any]) -> float | None:
+    """Fraction of the prompt's KV a decode step reads: stored fraction × read fraction (a compressor
+    stores less and reads all it stores; Quest / CHESS store all and read a share)."""
+    parts = [row.get("kv_stored_fraction"), row.get("kv_read_fraction")]
+    parts = [p for p in parts if p is not None and not (isinstance(p, float) and math.isnan(p))]
+    return math.prod(parts) if parts else None
+
+
+def plot_score_vs_kv(summaries: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+    """Average score (with its 95% interval) against the KV kept (:func:`kv_kept`), one panel per
+    length (``summaries``: one per length, in order), one line per policy family and question mode;
+    full attention as a dashed line with its interval shaded."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, len(summaries), figsize=(5.5 * len(summaries), 4.2), squeeze=False)
+    for ax, summ in zip(axes[0], summaries, strict=True):
+        lines: dict[tuple[str, str], list[tuple[float, float, float, float]]] = defaultdict(list)
+        for r in summ["rows"]:
+            ci = (r.get("ci") or {}).get("average")
+            x = kv_kept(r)
+            if ci is None or x is None:
+                continue
+            q = r.get("question_mode", summ.get("question", ""))
+            if _is_reference(r):
+                ax.axhline(ci[0], color="black", linestyle="--", label=f"fullkv ({q})")
+                ax.axhspan(ci[1], ci[2], color="black", alpha=0.08)
+                continue
+            lines[(r["family"], q)].append((x, ci[0], ci[0] - ci[1], ci[2] - ci[0]))
+        for (fam, q), pts in sorted(lines.items()):
+            pts.sort()
+            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[[p[2] for p in pts], [p[3] for p in pts]],
+                        marker="o" if q != "aware" else "s", linestyle="-" if q != "aware" else ":", capsize=3,
+                        label=f"{fam} ({q})" if q else fam)
+        ax.set_xscale("log")
+        ticks = [0.02, 0.05, 0.1, 0.25, 0.5, 1.0]
+        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+        ax.set_xlim(min([0.08] + [p[0] * 0.8 for pts in lines.values() for p in pts]), 1.1)
+        ax.set_xlabel("KV kept (stored × read fraction of the prompt)")
+        ax.set_ylabel("average score (95% CI)")
+        ax.set_title(summ.get("title", ""))
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize="x-small")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_needle_types(by_type: Mapping[str, dict[str, Any]], path: str | Path, title: str = "") -> Path:
+    """Average score (95% interval) per needle value type (``by_type``: type → summary), one line
+    per policy."""
+    plt = _plt()
+    types = list(by_type)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    labels = list(dict.fromkeys(r["policy"] for summ in by_type.values() for r in summ["rows"]))
+    width = 0.8 / max(len(labels), 1)
+    for k, label in enumerate(labels):
+        xs, ys, lo, hi = [], [], [], []
+        for i, t in enumerate(types):
+            row = next((r for r in by_type[t]["rows"] if r["policy"] == label), None)
+            ci = None if row is None else (row.get("ci") or {}).get("average")
+            if ci is None:
+                continue
+            xs.append(i - 0.4 + width * (k + 0.5))
+            ys.append(ci[0])
+            lo.append(ci[0] - ci[1])
+            hi.append(ci[2] - ci[0])
+        ax.bar(xs, ys, width=width, yerr=[lo, hi], capsize=2, label=label)
+    ax.set_xticks(range(len(types)), types)
+    ax.set_xlabel("needle value type")
+    ax.set_ylabel("average score (95% CI)")
+    ax.set_ylim(0, 105)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize="x-small")
+    if title:
+        ax.set_title(title)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def regenerate(sources: Sequence[str | Path], out_dir: str | Path, *, resamples: int = BOOTSTRAP_RESAMPLES,
+               seed: int = BOOTSTRAP_SEED) -> dict[str, Path]:
+    """Rebuild the results tables and plots from committed records (nothing typed by hand).
+
+    Reads every ``results.jsonl(.gz)`` of ``sources`` (the last record per ``key`` wins) and writes
+    to ``out_dir``:
+
+    * ``RESULTS.md``: per model, suite and length, one table per question mode (rows policies,
+      columns tasks, averages with paired bootstrap 95% intervals against full attention, see
+      :func:`markdown_table`); where both question modes ran, a table of the two side by side
+      (question-agnostic: what a context compressed once and asked several questions gives); for
+      needle value-type variants, a table per model, length and question mode: the average over
+      the needle tasks per value type, with intervals;
+    * ``results.json``: every summary behind those tables;
+    * ``score_vs_kv_<model>_<suite>.png``: average (95% CI) against the KV kept, a panel per length;
+    * ``needle_types_<model>_<suite>_<length>_<question>.png``: average (95% CI) per needle value type.
+
+    Returns ``{name: path}`` of the files written.
+    """
+    files = find_results(sources)
+    records: dict[str, dict[str, Any]] = {}
+    anonymous: list[dict[str, Any]] = []
+    for f in files:
+        for r in load_results(f):
+            if "key" in r:
+                records[r["key"]] = r
+            else:
+                anonymous.append(r)
+    recs = list(records.values()) + anonymous
+    if not recs:
+        raise ValueError(f"no readable records in {', '.join(map(str, files))}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    groups: dict[tuple[str, str], dict[int | None, dict[str, list[dict[str, Any]]]]] = defaultdict(
+        lambda: defaultdict(lambda: defaultdict(list)))
+    for r in recs:
+        model_suite = (str(r.get("model", "?")), str(r.get("suite", "?")))
+        groups[model_suite][r.get("length")][str(r.get("question", ""))].append(r)
+
+    def summary_of(rs: list[dict[str, Any]], title: str) -> dict[str, Any]:
+        summ = summarize(rs, policy_order=_row_order(rs), column_order=_column_order(rs), resamples=resamples,
+                         seed=seed)
+        summ["title"] = title
+        return summ
+
+    md = ["# Results", "", f"Regenerated by `python -m sparsekv_jax.eval.report` from {len(recs)} records in:", ""]
+    md += [f"- `{f}`" for f in files]
+    md.append("")
+    everything: list[dict[str, Any]] = []
+    paths: dict[str, Path] = {}
+    for (model, suite), by_length in sorted(groups.items()):
+        md += [f"## {model} · {suite}", ""]
+        panels = []
+        for length in sorted(by_length, key=lambda x: math.inf if x is None else x):
+            for question, rs in sorted(by_length[length].items()):
+                title = f"{_length_label(length) or 'all'} · question-{question}"
+                summ = summary_of(rs, title)
+                summ.update(model=model, suite=suite, length=length, question=question,
+                            n=max((max(r["n"].values(), default=0) for r in summ["rows"]), default=0))
+                everything.append(summ)
+                panels.append(summ)
+                md += [f"### {model} · {suite} · {_length_label(length) or 'all lengths'} · question-{question}", ""]
+                table = markdown_table({k: v for k, v in summ.items() if k not in ("model", "suite", "question", "n",
+                                                                                   "seed")})
+                md += [*table.strip().splitlines(), ""]
+                typed = [r for r in rs if needle_type(r["task"])]
+                if len({needle_type(r["task"]) for r in typed}) > 1:
+                    present = {needle_type(r["task"]) for r in typed}
+                    by_type = {t: summary_of([r for r in typed if needle_type(r["task"]) == t], t)
+                               for t in ("numbers", "words", "uuids") if t in present}
+                    md += _needle_type_table(by_type, f"{model} · {_length_label(length)} · question-{question}")
+                    name = _slug("needle_types", model, suite, _length_label(length), question) + ".png"
+                    paths[name] = plot_needle_types(by_type, out / name, f"{model} · {suite} · "
+                                                    f"{_length_label(length)} · question-{question}")
+                    md += [f"![needle types]({name})", ""]
+                    everything.append({"model": model, "suite": suite, "length": length, "question": question,
+                                       "needle_types": by_type})
+            if len(by_length[length]) > 1:
+                md += _question_modes_table(panels[-len(by_length[length]):],
+                                            f"{model} · {suite} · {_length_label(length) or 'all lengths'}")
+        name = _slug("score_vs_kv", model, suite) + ".png"
+        paths[name] = plot_score_vs_kv(panels, out / name, f"{model} · {suite}")
+        md += [f"![score vs KV kept]({name})", ""]
+    paths["RESULTS.md"] = out / "RESULTS.md"
+    paths["RESULTS.md"].write_text("\n".join(md).rstrip() + "\n")
+    paths["results.json"] = out / "results.json"
+    paths["results.json"].write_text(json.dumps(everything, indent=1, default=str) + "\n")
+    return paths
+
+
+def _question_modes_table(summaries: Sequence[dict[str, Any]], title: str) -> list[str]:
+    """Markdown: rows policies, a column per question mode (average [95% CI] · % of full [95% CI]):
+    question-agnostic (one compressed context serving any question) beside question-aware."""
+    labels = list(dict.fromkeys(r["policy"] for summ in summaries for r in summ["rows"]))
+    head = ["policy"] + [f"question-{summ['question']}: average [95% CI] · % of full [95% CI]" for summ in summaries]
+    lines = [f"Question-agnostic beside question-aware, {title}:", "", "| " + " | ".join(head) + " |",
+             "|" + "|".join(["---"] + ["---:"] * len(summaries)) + "|"]
+    for label in labels:
+        cells = [label.replace("|", "\\|")]
+        for summ in summaries:
+            row = next((r for r in summ["rows"] if r["policy"] == label), None)
+            cells.append(_avg_and_kept(None if row is None else row.get("ci")))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def _avg_and_kept(ci: Mapping[str, Any] | None) -> str:
+    ci = ci or {}
+    avg = ci.get("average")
+    kept = "–" if ci.get("ratio") is None else f"{ci['ratio'][0]:.1f} {_interval(ci['ratio'], 1)}"
+    return "–" if avg is None else f"{avg[0]:.2f} {_interval(avg)} · {kept}"
+
+
+def _needle_type_table(by_type: Mapping[str, dict[str, Any]], title: str) -> list[str]:
+    """Markdown: rows policies, columns value types (average over the needle tasks, 95% CI, % of full)."""
+    types = list(by_type)
+    labels = list(dict.fromkeys(r["policy"] for summ in by_type.values() for r in summ["rows"]))
+    head = ["policy"] + [f"{t}: average [95% CI] · % of full [95% CI]" for t in types]
+    lines = [f"Needle value types, {title} (average over the needle tasks of each type):", "",
+             "| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * len(types)) + "|"]
+    for label in labels:
+        cells = [label.replace("|", "\\|")]
+        for t in types:
+            row = next((r for r in by_type[t]["rows"] if r["policy"] == label), None)
+            cells.append(_avg_and_kept(None if row is None else row.get("ci")))
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines + [""]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m sparsekv_jax.eval.report RECORDS... --out DIR``: see :func:`regenerate`."""
+    ap = argparse.ArgumentParser(prog="python -m sparsekv_jax.eval.report",
+                                 description="Regenerate the results tables (with paired bootstrap 95%% intervals "
+                                             "against full attention) and plots from results.jsonl(.gz) records.")
+    ap.add_argument("sources", nargs="+", metavar="RECORDS",
+                    help="results.jsonl / results.jsonl.gz files, or folders searched for them")
+    ap.add_argument("--out", required=True, metavar="DIR", help="where RESULTS.md, results.json and the plots go")
+    ap.add_argument("--resamples", type=int, default=BOOTSTRAP_RESAMPLES, help="bootstrap resamples (default 2000)")
+    ap.add_argument("--seed", type=int, default=BOOTSTRAP_SEED, help="bootstrap seed (default 0)")
+    args = ap.parse_args(argv)
+    try:
+        paths = regenerate(args.sources, args.out, resamples=args.resamples, seed=args.seed)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"report: error: {e}", file=sys.stderr)
+        return 2
+    for name, path in paths.items():
+        print(f"{name}: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

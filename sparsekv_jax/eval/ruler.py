@@ -27,6 +27,14 @@ Deliberate differences from RULER, all documented here:
 * QA: questions are drawn by the seed (RULER takes them in file order); HotpotQA's supporting
   paragraphs are the gold documents and its other paragraphs are the first distractors (RULER
   keeps all 10 paragraphs as gold), which lets short prompts exist.
+* Needle types: RULER's ``type_needle_k`` / ``type_needle_v`` are task variants
+  (``niah_single_2@words``, ``niah_multikey_2@uuids:numbers``; :func:`ruler_config`). RULER draws a
+  variant's needles from one random stream, so its keys and needle depths change with the value
+  type; here a variant draws what its task draws and replaces the values of another type from a
+  stream of their own, so keys, needle order and haystack text stay the same and only the values
+  (and the haystack size the prompt length allows) change. Word values are RULER's ``adj-noun``
+  form drawn from the essay vocabulary below (real words from the essays, not invented strings).
+* Shared context (``@split``, not in RULER): a multi-key task's context asked one key at a time.
 * Variable tracking's in-context example is shortened to ``min(80, max(10, L // 40))`` noise
   sentences (RULER: about 500 tokens), so 512-token prompts remain possible.
 """
@@ -34,6 +42,7 @@ Deliberate differences from RULER, all documented here:
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import math
 import random
@@ -54,12 +63,20 @@ from sparsekv_jax.eval.tasks import Sample, Task, count_tokens, render_prompt
 __all__ = [
     "DEPTHS",
     "NEEDLE",
+    "NEEDLE_TYPES",
     "NOISE_SENTENCES",
     "RULER_CONFIGS",
     "RULER_TASKS",
     "RulerConfig",
     "generate_samples",
+    "ruler_config",
+    "ruler_task",
+    "split_tasks",
+    "value_type_variants",
 ]
+
+# RULER's ``type_needle_k`` / ``type_needle_v`` choices (``niah.py``).
+NEEDLE_TYPES: tuple[str, ...] = ("numbers", "words", "uuids")
 
 # RULER's haystack of type "repeat" ("noise" in the RULER paper).
 NOISE_SENTENCES: tuple[str, ...] = (
@@ -96,6 +113,13 @@ class RulerConfig:
     alpha: float = 2.0
     dataset: str = ""  # qa: squad | hotpotqa
     description: str = ""
+    base: str = ""  # a variant's RULER task (``niah_single_2`` for ``niah_single_2@words``); "" for RULER's own
+    split_questions: bool = False  # ``@split``: one question per key, all over one shared context
+
+    @property
+    def base_name(self) -> str:
+        """RULER's task this configuration is (a variant of)."""
+        return self.base or self.name
 
 
 def _niah(name: str, hay: str, k: str = "words", v: str = "numbers", nk: int = 1, nv: int = 1, nq: int = 1,
@@ -131,6 +155,89 @@ RULER_TASKS: dict[str, Task] = {
     c.name: Task(c.name, "ruler", c.metric, c.max_new_tokens, description=c.description)
     for c in RULER_CONFIGS.values()
 }
+
+def ruler_config(name: str) -> RulerConfig:
+    """The configuration of RULER task ``name`` or of a variant of a needle task.
+
+    A variant is ``TASK@SPEC`` with ``SPEC`` one or more ``+``-joined parts:
+
+    * ``V`` (``numbers``, ``words`` or ``uuids``): the needle values are of type ``V``
+      (RULER's ``type_needle_v``), e.g. ``niah_single_2@words``;
+    * ``K:V``: keys of type ``K`` (RULER's ``type_needle_k``) and values of type ``V``,
+      e.g. ``niah_multikey_2@uuids:numbers``;
+    * ``split``: one sample per key of the context, each asking for that key alone, all with the
+      same context text (a shared context answering several questions in turn); only for tasks
+      with several keys of one value each (``niah_multikey_1``, ``niah_multiquery``).
+
+    ``TASK@numbers`` of a task whose values are numbers is RULER's task itself (same prompts).
+    Raises ``ValueError`` naming the bad part.
+    """
+    if not isinstance(name, str):
+        raise ValueError(f"a RULER task name must be a string, got {name!r}")
+    base, _, spec = name.partition("@")
+    if base not in RULER_CONFIGS:
+        raise ValueError(f"unknown RULER task {base!r}; expected one of {list(RULER_CONFIGS)}")
+    cfg = RULER_CONFIGS[base]
+    if not spec:
+        if "@" in name:
+            raise ValueError(f"RULER task {name!r}: nothing after '@'")
+        return cfg
+    if cfg.kind != "niah":
+        raise ValueError(f"RULER task {name!r}: variants exist for the needle tasks (niah_*) only, not {base}")
+    key_type, value_type, split = cfg.type_needle_k, cfg.type_needle_v, False
+    seen: set[str] = set()
+    for part in spec.split("+"):
+        kind = "split" if part == "split" else "types"
+        if kind in seen:
+            raise ValueError(f"RULER task {name!r}: the needle types or 'split' are given twice")
+        seen.add(kind)
+        if part == "split":
+            split = True
+            continue
+        k, sep, v = part.rpartition(":")
+        for t in ([k] if sep else []) + [v]:
+            if t not in NEEDLE_TYPES:
+                raise ValueError(f"RULER task {name!r}: unknown needle type {t!r}; expected one of {NEEDLE_TYPES} "
+                                 "(TASK@VALUES or TASK@KEYS:VALUES, optionally +split)")
+        key_type, value_type = (k if sep else key_type), v
+    num_k = max(cfg.num_needle_k, cfg.num_needle_q)
+    if split and (num_k < 2 or cfg.num_needle_v != 1):
+        raise ValueError(f"RULER task {name!r}: 'split' needs several keys with one value each "
+                         f"(niah_multikey_1, niah_multiquery); {base} has {num_k} key(s) and "
+                         f"{cfg.num_needle_v} value(s) per key")
+    desc = f"{cfg.description}; keys {key_type}, values {value_type}" + ("; one question per key" if split else "")
+    return dataclasses.replace(cfg, name=name, type_needle_k=key_type, type_needle_v=value_type, base=base,
+                               split_questions=split, description=desc)
+
+
+def ruler_task(name: str) -> Task:
+    """The `Task` (suite, metric, answer length) of a RULER task or variant (see :func:`ruler_config`)."""
+    cfg = ruler_config(name)
+    return Task(cfg.name, "ruler", cfg.metric, cfg.max_new_tokens, description=cfg.description)
+
+
+def value_type_variants(tasks: Sequence[str] | None = None) -> list[str]:
+    """``TASK@numbers``, ``TASK@words``, ``TASK@uuids`` of every needle task of ``tasks``
+    (default: RULER's 8 needle tasks); a name that already names a variant is kept as it is."""
+    names = list(tasks) if tasks is not None else [n for n, c in RULER_CONFIGS.items() if c.kind == "niah"]
+    out: list[str] = []
+    for name in names:
+        if "@" in name:
+            out.append(ruler_config(name).name)
+            continue
+        cfg = ruler_config(name)
+        if cfg.kind != "niah":
+            raise ValueError(f"{name!r} has no value-type variants (needle tasks niah_* only)")
+        out += [f"{name}@{v}" for v in NEEDLE_TYPES]
+    return out
+
+
+def split_tasks() -> list[str]:
+    """The shared-context tasks: every needle task with several keys, one question per key."""
+    return [f"{n}@split" for n, c in RULER_CONFIGS.items()
+            if c.kind == "niah" and max(c.num_needle_k, c.num_needle_q) > 1 and c.num_needle_v == 1]
+
+
 
 # Task templates and answer prefixes (RULER constants.py). The context goes between pre and post.
 _NIAH_PRE = (
@@ -383,16 +490,30 @@ def _niah_builder(cfg: RulerConfig, key: str, depth: float | None, cache: Any) -
     rng = random.Random(key)
     essay_path = str(ruler_data_file("PaulGrahamEssays.json", cache))
     vocab = _vocab(essay_path)
+    base = RULER_CONFIGS[cfg.base_name]
+    # A variant draws exactly what its RULER task draws (keys, values, shuffles, positions), then
+    # replaces keys / values of another type by draws from streams of their own: the keys, the
+    # needle order and the haystack stay those of the task whatever the value type.
+    key_rng = random.Random(f"{key}:keys:{cfg.type_needle_k}")
+    value_rng = random.Random(f"{key}:values:{cfg.type_needle_v}")
     num_k = max(cfg.num_needle_k, cfg.num_needle_q)
+    base_keys: list[str] = []
     keys: list[str] = []
     values: list[list[str]] = []
     needles: list[str] = []
     for _ in range(num_k):
-        k = _random_value(rng, cfg.type_needle_k, vocab)
-        while k in keys:
-            k = _random_value(rng, cfg.type_needle_k, vocab)
+        k = _random_value(rng, base.type_needle_k, vocab)
+        while k in base_keys:
+            k = _random_value(rng, base.type_needle_k, vocab)
+        base_keys.append(k)
+        if cfg.type_needle_k != base.type_needle_k:
+            k = _random_value(key_rng, cfg.type_needle_k, vocab)
+            while k in keys:
+                k = _random_value(key_rng, cfg.type_needle_k, vocab)
         keys.append(k)
-        vals = [_random_value(rng, cfg.type_needle_v, vocab) for _ in range(cfg.num_needle_v)]
+        vals = [_random_value(rng, base.type_needle_v, vocab) for _ in range(cfg.num_needle_v)]
+        if cfg.type_needle_v != base.type_needle_v:
+            vals = [_random_value(value_rng, cfg.type_needle_v, vocab) for _ in vals]
         values.append(vals)
         needles += [NEEDLE.format(type_needle_v=cfg.type_needle_v, key=k, value=v) for v in vals]
     rng.shuffle(needles)
@@ -410,9 +531,13 @@ def _niah_builder(cfg: RulerConfig, key: str, depth: float | None, cache: Any) -
     ans = ans.format(type_needle_v=type_v, query=query)
     if depth is not None and len(needles) != 1:
         raise ValueError(f"depth= needs a single-needle task; {cfg.name} inserts {len(needles)} needles")
-    meta = {"type_haystack": cfg.type_haystack, "query": query, "keys": keys}
+    meta = {"type_haystack": cfg.type_haystack, "query": query, "keys": keys, "queries": queries,
+            "values": {k: list(v) for k, v in zip(keys, values, strict=True)},
+            "type_needle_k": cfg.type_needle_k, "type_needle_v": cfg.type_needle_v}
     # Distractor needles (type "needle"), generated as a stream so their prefix is size-independent.
     hay_rng = random.Random(key + ":haystack")
+    hay_key_rng = random.Random(f"{key}:haystack:keys:{cfg.type_needle_k}")
+    hay_value_rng = random.Random(f"{key}:haystack:values:{cfg.type_needle_v}")
     distractors: list[str] = []
 
     def build(units: int) -> _Built:
@@ -440,11 +565,17 @@ def _niah_builder(cfg: RulerConfig, key: str, depth: float | None, cache: Any) -
             hay, spans = _noise_lines(units, inserts)
         elif cfg.type_haystack == "needle":
             while len(distractors) < units:
-                k = _random_value(hay_rng, cfg.type_needle_k, vocab)
-                if k in keys:
+                k = _random_value(hay_rng, base.type_needle_k, vocab)
+                if k in base_keys:
                     continue
-                distractors.append(NEEDLE.format(type_needle_v=cfg.type_needle_v, key=k,
-                                                 value=_random_value(hay_rng, cfg.type_needle_v, vocab)))
+                v = _random_value(hay_rng, base.type_needle_v, vocab)
+                if cfg.type_needle_k != base.type_needle_k:
+                    k = _random_value(hay_key_rng, cfg.type_needle_k, vocab)
+                    while k in keys:
+                        k = _random_value(hay_key_rng, cfg.type_needle_k, vocab)
+                if cfg.type_needle_v != base.type_needle_v:
+                    v = _random_value(hay_value_rng, cfg.type_needle_v, vocab)
+                distractors.append(NEEDLE.format(type_needle_v=cfg.type_needle_v, key=k, value=v))
             units_text = distractors[:units]
             if depth is not None:
                 cum = [0]
@@ -679,7 +810,11 @@ def generate_samples(
     """Generate ``n`` prompts of RULER task ``task``, each about ``length_tokens`` tokens long.
 
     Args:
-        task: a name from :data:`RULER_TASKS` (``niah_single_1`` ... ``qa_2``).
+        task: a name from :data:`RULER_TASKS` (``niah_single_1`` ... ``qa_2``) or a needle task's
+            variant (:func:`ruler_config`: ``niah_single_2@words``, ``niah_multiquery@split``).
+            A variant's keys, needle order and haystack are those of its task with the same
+            seed; only keys / values of another type differ. ``@split`` gives ``n`` contexts
+            with one sample per key each (``n * keys`` samples).
         length_tokens: target prompt length in tokens of ``tokenizer``, chat template included.
             Each prompt is the longest that does not exceed it (within 2% of it unless a single
             haystack unit is coarser than that: distractor needles of ``niah_multikey_2/3``
@@ -699,11 +834,9 @@ def generate_samples(
         haystack. ``meta`` holds ``haystack_span`` and ``needle_spans`` (char offsets in
         ``prompt``), ``units`` (haystack size found) and ``target_tokens``.
     """
-    if task not in RULER_CONFIGS:
-        raise ValueError(f"unknown RULER task {task!r}; expected one of {list(RULER_CONFIGS)}")
+    cfg = ruler_config(task)
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be in [0, 1], got {depth}")
-    cfg = RULER_CONFIGS[task]
     if depth is not None and cfg.kind != "niah":
         raise ValueError(f"depth= applies to NIAH tasks only, not {task}")
     questions: list[int] = []
@@ -715,7 +848,7 @@ def generate_samples(
     samples: list[Sample] = []
     hint: int | None = None
     for index in range(n):
-        key = f"ruler:{task}:{seed}:{index}"
+        key = f"ruler:{cfg.base_name}:{seed}:{index}"  # a variant draws what its task draws
         if cfg.kind == "niah":
             build, lo, hi = _niah_builder(cfg, key, depth, cache_dir)
         elif cfg.kind == "variable_tracking":
@@ -732,14 +865,18 @@ def generate_samples(
                                  answer_prefix=built.answer_prefix if answer_prefix else "")
 
         def count(units: int, build: Builder = build) -> int:
-            context, question = render(build(units))
+            built = build(units)
+            if cfg.split_questions:  # the longest of its one-key prompts must fit
+                return max(s.num_tokens or 0 for s in _split_questions(None, cfg, built, tokenizer, chat,
+                                                                      answer_prefix))
+            context, question = render(built)
             return count_tokens(tokenizer, context + question, chat=chat)
 
         units = _fit_units(count, length_tokens, lo, hi, hint)
         hint = units
         built = build(units)
         context, question = render(built)
-        num_tokens = count_tokens(tokenizer, context + question, chat=chat)
+        num_tokens = count(units) if cfg.split_questions else count_tokens(tokenizer, context + question, chat=chat)
         if num_tokens < 0.98 * length_tokens:
             warnings.warn(
                 f"{task} sample {index}: {num_tokens} tokens, more than 2% below the target {length_tokens}",
@@ -754,7 +891,7 @@ def generate_samples(
             target_tokens=length_tokens,
             chat=chat,
         )
-        samples.append(Sample(
+        sample = Sample(
             task=task,
             index=index,
             context=context,
@@ -764,7 +901,43 @@ def generate_samples(
             depths=_depths(built.haystack, built.needle_spans),
             num_tokens=num_tokens,
             max_new_tokens=cfg.max_new_tokens,
-            sample_id=key,
+            sample_id=key if task == cfg.base_name else f"ruler:{task}:{seed}:{index}",
             meta=meta,
-        ))
+        )
+        if cfg.split_questions:
+            samples += _split_questions(sample, cfg, built, tokenizer, chat, answer_prefix)
+        else:
+            samples.append(sample)
     return samples
+
+
+def _split_questions(sample: Sample | None, cfg: RulerConfig, built: _Built, tokenizer: Any, chat: bool,
+                     answer_prefix: bool) -> list[Sample]:
+    """``sample``'s context asked once per key (the asked keys first, then the others), one value each.
+
+    The haystack is sized so that the longest of these prompts fits the target. Sample ``j`` of
+    context ``i`` has index ``i * keys + j``. With ``sample=None`` only the prompts are built (for
+    their lengths: the samples' ``num_tokens``).
+    """
+    queries = list(built.meta["queries"]) + [k for k in built.meta["keys"] if k not in built.meta["queries"]]
+    type_v = cfg.type_needle_v[:-1]
+    post_t, ans_t = _singular(_NIAH_POST), _singular(_NIAH_ANSWER)
+    out = []
+    for j, q in enumerate(queries):
+        post = post_t.format(type_needle_v=type_v, query=q)
+        ans = ans_t.format(type_needle_v=type_v, query=q)
+        context, question = render_prompt(tokenizer, built.pre + built.haystack, post, chat=chat,
+                                          answer_prefix=ans if answer_prefix else "")
+        num_tokens = count_tokens(tokenizer, context + question, chat=chat)
+        if sample is None:
+            out.append(Sample(cfg.name, j, context, question, (), cfg.metric, num_tokens=num_tokens))
+            continue
+        if context != sample.context:  # the template would have to depend on the question
+            raise ValueError(f"{cfg.name}: the chat template renders the context differently per question")
+        meta = dict(sample.meta)
+        meta.update(query=q, context_index=sample.index, question_index=j, questions=len(queries))
+        out.append(dataclasses.replace(
+            sample, index=sample.index * len(queries) + j, question=question,
+            answers=tuple(built.meta["values"][q]), num_tokens=num_tokens,
+            sample_id=f"{sample.sample_id}:q{j}", meta=meta))
+    return out

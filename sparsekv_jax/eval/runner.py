@@ -19,6 +19,8 @@ each a small function that knows no particular policy (only the protocol of
 * ``results.jsonl``: one JSON line per finished (task, length, policy, sample), appended as soon
   as its batch finishes. A rerun with the same ``out_dir`` skips every line whose ``key`` (model,
   suite, question mode, seed, task, length, ``policy.spec_key()``, sample index) is already there.
+  Before appending, a line cut short by an interrupted run is moved to ``results.jsonl.damaged``
+  (:func:`repair_results`), so every line of the file reads and the summary counts only those.
   (Lines written before keys used ``spec_key`` held ``repr(policy)``: such a run is recomputed.)
 * ``summary.json`` / ``summary.md`` / ``*.png``: see :mod:`sparsekv_jax.eval.report`.
 
@@ -38,6 +40,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -76,6 +79,7 @@ __all__ = [
     "policy_family",
     "policy_specs",
     "read_results",
+    "repair_results",
     "row_stats",
     "run_batch",
     "run_eval",
@@ -336,6 +340,43 @@ def read_results(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
+def repair_results(path: str | os.PathLike[str]) -> list[str]:
+    """Make every line of a results.jsonl a readable record before a run appends to it.
+
+    An interrupted run can leave a line cut short (no newline, unreadable JSON); appending to it
+    would glue the next record onto it and lose both. Unreadable lines are moved to
+    ``<path>.damaged`` (appended, so nothing is thrown away) and the file is rewritten with the
+    readable lines only (written to a temporary file, then renamed: an interruption here leaves
+    the old file whole); a last line that reads but lacks its newline gets one. Returns the lines
+    set aside (empty when the file was sound or is missing).
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    raw = path.read_bytes()
+    if not raw:
+        return []
+    good: list[bytes] = []
+    bad: list[bytes] = []
+    for line in raw.splitlines():
+        if not line.strip():
+            continue
+        try:
+            ok = isinstance(json.loads(line), dict)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            ok = False
+        (good if ok else bad).append(line)
+    if not bad and raw.endswith(b"\n"):
+        return []
+    if bad:
+        with path.with_name(path.name + ".damaged").open("ab") as f:
+            f.write(b"".join(line + b"\n" for line in bad))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(b"".join(line + b"\n" for line in good))
+    os.replace(tmp, path)
+    return [line.decode("utf-8", "replace") for line in bad]
+
+
 # ----------------------------------------------------------------------------------------------
 # the loop
 # ----------------------------------------------------------------------------------------------
@@ -484,6 +525,10 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.jsonl"
+    damaged = repair_results(results_path)
+    if damaged:
+        warnings.warn(f"{results_path}: {len(damaged)} unreadable line(s) (a run cut short) moved to "
+                      f"{results_path}.damaged; their samples run again", stacklevel=2)
     done: dict[str, dict[str, Any]] = {r["key"]: r for r in read_results(results_path) if "key" in r}
     opts = _Options(stop_tokens=stop, page_size=page_size, prefill_chunk=prefill_chunk, fidelity=fidelity,
                     num_layers=cfg.num_layers, mesh=mesh)

@@ -18,8 +18,8 @@ from typing import Any, TextIO
 
 from sparsekv_jax.eval import metrics as _metrics
 
-__all__ = ["JSONL_SUFFIXES", "Sample", "Task", "count_tokens", "iter_jsonl", "jsonl_files", "jsonl_stem",
-           "render_prompt", "score_samples"]
+__all__ = ["JSONL_SUFFIXES", "Sample", "Task", "count_tokens", "iter_jsonl", "iter_jsonl_lines", "jsonl_files",
+           "jsonl_stem", "render_prompt", "score_samples"]
 
 # Data files the suites read: plain jsonl, or gzip'd (as the package's own data ships).
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
@@ -202,9 +202,28 @@ def _open_text(path: Path) -> TextIO:
     return path.open(encoding="utf-8")
 
 
+def iter_jsonl_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, record)`` of a ``.jsonl`` or gzip'd ``.jsonl.gz`` file, one per non-blank line
+    (numbered from 1, blank lines counted).
+
+    Raises ``ValueError`` naming the file and line of a line that is not JSON or not a JSON object.
+    """
+    path = Path(path)
+    with _open_text(path) as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {number}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path} line {number}: a record must be a JSON object, not {type(record).__name__}")
+            yield number, record
+
+
 def iter_jsonl(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """The records of a ``.jsonl`` or gzip'd ``.jsonl.gz`` file, one per non-blank line."""
-    with _open_text(Path(path)) as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
+    """The records of a ``.jsonl`` or gzip'd ``.jsonl.gz`` file, one per non-blank line (errors as
+    :func:`iter_jsonl_lines`)."""
+    for _, record in iter_jsonl_lines(path):
+        yield record

@@ -1,0 +1,167 @@
+"""Paired bootstrap intervals against full attention, and the results regeneration command."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sparsekv_jax.eval import report
+
+
+def _reference_bootstrap(policy: dict, reference: dict, resamples: int, seed: int) -> dict:
+    """Plain loops over resamples and columns, with the draw order `paired_bootstrap` documents."""
+    rng = np.random.default_rng(seed)
+    cols = list(policy)
+    draws = {c: rng.integers(0, len(policy[c]), size=(resamples, len(policy[c]))) for c in cols}
+    pol, full = [], []
+    for b in range(resamples):
+        p = [100.0 * sum(policy[c][i] for i in draws[c][b]) / len(policy[c]) for c in cols]
+        f = [100.0 * sum(reference[c][i] for i in draws[c][b]) / len(reference[c]) for c in cols]
+        pol.append(sum(p) / len(cols))
+        full.append(sum(f) / len(cols))
+    pol, full = np.asarray(pol), np.asarray(full)
+    ok = full > 0
+    return {"average": np.percentile(pol, [2.5, 97.5]), "difference": np.percentile(pol - full, [2.5, 97.5]),
+            "ratio": np.percentile(100 * pol[ok] / full[ok], [2.5, 97.5]), "undefined": int((~ok).sum())}
+
+
+def test_bootstrap_matches_a_numpy_reference():
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    print(f"seed {seed}")  # replay: put it here
+    rng = np.random.default_rng(seed)
+    policy, reference = {}, {}
+    for c, n in (("a@4k", 7), ("b@4k", 12), ("c@8k", 5)):
+        reference[c] = rng.integers(0, 2, n).astype(float).tolist()
+        policy[c] = (rng.random(n) * np.asarray(reference[c])).round(2).tolist()  # graded scores, e.g. ROUGE
+    got = report.paired_bootstrap(policy, reference, resamples=300, seed=seed)
+    want = _reference_bootstrap(policy, reference, 300, seed)
+    for k in ("average", "difference", "ratio"):
+        np.testing.assert_allclose(got[k][1:], want[k], atol=1e-3, err_msg=k)  # rounded to 3 decimals
+    assert got["ratio_undefined"] == want["undefined"]
+    a = np.mean([100 * np.mean(policy[c]) for c in policy])
+    f = np.mean([100 * np.mean(reference[c]) for c in reference])
+    assert got["average"][0] == pytest.approx(a, abs=1e-3) and got["difference"][0] == pytest.approx(a - f, abs=1e-3)
+    assert got["ratio"][0] == pytest.approx(100 * a / f, abs=1e-3)
+    assert got["n"] == {"a@4k": 7, "b@4k": 12, "c@8k": 5}
+    # replayable: the same seed gives the same intervals, another seed others
+    assert report.paired_bootstrap(policy, reference, resamples=300, seed=seed) == got
+    assert report.paired_bootstrap(policy, reference, resamples=300, seed=seed + 1)["difference"] != got["difference"]
+
+
+def test_bootstrap_known_answers():
+    # identical scores: every resample gives the same averages, the intervals are points
+    same = {"a": [1.0, 0.0, 1.0, 1.0], "b": [0.5, 0.25, 1.0]}
+    got = report.paired_bootstrap(same, same, resamples=500, seed=0)
+    assert got["ratio"] == [100.0, 100.0, 100.0] and got["difference"] == [0.0, 0.0, 0.0]
+    # full attention right on all 400 samples, the policy on 300: the difference is -25 points and its
+    # interval the normal one, -25 ± 1.96 * 100 * sqrt(0.25 * 0.75 / 400) = -25 ± 4.24 (CLT)
+    pol = {"a": [1.0] * 300 + [0.0] * 100}
+    full = {"a": [1.0] * 400}
+    got = report.paired_bootstrap(pol, full, resamples=4000, seed=1)
+    half = 1.96 * 100 * math.sqrt(0.25 * 0.75 / 400)
+    assert got["difference"][0] == -25.0
+    assert got["difference"][1] == pytest.approx(-25 - half, abs=0.6)
+    assert got["difference"][2] == pytest.approx(-25 + half, abs=0.6)
+    assert got["ratio"][1] == pytest.approx(75 - half, abs=0.6) and got["ratio"][2] == pytest.approx(75 + half, abs=0.6)
+    # pairing matters: the same scores unpaired (full attention wrong where the policy is right) would
+    # spread wider; here the policy fails exactly where full attention also fails on 100 of 400
+    pol = {"a": [1.0] * 200 + [0.0] * 200}
+    full = {"a": [1.0] * 300 + [0.0] * 100}  # the policy's 200 successes are full attention's too
+    got = report.paired_bootstrap(pol, full, resamples=4000, seed=2)
+    se = 100 * math.sqrt(0.25 * 0.75 / 400)  # d = -1 on 100 of 400 samples, 0 elsewhere
+    assert got["difference"][1] == pytest.approx(-25 - 1.96 * se, abs=0.6)
+
+
+def test_bootstrap_bad_input():
+    with pytest.raises(ValueError, match="differ"):
+        report.paired_bootstrap({"a": [1.0]}, {"b": [1.0]})
+    with pytest.raises(ValueError, match="1 policy scores but 2"):
+        report.paired_bootstrap({"a": [1.0]}, {"a": [1.0, 0.0]})
+    with pytest.raises(ValueError, match="non-empty"):
+        report.paired_bootstrap({"a": []}, None)
+
+
+def _rec(policy, family, budget, task, index, score, length=4096, question="agnostic", model="m", suite="ruler",
+         stored=None):
+    return {"key": json.dumps([model, suite, question, 0, task, length, policy, index]), "model": model,
+            "suite": suite, "question": question, "seed": 0, "task": task, "length": length, "policy": policy,
+            "family": family, "budget": budget, "index": index, "score": score, "prompt_tokens": length,
+            "context_tokens": length - 20,
+            "stats": {"kv_stored_fraction": stored if stored is not None else budget, "kv_read_fraction": 1.0}}
+
+
+def _records(rng: np.random.Generator, length: int, question: str, tasks=("niah_single_1", "vt"), n=20):
+    recs = []
+    for task in tasks:
+        full = rng.integers(0, 2, n)
+        for i in range(n):
+            recs.append(_rec("fullkv", "fullkv", 1.0, task, i, float(full[i]), length, question))
+            recs.append(_rec("snapkv(0.1)", "snapkv", 0.1, task, i, float(full[i] * (i % 3 != 0)), length, question))
+            recs.append(_rec("snapkv(0.5)", "snapkv", 0.5, task, i, float(full[i]), length, question))
+            recs.append(_rec("h2o(0.1)", "h2o", 0.1, task, i, 0.0, length, question))
+    return recs
+
+
+def test_summary_pairs_by_sample_and_flags_overlaps():
+    seed = 11
+    rng = np.random.default_rng(seed)
+    recs = _records(rng, 4096, "agnostic")
+    # a policy row with a sample full attention does not have: left out of its paired interval
+    recs.append(_rec("snapkv(0.5)", "snapkv", 0.5, "vt", 99, 1.0))
+    s = report.summarize(recs, policy_order=["fullkv"])
+    rows = {r["policy"]: r for r in s["rows"]}
+    assert rows["snapkv(0.5)"]["ci"]["n"] == {"niah_single_1@4k": 20, "vt@4k": 20}
+    assert rows["snapkv(0.5)"]["ci"]["ratio"] == [100.0, 100.0, 100.0]  # the same scores as full attention
+    assert "fullkv" in rows["snapkv(0.5)"]["overlaps"]
+    assert rows["h2o(0.1)"]["ci"]["ratio"] == [0.0, 0.0, 0.0]
+    assert "h2o(0.1)" not in rows["snapkv(0.1)"]["overlaps"] and "fullkv" not in rows["snapkv(0.1)"]["overlaps"]
+    lo, hi = rows["snapkv(0.1)"]["ci"]["ratio"][1:]
+    assert lo < rows["snapkv(0.1)"]["ci"]["ratio"][0] < hi < 100
+    md = report.markdown_table(s)
+    assert "paired percentile bootstrap" in md and "ratio of the two averages" in md
+
+
+def test_regenerate_tables_and_plots(tmp_path: Path, capsys):
+    rng = np.random.default_rng(3)
+    a, b = tmp_path / "runs" / "a", tmp_path / "runs" / "b"
+    a.mkdir(parents=True)
+    b.mkdir(parents=True)
+    recs_a = _records(rng, 4096, "agnostic") + _records(rng, 8192, "agnostic")
+    typed = [r for t in ("numbers", "words", "uuids")
+             for r in _records(rng, 16384, "aware", tasks=(f"niah_single_2@{t}", f"niah_multikey_1@{t}"), n=6)]
+    for r in typed:
+        r["suite"] = "ruler-variants"
+    (a / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs_a) + '{"cut sh')  # a broken tail
+    with gzip.open(b / "results.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in typed))
+    out = tmp_path / "out"
+    assert report.main([str(tmp_path / "runs"), "--out", str(out)]) == 0
+    md = (out / "RESULTS.md").read_text()
+    assert "### m · ruler · 4k · question-agnostic" in md and "### m · ruler · 8k · question-agnostic" in md
+    assert "### m · ruler-variants · 16k · question-aware" in md
+    # columns in RULER's task order, value types as listed (numbers, words, uuids)
+    assert md.index("niah_single_2@numbers@16k") < md.index("niah_single_2@words@16k") < \
+        md.index("niah_single_2@uuids@16k") < md.index("niah_multikey_1@numbers@16k")
+    # a row's numbers are the records' own: average of the two task percentages, by hand
+    full4 = [r for r in recs_a if r["policy"] == "fullkv" and r["length"] == 4096]
+    per_task = [100 * np.mean([r["score"] for r in full4 if r["task"] == t]) for t in ("niah_single_1", "vt")]
+    row = next(line for line in md.splitlines() if line.startswith("| 1 | fullkv | ") and "[" in line)
+    assert f"| {np.mean(per_task):.2f} |" in row
+    assert "Needle value types, m · 16k · question-aware" in md
+    summaries = json.loads((out / "results.json").read_text())
+    typed_summary = next(x for x in summaries if "needle_types" in x)
+    assert list(typed_summary["needle_types"]) == ["numbers", "words", "uuids"]
+    words = {r["policy"]: r for r in typed_summary["needle_types"]["words"]["rows"]}
+    wfull = [r["score"] for r in typed if r["policy"] == "fullkv" and "@words" in r["task"]]
+    assert words["fullkv"]["ci"]["average"][0] == pytest.approx(100 * np.mean(wfull), abs=1e-3)  # equal n per task
+    for name in ("score_vs_kv_m_ruler.png", "score_vs_kv_m_ruler-variants.png",
+                 "needle_types_m_ruler-variants_16k_aware.png"):
+        assert (out / name).stat().st_size > 5000, name
+        assert f"]({name})" in md
+    assert report.main([str(tmp_path / "nothing"), "--out", str(out)]) == 2
+    assert "no such file" in capsys.readouterr().err
