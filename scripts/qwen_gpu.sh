@@ -26,6 +26,8 @@ if [ ! -f "$GGUF" ]; then
 fi
 if [ -n "${LCE:-}" ] && [ ! -f "$SPARSEKV_CACHE/wheels/$(basename "$LCE")" ]; then cp "$LCE" "$SPARSEKV_CACHE/wheels/"; fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+# convert once (dequantise + orbax cache) before the jobs start, not four times at once
+python -c "import time; t=time.time(); from sparsekv_jax.models.embedded import load; load('$MODEL'); print(f'loaded in {time.time()-t:.0f} s')" || exit 1
 
 ev() {  # ev MEM_FRACTION OUTDIR QUESTION LENGTHS POLICIES [more sparsekv eval arguments]: one call per length
   local length rc=0
