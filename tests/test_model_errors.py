@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -65,20 +66,18 @@ def test_a_damaged_gguf_in_the_cache_is_extracted_again_before_conversion(tmp_pa
     cache, _ = _fake_embedded(tmp_path, monkeypatch)
     spec = EMBEDDED_MODELS["fake-qwen"]
     params, _ = load("fake-qwen", cache_dir=cache, progress=False)
-    converted = cache / "converted" / f"fake-qwen-{spec.file_sha256[:12]}-v{embedded._FORMAT_VERSION}"
-    assert converted.is_dir()  # the converted cache is keyed by the GGUF file's own hash
-
     extracted = embedded.embedded_gguf_path("fake-qwen", cache)
     with open(extracted, "r+b") as f:  # bytes of 0xff in the F32 q projection of layer 0 read as NaN
         f.seek(_tensor_offset(extracted, "blk.0.attn_q.weight") + 64)
         f.write(b"\xff" * 256)
-    import shutil
-
-    shutil.rmtree(converted)  # e.g. a cache emptied of conversions, or a new format version
+    shutil.rmtree(cache / "converted")  # e.g. a cache emptied of conversions, or a new format version
     with pytest.warns(UserWarning, match=r"tiny-qwen2\.gguf: sha256 .*damaged in the cache"):
         again, _ = load("fake-qwen", cache_dir=cache, progress=False)
     np.testing.assert_array_equal(np.asarray(again.layers.wq), np.asarray(params.layers.wq))
     assert hashlib.sha256(extracted.read_bytes()).hexdigest() == spec.file_sha256
+    # the converted cache is keyed by the GGUF file's own hash
+    assert [p.name for p in (cache / "converted").iterdir()] == [
+        f"fake-qwen-{spec.file_sha256[:12]}-v{embedded._FORMAT_VERSION}"]
 
 
 def test_non_finite_weights_are_an_error_naming_the_tensor(tmp_path):

@@ -196,9 +196,9 @@ def test_qwen25_coder_05b_logits_and_greedy_match_transformers(qwen05):
     assert tok.convert_tokens_to_ids("<|im_end|>") in cfg.eos_token_ids
 
     text = wikitext2_text()
-    start = np.random.default_rng().integers(0, len(text) - 20 * 256)  # a fresh passage each run
-    ids = np.asarray([tok(text[start: start + 20 * 256])["input_ids"][:256]])
-    assert ids.shape == (1, 256)
+    start = np.random.default_rng().integers(0, len(text) - 20 * 192)  # a fresh passage each run
+    ids = np.asarray([tok(text[start: start + 20 * 192])["input_ids"][:192]])
+    assert ids.shape == (1, 192)
     with torch.no_grad():
         ref = model(torch.as_tensor(ids)).logits.numpy()
     ours = np.asarray(full_logits(params, ids))
@@ -206,9 +206,24 @@ def test_qwen25_coder_05b_logits_and_greedy_match_transformers(qwen05):
     print(f"qwen2.5-coder-0.5b GGUF: relative logit difference {rel:.2e}, max abs {np.abs(ours - ref).max():.2e}")
     assert rel <= 1e-3, rel  # the bound the Gemma 3 and SmolLM2 GGUF tests accept
 
-    prompt = ids[:, :96]
+    prompt = ids[:, :64]
     with torch.no_grad():
-        hf = model.generate(torch.as_tensor(prompt), max_new_tokens=24, do_sample=False, min_new_tokens=24,
-                            attention_mask=torch.ones_like(torch.as_tensor(prompt)))[0, 96:].tolist()
-    out = generate(params, None, prompt, max_new_tokens=24, stop_tokens=())
+        hf = model.generate(torch.as_tensor(prompt), max_new_tokens=16, do_sample=False, min_new_tokens=16,
+                            attention_mask=torch.ones_like(torch.as_tensor(prompt)))[0, 64:].tolist()
+    out = generate(params, None, prompt, max_new_tokens=16, stop_tokens=())
     assert out.sequences()[0] == hf
+
+
+def test_info_of_qwen25_coder_05b(qwen05, capsys):
+    """`sparsekv info` on the embedded name: the loaded config and transformers' parameter count."""
+    import dataclasses
+    import json
+
+    from sparsekv_jax import cli
+
+    params, _, model = qwen05
+    assert cli.main(["info", "--model", "qwen2.5-coder-0.5b", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["config"] == json.loads(json.dumps(dataclasses.asdict(params.config)))
+    # 630,167,424: Qwen2.5-0.5B's published 494M plus the LM head, which this file stores apart (Q8_0)
+    assert info["parameters"] == model.num_parameters() == 494_032_768 + 151_936 * 896

