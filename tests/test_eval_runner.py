@@ -309,3 +309,27 @@ def test_shared_context_questions_read_one_compressed_context(tiny, tmp_path):
     assert len({tuple(r["answers"]) for r in recs}) == 4  # four questions
     assert len({r["stats"]["kv_stored_fraction"] for r in recs}) == 1
     assert summary["columns"] == ["niah_multiquery@split@1k"]
+
+
+def test_cli_ruler_variants_then_report(tiny_load, tmp_path, capsys):
+    """``sparsekv eval --suite ruler-variants`` runs a needle task with each value type, its summary
+    carries paired intervals, and the report command rebuilds the tables from the records."""
+    from sparsekv_jax.eval import report
+
+    out = tmp_path / "variants"
+    assert cli.main(["eval", "--suite", "ruler-variants", "--tasks", "niah_single_1", "--lengths", "512", "--n", "1",
+                     "--policies", "snapkv(0.5)", "--batch-size", "3", "--pad-multiple", "256", "--out", str(out),
+                     "-q"]) == 0
+    recs = _lines(out / "results.jsonl")
+    assert sorted((r["policy"], r["task"]) for r in recs) == sorted(
+        (p, f"niah_single_1@{t}") for p in ("fullkv", "snapkv(0.5)") for t in ("numbers", "words", "uuids"))
+    assert {r["suite"] for r in recs} == {"ruler-variants"}
+    summary = json.loads((out / "summary.json").read_text())
+    snap = next(r for r in summary["rows"] if r["policy"] == "snapkv(0.5)")
+    assert snap["ci"]["n"] == {f"niah_single_1@{t}@512": 1 for t in ("numbers", "words", "uuids")}
+    assert "paired percentile bootstrap" in (out / "summary.md").read_text()
+    assert report.main([str(out), "--out", str(tmp_path / "docs")]) == 0
+    md = (tmp_path / "docs" / "RESULTS.md").read_text()
+    assert "### smollm2 · ruler-variants · 512 · question-agnostic" in md
+    assert "Needle value types, smollm2 · 512 · question-agnostic" in md
+    assert (tmp_path / "docs" / "needle_types_smollm2_ruler-variants_512_agnostic.png").stat().st_size > 5000
