@@ -253,7 +253,7 @@ def _curve_rows(files: dict[str, bytes]) -> list[tuple]:
     return [(r["step"], r["layer"], r["fvu"], r["auxk"], r["dead_fraction"]) for r in rows]
 
 
-def test_resume_with_a_changed_config_is_refused_naming_each_field(tmp_path):
+def test_resume_with_a_changed_config_is_refused_naming_each_field(tmp_path, capsys):
     """Changed width and k are refused by name before anything is written; a resumable field
     (steps) needs --change; with it, a WSD run lengthened before its decay equals a run planned
     that long from the start (the schedule had not yet depended on its length)."""
@@ -274,6 +274,15 @@ def test_resume_with_a_changed_config_is_refused_naming_each_field(tmp_path):
     with pytest.raises(ValueError, match=r"--change steps applies to --resume only"):
         run(dataclasses.replace(cfg, out=str(tmp_path / "new")), change=("steps",), progress=False, params=params,
             tokenizer=tok)
+    # the command: on --resume without --config the run's config.yaml is the base, so only what is given differs
+    from sparsekv_jax.cli import main
+
+    assert main(["train-sae", "--out", str(tmp_path / "run"), "--resume", "--steps", "16", "--k", "8", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sparsekv train-sae: error: --resume: the config differs from the run's: steps: 12 in ")
+    assert "k: 4 in" in err and "pass --change steps." in err and err.count(" now") == 2
+    assert main(["train-sae", "--out", str(tmp_path / "run"), "-q"]) == 2
+    assert "pass --resume to continue the run in it, or --overwrite" in capsys.readouterr().err
     assert _files(tmp_path / "run") == before  # config.yaml (and all else) not rewritten to a rejected value
     resumed = run(longer, resume=True, change=("steps",), progress=False, params=params, tokenizer=tok)
     assert "steps: 16" in (tmp_path / "run" / "config.yaml").read_text()
