@@ -80,3 +80,16 @@ def test_the_wheel_installed_without_extras_runs_chat_generate_and_eval(smol, tm
     assert len(got) == len(want) == 1 and got[0]["task"] == "trec"
     for key in ("key", "prediction", "score"):
         assert got[0][key] == want[0][key], key
+
+
+def test_transformers_torch_notice_is_dropped_and_nothing_else():
+    """Without torch (blocked here by ``sys.modules['torch'] = None``), importing transformers prints
+    its "PyTorch was not found" notice; after ``import sparsekv_jax`` it does not, and transformers'
+    other messages still do."""
+    block = "import sys; sys.modules['torch'] = None; "
+    other = "; transformers.logging.get_logger('transformers').warning('another message')"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    plain = _run([sys.executable, "-c", block + "import transformers" + other], env, REPO).stderr
+    ours = _run([sys.executable, "-c", block + "import sparsekv_jax, transformers" + other], env, REPO).stderr
+    assert "PyTorch was not found" in plain and "another message" in plain  # the control: the notice is there
+    assert "PyTorch was not found" not in ours and "another message" in ours
