@@ -327,24 +327,25 @@ def test_a_killed_cli_run_resumes_to_the_uninterrupted_weights_and_curves(smol, 
     from sparsekv_jax.cli import main
 
     cache, _, _, _ = smol
-    args = ["--config", str(REPO / "sae_training/configs/smoke.yaml"), "--steps", "120", "--layers", "0,2",
+    args = ["--config", str(REPO / "sae_training/configs/smoke.yaml"), "--steps", "200", "--layers", "0,2",
             "--seq-len", "68", "--rows-per-chunk", "2", "--batch-size", "128", "--checkpoint-every", "20",
             "--log-every", "1", "--eval-max-rows", "2", "-q"]
     out = tmp_path / "killed"
     env = {**os.environ, "SPARSEKV_CACHE": str(cache), "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen([sys.executable, "-m", "sparsekv_jax.cli", "train-sae", *args, "--out", str(out)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    logged = 0
-    t0 = time.monotonic()
-    while logged < 30 and proc.poll() is None and time.monotonic() - t0 < 300:
-        time.sleep(0.02)
-        if (out / "curves.csv").exists():
-            logged = len((out / "curves.csv").read_text().splitlines()) // 2  # two layers a step (+ header)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    with (tmp_path / "stderr.txt").open("w") as err:  # a file, not a pipe: a full pipe would stall the run
+        proc = subprocess.Popen([sys.executable, "-m", "sparsekv_jax.cli", "train-sae", *args, "--out", str(out)],
+                                env=env, stdout=subprocess.DEVNULL, stderr=err)
+        logged = 0  # steps logged; killed at 30, far from the end (200) even on a fast machine
+        t0 = time.monotonic()
+        while logged < 30 and proc.poll() is None and time.monotonic() - t0 < 300:
+            time.sleep(0.02)
+            if (out / "curves.csv").exists():
+                logged = len((out / "curves.csv").read_text().splitlines()) // 2  # two layers a step (+ header)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "stderr.txt").read_text()[-2000:]
     newest = max(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
-    assert 20 <= newest < 120 and not (out / "smoke.safetensors").exists()  # killed mid-run, not after it
+    assert 20 <= newest < 200 and not (out / "smoke.safetensors").exists()  # killed mid-run, not after it
     steps_logged = [int(r[0]) for r in _curve(out / "curves.csv")][::2]
     # written as it went: every step's rows up to the kill are there, beyond the newest checkpoint
     assert steps_logged == list(range(1, len(steps_logged) + 1)) and len(steps_logged) >= max(30, newest)
@@ -352,7 +353,7 @@ def test_a_killed_cli_run_resumes_to_the_uninterrupted_weights_and_curves(smol, 
     assert main(["train-sae", *args, "--out", str(out), "--resume"]) == 0
     assert main(["train-sae", *args, "--out", str(tmp_path / "whole")]) == 0
     rows = _curve(out / "curves.csv")
-    assert [(r[0], r[1]) for r in rows] == [(str(s), str(L)) for s in range(1, 121) for L in (0, 2)]
+    assert [(r[0], r[1]) for r in rows] == [(str(s), str(L)) for s in range(1, 201) for L in (0, 2)]
     assert rows == _curve(tmp_path / "whole" / "curves.csv")
     a, b = _weights(out / "smoke.safetensors"), _weights(tmp_path / "whole" / "smoke.safetensors")
     for key in a:
