@@ -205,3 +205,156 @@ def test_shipped_smollm2_saes_match_their_record_on_held_out_text(smol):
         assert mine["layer"] == theirs["layer"] and mine["l0"] == theirs["l0"] == 64
         assert mine["fvu"] < 3 * theirs["fvu"] + 2e-3, (mine, theirs)
         assert 0.1 < mine["fvu_queries"] < 1.0
+
+
+# ---- interruption: a run in --out is neither wrecked nor mixed with another (issue 42, docs/INTERRUPTION.md)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative path → bytes): a snapshot to compare."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _weights(path: Path) -> dict[tuple[int, str], np.ndarray]:
+    saes, _ = load_saes(path)
+    return {(layer, f): np.asarray(getattr(s, f)) for layer, s in saes.items() for f in ("w_enc", "b_enc", "w_dec",
+                                                                                        "b_dec")}
+
+
+def test_a_non_empty_out_is_refused_without_resume_or_overwrite(tmp_path):
+    """The issue's sequence: a finished run, the same command again (here stopping at step 5), then
+    --resume. The second command must refuse before touching anything, naming --resume and
+    --overwrite; --overwrite starts over as a run into an empty folder would."""
+    params = random_params(TINY, jax.random.key(7), jnp.float32, scale=0.1)
+    tok = CharTokenizer()
+    cfg = _tiny_run_config(tmp_path / "run")
+    whole = run(cfg, progress=False, params=params, tokenizer=tok)
+    before = _files(tmp_path / "run")
+    with pytest.raises(ValueError, match=r"is not empty .*--resume.*--overwrite"):
+        run(cfg, stop_at=5, progress=False, params=params, tokenizer=tok)
+    assert _files(tmp_path / "run") == before  # checkpoints, curves, config and export untouched
+    with pytest.raises(ValueError, match="--resume and --overwrite"):
+        run(cfg, resume=True, overwrite=True, progress=False, params=params, tokenizer=tok)
+    # a custom checkpoint folder holding another run's steps counts too
+    (tmp_path / "ck" / "5").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"is not empty .*ck/5"):
+        run(_tiny_run_config(tmp_path / "other", checkpoint_dir=str(tmp_path / "ck")), progress=False, params=params,
+            tokenizer=tok)
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    again = run(cfg, overwrite=True, progress=False, params=params, tokenizer=tok)
+    assert again == {**whole, "train_seconds": again["train_seconds"]}
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["10", "12"]
+    assert _curve(tmp_path / "run" / "curves.csv") == _curve_rows(before)
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"  # --overwrite deletes only a run's files
+
+
+def _curve_rows(files: dict[str, bytes]) -> list[tuple]:
+    rows = csv.DictReader(files["curves.csv"].decode().splitlines())
+    return [(r["step"], r["layer"], r["fvu"], r["auxk"], r["dead_fraction"]) for r in rows]
+
+
+def test_resume_with_a_changed_config_is_refused_naming_each_field(tmp_path, capsys):
+    """Changed width and k are refused by name before anything is written; a resumable field
+    (steps) needs --change; with it, a WSD run lengthened before its decay equals a run planned
+    that long from the start (the schedule had not yet depended on its length)."""
+    params = random_params(TINY, jax.random.key(7), jnp.float32, scale=0.1)
+    tok = CharTokenizer()
+    cfg = _tiny_run_config(tmp_path / "run", schedule="wsd")
+    assert run(cfg, stop_at=5, progress=False, params=params, tokenizer=tok) == {"stopped_at": 5, "total_steps": 12}
+    before = _files(tmp_path / "run")
+    changed = dataclasses.replace(cfg, width=128, k=8, lr=3e-3)
+    with pytest.raises(ValueError, match=r"width: 64 in .*128 now; k: 4 in .*8 now; lr: 0.001 in .*0.003 now"):
+        run(changed, resume=True, progress=False, params=params, tokenizer=tok)
+    with pytest.raises(ValueError, match=r"--change lr: only these fields may change"):
+        run(changed, resume=True, change=("lr",), progress=False, params=params, tokenizer=tok)
+    longer = dataclasses.replace(cfg, steps=16)
+    with pytest.raises(ValueError, match=r"steps: 12 in .*16 now\. To continue with the new value of steps, pass "
+                                         r"--change steps"):
+        run(longer, resume=True, progress=False, params=params, tokenizer=tok)
+    with pytest.raises(ValueError, match=r"--change steps applies to --resume only"):
+        run(dataclasses.replace(cfg, out=str(tmp_path / "new")), change=("steps",), progress=False, params=params,
+            tokenizer=tok)
+    # the command: on --resume without --config the run's config.yaml is the base, so only what is given differs
+    from sparsekv_jax.cli import main
+
+    assert main(["train-sae", "--out", str(tmp_path / "run"), "--resume", "--steps", "16", "--k", "8", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sparsekv train-sae: error: --resume: the config differs from the run's: steps: 12 in ")
+    assert "k: 4 in" in err and "pass --change steps." in err and err.count(" now") == 2
+    assert main(["train-sae", "--out", str(tmp_path / "run"), "-q"]) == 2
+    assert "pass --resume to continue the run in it, or --overwrite" in capsys.readouterr().err
+    assert _files(tmp_path / "run") == before  # config.yaml (and all else) not rewritten to a rejected value
+    resumed = run(longer, resume=True, change=("steps",), progress=False, params=params, tokenizer=tok)
+    assert "steps: 16" in (tmp_path / "run" / "config.yaml").read_text()
+    planned = run(dataclasses.replace(longer, out=str(tmp_path / "planned")), progress=False, params=params,
+                  tokenizer=tok)
+    assert resumed["steps"] == planned["steps"] == 16 and resumed["heldout"] == planned["heldout"]
+    assert _curve(tmp_path / "run" / "curves.csv") == _curve(tmp_path / "planned" / "curves.csv")
+    a, b = _weights(tmp_path / "run" / "tiny.safetensors"), _weights(tmp_path / "planned" / "tiny.safetensors")
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=str(key))
+
+
+def test_curves_csv_is_cut_back_to_the_checkpoint_it_resumes_from(tmp_path):
+    """Rows logged after the newest checkpoint (here: checkpoint 7 removed, as a kill during its
+    write leaves it) are dropped on resume and logged again once; a row cut off mid-line too."""
+    import shutil
+
+    params = random_params(TINY, jax.random.key(7), jnp.float32, scale=0.1)
+    tok = CharTokenizer()
+    run(_tiny_run_config(tmp_path / "whole"), progress=False, params=params, tokenizer=tok)
+    cfg = _tiny_run_config(tmp_path / "run")
+    run(cfg, stop_at=7, progress=False, params=params, tokenizer=tok)
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "7")
+    path = tmp_path / "run" / "curves.csv"
+    assert [r[0] for r in _curve(path)][-1] == "7"
+    with path.open("a") as f:
+        f.write("8,2,0.5")  # a row cut off by the kill
+    run(cfg, resume=True, progress=False, params=params, tokenizer=tok)
+    rows = _curve(path)
+    assert [(r[0], r[1]) for r in rows] == [(str(s), str(L)) for s in range(1, 13) for L in (2, 0)]
+    assert rows == _curve(tmp_path / "whole" / "curves.csv")
+
+
+def test_a_killed_cli_run_resumes_to_the_uninterrupted_weights_and_curves(smol, tmp_path, monkeypatch):
+    """`sparsekv train-sae` in a subprocess, SIGKILLed mid-run (after a checkpoint, with rows logged
+    beyond it), then `--resume`: the exported weights are bit-identical to an uninterrupted run's and
+    curves.csv holds every step's rows once, equal to the uninterrupted run's."""
+    import os
+    import signal
+    import time
+
+    from sparsekv_jax.cli import main
+
+    cache, _, _, _ = smol
+    args = ["--config", str(REPO / "sae_training/configs/smoke.yaml"), "--steps", "200", "--layers", "0,2",
+            "--seq-len", "68", "--rows-per-chunk", "2", "--batch-size", "128", "--checkpoint-every", "20",
+            "--log-every", "1", "--eval-max-rows", "2", "-q"]
+    out = tmp_path / "killed"
+    env = {**os.environ, "SPARSEKV_CACHE": str(cache), "PYTHONPATH": str(REPO)}
+    with (tmp_path / "stderr.txt").open("w") as err:  # a file, not a pipe: a full pipe would stall the run
+        proc = subprocess.Popen([sys.executable, "-m", "sparsekv_jax.cli", "train-sae", *args, "--out", str(out)],
+                                env=env, stdout=subprocess.DEVNULL, stderr=err)
+        logged = 0  # steps logged; killed at 30, far from the end (200) even on a fast machine
+        t0 = time.monotonic()
+        while logged < 30 and proc.poll() is None and time.monotonic() - t0 < 300:
+            time.sleep(0.02)
+            if (out / "curves.csv").exists():
+                logged = len((out / "curves.csv").read_text().splitlines()) // 2  # two layers a step (+ header)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "stderr.txt").read_text()[-2000:]
+    newest = max(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert 20 <= newest < 200 and not (out / "smoke.safetensors").exists()  # killed mid-run, not after it
+    steps_logged = [int(r[0]) for r in _curve(out / "curves.csv")][::2]
+    # written as it went: every step's rows up to the kill are there, beyond the newest checkpoint
+    assert steps_logged == list(range(1, len(steps_logged) + 1)) and len(steps_logged) >= max(30, newest)
+    monkeypatch.setenv("SPARSEKV_CACHE", str(cache))
+    assert main(["train-sae", *args, "--out", str(out), "--resume"]) == 0
+    assert main(["train-sae", *args, "--out", str(tmp_path / "whole")]) == 0
+    rows = _curve(out / "curves.csv")
+    assert [(r[0], r[1]) for r in rows] == [(str(s), str(L)) for s in range(1, 201) for L in (0, 2)]
+    assert rows == _curve(tmp_path / "whole" / "curves.csv")
+    a, b = _weights(out / "smoke.safetensors"), _weights(tmp_path / "whole" / "smoke.safetensors")
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key], err_msg=str(key))

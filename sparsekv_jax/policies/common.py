@@ -50,9 +50,17 @@ def check_sinks_window(budget: float | int, sinks: int, window: int, context: in
         raise ValueError(f"sinks={sinks} + window={window} = {sinks + window} is larger than budget={budget}")
     if context is not None and isinstance(budget, float):
         n = budget_tokens(budget, context)
-        if sinks + window > n and n < context:
-            raise ValueError(f"sinks={sinks} + window={window} = {sinks + window} is larger than budget={budget} "
-                             f"of a {context}-token prompt ({n} tokens)")
+        need = sinks + window
+        if need > n and n < context:  # e.g. SnapKV's paper window (32) on a short prompt: say what to change
+            longer = math.ceil(need / budget - 1e-9)
+            while budget_tokens(budget, longer) < need:
+                longer += 1
+            fraction = math.ceil(need / context * 100) / 100
+            smaller = f" a window of at most {n - sinks} (window={n - sinks})," if n - sinks >= 1 else ""
+            raise ValueError(f"sinks={sinks} + window={window} = {need} tokens are always kept, more than "
+                             f"budget={budget} keeps of a {context}-token prompt ({n} tokens): pass a budget of at "
+                             f"least {fraction:g} (or budget={need}, a token count),{smaller} or a prompt of at "
+                             f"least {longer} tokens")
 
 
 def force_sinks_and_window(scores: jax.Array, length: jax.Array, sinks: int, window: int | jax.Array) -> jax.Array:

@@ -5,6 +5,7 @@
     ARG    := VALUE | KEY "=" VALUE          (positional arguments first, as in Python)
     VALUE  := number | 'string' | True | False | None | ITEM | "(" VALUE ("," VALUE)* ")"
 
+A keyword given twice in one call is an error (as in Python), not the last value silently.
 Names are case-insensitive (``fullkv``, ``streamingllm``, ``snapkv``, ``h2o``, ``quest``,
 ``pipeline`` and those later policies register). Example:
 ``"fullkv, snapkv(budget=0.1), quest(2048), pipeline(compress=snapkv(0.25), decode=quest(0.25))"``.
@@ -44,7 +45,13 @@ def _policy(node: ast.AST, text: str) -> Policy:
     elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
         name = node.func.id
         args = [_value(a, text) for a in node.args]
-        kwargs = {kw.arg: _value(kw.value, text) for kw in node.keywords if kw.arg}
+        kwargs = {}
+        for kw in node.keywords:
+            if kw.arg is None:  # f(**x): Python's own parser accepts it, the grammar does not
+                raise ValueError(f"policy spec {text!r}: unsupported argument {ast.unparse(kw)!r} in {name}(...)")
+            if kw.arg in kwargs:  # ast.parse accepts f(a=1, a=2); Python refuses it only when compiling
+                raise ValueError(f"policy spec {text!r}: keyword {kw.arg!r} repeated in {name}(...)")
+            kwargs[kw.arg] = _value(kw.value, text)
     else:
         raise ValueError(f"policy spec {text!r}: expected NAME or NAME(...), got {ast.unparse(node)!r}")
     factory = REGISTRY.get(name.lower())

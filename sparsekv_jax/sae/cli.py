@@ -10,13 +10,15 @@ import argparse
 import dataclasses
 import sys
 import typing
+from pathlib import Path
 
-from sparsekv_jax.sae.config import RunConfig
+from sparsekv_jax.sae.config import RESUMABLE_FIELDS, RunConfig
 
 EPILOG = """\
 examples:
   sparsekv train-sae --config sae_training/configs/smollm2.yaml --out runs/sae
-  sparsekv train-sae --config sae_training/configs/smollm2.yaml --out runs/sae --resume
+  sparsekv train-sae --out runs/sae --resume                      # after an interruption
+  sparsekv train-sae --out runs/sae --resume --steps 12000 --change steps
   python sae_training/train.py --config sae_training/configs/smollm2.yaml --model /tmp/smollm2.gguf \\
       --max-minutes 5 --out $OUT/sae
 
@@ -68,16 +70,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(f"--{field.name.replace('_', '-')}", dest=field.name, type=_option_type(field, hints),
                             default=None, metavar=field.name.upper(),
                             help=f"{HELP.get(field.name, '')} (default {shown})".strip())
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --out from its newest checkpoint; options not given are taken "
+                             "from its config.yaml, and those given must equal it (see --change)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in a non-empty --out: delete its checkpoints, curves and exported SAEs "
+                             "(without --resume or --overwrite a non-empty --out is refused)")
+    parser.add_argument("--change", type=_parse_fields, default=(), metavar="FIELD[,FIELD]",
+                        help="with --resume: let these fields differ from the run's config.yaml; only "
+                             f"{', '.join(RESUMABLE_FIELDS)} may (docs/INTERRUPTION.md)")
     parser.add_argument("--stop-at", type=int, default=None, metavar="STEP",
                         help="stop after STEP (checkpointed); a later --resume continues the same run")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bar or table")
 
 
+def _parse_fields(text: str) -> tuple[str, ...]:
+    return tuple(x.strip().replace("-", "_") for x in text.split(",") if x.strip())
+
+
 def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The run's config: defaults < ``--config`` file (or, on ``--resume`` without one, the run's
+    ``config.yaml``) < options given."""
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(RunConfig)}
     if args.config is not None:
         return RunConfig.from_yaml(args.config, **overrides)
+    saved = Path(args.out or RunConfig.out) / "config.yaml"
+    if getattr(args, "resume", False) and saved.is_file():
+        return RunConfig.from_yaml(saved, **overrides)
     return RunConfig.from_dict({k: v for k, v in overrides.items() if v is not None})
 
 
@@ -87,7 +106,8 @@ def cmd_train_sae(args: argparse.Namespace) -> int:
 
     try:
         cfg = config_from_args(args)
-        record = run(cfg, resume=args.resume, stop_at=args.stop_at, progress=not args.quiet)
+        record = run(cfg, resume=args.resume, overwrite=args.overwrite, change=args.change, stop_at=args.stop_at,
+                     progress=not args.quiet)
     except (ValueError, FileNotFoundError) as e:
         print(f"sparsekv train-sae: error: {e}", file=sys.stderr)
         return 2

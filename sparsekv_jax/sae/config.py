@@ -10,6 +10,13 @@ from typing import Any
 SCHEDULES = ("constant", "wsd", "cosine")
 TOPK_METHODS = ("auto", "lax", "blocked", "threshold")
 DECODE_METHODS = ("auto", "xla", "pallas")
+# `RunConfig` fields that may differ from a run's saved config on resume, when named (``--change``):
+# none changes the steps already taken. ``steps`` sets the schedule's length from the checkpoint on
+# (the weights equal a run planned that long while the schedule had not yet depended on its length:
+# a constant one, or WSD before its decay); the others change logging, checkpoints, evaluation,
+# export or the time budget (which only a run's start uses). docs/INTERRUPTION.md.
+RESUMABLE_FIELDS = ("steps", "max_minutes", "log_every", "checkpoint_every", "keep_checkpoints", "eval_batch_rows",
+                    "eval_max_rows", "export_dtype", "name", "cache_dir")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,13 @@ folder (``out``)::
 
 ``resume=True`` restores the newest checkpoint and continues exactly as an uninterrupted run
 would (same batches, same schedule, same losses): the data stream is a pure function of the
-seed and the step, and everything stateful is in the checkpoint.
+seed and the step, and everything stateful is in the checkpoint. Before anything is loaded or
+written, the configuration is compared with the run's ``config.yaml``: a difference is refused,
+naming each field, unless the field is one of `RESUMABLE` and named in ``change``. Without
+``resume``, an ``out`` (or ``checkpoint_dir``) that is not empty is refused unless
+``overwrite=True``, which deletes the earlier run's files first. ``curves.csv`` is appended (and
+flushed) at every logged step; on resume, its rows after the checkpoint's step are dropped, so it
+holds each step's rows once. What an interruption keeps: docs/INTERRUPTION.md.
 
 ``max_minutes`` fits a run into a time budget: after a few timed steps the schedule's length is
 set to the steps that fit (never more than ``steps``) and recorded in the checkpoint.
@@ -22,6 +28,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import shutil
 import time
 from functools import partial
 from pathlib import Path
@@ -31,10 +39,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparsekv_jax.sae.config import RunConfig, TrainConfig
+from sparsekv_jax.sae.config import RESUMABLE_FIELDS, RunConfig, TrainConfig
 from sparsekv_jax.sae.train import TrainState, init_train_state, train_step
 
 CSV_FIELDS = ("step", "layer", "fvu", "auxk", "l0", "dead_fraction", "lr", "vectors")
+RESUMABLE = RESUMABLE_FIELDS  # may differ from the saved config on resume, when named in ``change``
+_NOT_COMPARED = ("out",)  # the folder itself: the same run may be named by another path
 _CALIBRATE = (3, 23)  # steps timed (after compilation) to fit a time budget
 
 
@@ -55,17 +65,118 @@ def _checkpoint_manager(directory: Path, keep: int):
 
 
 def _read_csv_until(path: Path, step: int) -> list[dict[str, str]]:
+    """Rows of ``path`` up to ``step``; a row cut off by a kill (missing fields) is left out."""
     if not path.exists():
         return []
-    with path.open() as f:
-        return [r for r in csv.DictReader(f) if int(r["step"]) <= step]
+    kept = []
+    with path.open(newline="") as f:
+        for r in csv.DictReader(f):
+            if any(r.get(k) in (None, "") for k in CSV_FIELDS):
+                continue
+            try:
+                if int(r["step"]) <= step:
+                    kept.append(r)
+            except ValueError:
+                continue
+    return kept
 
 
-def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    with path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+def _replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and a rename: never half written."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class _CurveLog:
+    """``curves.csv`` written as the run goes: ``start`` rewrites the file with the rows up to the
+    step the run starts from (atomically), `append` adds one step's rows and flushes them."""
+
+    def __init__(self, path: Path, start: int):
+        import io
+
+        self.rows: list[dict[str, Any]] = _read_csv_until(path, start)
+        buf = io.StringIO()
+        w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, lineterminator="\n")
         w.writeheader()
-        w.writerows(rows)
+        w.writerows(self.rows)
+        _replace_file(path, buf.getvalue())
+        self._file = path.open("a", newline="")
+        self._writer = csv.DictWriter(self._file, fieldnames=CSV_FIELDS, lineterminator="\n")
+
+    def append(self, rows: list[dict[str, Any]]) -> None:
+        self._writer.writerows(rows)
+        self._file.flush()  # in the OS's hands: a killed process loses nothing written so far
+        self.rows.extend(rows)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _entries(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+def _check_out(cfg: RunConfig, ckpt_dir: Path, resume: bool, overwrite: bool,
+               change: tuple[str, ...]) -> RunConfig | None:
+    """Refuse what would mix two runs, before anything is written; returns the saved config (or None).
+
+    Without ``resume``: ``out`` and ``ckpt_dir`` must be empty (or ``overwrite``). With it: the
+    config must equal the saved one but for the fields named in ``change`` (all of `RESUMABLE`)."""
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other: --resume continues the run in --out, "
+                         "--overwrite deletes it")
+    unknown = [c for c in change if c not in RESUMABLE]
+    if unknown:
+        raise ValueError(f"--change {','.join(unknown)}: only these fields may change on resume: "
+                         f"{', '.join(RESUMABLE)} (the others would make the checkpoint another run's)")
+    if change and not resume:
+        raise ValueError(f"--change {','.join(change)} applies to --resume only")
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
+    saved_path = out / "config.yaml"
+    saved = RunConfig.from_yaml(saved_path) if saved_path.is_file() else None
+    found = _entries(out) + [f"{ckpt_dir}/{n}" for n in _entries(ckpt_dir) if ckpt_dir != out / "checkpoints"]
+    if not resume:
+        if found and not overwrite:
+            shown = ", ".join(found[:5]) + (", ..." if len(found) > 5 else "")
+            raise ValueError(f"--out {out} is not empty ({shown}): pass --resume to continue the run in it, "
+                             "or --overwrite to delete its checkpoints, curves and exported SAEs and start over "
+                             "(or choose another --out)")
+        return saved
+    if saved is None:
+        if found:
+            raise ValueError(f"--resume: {out} has no config.yaml, so it is not a train-sae run to continue "
+                             f"(it holds {', '.join(found[:5])}); choose another --out")
+        return None
+    a, b = saved.to_dict(), cfg.to_dict()
+    diffs = [k for k in a if k not in _NOT_COMPARED and a[k] != b[k]]
+    refused = [k for k in diffs if k not in change]
+    if refused:
+        listed = "; ".join(f"{k}: {a[k]!r} in {saved_path}, {b[k]!r} now" for k in refused)
+        may = [k for k in refused if k in RESUMABLE]
+        hint = (f" To continue with the new value of {', '.join(may)}, pass --change {','.join(may)}." if may
+                else "")
+        raise ValueError(f"--resume: the config differs from the run's: {listed}.{hint} Only "
+                         f"{', '.join(RESUMABLE)} may change on resume; for the others start a new --out.")
+    return saved
+
+
+def _delete_run(out: Path, ckpt_dir: Path, saved: RunConfig | None, name: str) -> None:
+    """--overwrite: remove the files a run writes (other files in ``out`` stay)."""
+    if ckpt_dir.is_dir():
+        if ckpt_dir == out / "checkpoints":
+            shutil.rmtree(ckpt_dir)
+        else:  # a shared folder: only the step directories (orbax names them by the step)
+            for p in ckpt_dir.iterdir():
+                if p.is_dir() and p.name.split(".")[0].isdigit():
+                    shutil.rmtree(p)
+    names = {name} | ({saved.name} if saved is not None else set())
+    files = ["config.yaml", "curves.csv", "curves.png", "curves.csv.tmp"]
+    files += [f"{n}{ext}" for n in names for ext in (".safetensors", ".json")]
+    for f in files:
+        (out / f).unlink(missing_ok=True)
 
 
 def plot_curves(csv_path: str | Path, png_path: str | Path, title: str = "") -> None:
@@ -99,12 +210,16 @@ def plot_curves(csv_path: str | Path, png_path: str | Path, title: str = "") -> 
     plt.close(fig)
 
 
-def run(cfg: RunConfig, *, resume: bool = False, stop_at: int | None = None, progress: bool = True,
-        params=None, tokenizer=None) -> dict[str, Any]:
+def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, change: tuple[str, ...] = (),
+        stop_at: int | None = None, progress: bool = True, params=None, tokenizer=None) -> dict[str, Any]:
     """Train (or resume) the SAEs of ``cfg``; returns the record written next to the weights.
 
-    ``stop_at``: stop after that step (after saving a checkpoint), as an interrupted run would;
-    no export. ``params``/``tokenizer``: an already loaded model (else ``cfg.model`` is loaded).
+    ``resume``: continue the run in ``cfg.out`` from its newest checkpoint (a fresh start if it has
+    none); the config must equal its ``config.yaml`` except for the `RESUMABLE` fields named in
+    ``change``. ``overwrite``: delete the run in ``cfg.out`` first (without it, a non-empty
+    ``out`` is refused). ``stop_at``: stop after that step (after saving a checkpoint), as an
+    interrupted run would; no export. ``params``/``tokenizer``: an already loaded model (else
+    ``cfg.model`` is loaded).
     """
     from tqdm.auto import tqdm
 
@@ -116,6 +231,13 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_at: int | None = None, pro
 
     t_start = time.perf_counter()
     out = Path(cfg.out)
+    ckpt_dir = out / "checkpoints" if cfg.checkpoint_dir is None else Path(cfg.checkpoint_dir)
+    change = tuple(change)
+    saved = _check_out(cfg, ckpt_dir, resume, overwrite, change)  # before anything is loaded or written
+    if stop_at is not None and stop_at < 1:
+        raise ValueError(f"stop_at={stop_at} must be >= 1")
+    if overwrite:
+        _delete_run(out, ckpt_dir, saved, cfg.name)
     out.mkdir(parents=True, exist_ok=True)
     if params is None:
         from sparsekv_jax.models.embedded import load
@@ -132,7 +254,6 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_at: int | None = None, pro
         raise ValueError(f"a chunk holds {per_chunk} vectors per layer, fewer than batch_size={cfg.batch_size}: "
                          "raise rows_per_chunk or lower batch_size")
     capacity = cfg.buffer_chunks * per_chunk
-    (out / "config.yaml").write_text(_yaml(cfg.to_dict()))
     extract = partial(chunk_vectors, layers=layers, drop_first=cfg.drop_first, attention=cfg.attention)
 
     def fresh_state() -> tuple[TrainState, ShuffleBuffer]:
@@ -144,60 +265,65 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_at: int | None = None, pro
         chunk = jnp.zeros((len(layers), per_chunk, mcfg.head_dim), jnp.float32)
         return state, ShuffleBuffer(data=data, chunk=chunk, key=k_buf)
 
-    ckpt_dir = out / "checkpoints" if cfg.checkpoint_dir is None else Path(cfg.checkpoint_dir)
     manager = _checkpoint_manager(ckpt_dir, cfg.keep_checkpoints)
     import orbax.checkpoint as ocp
 
     start = manager.latest_step() if resume else None
     if start is not None:
+        if "steps" in change and cfg.steps < start:
+            raise ValueError(f"--change steps: steps={cfg.steps} is before the checkpoint's step {start}")
         abstract = jax.eval_shape(fresh_state)
         restored = manager.restore(start, args=ocp.args.StandardRestore({"train": abstract[0], "buffer": abstract[1]}))
         state, buf = restored["train"], restored["buffer"]
-        log_rows: list[dict[str, Any]] = _read_csv_until(out / "curves.csv", start)
+        if "steps" in change and saved is not None and cfg.steps != saved.steps:
+            state = state.replace(total_steps=jnp.asarray(cfg.steps, jnp.int32))
     else:
         start = 0
         state, buf = fresh_state()
-        log_rows = []
+    _replace_file(out / "config.yaml", _yaml(cfg.to_dict()))
+    curves = _CurveLog(out / "curves.csv", start)
+    log_rows = curves.rows
     total = int(state.total_steps)
     fit_budget = cfg.max_minutes is not None and start == 0
     last = total if stop_at is None else min(total, stop_at)
     bar = tqdm(total=total, initial=start, disable=not progress, desc="train-sae", dynamic_ncols=True)
     t_cal = None
     step = start
-    while step < last:
-        if step % steps_per_chunk == 0:
-            chunk_index = cfg.buffer_chunks + step // steps_per_chunk
-            buf = buf.replace(chunk=extract(params, jnp.asarray(rows.chunk(chunk_index))))
-        cursor = jnp.asarray((step % steps_per_chunk) * cfg.batch_size, jnp.int32)
-        state, buf, metrics = _buffered_step(state, buf, cursor, tcfg)
-        step += 1
-        if fit_budget and step in _CALIBRATE:
-            jax.block_until_ready(state.step)
-            if step == _CALIBRATE[0]:
-                t_cal = time.perf_counter()
-            else:
-                per_step = (time.perf_counter() - t_cal) / (_CALIBRATE[1] - _CALIBRATE[0])
-                left = cfg.max_minutes * 60 - (time.perf_counter() - t_start)
-                total = max(step + 1, min(cfg.steps, step + int(left / per_step)))
-                state = state.replace(total_steps=jnp.asarray(total, jnp.int32))
-                last = total if stop_at is None else min(total, stop_at)
-                bar.total = total
-                bar.write(f"time budget {cfg.max_minutes:g} min: {per_step * 1e3:.1f} ms/step -> {total} steps")
-        if step % cfg.log_every == 0 or step == last:
-            m = jax.device_get(metrics)
-            for i, layer in enumerate(layers):
-                log_rows.append({"step": step, "layer": layer, "fvu": float(m["fvu"][i]),
-                                 "auxk": float(m["auxk"][i]), "l0": float(m["l0"][i]),
-                                 "dead_fraction": float(m["dead_fraction"][i]), "lr": float(m["lr"]),
-                                 "vectors": step * cfg.batch_size})
-            bar.set_postfix(fvu=f"{np.mean(m['fvu']):.4f}", l0=f"{np.mean(m['l0']):.1f}",
-                            dead=f"{np.mean(m['dead_fraction']):.3f}")
-        if step % cfg.checkpoint_every == 0 or step == last:
-            manager.save(step, args=ocp.args.StandardSave({"train": state, "buffer": buf}), force=True)
-        bar.update(1)
+    try:
+        while step < last:
+            if step % steps_per_chunk == 0:
+                chunk_index = cfg.buffer_chunks + step // steps_per_chunk
+                buf = buf.replace(chunk=extract(params, jnp.asarray(rows.chunk(chunk_index))))
+            cursor = jnp.asarray((step % steps_per_chunk) * cfg.batch_size, jnp.int32)
+            state, buf, metrics = _buffered_step(state, buf, cursor, tcfg)
+            step += 1
+            if fit_budget and step in _CALIBRATE:
+                jax.block_until_ready(state.step)
+                if step == _CALIBRATE[0]:
+                    t_cal = time.perf_counter()
+                else:
+                    per_step = (time.perf_counter() - t_cal) / (_CALIBRATE[1] - _CALIBRATE[0])
+                    left = cfg.max_minutes * 60 - (time.perf_counter() - t_start)
+                    total = max(step + 1, min(cfg.steps, step + int(left / per_step)))
+                    state = state.replace(total_steps=jnp.asarray(total, jnp.int32))
+                    last = total if stop_at is None else min(total, stop_at)
+                    bar.total = total
+                    bar.write(f"time budget {cfg.max_minutes:g} min: {per_step * 1e3:.1f} ms/step -> {total} steps")
+            if step % cfg.log_every == 0 or step == last:
+                m = jax.device_get(metrics)
+                curves.append([{"step": step, "layer": layer, "fvu": float(m["fvu"][i]), "auxk": float(m["auxk"][i]),
+                                "l0": float(m["l0"][i]), "dead_fraction": float(m["dead_fraction"][i]),
+                                "lr": float(m["lr"]), "vectors": step * cfg.batch_size}
+                               for i, layer in enumerate(layers)])
+                bar.set_postfix(fvu=f"{np.mean(m['fvu']):.4f}", l0=f"{np.mean(m['l0']):.1f}",
+                                dead=f"{np.mean(m['dead_fraction']):.3f}")
+            if step % cfg.checkpoint_every == 0 or step == last:
+                manager.save(step, args=ocp.args.StandardSave({"train": state, "buffer": buf}), force=True)
+            bar.update(1)
+    finally:  # the rows logged so far are on disk already
+        curves.close()
     bar.close()
     manager.wait_until_finished()
-    _write_csv(out / "curves.csv", log_rows)
     if step < total:  # stopped early on request: the checkpoint is the product
         return {"stopped_at": step, "total_steps": total}
     t_train = time.perf_counter() - t_start
@@ -223,7 +349,7 @@ def run(cfg: RunConfig, *, resume: bool = False, stop_at: int | None = None, pro
         "seq_len": cfg.seq_len, "drop_first": cfg.drop_first, "seed": cfg.seed,
         "max_minutes": cfg.max_minutes, "train_seconds": round(t_train, 1), "device": jax.devices()[0].device_kind,
         "heldout": heldout,
-        "final_train": [{"layer": L, "fvu": final[L]["fvu"], "dead_fraction": final[L]["dead_fraction"]}
+        "final_train": [{"layer": L, "fvu": float(final[L]["fvu"]), "dead_fraction": float(final[L]["dead_fraction"])}
                         for L in layers if L in final],
     }
     save_saes(out / f"{cfg.name}.safetensors", state.sae, record, dtype=cfg.export_dtype)
