@@ -19,7 +19,7 @@ and for the ``"auto"`` methods of the policies, the SAE and the retrieval scan, 
 operation -- the Pallas kernel, its jnp reference, or the kernel per device on ``mesh`` -- is
 `sparsekv_jax.pallas.dispatch`, from a `Backend`.
 
-Nothing reads the environment: an entry point that honours ``$SPARSEKV_DECODE_MATMUL`` (the
+No choice here reads the environment: an entry point that honours ``$SPARSEKV_DECODE_MATMUL`` (the
 benchmarks) builds its backend with `Backend.from_env`.
 """
 
