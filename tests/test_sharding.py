@@ -299,7 +299,8 @@ def _child() -> None:
 @pytest.fixture(scope="module")
 def child() -> dict:
     root = Path(__file__).resolve().parents[1]
-    seed = int(np.random.default_rng().integers(1 << 30))
+    from conftest import seeded_rng  # here, not at the top: the child process runs this file
+    seed = int(seeded_rng().integers(1 << 30))
     env = {**os.environ, "XLA_FLAGS": CHILD_FLAGS, "SEED": str(seed),
            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     t0 = time.perf_counter()
@@ -411,10 +412,10 @@ def test_collectives_reads_sizes_from_hlo_text():
 def test_partitionable_top_k_equals_lax_top_k_with_ties():
     import jax
     import jax.numpy as jnp
+    from conftest import seeded_rng  # here, not at the top: the child process runs this file
 
     from sparsekv_jax.policies.common import top_k
-
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     for _ in range(5):
         x = jnp.asarray(rng.integers(-3, 4, (3, 4, 40)).astype(np.float32))  # many ties
         x = x.at[0, 0, :5].set(-jnp.inf)
