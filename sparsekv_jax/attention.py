@@ -8,34 +8,28 @@ GQA is handled by grouping query heads as ``[B, Hkv, G, ...]``: keys are never r
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
-from sparsekv_jax.backend import Backend, on_gpu
+from sparsekv_jax.backend import Backend, resolved
 from sparsekv_jax.cache import layer_view
+from sparsekv_jax.pallas import dispatch
 
-__all__ = ["Backend", "blocked_causal_attention", "cached_attention", "decode", "dense_causal_attention", "on_gpu",
-           "prefill"]
+__all__ = ["Backend", "blocked_causal_attention", "cached_attention", "decode", "dense_causal_attention", "prefill"]
 
 NEG_INF = -1e30  # finite: a fully masked row gives zeros, never NaN
 
 
-def _resolved(backend: Backend | None) -> Backend:
-    backend = Backend() if backend is None else backend
-    return backend if backend.resolved else backend.resolve()
-
-
 def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                            sliding_window: int | None = None,
-                           implementation: str | None = None) -> jax.Array:
+                           implementation: str | None = None, backend: Backend | None = None) -> jax.Array:
     """Causal self-attention within one chunk that starts at slot 0.
 
     ``q`` ``[B, T, Hq, D]``, ``k``/``v`` ``[B, T, Hkv, D]`` → ``[B, T, Hq, D]``.
     ``implementation``: ``"cudnn"``, ``"xla"`` (`jax.nn.dot_product_attention`), ``"blocked"``
     (`blocked_causal_attention`) or ``None``/``"auto"``: cuDNN on the GPU for bf16/fp16 (the strongest
-    dense baseline), ``"blocked"`` on the CPU for prompts longer than one block, XLA otherwise.
+    dense baseline), ``"blocked"`` on the CPU for prompts longer than one block, XLA otherwise (the
+    platform is ``backend``'s; ``None``: this process's default).
     ``sliding_window`` may be a traced scalar (a per-layer window inside the layer scan, Gemma 3):
     then it is an explicit mask, and JAX picks the implementation.
     """
@@ -46,7 +40,7 @@ def dense_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
         explicit = implementation if implementation in ("cudnn", "xla") else None
         return jax.nn.dot_product_attention(q, k, v, mask=mask[None, None], implementation=explicit)
     if implementation in (None, "auto"):
-        if on_gpu():
+        if resolved(backend).gpu:
             implementation = "cudnn" if q.dtype in (jnp.bfloat16, jnp.float16) else "xla"
         else:
             implementation = "blocked" if q.shape[1] > PREFILL_BLOCK else "xla"
@@ -220,23 +214,18 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, pattern, *,
     ``pattern`` is ``None`` (dense causal) or ``(block_ids, block_counts, block_size)``;
     ``backend.sparse_prefill`` picks the Pallas kernel or the jnp path for a pattern.
     """
-    backend = _resolved(backend)
+    backend = resolved(backend)
     if pattern is None:
-        return dense_causal_attention(q, k, v, sliding_window=sliding_window, implementation=backend.dense_prefill)
+        return dense_causal_attention(q, k, v, sliding_window=sliding_window, implementation=backend.dense_prefill,
+                                      backend=backend)
     block_ids, block_counts, block_size = pattern
     B, T = q.shape[:2]
     if backend.sparse_prefill == "pallas" and (sliding_window is None or isinstance(sliding_window, int)):
-        from sparsekv_jax.pallas.prefill import prefill_attention
-
-        if backend.mesh is not None:  # per device: XLA cannot partition a Pallas kernel
-            from sparsekv_jax import sharding
-
-            prefill_attention = functools.partial(sharding.prefill_attention, backend.mesh)
         pad = -(-T // block_size) * block_size - T  # the kernel wants whole KV blocks; causality masks the pad
         kp = jnp.pad(jnp.swapaxes(k, 1, 2), ((0, 0), (0, 0), (0, pad), (0, 0)))
         vp = jnp.pad(jnp.swapaxes(v, 1, 2), ((0, 0), (0, 0), (0, pad), (0, 0)))
-        out = prefill_attention(jnp.swapaxes(q, 1, 2), kp, vp, block_size=block_size, block_ids=block_ids,
-                                block_counts=block_counts, sliding_window=sliding_window, interpret=backend.interpret)
+        out = dispatch.prefill_attention(backend, jnp.swapaxes(q, 1, 2), kp, vp, block_size=block_size,
+                                         block_ids=block_ids, block_counts=block_counts, sliding_window=sliding_window)
         return jnp.swapaxes(out, 1, 2)
     n_blocks = -(-T // block_size)
     mask = block_mask(block_ids, block_counts, n_blocks, block_size)[..., :T, :T]
@@ -262,7 +251,7 @@ def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size
     ``backend.decode_attention`` picks the kernel or the jnp path; a sliding window takes the jnp
     path (the kernel has no window).
     """
-    backend = _resolved(backend)
+    backend = resolved(backend)
     B, Hkv, S, _ = kv.k.shape[-4:]
     n_pages = S // page_size
     used_pages = -(-length // page_size)  # [B]
@@ -272,15 +261,9 @@ def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size
     else:  # page lists hold distinct in-use pages, so the count is what is read
         read = jnp.minimum(selection[1], used_pages[:, None]).sum(1) / (Hkv * jnp.maximum(used_pages, 1))
     if backend.decode_attention == "pallas" and sliding_window is None:
-        from sparsekv_jax.pallas.decode import decode_attention
-
-        if backend.mesh is not None:  # per device: XLA cannot partition a Pallas kernel
-            from sparsekv_jax import sharding
-
-            decode_attention = functools.partial(sharding.decode_attention, backend.mesh)
         ids, counts = (None, None) if selection is None else selection
-        res = decode_attention(q, kv.k, kv.v, length, page_size=page_size, page_ids=ids, page_counts=counts,
-                               bias=kv.bias, layer=layer, interpret=backend.interpret, return_probs=return_probs)
+        res = dispatch.decode_attention(backend, q, kv.k, kv.v, length, page_size=page_size, page_ids=ids,
+                                        page_counts=counts, bias=kv.bias, layer=layer, return_probs=return_probs)
         if return_probs:
             return res[0], read.astype(jnp.float32), res[1]
         return res, read.astype(jnp.float32)

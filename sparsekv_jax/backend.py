@@ -12,8 +12,15 @@ A choice that is not a traced operation but an XLA compiler option (``prefill_do
 `jax.jit` as ``compiler_options`` by whoever compiles the prefill (`generate`, the demo):
 `Backend.prefill_compiler_options`.
 
-The environment variable ``SPARSEKV_DECODE_MATMUL`` (``auto``/``xla``/``pallas``) sets the
-default of ``decode_matmul`` for a whole process (benchmarks, ``sparsekv eval``).
+Every platform question of the package is asked here and nowhere else: ``platform`` (JAX's default
+backend unless set, fixed by `resolve`) is what "on a GPU" means for each ``"auto"`` of a `Backend`
+and for the ``"auto"`` methods of the policies, the SAE and the retrieval scan, which take a
+``backend`` (``None``: this process's default, `resolved`). Which function runs a kernel-level
+operation -- the Pallas kernel, its jnp reference, or the kernel per device on ``mesh`` -- is
+`sparsekv_jax.pallas.dispatch`, from a `Backend`.
+
+No choice here reads the environment: an entry point that honours ``$SPARSEKV_DECODE_MATMUL`` (the
+benchmarks) builds its backend with `Backend.from_env`.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["Backend", "on_gpu"]
+__all__ = ["DATA", "MODEL", "Backend", "resolved"]
 
 _IMPLS = ("auto", "pallas", "jnp")
 _MATMULS = ("auto", "xla", "pallas")
@@ -37,17 +44,19 @@ _DOTS = ("auto", "xla", "onednn")
 # XLA:CPU hands the program's dots (matmuls and batched matmuls) to oneDNN (x86 only)
 _ONEDNN_DOTS = {"xla_cpu_use_onednn": True, "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
 _WEIGHT_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+# the axes of `Backend.mesh` (`sparsekv_jax.sharding.make_mesh`): rows, and heads / hidden units
+DATA, MODEL = "data", "model"
 
 
-def on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
+def _default_platform() -> str:
+    return jax.default_backend()
 
 
 @functools.cache
 def onednn_dots_available() -> bool:
     """Whether this process's XLA:CPU compiles a dot with `_ONEDNN_DOTS` (an x86 CPU, and a jaxlib
     that knows the options: their names are XLA's, which may change between versions)."""
-    if jax.default_backend() != "cpu" or platform.machine().lower() not in ("x86_64", "amd64"):
+    if _default_platform() != "cpu" or platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     try:
         x = jax.numpy.ones((8, 8), jax.numpy.float32)
@@ -105,13 +114,6 @@ def onednn_fusions_runnable(hlo_text: str) -> bool:
     return True
 
 
-def _env_decode_matmul() -> str:
-    value = os.environ.get("SPARSEKV_DECODE_MATMUL", "auto")
-    if value not in _MATMULS:
-        raise ValueError(f"SPARSEKV_DECODE_MATMUL={value!r}: expected one of {_MATMULS}")
-    return value
-
-
 @dataclasses.dataclass(frozen=True)
 class Backend:
     """Implementation choices, fixed at trace time.
@@ -160,13 +162,15 @@ class Backend:
         same run (docs/BENCHMARKS.md, "CPU prefill on oneDNN's dots"). The decode loop keeps
         XLA's dots (oneDNN made its matrix-vector products 2x slower), so `generate` compiles
         prefill and decode as two programs when this is oneDNN.
+      platform: the JAX platform the choices are made for (``"gpu"``, ``"cpu"``, ...); ``None`` =
+        JAX's default backend, fixed by `resolve`. Every ``"auto"`` of the package reads it (`gpu`).
     """
 
     decode_attention: str = "auto"
     dense_prefill: str = "auto"
     sparse_prefill: str = "auto"
     decode_carry: bool | str = "auto"
-    decode_matmul: str = dataclasses.field(default_factory=_env_decode_matmul)
+    decode_matmul: str = "auto"
     page_sums: str = "auto"
     prefill_unroll: int = 1
     decode_unroll: int | bool = 1
@@ -174,8 +178,12 @@ class Backend:
     mesh: Any = None
     local_cache: str = "ring"
     prefill_dots: str = "auto"
+    platform: str | None = None
 
     def __post_init__(self) -> None:
+        if self.platform is not None and not isinstance(self.platform, str):
+            raise ValueError(f"Backend platform={self.platform!r}: expected a JAX platform name ('gpu', 'cpu', ...) "
+                             "or None")
         if self.prefill_dots not in _DOTS:
             raise ValueError(f"Backend prefill_dots={self.prefill_dots!r}: expected one of {_DOTS}")
         if self.local_cache not in _LOCAL:
@@ -194,15 +202,32 @@ class Backend:
             if not isinstance(value, (bool, int)) or (not isinstance(value, bool) and value < 1):
                 raise ValueError(f"Backend {name}={value!r}: expected an int >= 1 or a bool")
 
+    @classmethod
+    def from_env(cls, **fields: Any) -> Backend:
+        """A `Backend` whose ``decode_matmul`` is ``$SPARSEKV_DECODE_MATMUL`` (``auto``/``xla``/``pallas``;
+        unset: ``auto``) unless ``fields`` name it: for entry points that let a whole process's runs
+        (benchmarks, ``sparsekv eval``) be switched from the shell."""
+        value = os.environ.get("SPARSEKV_DECODE_MATMUL", "auto")
+        if value not in _MATMULS:
+            raise ValueError(f"SPARSEKV_DECODE_MATMUL={value!r}: expected one of {_MATMULS}")
+        return cls(**{"decode_matmul": value, **fields})
+
     @property
     def resolved(self) -> bool:
         return "auto" not in (self.decode_attention, self.sparse_prefill, self.decode_carry, self.decode_matmul,
-                              self.page_sums, self.prefill_dots) and self.interpret is not None
+                              self.page_sums, self.prefill_dots) and self.interpret is not None \
+            and self.platform is not None
+
+    @property
+    def gpu(self) -> bool:
+        """Whether the choices are for a GPU (``platform``, or JAX's default backend while unset)."""
+        return (self.platform or _default_platform()) == "gpu"
 
     def resolve(self, params: Any = None) -> Backend:
         """Every ``"auto"`` made concrete for this platform (and ``params``' weights, for the
         decode matmul: the kernel needs weight dimensions that are multiples of 16 and one dtype)."""
-        gpu = on_gpu()
+        plat = self.platform or _default_platform()
+        gpu = plat == "gpu"
 
         def pick(choice: str) -> str:
             return ("pallas" if gpu else "jnp") if choice == "auto" else choice
@@ -212,20 +237,20 @@ class Backend:
             fits = False
             if params is not None and gpu:
                 ws = [getattr(params.layers, n) for n in _WEIGHT_NAMES]
-                # on a mesh each device multiplies its share of a weight (`sharding.layer_matmul`)
-                tile = 16 * (1 if self.mesh is None else int(self.mesh.shape["model"]))
+                # on a mesh each device multiplies its share of a weight (`pallas.dispatch.layer_matmul`)
+                tile = 16 * (1 if self.mesh is None else int(self.mesh.shape[MODEL]))
                 fits = (all(w.shape[1] % tile == 0 and w.shape[2] % tile == 0 for w in ws)
                         and len({w.dtype for w in ws}) == 1)
             matmul = "pallas" if fits else "xla"
         dots = self.prefill_dots
         if dots == "auto":
             fp32 = params is not None and params.dtype == jax.numpy.float32
-            dots = "onednn" if fp32 and not gpu and onednn_dots_available() else "xla"
+            dots = "onednn" if fp32 and plat == "cpu" and onednn_dots_available() else "xla"
         return dataclasses.replace(
             self, decode_attention=pick(self.decode_attention), sparse_prefill=pick(self.sparse_prefill),
             page_sums=pick(self.page_sums), decode_matmul=matmul,
             decode_carry=True if self.decode_carry == "auto" else bool(self.decode_carry), prefill_dots=dots,
-            interpret=(not gpu) if self.interpret is None else self.interpret)
+            interpret=(not gpu) if self.interpret is None else self.interpret, platform=plat)
 
     def prefill_compiler_options(self) -> dict[str, Any] | None:
         """XLA compiler options for a program that prefills (``compiler_options`` of `jax.jit` or of
@@ -258,3 +283,17 @@ class Backend:
         """The GPU's code path everywhere (Pallas kernels; interpreted off a GPU, for tests)."""
         return cls(decode_attention="pallas", sparse_prefill="pallas", decode_carry=carry, decode_matmul="pallas",
                    page_sums="pallas")
+
+
+@functools.cache
+def _default_resolved() -> Backend:
+    return Backend().resolve()
+
+
+def resolved(backend: Backend | None = None) -> Backend:
+    """``backend`` with every ``"auto"`` made concrete (`Backend.resolve` without weights); ``None``:
+    this process's default `Backend`, resolved once. What a function with an ``"auto"`` choice and an
+    optional ``backend`` asks."""
+    if backend is None:
+        return _default_resolved()
+    return backend if backend.resolved else backend.resolve()

@@ -237,12 +237,53 @@ examples:
 """
 
 
+def registry_help() -> dict[str, str]:
+    """The policy names of ``sparsekv eval --help`` and the policies ``--prefill-chunk`` allows, read
+    from the policy registry (`sparsekv_jax.policies.spec.REGISTRY`) and each policy's declared
+    ``needs_whole_prefill``; names of one policy are listed together (``fullkv (= dense)``)."""
+    import textwrap
+
+    from sparsekv_jax.policies.spec import REGISTRY
+
+    names: dict[type, list[str]] = {}
+    for name, factory in REGISTRY.items():
+        names.setdefault(getattr(factory, "__self__", factory), []).append(name)  # CHESS.from_spec: CHESS
+    listed, chunkable = [], []
+    for cls, (name, *aliases) in names.items():
+        listed.append(name + (f" (= {', '.join(aliases)})" if aliases else ""))
+        whole = cls.needs_whole_prefill
+        if isinstance(whole, property):  # decided by what it holds (a Pipeline: by its members)
+            chunkable.append(f"{name} (when none of its members needs one)")
+        elif not whole:
+            chunkable.append(name)
+    return {"<POLICY NAMES>": textwrap.fill("names: " + ", ".join(listed), 98, initial_indent="  ",
+                                            subsequent_indent="    "),
+            "<CHUNKABLE>": ", ".join(chunkable)}
+
+
+class RegistryHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """`registry_help` filled into the help when it is shown (the registry imports JAX and flax, which
+    no other command line needs before it runs)."""
+
+    def _fill(self, text: str) -> str:
+        if "<POLICY NAMES>" in text or "<CHUNKABLE>" in text:
+            for key, value in registry_help().items():
+                text = text.replace(key, value)
+        return text
+
+    def _format_text(self, text: str) -> str:
+        return super()._format_text(self._fill(text))
+
+    def _expand_help(self, action: argparse.Action) -> str:
+        return self._fill(super()._expand_help(action))
+
+
 EVAL_EPILOG = """\
 policy grammar (--policies):
   SPEC  := ITEM ("," ITEM)*          ITEM := NAME | NAME "(" [ARG ("," ARG)*] ")"
   ARG   := VALUE | KEY "=" VALUE     (positional arguments first, as in Python)
   VALUE := number | 'string' | True | False | None | ITEM
-  names: fullkv (= dense), streamingllm, snapkv, h2o, quest, stem, chess, pipeline
+<POLICY NAMES>
   (case-insensitive); chess takes a preset (conservative | moderate | aggressive) and
   calibration='FILE.json' from `sparsekv calibrate` (or 'smollm2', shipped);
   keys='post_rope', centred=False gives the paper's literal page vectors.
@@ -320,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=cmd_info)
 
     e = sub.add_parser("eval", help="evaluate KV policies on RULER / LongBench",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EVAL_EPILOG,
+                       formatter_class=RegistryHelpFormatter, epilog=EVAL_EPILOG,
                        description="Run each policy on a benchmark suite with batched greedy generation, "
                                    "score the answers, and write results, tables and plots.")
     e.add_argument("--model", default="smollm2", help="'smollm2' (default), a HF model directory or a .gguf file")
@@ -347,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 64; e.g. 1024 on the GPU)")
     e.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prefill prompts in chunks of N tokens (less memory, e.g. 8k prompts on a CPU); only for "
-                        "policies that need no one-pass prefill: fullkv, quest, chess")
+                        "policies that need no one-pass prefill: <CHUNKABLE>")
     e.add_argument("--no-fullkv", action="store_true",
                    help="do not add full attention when no policy is dense (its rows come from another run)")
     e.add_argument("--fidelity", action="store_true",

@@ -13,7 +13,8 @@ or rewritten.
 Everything between those points — the matmuls, the policies' scores that reduce over heads or
 layers (CHESS's page vectors, Quest's bound, SemantiCache's clusters) — is partitioned by XLA
 from these placements. The Pallas kernels, which XLA cannot partition, run per device under
-`jax.shard_map` (`per_device`): each device calls the kernel on its own rows and heads.
+`jax.shard_map`: each device calls the kernel on its own rows and heads (`sparsekv_jax.pallas.dispatch`,
+through which a `Backend` carrying the mesh routes every kernel).
 
 A weight whose split dimension does not divide the ``model`` axis (an odd vocabulary or MLP width)
 stays whole on every device; the head counts and the batch must divide (`check_mesh`).
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -33,22 +34,15 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sparsekv_jax.backend import Backend
+from sparsekv_jax.backend import DATA, MODEL, Backend
 from sparsekv_jax.cache import KVCache, LayerKV
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import LayerParams, Params
+from sparsekv_jax.pallas.dispatch import weight_spec
 
 __all__ = ["DATA", "MODEL", "cache_specs", "check_mesh", "collectives", "constrain", "constrain_cache",
-           "constrain_layers_rows_heads", "decode_attention", "layer_matmul", "make_mesh", "on_mesh", "param_specs",
-           "parse_mesh", "per_device", "place_rows", "prefill_attention", "rope_page_sums", "shard_params"]
-
-DATA, MODEL = "data", "model"
-
-# The dimension of each weight split over ``model`` (None: replicated); layer weights carry [L] first.
-_SPLIT_DIM = {"wq": 2, "wk": 2, "wv": 2, "bq": 1, "bk": 1, "bv": 1,  # by heads (output columns)
-              "wo": 1,  # by heads (input rows): the attention output is head-split already
-              "w_gate": 2, "w_up": 2, "w_down": 1,  # by the MLP's hidden units
-              "embed": 0, "lm_head": 1}  # by vocabulary
+           "constrain_layers_rows_heads", "make_mesh", "on_mesh", "param_specs", "parse_mesh", "place_rows",
+           "shard_params"]
 
 
 def make_mesh(data: int = 1, model: int = 1, devices: Sequence[Any] | None = None) -> Mesh:
@@ -101,22 +95,15 @@ def check_mesh(cfg: ModelConfig, batch: int, mesh: Mesh) -> None:
                          f"pad the batch to a multiple of {d} or use a smaller data axis")
 
 
-def _weight_spec(name: str, shape: tuple[int, ...], model: int) -> P:
-    dim = _SPLIT_DIM.get(name)
-    if dim is None or shape[dim] % model:
-        return P()  # norms, and a dimension the model axis does not divide: whole on every device
-    return P(*([None] * dim), MODEL)
-
-
 def param_specs(params: Params, mesh: Mesh) -> Params:
     """`Params`-shaped pytree of `PartitionSpec` (see the module docstring)."""
     model = axis_size(mesh, MODEL)
     layer = {f: (None if getattr(params.layers, f) is None
-                 else _weight_spec(f, getattr(params.layers, f).shape, model))
+                 else weight_spec(f, getattr(params.layers, f).shape, model))
              for f in LayerParams.__dataclass_fields__}
-    return Params(embed=_weight_spec("embed", params.embed.shape, model), layers=LayerParams(**layer),
+    return Params(embed=weight_spec("embed", params.embed.shape, model), layers=LayerParams(**layer),
                   final_norm=P(), lm_head=None if params.lm_head is None else
-                  _weight_spec("lm_head", params.lm_head.shape, model), config=params.config)
+                  weight_spec("lm_head", params.lm_head.shape, model), config=params.config)
 
 
 def shard_params(params: Params, mesh: Mesh) -> Params:
@@ -223,13 +210,6 @@ def place_rows(run: Any) -> Any:
         if getattr(run, f) is not None})
 
 
-def per_device(fn: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any) -> Callable[..., Any]:
-    """``fn`` run on each device's shard (`jax.shard_map`): the way a Pallas kernel, which XLA cannot
-    partition, runs on a sharded cache. ``in_specs``/``out_specs`` give each argument's / output's
-    split (``None`` for an absent optional argument)."""
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-
-
 _COLLECTIVE = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-gather|all-reduce|all-to-all|collective-permute|"
                          r"reduce-scatter)(?:-start)?\(")
 _SHAPE = re.compile(r"(pred|s8|u8|s16|u16|s32|u32|s64|u64|bf16|f16|f32|f64)\[([0-9,]*)\]")
@@ -251,73 +231,3 @@ def collectives(hlo_text: str) -> list[tuple[str, int]]:
             size += _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
         out.append((m.group(2), size))
     return out
-
-
-# -- the Pallas kernels, per device ---------------------------------------------------------------
-# Each kernel works on independent (row, KV head) pairs, so on a mesh every device runs it on its own
-# rows and heads: the arguments' splits below are the cache's, and nothing is gathered.
-
-def _on_shards(mesh: Mesh, kernel: Callable[..., Any], arrays: dict[str, tuple[Any, P]], out_specs: Any,
-               **static: Any) -> Any:
-    """``kernel(**arrays, **static)`` per device; ``arrays`` maps an argument to ``(value, split)``
-    (a ``None`` value is left out)."""
-    present = {n: a for n, (a, _) in arrays.items() if a is not None}
-    specs = {n: arrays[n][1] for n in present}
-    return per_device(lambda kw: kernel(**kw, **static), mesh, (specs,), out_specs)(present)
-
-
-def decode_attention(mesh: Mesh, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
-                     page_ids: jax.Array | None = None, page_counts: jax.Array | None = None,
-                     bias: jax.Array | None = None, layer: Any = None, **static: Any) -> Any:
-    """`sparsekv_jax.pallas.decode.decode_attention` run per device on ``mesh`` (same arguments;
-    ``k``/``v``/``bias`` stacked ``[L, ...]`` when ``layer`` is given). A device's query heads are the
-    groups of its KV heads (a group's heads are adjacent), so each device holds whole groups."""
-    from sparsekv_jax.pallas.decode import decode_attention as kernel
-
-    lead = (None,) if layer is not None else ()
-    heads, kv = P(DATA, MODEL), P(*lead, DATA, MODEL)
-    layer = None if layer is None else jax.numpy.asarray(layer, jax.numpy.int32)
-    arrays = {"q": (q, heads), "k": (k, kv), "v": (v, kv), "lengths": (lengths, P(DATA)),
-              "page_ids": (page_ids, heads), "page_counts": (page_counts, heads), "bias": (bias, kv),
-              "layer": (layer, P())}
-    return _on_shards(mesh, kernel, arrays, (heads, heads) if static.get("return_probs") else heads, **static)
-
-
-def prefill_attention(mesh: Mesh, q: jax.Array, k: jax.Array, v: jax.Array, *, block_ids: jax.Array | None = None,
-                      block_counts: jax.Array | None = None, kv_lengths: jax.Array | None = None,
-                      **static: Any) -> Any:
-    """`sparsekv_jax.pallas.prefill.prefill_attention` run per device on ``mesh`` (same arguments)."""
-    from sparsekv_jax.pallas.prefill import prefill_attention as kernel
-
-    heads = P(DATA, MODEL)
-    arrays = {"q": (q, heads), "k": (k, heads), "v": (v, heads), "block_ids": (block_ids, heads),
-              "block_counts": (block_counts, heads), "kv_lengths": (kv_lengths, P(DATA))}
-    return _on_shards(mesh, kernel, arrays, (heads, heads) if static.get("return_lse") else heads, **static)
-
-
-def rope_page_sums(mesh: Mesh, k: jax.Array, inv_freq: Any, layer: Any, **static: Any) -> jax.Array:
-    """`sparsekv_jax.pallas.page_rope.rope_page_sums` run per device on ``mesh`` (``k`` stacked
-    ``[L, B, H, S, D]``; the result ``[B, H, P, D]`` split as the cache)."""
-    from sparsekv_jax.pallas.page_rope import rope_page_sums as kernel
-
-    arrays = {"k": (k, P(None, DATA, MODEL)), "layer": (jax.numpy.asarray(layer, jax.numpy.int32), P())}
-    return _on_shards(mesh, kernel, arrays, P(DATA, MODEL), inv_freq=inv_freq, **static)
-
-
-def layer_matmul(mesh: Mesh, name: str, x: jax.Array, w: jax.Array, layer: Any, **static: Any) -> jax.Array:
-    """`sparsekv_jax.pallas.matmul.layer_matmul` of weight ``name`` (``[L, K, N]``, split as
-    `param_specs` splits it) run per device on ``mesh``: a weight split by output columns gives
-    column-split activations; one split by input rows (``wo``, ``w_down``) takes row-split activations
-    and sums the devices' partial products (`jax.lax.psum`), as XLA does for the same dot."""
-    from sparsekv_jax.pallas.matmul import layer_matmul as kernel
-
-    spec = _weight_spec(name, w.shape, axis_size(mesh, MODEL))
-    by_rows = len(spec) == 2  # P(None, MODEL): the contracted dimension is split
-    x_spec = P(DATA, MODEL) if by_rows else P(DATA)
-    out_spec = P(DATA) if by_rows or len(spec) == 0 else P(DATA, MODEL)
-
-    def local(x, w, layer):
-        out = kernel(x, w, layer, **static)
-        return jax.lax.psum(out, MODEL) if by_rows else out
-
-    return per_device(local, mesh, (x_spec, spec, P()), out_spec)(x, w, jax.numpy.asarray(layer, jax.numpy.int32))

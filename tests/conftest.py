@@ -1,9 +1,13 @@
-"""Shared fixtures: tiny random Hugging Face models of each family, saved to disk."""
+"""Shared fixtures: tiny random Hugging Face models of each family, saved to disk; the tests' seeded
+random draws (`seeded_rng`, the ``rng`` fixture, ``pytest --seed N``)."""
 
 from __future__ import annotations
 
 import gc
 import os
+import secrets
+import sys
+import zlib
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # XLA:CPU's cheapest compile settings: the suite compiles many small programs and runs few large ones, so
@@ -14,9 +18,89 @@ os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu
                                    "--xla_llvm_disable_expensive_passes=true")
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# -- seeded random draws --------------------------------------------------------------------------
+# One seed per run, fresh unless ``--seed N`` is given, printed in the header and with every failure.
+# Every generator a test draws from is derived from it: `seeded_rng()` where a generator is made
+# (a test, a helper, a fixture, a parametrize list) and the ``rng`` fixture. The same seed gives the
+# same draws again for the same tests.
+
+_SEEDS = {"run": None, "test": None, "in_call": False, "counts": {}}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--seed", type=int, default=None, metavar="N",
+                     help="seed of the tests' random draws (default: a fresh one each run; it is printed in the "
+                          "header and with each failure, to replay the draws)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    seed = config.getoption("--seed")
+    workerinput = getattr(config, "workerinput", None)  # a pytest-xdist worker: the controller's seed
+    if seed is None and workerinput is not None:
+        seed = workerinput.get("sparsekv_seed")
+    _SEEDS["run"] = secrets.randbits(31) if seed is None else int(seed)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:  # pytest-xdist: every worker draws from the controller's seed
+    node.workerinput["sparsekv_seed"] = _SEEDS["run"]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"random seed: {_SEEDS['run']} (pytest --seed {_SEEDS['run']} replays the draws)"
+
+
+def pytest_collectstart(collector: pytest.Collector) -> None:
+    _SEEDS.update(test=None, in_call=False, counts={})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _SEEDS.update(test=item.nodeid, in_call=False, counts={})
+    item.user_properties.append(("seed", _SEEDS["run"]))  # in a JUnit XML report
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    _SEEDS["in_call"] = True
+    try:
+        yield
+    finally:
+        _SEEDS["in_call"] = False
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = (yield).get_result()
+    if report.failed:
+        report.sections.append(("random seed", f"this run drew from seed {_SEEDS['run']}; replay: "
+                                               f"pytest {item.nodeid} --seed {_SEEDS['run']}"))
+
+
+def seeded_rng() -> np.random.Generator:
+    """A NumPy generator derived from the run's seed and where it is made: the file and line of the
+    call, and how many were made there before in this test. In a test's body (directly or through a
+    helper) the test's id is part of it too, so each test and each parametrization draws its own
+    values; in a fixture or at collection it is not, so a fixture draws the same whichever test sets
+    it up (a test run alone with ``--seed N`` sees what it saw in the whole run)."""
+    caller = sys._getframe(1)
+    where = f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_lineno}"
+    test = _SEEDS["test"] if _SEEDS["in_call"] else ""
+    count = _SEEDS["counts"][where] = _SEEDS["counts"].get(where, -1) + 1
+    run = _SEEDS["run"] if _SEEDS["run"] is not None else secrets.randbits(31)  # imported outside pytest
+    return np.random.default_rng([run, zlib.crc32(where.encode()), zlib.crc32(test.encode()), count])
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    """A generator for one test: the run's seed and the test's id."""
+    return np.random.default_rng([_SEEDS["run"], zlib.crc32(request.node.nodeid.encode())])
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 from flax import struct
 
 from sparsekv_jax.backend import Backend
@@ -46,7 +47,7 @@ class RandomBlocks(Policy):
 
 @pytest.fixture(scope="module")
 def params():
-    return random_params(CFG, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
+    return random_params(CFG, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, 0.3)
 
 
 def _run(params, policy, tokens, lengths, decode, prefill, carry=False, matmul="xla"):
@@ -59,12 +60,12 @@ def _run(params, policy, tokens, lengths, decode, prefill, carry=False, matmul="
 
 @pytest.mark.parametrize("policy", [Dense(), Quest(budget=32, dense_layers=0), SnapKV(budget=40, window=8),
                                     H2O(budget=40), CHESS.aggressive(chunk_pages=1, grid_chunks=2),
-                                    RandomBlocks(seed=int(np.random.default_rng().integers(1000)))],
+                                    RandomBlocks(seed=int(seeded_rng().integers(1000)))],
                          ids=["dense", "quest", "snapkv", "h2o", "chess", "block-sparse-prefill"])
 def test_pallas_path_equals_jnp_path(params, policy):
     """The GPU's configuration (Pallas kernels, the cache carried through the layer scan and read
     by layer index) against the CPU's (jnp, the cache scanned layer by layer)."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens = rng.integers(0, CFG.vocab_size, (2, 70))
     lengths = np.array([70, 45])
     ref = _run(params, policy, tokens, lengths, "jnp", "jnp", carry=False)
@@ -76,7 +77,7 @@ def test_pallas_path_equals_jnp_path(params, policy):
 
 
 def test_block_pattern_listing_every_causal_block_is_dense(params):
-    tokens = np.random.default_rng().integers(0, CFG.vocab_size, (1, 50))
+    tokens = seeded_rng().integers(0, CFG.vocab_size, (1, 50))
     dense = generate(params, None, tokens, max_new_tokens=4, stop_tokens=())
     full = generate(params, RandomBlocks(full=True), tokens, max_new_tokens=4, stop_tokens=())
     np.testing.assert_array_equal(np.asarray(full.tokens), np.asarray(dense.tokens))
@@ -89,7 +90,7 @@ def test_block_pattern_listing_every_causal_block_is_dense(params):
 def test_carried_cache_equals_scanned_cache(params, policy):
     """Decode with the cache in the scan carry (in-place writes by layer index) gives the same
     tokens, cache and policy state effects as scanning it layer by layer (jnp attention both)."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens = rng.integers(0, CFG.vocab_size, (2, 60))
     lengths = np.array([60, 33])
     ref = _run(params, policy, tokens, lengths, "jnp", "jnp", carry=False)
@@ -110,7 +111,7 @@ def test_decode_weights_read_by_layer_index_equal_sliced(params, carry, monkeypa
     real = matmul.layer_matmul
     monkeypatch.setattr(matmul, "layer_matmul", lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
 
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens = rng.integers(0, CFG.vocab_size, (2, 40))
     lengths = np.array([40, 23])
     ref = _run(params, Dense(), tokens, lengths, "jnp", "jnp", carry=carry)

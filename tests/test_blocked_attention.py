@@ -3,6 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax import attention
 from sparsekv_jax.backend import Backend
@@ -26,7 +27,7 @@ def _reference(q, k, v, window=None):
 
 @pytest.mark.parametrize("T,block,window", [(37, 16, None), (64, 16, None), (100, 32, 40), (70, 16, 5)])
 def test_blocked_matches_brute_force(T, block, window):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     q = rng.normal(size=(2, T, 6, 16)).astype(np.float32)
     k = rng.normal(size=(2, T, 2, 16)).astype(np.float32)
     v = rng.normal(size=(2, T, 2, 16)).astype(np.float32)
@@ -36,7 +37,7 @@ def test_blocked_matches_brute_force(T, block, window):
 
 
 def test_blocked_bf16_stays_close_to_fp32():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     q, k, v = (rng.normal(size=s).astype(np.float32) for s in ((1, 50, 4, 16), (1, 50, 2, 16), (1, 50, 2, 16)))
     got = attention.blocked_causal_attention(*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), block=16)
     assert got.dtype == jnp.bfloat16
@@ -44,7 +45,7 @@ def test_blocked_bf16_stays_close_to_fp32():
 
 
 def test_prefill_dispatch_picks_blocked_on_cpu_past_one_block():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     T = attention.PREFILL_BLOCK + 5
     q, k, v = (jnp.asarray(rng.normal(size=s), jnp.float32) for s in ((1, T, 2, 8), (1, T, 1, 8), (1, T, 1, 8)))
     auto = attention.prefill(q, k, v, None, backend=Backend())

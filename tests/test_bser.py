@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig
@@ -132,7 +133,7 @@ def _prompt(lengths, qs, T):
 def test_observe_and_relevance_match_brute_force(salience, embedding, centred):
     """observe (per layer, inside a layer loop) + select's s against Eqs. 3-5 computed in numpy from
     the raw queries, keys and hidden states; non-probed layers contribute nothing."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     B, T, Hq, Hkv, D, H = 2, 64, 4, 2, 8, 32
     policy = _bound(block_size=8, probe_layers=2, salience=salience, embedding=embedding, centred=centred,
                     max_question=16, sinks=2)
@@ -154,7 +155,7 @@ def test_observe_and_relevance_match_brute_force(salience, embedding, centred):
 
 
 def test_mask_gate_observes_the_same():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     q, k = rng.normal(size=(2, 32, 4, 8)).astype(np.float32), rng.normal(size=(2, 32, 2, 8)).astype(np.float32)
     h = rng.normal(size=(2, 32, 32)).astype(np.float32)
     prompt = _prompt([32, 30], [20, 25], 32)
@@ -201,7 +202,7 @@ def test_anchors_and_radius_at_block_edges(radius, fill):
     anchors and their neighbours within the block (``fill``: as many as ρ of the block's tokens hold;
     else the fixed p); anchors planted on block edges (and next to the question and the sinks) must
     not spill into the neighbouring block."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     T, bs = 64, 8
     lengths, qs = np.array([64, 61]), np.array([50, 45])
     policy = _bound(block_size=bs, alpha=-2.0, beta=2.0, radius=radius, expansion=0.5, max_kept=1.0, sinks=3,
@@ -228,7 +229,7 @@ def test_anchors_and_radius_at_block_edges(radius, fill):
 def test_budget_mode_takes_retain_then_refine_then_the_rest(budget, fill, order):
     """Budget mode keeps exactly the budget (never more), and its whole order of the slots is the
     brute force's; thresholds chosen so that some blocks retain, some refine and some are discarded."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     T, bs = 128, 8
     lengths, qs = np.array([128, 113]), np.array([112, 90])
     base = _bound(block_size=bs, budget=budget, radius=1, sinks=2, window=4, max_question=16, fill=fill,
@@ -305,7 +306,7 @@ def _planted(attend_quarter: bool):
     look along key direction d. Block 2 (16..23): keys along d, embeddings u (with
     ``attend_quarter``: only tokens 16, 17 have both, the other six have embedding v and plain keys).
     Block 4 (32..39): embedding v ⟂ u, keys not along d. Everything else: random background."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     T, H, D = 64, 32, 8
     u, v = np.eye(H)[0], np.eye(H)[1]
     E = rng.normal(0, 0.3, (T, H)) * (np.arange(H) >= 2)  # background ⟂ u, v
@@ -363,14 +364,14 @@ def test_attention_weighting_lifts_a_block_whose_attended_tokens_match():
 # -- through generate ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def model():
-    params = random_params(CFG, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
-    tokens = np.random.default_rng().integers(1, CFG.vocab_size, (2, 96))
+    params = random_params(CFG, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, 0.3)
+    tokens = seeded_rng().integers(1, CFG.vocab_size, (2, 96))
     return params, tokens, np.array([96, 77]), np.array([80, 60])
 
 
 def test_infinite_thresholds_keep_everything_identical_logits(model):
     params, tokens, lengths, qs = model
-    forced = np.random.default_rng().integers(1, CFG.vocab_size, (2, 4))
+    forced = seeded_rng().integers(1, CFG.vocab_size, (2, 4))
     ref = teacher_force(params, Dense(), tokens, forced, lengths=lengths)[0]
     policy = BSER(alpha=-math.inf, beta=-math.inf, max_kept=1.0, block_size=16)
     assert policy.compressed_capacity(96, 4) is not None  # compression really runs

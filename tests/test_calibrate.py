@@ -8,6 +8,7 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax.datasets import wikitext2_text
 from sparsekv_jax.eval.calibrate import calibrate, calibration_text, page_statistics
@@ -16,7 +17,7 @@ from sparsekv_jax.policies.chess import entropy_stats
 
 
 def test_entropy_matches_definition():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     logits = rng.standard_normal((3, 50)) * 3
     p = np.exp(logits - logits.max(1, keepdims=True))
     p /= p.sum(1, keepdims=True)
@@ -27,7 +28,7 @@ def test_entropy_matches_definition():
 
 
 def test_page_statistics_by_hand():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     ent = rng.uniform(0, 5, (2, 20))
     means, variances = page_statistics(ent, np.array([20, 9]), page_size=4)
     # row 0: columns 1-4, 5-8, 9-12, 13-16 (17-19 incomplete); row 1: 1-4, 5-8 (valid columns 0..8)

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 from flax import struct
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,7 +31,7 @@ SETUP = Setup(CFG)  # the auto backend of this machine (jnp page sums on a CPU)
 
 @pytest.fixture(scope="module")
 def params():
-    return random_params(CFG, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
+    return random_params(CFG, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, 0.3)
 
 
 def brute_force_select(scores, in_use, candidate, ratios, Nc, Ng):
@@ -118,7 +119,7 @@ def test_sinks_and_window_always_read(seed, preset, sinks, window, chess_page):
 
 
 def test_ratios_one_select_every_page_and_equal_dense(params):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     lengths = rng.integers(100, 400, 2)
     cache = _filled_cache(rng, 2, 512, lengths)
     pol = CHESS(ratios=(1.0, 1.0, 1.0)).bind(SETUP)
@@ -157,7 +158,7 @@ def _gen(params, policy, tokens, lengths, n=100):
 
 
 def test_trigger_at_zero_thresholds_and_never_at_infinity(params):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens, lengths = rng.integers(0, CFG.vocab_size, (2, 300)), np.array([300, 256])
     never = _gen(params, CHESS.aggressive(page_size=16, regenerate=False), tokens, lengths)
     always = _gen(params, CHESS.aggressive(page_size=16, regenerate=False, entropy_threshold=0.0,
@@ -169,7 +170,7 @@ def test_trigger_at_zero_thresholds_and_never_at_infinity(params):
 
 
 def test_backtracking_reproduces_output_when_selection_unchanged(params):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens, lengths = rng.integers(0, CFG.vocab_size, (2, 300)), np.array([300, 300])
     kw = dict(ratios="aggressive", page_size=16, chunk_pages=2, grid_chunks=2, prompt_end=300)
     calm = _gen(params, _StableCHESS(**kw), tokens, lengths)
@@ -185,7 +186,7 @@ def test_backtracking_reproduces_output_when_selection_unchanged(params):
 def test_regeneration_changes_the_page_when_selection_changes(params):
     """With a real re-selection (anchor moves) a backtracked page is generated under new pages:
     the loop stays consistent (full length, no padding holes) whatever it produces."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens, lengths = rng.integers(0, CFG.vocab_size, (3, 300)), np.array([300, 170, 260])
     out = _gen(params, CHESS.aggressive(page_size=16, chunk_pages=2, grid_chunks=2, entropy_threshold=0.0), tokens,
                lengths, n=70)
@@ -196,7 +197,7 @@ def test_regeneration_changes_the_page_when_selection_changes(params):
 
 
 def test_batch_rows_independent(params):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens, lengths = rng.integers(0, CFG.vocab_size, (2, 300)), np.array([300, 190])
     pol = CHESS.aggressive(page_size=16, chunk_pages=2, grid_chunks=2, entropy_threshold=2.0)
     both = _gen(params, pol, tokens, lengths, n=60)
@@ -207,7 +208,7 @@ def test_batch_rows_independent(params):
 
 
 def test_interval_trigger_counts(params):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens = rng.integers(0, CFG.vocab_size, (1, 200))
     out = _gen(params, CHESS.moderate(page_size=16, trigger="interval", interval=2), tokens, None, n=100)
     assert int(out.stats["reselections"][0]) == (99 // 16) // 2
@@ -260,7 +261,7 @@ def test_bad_calibration_and_page_size(params, tmp_path):
 def test_scores_ignore_keys_past_the_anchor_end(keys):
     """A rebuild for regeneration scores the cache as it will be once the page is taken back: keys
     past ``anchor_end`` (still in the cache, counted by their page's sum) must not count."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     lengths = np.array([300, 211])
     back = np.array([21, 16])  # not page-aligned for row 0
     cache = _filled_cache(rng, 2, 320, lengths)
@@ -316,7 +317,7 @@ def test_page_vector_variants_equal_brute_force(keys, consecutive, impl, centred
     sums by the Pallas `rope_page_sums` (interpreted), as on a GPU."""
     from sparsekv_jax.models.rope import inverse_frequencies
 
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     lengths = rng.integers(40, 300, 2)
     S, ps, window = 320, 32, 2
     raw = rng.standard_normal((CFG.num_layers, 2, CFG.num_kv_heads, S, CFG.head_dim)) + 0.5  # a common component
@@ -340,7 +341,7 @@ def test_pre_rope_scores_with_per_layer_positions_equal_brute_force():
     (layer 0 consecutive, the others with gaps: the token-by-token path)."""
     from sparsekv_jax.models.rope import inverse_frequencies
 
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     lengths = rng.integers(60, 250, 2)
     S, ps = 256, 32
     raw = rng.standard_normal((CFG.num_layers, 2, CFG.num_kv_heads, S, CFG.head_dim)) + 0.5
@@ -365,7 +366,7 @@ def test_pre_rope_scores_with_per_layer_positions_equal_brute_force():
 def test_page_list_kept_across_steps_equals_a_fresh_one(trigger):
     """The decode state's page list is rebuilt only when the selection or the pages in use change;
     at every step it equals the list built afresh from the selection and the length."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     lengths = rng.integers(30, 200, 3)
     cache = _filled_cache(rng, 3, 512, lengths)
     extra = {"interval": 2} if trigger == "interval" else {"entropy_threshold": 0.0, "varentropy_threshold": 0.0}
@@ -386,7 +387,7 @@ def test_page_list_kept_across_steps_equals_a_fresh_one(trigger):
 
 def test_pre_rope_scores_do_not_depend_on_positions():
     """The same content at other positions scores the same pre-RoPE; post-RoPE it does not."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     lengths = np.array([250, 190])
     raw = rng.standard_normal((CFG.num_layers, 2, CFG.num_kv_heads, 256, CFG.head_dim))
     a, _ = _positioned_cache(np.random.default_rng(1), lengths, 256, raw)
@@ -405,7 +406,7 @@ def test_pre_rope_variant_end_to_end(params):
     the tokens equal Dense; unbound, a clear error; a sparse preset runs batched."""
     from sparsekv_jax.policies import Pipeline
 
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     prompts = rng.integers(0, CFG.vocab_size, (2, 320))
     lengths = np.array([320, 263])
     dense = generate(params, Dense(), prompts, lengths=lengths, max_new_tokens=6).sequences()
@@ -432,7 +433,7 @@ def test_bench_frozen_variant_keeps_the_first_selection():
     update does change it."""
     from sparsekv_jax.bench.chess import frozen
 
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     cache = _filled_cache(rng, 2, 256, rng.integers(100, 200, 2))
     pol = CHESS(ratios="aggressive", page_size=16, trigger="interval", interval=1).bind(SETUP)
     still = frozen(pol)
@@ -450,7 +451,7 @@ def test_bench_frozen_variant_keeps_the_first_selection():
 def test_next_pages_adds_the_pages_after_each_semantic_page(next_pages):
     """``next_pages`` reads, besides the paper's selection, the pages that follow each semantically
     selected page (not past the pages in use), and the decode page list holds all of them."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     # sparse semantic selections (every grid, half the chunks, 30% of their pages), so that most
     # kept pages have an unkept successor; fresh caches are drawn until one does
     base = CHESS(ratios=(1.0, 0.5, 0.3), page_size=16, chunk_pages=2, grid_chunks=2).bind(SETUP)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig, gemma3_config
@@ -48,8 +49,8 @@ PAIRS = {f"{c}+{d}": Pipeline(compress=POLICIES[c], decode=POLICIES[d])
 
 
 def _setup(cfg: ModelConfig, tokenizer):
-    params = random_params(cfg, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
-    tokens = np.random.default_rng().integers(1, cfg.vocab_size, (2, T))
+    params = random_params(cfg, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, 0.3)
+    tokens = seeded_rng().integers(1, cfg.vocab_size, (2, T))
     dense = generate(params, Dense(), tokens, lengths=LENGTHS, max_new_tokens=NEW, stop_tokens=())
     forced = np.asarray(dense.tokens)
     dense_logits = np.asarray(teacher_force(params, Dense(), tokens, forced, lengths=LENGTHS)[0])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax import cli
 from sparsekv_jax.eval import metrics, report, runner
@@ -204,7 +204,7 @@ def test_batches_never_pad_past_the_model_positions():
 
     from sparsekv_jax.eval.batching import Item, batch_inputs, batches, bucket
 
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     items = []
     for i in range(12):
         ctx, q = int(rng.integers(100, 900)), int(rng.integers(5, 200))

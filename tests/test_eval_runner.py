@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 from flax import struct
 
 from sparsekv_jax import cli
@@ -104,7 +105,7 @@ def _ruler_file(root: Path) -> Path:
 
 
 def test_row_stats_takes_each_rows_value_and_keeps_the_rest():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     per_row = rng.standard_normal(3).astype(np.float32)
     counts = rng.integers(0, 9, (3, 2)).astype(np.int32)
     stats = {"kv_stored_fraction": jnp.asarray(per_row), "prefill_block_fraction": jnp.float32(0.5),
@@ -141,7 +142,7 @@ def test_question_start_reaches_the_policy_and_every_stat_is_recorded(tiny, tmp_
     """Aware: the context stage and the prefill observation see ``question_start`` = each row's
     context length; agnostic: none. Every ``decode_stats`` key and ``stats["context"]`` is recorded."""
     data = _ruler_file(tmp_path / "data")
-    weights = jnp.asarray(np.random.default_rng().standard_normal(300), jnp.float32)
+    weights = jnp.asarray(seeded_rng().standard_normal(300), jnp.float32)
     pol = Pipeline(context=ContextInfo(), decode=SeesQuestion(weights=weights))
     out = tmp_path / "run"
     # one padded width for every batch, no full-attention run: one compiled program

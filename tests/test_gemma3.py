@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+from conftest import seeded_rng
 
 from sparsekv_jax.generate import full_logits, teacher_force
 from sparsekv_jax.models.config import NO_WINDOW, ModelConfig, gemma3_270m_config
@@ -33,7 +34,7 @@ def tiny(hf_tiny_dir):
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.eval()
     assert type(model).__name__ == "Gemma3ForCausalLM"
-    tokens = np.random.default_rng().integers(0, cfg.vocab_size, (2, 40))  # 5x the window of 8
+    tokens = seeded_rng().integers(0, cfg.vocab_size, (2, 40))  # 5x the window of 8
     with torch.no_grad():
         ref = model(torch.as_tensor(tokens)).logits.numpy()
     return params, cfg, tokens, ref

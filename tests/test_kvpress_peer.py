@@ -17,6 +17,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax.cache import init_cache
 from sparsekv_jax.datasets import wikitext2_text
@@ -35,7 +36,7 @@ def peer_run(smol, tmp_path_factory):
         pytest.fail(f"kvpress peer environment missing at {PEER_PY}: run `make peer-venv`")
     cache_dir, params, tokenizer, _ = smol
     text = wikitext2_text()
-    start = int(np.random.default_rng().integers(0, len(text) - 30 * T))
+    start = int(seeded_rng().integers(0, len(text) - 30 * T))
     ids = np.asarray([tokenizer(text[start: start + 30 * T])["input_ids"][:T]])
     tmp = tmp_path_factory.mktemp("kvpress")
     np.save(tmp / "ids.npy", ids)

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+from conftest import seeded_rng
 from flax import struct
 
 from sparsekv_jax.backend import Backend
@@ -42,7 +43,7 @@ def tiny(hf_tiny_dir):
     path = hf_tiny_dir("gemma3")
     params, cfg = load_hf_dir(path, dtype=jnp.float32)
     model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     return params, model, rng.integers(0, cfg.vocab_size, (2, 40)), np.array([40, 29])
 
 
@@ -78,7 +79,7 @@ def test_chunked_prefill_and_a_suffix_match_the_masked_path(tiny, mode):
     """Chunks of 6 (< the window: the chunk's queries need the ring and the chunk together) and a
     12-token suffix read against the rings after the prompt (`extend`)."""
     params, _, tokens, lengths = tiny
-    forced = np.random.default_rng().integers(0, params.config.vocab_size, (2, 12))
+    forced = seeded_rng().integers(0, params.config.vocab_size, (2, 12))
     kw = dict(prefill_chunk=6) if mode == "chunked" else dict(suffix=forced, suffix_lengths=np.array([12, 7]))
     ring = np.asarray(teacher_force(params, None, tokens, forced, lengths=lengths, backend=RING, **kw)[0])
     full = np.asarray(teacher_force(params, None, tokens, forced, lengths=lengths, backend=FULL, **kw)[0])

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import transformers as tf
+from conftest import seeded_rng
 
 from sparsekv_jax.generate import full_logits, generate
 from sparsekv_jax.models.loading import load_hf_dir
@@ -25,7 +26,7 @@ def _torch_logits(path: str, tokens: np.ndarray) -> np.ndarray:
 def test_logits_match_transformers(family, hf_tiny_dir):
     path = hf_tiny_dir(family)
     params, cfg = load_hf_dir(path, dtype=jnp.float32)
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens = rng.integers(0, cfg.vocab_size, (2, 40))  # longer than Mistral's window of 24
     ref = _torch_logits(path, tokens)
     ours = np.asarray(full_logits(params, tokens))
@@ -45,7 +46,7 @@ def _greedy_by_recompute(params, prompt: list[int], n: int) -> list[int]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_incremental_decode_equals_recompute(family, hf_tiny_dir):
     params, cfg = load_hf_dir(hf_tiny_dir(family), dtype=jnp.float32)
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     prompt = rng.integers(0, cfg.vocab_size, 30).tolist()  # decode crosses Mistral's window
     out = generate(params, None, np.array([prompt]), max_new_tokens=12, stop_tokens=(), page_size=8)
     assert out.sequences()[0] == _greedy_by_recompute(params, prompt, 12)
@@ -54,7 +55,7 @@ def test_incremental_decode_equals_recompute(family, hf_tiny_dir):
 @pytest.mark.parametrize("family", ["llama", "mistral"])
 def test_chunked_prefill_equals_one_shot(family, hf_tiny_dir):
     params, cfg = load_hf_dir(hf_tiny_dir(family), dtype=jnp.float32)
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens = rng.integers(0, cfg.vocab_size, (2, 45))
     lengths = np.array([45, 29])
     one = generate(params, None, tokens, lengths=lengths, max_new_tokens=6, stop_tokens=())
@@ -69,7 +70,7 @@ def test_chunked_prefill_equals_one_shot(family, hf_tiny_dir):
 
 def test_batch_equals_each_alone(hf_tiny_dir):
     params, cfg = load_hf_dir(hf_tiny_dir("qwen2"), dtype=jnp.float32)
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     lengths = [33, 9, 20]
     tokens = np.zeros((3, 33), np.int64)
     for i, n in enumerate(lengths):
@@ -83,7 +84,7 @@ def test_batch_equals_each_alone(hf_tiny_dir):
 
 def test_stop_tokens_end_rows_independently(hf_tiny_dir):
     params, cfg = load_hf_dir(hf_tiny_dir("llama"), dtype=jnp.float32)
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens = rng.integers(0, cfg.vocab_size, (2, 16))
     free = generate(params, None, tokens, max_new_tokens=10, stop_tokens=())
     seqs = free.sequences()

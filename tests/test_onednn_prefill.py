@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax.backend import Backend, onednn_dots_available, onednn_fusions_runnable
 from sparsekv_jax.generate import _prepare_jit, _setup, generate
@@ -26,7 +27,7 @@ ONEDNN = Backend(prefill_dots="onednn", interpret=True).resolve()
 
 
 def _rand(*shape: int) -> np.ndarray:
-    return np.random.default_rng().standard_normal(shape).astype(np.float32)
+    return seeded_rng().standard_normal(shape).astype(np.float32)
 
 
 # (name, f(a [64, 96], w [96, 128], c [64, 128]), numpy reference, a fusion oneDNN runs as XLA forms it)
@@ -123,8 +124,8 @@ def test_bad_settings_name_the_value():
 def test_prefill_on_onednn_matches_xla_dots(policy, suffix):
     """Ragged rows, batch 3, a prompt past one attention block (the blocked attention): the prefill
     program stays in the shape oneDNN runs (no fallback), and its logits and cache match XLA's."""
-    params = random_params(CFG, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
-    rng = np.random.default_rng()
+    params = random_params(CFG, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, 0.3)
+    rng = seeded_rng()
     tokens, lengths = rng.integers(1, CFG.vocab_size, (3, 300)), np.array([300, 271, 190])
     kw = dict(suffix=rng.integers(1, CFG.vocab_size, (3, 5)), suffix_lengths=np.array([5, 3, 4])) if suffix else {}
     outs = {}

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -139,7 +140,7 @@ def test_h2o_compress_properties(budget, lengths, seed):
 
 @pytest.mark.parametrize("implementation", ["dense", "blocked"])
 def test_attention_mass_matches_dense_reference(implementation):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     B, Tq, Hq, Hkv, D = 2, 37, 6, 2, 8
     q = rng.normal(size=(B, Tq, Hq, D)).astype(np.float32)
     k = rng.normal(size=(B, Tq, Hkv, D)).astype(np.float32)
@@ -159,7 +160,7 @@ def test_attention_mass_matches_dense_reference(implementation):
 
 
 def test_quest_bound_and_topk_against_bruteforce():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     cfg = _cfg(6, 2, layers=1)
     lengths = np.array([45, 30])
     cache, _, _ = _synthetic(cfg, lengths, int(rng.integers(1 << 30)))
@@ -191,13 +192,13 @@ def test_quest_bound_and_topk_against_bruteforce():
 def tiny():
     cfg = ModelConfig(family="llama", vocab_size=89, hidden_size=48, num_layers=3, num_heads=6, num_kv_heads=2,
                       head_dim=8, intermediate_size=64, max_position_embeddings=256)
-    return random_params(cfg, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
+    return random_params(cfg, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, 0.3)
 
 
 @pytest.mark.parametrize("policy", [StreamingLLM(budget=40), SnapKV(budget=1.0), H2O(budget=40), Quest(budget=40),
                                     Pipeline(compress=SnapKV(budget=64), decode=Quest(budget=1.0))])
 def test_budget_covering_prompt_is_exactly_dense(tiny, policy):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens = jnp.asarray(rng.integers(0, 89, (2, 40)), jnp.int32)
     lengths = jnp.asarray([40, 23], jnp.int32)
     bound = policy.bind(Setup(tiny.config, prompt_len=40, page_size=8))
@@ -222,7 +223,7 @@ def test_budget_covering_prompt_is_exactly_dense(tiny, policy):
 
 
 def test_h2o_running_eviction_keeps_cache_size_and_recent(tiny):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens = rng.integers(0, 89, (2, 60))
     out = generate(tiny, H2O(budget=20), tokens, lengths=np.array([60, 44]), max_new_tokens=12, stop_tokens=(),
                    page_size=8)
@@ -243,7 +244,7 @@ def test_h2o_running_eviction_keeps_cache_size_and_recent(tiny):
 def test_h2o_keeps_a_question_read_after_compression(tiny):
     """Question-agnostic: the suffix read after compression is stored whole (the cache has room for
     it) and the running eviction then keeps the cache at budget + suffix."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens, suffix = rng.integers(0, 89, (2, 60)), rng.integers(0, 89, (2, 13))
     out = generate(tiny, H2O(budget=20), tokens, lengths=np.array([60, 44]), suffix=suffix,
                    suffix_lengths=np.array([13, 9]), max_new_tokens=1, stop_tokens=(), page_size=8)
@@ -255,7 +256,7 @@ def test_h2o_keeps_a_question_read_after_compression(tiny):
 
 
 def test_rows_are_compressed_independently(tiny):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     lengths = [50, 31]
     tokens = rng.integers(0, 89, (2, 50))
     for pol in (SnapKV(budget=0.4, window=8), H2O(budget=0.4), StreamingLLM(budget=0.4)):
@@ -266,7 +267,7 @@ def test_rows_are_compressed_independently(tiny):
 
 
 def test_stats_report_fractions(tiny):
-    tokens = np.random.default_rng().integers(0, 89, (1, 64))
+    tokens = seeded_rng().integers(0, 89, (1, 64))
     snap = generate(tiny, SnapKV(budget=16, window=8), tokens, max_new_tokens=4, stop_tokens=(), page_size=8)
     assert float(snap.stats["kv_stored_fraction"][0]) == pytest.approx(16 / 64)
     assert snap.stats["cache_capacity"] == 24
@@ -323,7 +324,7 @@ def test_observe_sees_prompt_tokens_and_each_layers_input(tiny):
         def observe(self, q, k, v, hidden, layer_index, prompt):
             return prompt.tokens, hidden
 
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens = jnp.asarray(rng.integers(0, 89, (2, 24)), jnp.int32)
     cache = init_cache(tiny.config, 2, 32, page_size=8, dtype=jnp.float32)
     _, _, obs, _ = prefill(tiny, Recorder(), tokens, jnp.asarray([24, 17], jnp.int32), cache)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 from flax import struct
 
 from sparsekv_jax.backend import Backend
@@ -25,11 +26,11 @@ CFG = ModelConfig(family="llama", vocab_size=71, hidden_size=48, num_layers=2, n
 
 @pytest.fixture(scope="module")
 def params():
-    return random_params(CFG, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
+    return random_params(CFG, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, 0.3)
 
 
 def _tokens(b: int, t: int) -> np.ndarray:
-    return np.random.default_rng().integers(1, CFG.vocab_size, (b, t))
+    return seeded_rng().integers(1, CFG.vocab_size, (b, t))
 
 
 # -- former defects ----------------------------------------------------------------------------
@@ -59,7 +60,7 @@ def test_streaming_llm_prefills_in_chunks():
 def test_overwriting_a_slot_resets_its_bias():
     """A merged entry's log-size bias must not carry over to the token that overwrites its slot;
     the page's max bias follows."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     cache = init_cache(CFG, 2, 32, page_size=8, dtype=jnp.float32)
     layer = jax.tree.map(lambda x: x[0], cache.layers)
     bias = jnp.asarray(rng.uniform(0.5, 2.0, layer.bias.shape), jnp.float32)
@@ -84,7 +85,7 @@ def test_overwriting_a_slot_resets_its_bias():
 def test_quest_bound_holds_for_merged_entries():
     """With per-slot biases (log cluster sizes), Quest's page score still bounds every logit
     q·k/√d + bias in the page, and its choice is the brute-force top pages by that bound."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     L, B, H, S, D, ps = 1, 2, 2, 64, 8, 8
     k = rng.normal(size=(L, B, H, S, D)).astype(np.float32)
     bias = np.log(rng.integers(1, 9, (L, B, H, S))).astype(np.float32)
@@ -285,7 +286,7 @@ def test_merged_duplicates_attend_like_the_originals(params):
     attention output of the n copies (proportional attention) on both decode paths."""
     from sparsekv_jax import attention
 
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     D, H = 16, 2
     keys = rng.normal(size=(5, D)).astype(np.float32)
     vals = rng.normal(size=(5, D)).astype(np.float32)

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax.retrieval import rankers, spans
 from sparsekv_jax.retrieval.features import kth_largest, select_k, token_features
@@ -16,7 +17,7 @@ from sparsekv_jax.sae.model import init_sae
 
 
 def _rng():
-    return np.random.default_rng(int(np.random.default_rng().integers(1 << 30)))
+    return np.random.default_rng(int(seeded_rng().integers(1 << 30)))
 
 
 def test_kth_largest_and_select_k_match_numpy():

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig
@@ -42,7 +43,7 @@ class WordTokenizer:
 
 @pytest.fixture(scope="module")
 def model():
-    seed = int(np.random.default_rng().integers(1 << 30))
+    seed = int(seeded_rng().integers(1 << 30))
     params = random_params(CFG, jax.random.key(seed), jnp.float32, 0.3)
     saes = init_sae(jax.random.key(seed + 1), CFG.head_dim, WIDTH, K, stack=(len(LAYERS),))
     return params, saes
@@ -71,7 +72,7 @@ def _tokens(rng, B=2, T=150):
 @pytest.mark.parametrize("scan", [ScanConfig(chunk=16, sinks=4, window=160), ScanConfig(chunk=160)])
 def test_scan_postings_equal_full_context_keys_when_nothing_is_cut(model, scan):
     params, saes = model
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tok = _tokens(rng)
     ctx, ql = np.array([120, 101]), np.array([30, 25])
     res = scan_context(params, saes, LAYERS, tok, ctx, ctx, ql, scan)
@@ -91,7 +92,7 @@ def test_scan_postings_equal_full_context_keys_when_nothing_is_cut(model, scan):
 
 def test_chunk_only_scan_equals_each_chunk_forwarded_alone(model):
     params, saes = model
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tok = _tokens(rng, T=96)
     ctx = np.array([96, 70])
     C = 32
@@ -105,7 +106,7 @@ def test_chunk_only_scan_equals_each_chunk_forwarded_alone(model):
 
 def test_scan_device_memory_is_bounded_by_the_chunk(model):
     params, saes = model
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     peaks = []
     for T in (64, 256):
         tok = rng.integers(2, CFG.vocab_size, (1, T + 8))
@@ -130,7 +131,7 @@ def _policy(cls, model, **kw):
 @pytest.mark.parametrize("cls", [S3Pure, S3Hybrid, BM25Retrieval])
 def test_gathered_prompt_keeps_order_budget_and_question(model, cls):
     params, _ = model
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tok = _tokens(rng, T=170)
     lengths, qs = np.array([170, 150]), np.array([140, 131])
     pol = _policy(cls, model, budget=40, lead=6, tail=3) if cls is not BM25Retrieval else \
@@ -151,7 +152,7 @@ def test_gathered_prompt_keeps_order_budget_and_question(model, cls):
 @pytest.mark.parametrize("cls", [S3Pure, S3Hybrid])
 def test_budget_covering_the_context_gives_full_attentions_logits(model, cls):
     params, _ = model
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tok = _tokens(rng, T=90)
     lengths, qs = np.array([90, 77]), np.array([70, 60])
     pol = _policy(cls, model, budget=70)
@@ -169,7 +170,7 @@ def test_budget_covering_the_context_gives_full_attentions_logits(model, cls):
 
 def test_pipeline_generate_reports_context_info_and_fallback(model):
     params, _ = model
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tok = _tokens(rng, T=150)
     pol = Pipeline(context=_policy(S3Hybrid, model, budget=48, kernel=8), decode=Quest(budget=0.5, page_size=16))
     out = generate(params, pol, tok, lengths=np.array([150, 120]), max_new_tokens=4, stop_tokens=())
@@ -181,7 +182,7 @@ def test_pipeline_generate_reports_context_info_and_fallback(model):
 
 def test_bad_setups_raise_clear_errors(model):
     params, saes = model
-    tok = _tokens(np.random.default_rng(), T=100)
+    tok = _tokens(seeded_rng(), T=100)
     with pytest.raises(ValueError, match="head_dim"):
         S3Pure(budget=10).with_tokenizer(WordTokenizer()).context(params, tok, np.array([100, 100]), np.array([90, 90]))
     with pytest.raises(ValueError, match="with_tokenizer"):
@@ -196,7 +197,7 @@ def test_bad_setups_raise_clear_errors(model):
 def test_smollm2_hybrid_keeps_the_needle(smol):
     """The real model and the shipped SAEs: a needle in a 600-token haystack survives a 128-token budget."""
     _, params, tokenizer, _ = smol
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     filler = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
     number = str(int(rng.integers(1_000_000, 9_999_999)))
     parts = [filler] * 14
@@ -216,7 +217,7 @@ def test_hybrid_mix_takes_turns_and_rejects_unknown_sources():
     """`mix` interleaves the rankings round by round; a source that runs out leaves its turns."""
     from sparsekv_jax.policies.s3 import _mixed
 
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     s3 = [(int(a), int(a) + 5, int(a) + 2) for a in rng.integers(0, 1000, 3)]
     bm = [(int(a), int(a) + 8, int(a) + 4) for a in rng.integers(0, 1000, 5)]
     assert _mixed({"s3": s3, "bm25": bm}, ["s3", "bm25"]) == [s3[0], bm[0], s3[1], bm[1], s3[2], bm[2], bm[3], bm[4]]
@@ -230,7 +231,7 @@ def test_hybrid_mix_takes_turns_and_rejects_unknown_sources():
 def test_hybrid_mix_fills_the_same_budget_in_the_mixed_order(smol):
     """Any mix keeps exactly the tokens `spans.assemble` keeps for the mixed ranking, within the budget."""
     _, params, tokenizer, _ = smol
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel"]
     text = " ".join(f"{rng.choice(words)} {rng.choice(words)} {int(rng.integers(100))}." for _ in range(90))
     ctx = tokenizer(text)["input_ids"]

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax.pallas.sae_decode import (
     gather_decode,
@@ -21,7 +22,7 @@ from sparsekv_jax.sae.train import init_train_state, losses
 
 
 def _seed() -> int:
-    return int(np.random.default_rng().integers(1 << 30))
+    return int(seeded_rng().integers(1 << 30))
 
 
 def _inputs(S=2, N=40, W=256, D=16, k=5):

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax.sae.model import (
     TopKSAE,
@@ -36,7 +37,7 @@ def _np_topk_relu(sae, x):
 
 @pytest.mark.parametrize("method", ["lax", "blocked", "threshold"])
 def test_encode_is_topk_of_relu(method):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     d, w, k = 16, 2048, 24
     sae = _random_sae(rng, d, w, k)
     x = jnp.asarray(rng.normal(size=(3, 5, d)), jnp.float32)
@@ -52,7 +53,7 @@ def test_encode_is_topk_of_relu(method):
 
 
 def test_encode_with_few_positive_latents_keeps_exactly_those():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     d, w, k = 8, 64, 10
     sae = _random_sae(rng, d, w, k)
     sae = sae.replace(b_enc=jnp.full((w,), -50.0).at[:3].set(100.0))  # only latents 0..2 can be positive
@@ -66,7 +67,7 @@ def test_activations_at_and_the_training_gradients_equal_plain_autodiff():
     """The training step's custom gradient (a unique-index scatter) and the stop-gradient centring
     of `pre_activations` give the same values and parameter gradients as differentiating
     ``take_along_axis(ReLU((x - b_dec) W_enc + b_enc), ids)`` directly."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     d, w, k = 8, 256, 12
     sae = _random_sae(rng, d, w, k, stack=(2,))
     x = jnp.asarray(rng.normal(size=(2, 7, d)), jnp.float32)
@@ -89,7 +90,7 @@ def test_activations_at_and_the_training_gradients_equal_plain_autodiff():
 
 
 def test_blocked_top_k_fast_path_is_exact_on_spread_rows():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     x = np.maximum(rng.normal(size=(64, 8192)), 0).astype(np.float32)
     v, i, unsafe = blocked_candidates(jnp.asarray(x), 64)
     assert not bool(unsafe)  # a random row: no block holds > 32 of the top 64
@@ -100,7 +101,7 @@ def test_blocked_top_k_fast_path_is_exact_on_spread_rows():
 
 @pytest.mark.parametrize("case", ["crowded_block", "tie_at_round_cut", "few_positive"])
 def test_blocked_top_k_exact_in_adversarial_rows(case):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     x = rng.uniform(0.0, 1.0, size=(4, 4096)).astype(np.float32)
     if case == "crowded_block":  # 40 of the top 48 of row 1 in block 2: more than the 32 offered
         x[1, 2048:2088] = 5 + rng.uniform(size=40)
@@ -130,7 +131,7 @@ def test_top_k_rejects_unknown_method():
 
 
 def test_decode_equals_dense_latents_times_decoder():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     d, w, k = 12, 300, 7
     sae = _random_sae(rng, d, w, k)
     x = jnp.asarray(rng.normal(size=(2, 9, d)), jnp.float32)
@@ -142,7 +143,7 @@ def test_decode_equals_dense_latents_times_decoder():
 
 
 def test_stacked_saes_equal_each_layer_alone():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     stack = _random_sae(rng, 8, 128, 5, stack=(3,))
     x = jnp.asarray(rng.normal(size=(3, 4, 6, 8)), jnp.float32)
     ids, acts = encode(stack, x)
@@ -165,7 +166,7 @@ def test_init_sae_is_tied_with_unit_decoder_rows():
 
 
 def test_merge_heads_sums_over_heads_then_keeps_top_k():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     width, H, kin, k = 40, 3, 6, 8  # a small width: heads share many features
     ids = np.stack([np.stack([rng.choice(width, kin, replace=False) for _ in range(H)]) for _ in range(10)])
     acts = rng.uniform(0.1, 1.0, size=ids.shape)
@@ -196,7 +197,7 @@ def test_projections_are_pre_rope_k_and_q_of_the_layers(family, hf_tiny_dir):
 
     path = hf_tiny_dir(family)
     params, cfg = load_hf_dir(path, dtype=jnp.float32)
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens = rng.integers(0, cfg.vocab_size, (2, 40))  # past Mistral's window of 24
     layers = (2, 0)
     keys, queries = projections(params, jnp.asarray(tokens), layers, queries=True)
@@ -220,7 +221,7 @@ def test_unrotate_inverts_rope_and_rejects_bad_layers():
     from sparsekv_jax.sae.keys import check_layers, unrotate
 
     inv = inverse_frequencies(smollm2_135m_config())
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     x = jnp.asarray(rng.normal(size=(2, 50, 3, 64)), jnp.float32)
     pos = jnp.asarray(rng.integers(0, 8000, (2, 50)))
     np.testing.assert_allclose(np.asarray(unrotate(apply_rope(x, pos, inv), pos, inv)), np.asarray(x), atol=2e-5)

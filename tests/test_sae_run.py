@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
@@ -53,7 +54,7 @@ def _curve(path: Path) -> list[tuple]:
 def test_orbax_checkpoint_round_trips_bit_exactly(tmp_path):
     import orbax.checkpoint as ocp
 
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     cfg = TrainConfig(width=32, k=3, batch_size=16, dead_after=16, topk="lax")
     x = jnp.asarray(rng.normal(size=(2, 64, 8)), jnp.float32)
     state = init_train_state(jax.random.key(0), x, cfg, 10)
@@ -148,7 +149,7 @@ def test_train_script_runs_from_a_clone():
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_save_and_load_saes(tmp_path, dtype):
     sae = init_sae(jax.random.key(3), 16, 48, 5, stack=(3,))
-    sae = sae.replace(b_enc=jnp.asarray(np.random.default_rng().normal(size=(3, 48)), jnp.float32))
+    sae = sae.replace(b_enc=jnp.asarray(seeded_rng().normal(size=(3, 48)), jnp.float32))
     path, rec_path = save_saes(tmp_path / "x", sae, {"layers": [4, 9, 1], "model": "m"}, dtype=dtype)
     assert path.suffix == ".safetensors" and json.loads(rec_path.read_text())["dtype"] == dtype
     saes, record = load_saes(path)
@@ -199,7 +200,7 @@ def test_shipped_smollm2_saes_match_their_record_on_held_out_text(smol):
     layers, stacked = stack_saes(saes)
     held = load_corpus(record["corpus"], holdout=0.1).heldout
     rows = sequential_rows(tokenize(tokenizer, held), 260)
-    rows = rows[np.random.default_rng().choice(len(rows), 2, replace=False)]  # a fresh pair each run
+    rows = rows[seeded_rng().choice(len(rows), 2, replace=False)]  # a fresh pair each run
     got = evaluate(stacked, params, rows, layers, drop_first=record["drop_first"], batch_rows=2)
     for mine, theirs in zip(got, record["heldout"], strict=True):
         assert mine["layer"] == theirs["layer"] and mine["l0"] == theirs["l0"] == 64

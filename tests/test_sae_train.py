@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax.sae.config import TrainConfig
 from sparsekv_jax.sae.model import TopKSAE, encode, init_sae
@@ -41,7 +42,7 @@ def _train(cfg, data, state, steps):
 
 
 def test_training_recovers_a_known_sparse_dictionary():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     data = SparseDictionary(rng, d=32, atoms=64, active=3)
     cfg = TrainConfig(width=128, k=3, batch_size=1024, lr=3e-3, warmup_steps=30, schedule="wsd",
                       dead_after=50 * 1024, topk="lax")
@@ -60,7 +61,7 @@ def test_training_recovers_a_known_sparse_dictionary():
 
 
 def test_decoder_rows_stay_unit_norm_and_gradients_lose_their_parallel_part():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     data = SparseDictionary(rng, d=16, atoms=32, active=2)
     cfg = TrainConfig(width=64, k=2, batch_size=256, lr=1e-2, warmup_steps=1, topk="lax")
     state = init_train_state(jax.random.key(0), jnp.asarray(data.sample(1024))[None], cfg, 20)
@@ -92,7 +93,7 @@ def test_make_optimizer_keeps_unit_rows_for_any_user():
 
 @pytest.mark.parametrize("aux_coef", [1 / 32, 0.0])
 def test_auxk_revives_planted_dead_latents(aux_coef):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     data = SparseDictionary(rng, d=32, atoms=64, active=4)
     width, batch = 128, 512
     cfg = TrainConfig(width=width, k=4, batch_size=batch, lr=3e-3, warmup_steps=10, schedule="constant",
@@ -117,7 +118,7 @@ def test_auxk_revives_planted_dead_latents(aux_coef):
 
 
 def test_dead_counters_count_steps_since_each_latent_fired():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     d, width, batch = 8, 256, 64
     cfg = TrainConfig(width=width, k=3, batch_size=batch, dead_after=2 * batch, topk="lax")
     x0 = jnp.asarray(rng.normal(size=(1, 512, d)), jnp.float32)
@@ -135,7 +136,7 @@ def test_dead_counters_count_steps_since_each_latent_fired():
 
 
 def test_auxk_term_is_zero_without_dead_latents_and_the_loss_is_fvu():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     cfg = TrainConfig(width=64, k=4, batch_size=128, topk="lax")
     x = jnp.asarray(rng.normal(size=(2, 128, 8)), jnp.float32)
     sae = init_sae(jax.random.key(4), 8, 64, 4, stack=(2,))
@@ -166,7 +167,7 @@ def test_learning_rate_schedules():
 
 
 def test_geometric_median_minimises_the_sum_of_distances():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     x = rng.standard_cauchy(size=(2, 500, 4)).astype(np.float32)  # heavy tails: median far from the mean
     gm = np.asarray(geometric_median(jnp.asarray(x), iters=200))
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax import attention
 from sparsekv_jax.backend import Backend
@@ -327,7 +328,7 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
 def test_chunking_gsc_and_merging_equal_the_numpy_reference(pol, delim_rate, number_rate, kept):
     """``kept``: the class kept unmerged (3 = sentences holding a digit, 2 = words holding a digit,
     1 = digits, 0 = nothing) that some row of the draw must take, as the reference decides it."""
-    sizes, levels, protection = compare(pol, int(np.random.default_rng().integers(1 << 30)), delim_rate=delim_rate,
+    sizes, levels, protection = compare(pol, int(seeded_rng().integers(1 << 30)), delim_rate=delim_rate,
                                         number_rate=number_rate)
     assert min(sizes) < 40  # clusters did merge
     if delim_rate > 0.3:
@@ -342,7 +343,7 @@ def test_rows_whose_number_words_do_not_fit_keep_their_digits():
     would overflow one entry per chunk, keep only the digits (the numpy reference decides which)."""
     pol = SemantiCache(0.55, chunk_size=8, sinks=2, window=2, search_steps=5, number_sentences=0)
     seen = []
-    for seed in np.random.default_rng().integers(1 << 30, size=5):  # ~1 draw in 10 has one class only
+    for seed in seeded_rng().integers(1 << 30, size=5):  # ~1 draw in 10 has one class only
         seen.append(compare(pol, int(seed), lengths=(48, 46, 44, 40, 36, 29), number_rate=0.05)[2])
         if {1, 2} <= set(seen[-1]):
             break
@@ -354,7 +355,7 @@ def test_number_sentences_equal_the_reference(longest):
     """`clustering.number_sentences` on 64 random padded rows against the token-by-token reference: a
     row's last sentence ends at its length, and the padding after it (random ids: digits and
     sentence ends too) is in no sentence."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     B, T = 64, 40
     tokens = rng.integers(0, CFG.vocab_size, (B, T))
     lengths = rng.integers(1, T + 1, B)
@@ -369,7 +370,7 @@ def test_number_sentences_equal_the_reference(longest):
 def test_number_sentences_over_their_share_keep_their_words():
     """The same draw at a share of 1 and of 0.3: rows whose number sentences fit one entry per chunk
     but take more than 30% of the budget keep only the words holding a digit."""
-    for seed in np.random.default_rng().integers(1 << 30, size=4):
+    for seed in seeded_rng().integers(1 << 30, size=4):
         found = [compare(SemantiCache(0.75, chunk_size=8, sinks=2, window=2, search_steps=5, number_sentences=12,
                                       sentence_share=share), int(seed), lengths=(48, 46, 44, 40), number_rate=0.04)[2]
                  for share in (1.0, 0.3)]
@@ -383,7 +384,7 @@ def test_digits_are_kept_as_they_are():
     its key, value and position bit for bit, even where its key equals its neighbours' (which the
     paper's algorithm merges, ``keep_numbers=False``)."""
     T, lengths = 48, (48, 40)
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     cache, keys, values, positions, tokens = planted(int(rng.integers(1 << 30)), lengths, T, 0.1)
     tokens[np.isin(tokens, NUMBERS)] = 6
     for b, n in enumerate(lengths):  # four digits per row, between the sinks and the window
@@ -441,7 +442,7 @@ def test_budget_mode_threshold_never_falls_as_the_budget_grows():
 
         return jax.lax.map(one, fractions)
 
-    seed = int(np.random.default_rng().integers(1 << 30))
+    seed = int(seeded_rng().integers(1 << 30))
     for attempt in range(10):
         _, keys, *_, tokens = planted(seed + attempt, np.asarray(lengths), T, 0.3)
         levels, taus, old = map(np.asarray, thresholds(jnp.asarray(keys), jnp.asarray(MASK[tokens])))
@@ -458,11 +459,11 @@ def test_budget_mode_threshold_never_falls_as_the_budget_grows():
 
 @pytest.fixture(scope="module")
 def params():
-    return random_params(CFG, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
+    return random_params(CFG, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, 0.3)
 
 
 def _prompt(B: int = 2, T: int = 64):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens = rng.integers(4, CFG.vocab_size, (B, T))
     tokens[rng.uniform(size=(B, T)) < 0.15] = 1
     return tokens, np.array([T, T - 17])[:B]
@@ -472,7 +473,7 @@ def test_tau_above_every_similarity_is_full_attention(params):
     """tau = 1: every cluster a singleton, kept bit for bit with bias log 1 = 0 (proportional
     attention of singletons is plain attention): logits identical to full attention."""
     tokens, lengths = _prompt()
-    forced = np.random.default_rng().integers(4, CFG.vocab_size, (2, 4))
+    forced = seeded_rng().integers(4, CFG.vocab_size, (2, 4))
     pol = masked(SemantiCache(1.0, tau=1.0, window=8))
     dense = teacher_force(params, Dense(), tokens, forced, lengths=lengths)[0]
     got = teacher_force(params, pol, tokens, forced, lengths=lengths)[0]
@@ -482,7 +483,7 @@ def test_tau_above_every_similarity_is_full_attention(params):
 def test_merged_duplicates_attend_like_the_originals():
     """A chunk of n identical (key, value) pairs becomes one entry with bias log n whose attention
     output equals the n copies', on both decode paths; without the bias it would not."""
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     L, B, H, T, D = 1, 2, 2, 40, CFG.head_dim
     runs = rng.integers(1, 6, (B, H, T))  # run lengths of duplicates, cut at the chunk boundaries below
     keys, values = np.zeros((L, B, H, T, D), np.float32), np.zeros((L, B, H, T, D), np.float32)
@@ -557,7 +558,7 @@ def test_composes_with_quest_and_chess(params):
     Quest at its budget runs on the merged cache and reads fewer pages. (tests/test_contract.py
     runs every compress x decode pair at the defaults.)"""
     tokens, lengths = _prompt(T=96)
-    forced = np.random.default_rng().integers(4, CFG.vocab_size, (2, 4))
+    forced = seeded_rng().integers(4, CFG.vocab_size, (2, 4))
     sc = masked(SemantiCache(0.35, window=8))
     alone = np.asarray(teacher_force(params, sc, tokens, forced, lengths=lengths, page_size=8)[0])
     got = teacher_force(params, Pipeline(compress=sc, decode=CHESS.covering()), tokens, forced, lengths=lengths,

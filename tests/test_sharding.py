@@ -159,7 +159,8 @@ def _kernel_rows(meshes, rng) -> None:
     import jax
     import jax.numpy as jnp
 
-    from sparsekv_jax import sharding
+    from sparsekv_jax.backend import Backend
+    from sparsekv_jax.pallas import dispatch
     from sparsekv_jax.pallas.decode import decode_attention_reference
     from sparsekv_jax.pallas.matmul import layer_matmul_reference
     from sparsekv_jax.pallas.page_rope import rope_page_sums_reference
@@ -167,15 +168,16 @@ def _kernel_rows(meshes, rng) -> None:
     from sparsekv_jax.pallas.testing import random_page_lists
 
     mesh = meshes["2x4"]
+    kernels = Backend(mesh=mesh, page_sums="pallas", interpret=True)  # every kernel, per device on the mesh
     t0 = time.process_time()
     L, Bk, Hq, Hkv, S, D, ps = 2, 2, 8, 4, 64, 16, 16
     f = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
     q, k, v, bias = f(Bk, Hq, D), f(L, Bk, Hkv, S, D), f(L, Bk, Hkv, S, D), f(L, Bk, Hkv, S)
     lengths = jnp.asarray([S - 5, S // 2 + 3], jnp.int32)
     ids, counts = map(jnp.asarray, random_page_lists(rng, np.asarray(lengths), Hkv, S // ps, ps, 3))
-    run = jax.jit(lambda q, k, v, lengths, ids, counts, bias, layer: sharding.decode_attention(
-        mesh, q, k, v, lengths, page_ids=ids, page_counts=counts, bias=bias, layer=layer, page_size=ps,
-        interpret=True, return_probs=True))
+    run = jax.jit(lambda q, k, v, lengths, ids, counts, bias, layer: dispatch.decode_attention(
+        kernels, q, k, v, lengths, page_ids=ids, page_counts=counts, bias=bias, layer=layer, page_size=ps,
+        return_probs=True))
     out, probs = run(q, k, v, lengths, ids, counts, bias, jnp.int32(1))
     want, want_probs = decode_attention_reference(q, k[1], v[1], lengths, page_size=ps, page_ids=ids,
                                                   page_counts=counts, bias=bias[1], return_probs=True)
@@ -186,19 +188,17 @@ def _kernel_rows(meshes, rng) -> None:
     qp, kp, vp = f(Bk, Hq, Tq, D), f(Bk, Hkv, Tq, D), f(Bk, Hkv, Tq, D)
     block_ids = jnp.broadcast_to(jnp.asarray([[0, 0], [1, 0]], jnp.int32), (Bk, Hkv, 2, 2))
     block_counts = jnp.broadcast_to(jnp.asarray([1, 1], jnp.int32), (Bk, Hkv, 2))  # query block 1 sees only itself
-    got = jax.jit(lambda q, k, v, ids, counts: sharding.prefill_attention(
-        mesh, q, k, v, block_ids=ids, block_counts=counts, block_size=bs, interpret=True))(qp, kp, vp, block_ids,
-                                                                                          block_counts)
+    got = jax.jit(lambda q, k, v, ids, counts: dispatch.prefill_attention(
+        kernels, q, k, v, block_ids=ids, block_counts=counts, block_size=bs))(qp, kp, vp, block_ids, block_counts)
     rows["prefill"] = _diff(got, prefill_attention_reference(qp, kp, vp, block_size=bs, block_ids=block_ids,
                                                              block_counts=block_counts))
     inv_freq = tuple(1.0 / 10000.0 ** (np.arange(D // 2) * 2 / D))
-    got = jax.jit(lambda k, layer: sharding.rope_page_sums(mesh, k, inv_freq, layer, page_size=ps, interpret=True))(
+    got = jax.jit(lambda k, layer: dispatch.rope_page_sums(kernels, k, inv_freq, layer, page_size=ps))(
         k, jnp.int32(1))
     rows["page_sums"] = _diff(got, rope_page_sums_reference(k, inv_freq, 1, page_size=ps))
     for name, x, w in (("wq", f(Bk, 32), f(L, 32, 64)), ("wo", f(Bk, 64), f(L, 64, 32))):
         # split by output columns / by input rows (partial products summed): 16 columns or rows a device
-        got = jax.jit(lambda x, w, name=name: sharding.layer_matmul(mesh, name, x, w, jnp.int32(1), interpret=True))(
-            x, w)
+        got = jax.jit(lambda x, w, name=name: dispatch.layer_matmul(kernels, name, x, w, jnp.int32(1)))(x, w)
         rows[f"matmul_{name}"] = _diff(got, layer_matmul_reference(x, w, 1))
     rows["cpu_s"] = time.process_time() - t0
     print("KERNELS " + json.dumps(rows), flush=True)
@@ -299,7 +299,8 @@ def _child() -> None:
 @pytest.fixture(scope="module")
 def child() -> dict:
     root = Path(__file__).resolve().parents[1]
-    seed = int(np.random.default_rng().integers(1 << 30))
+    from conftest import seeded_rng  # here, not at the top: the child process runs this file
+    seed = int(seeded_rng().integers(1 << 30))
     env = {**os.environ, "XLA_FLAGS": CHILD_FLAGS, "SEED": str(seed),
            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     t0 = time.perf_counter()
@@ -411,10 +412,10 @@ def test_collectives_reads_sizes_from_hlo_text():
 def test_partitionable_top_k_equals_lax_top_k_with_ties():
     import jax
     import jax.numpy as jnp
+    from conftest import seeded_rng  # here, not at the top: the child process runs this file
 
     from sparsekv_jax.policies.common import top_k
-
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     for _ in range(5):
         x = jnp.asarray(rng.integers(-3, 4, (3, 4, 40)).astype(np.float32))  # many ties
         x = x.at[0, 0, :5].set(-jnp.inf)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import transformers as tf
+from conftest import seeded_rng
 
 from sparsekv_jax.datasets import wikitext2_text
 from sparsekv_jax.generate import full_logits, generate
@@ -13,7 +14,7 @@ from sparsekv_jax.models.embedded import embedded_gguf_path
 
 def _prompt_ids(tokenizer, n: int) -> np.ndarray:
     text = wikitext2_text()
-    start = np.random.default_rng().integers(0, len(text) - 20 * n)  # a fresh passage each run
+    start = seeded_rng().integers(0, len(text) - 20 * n)  # a fresh passage each run
     ids = tokenizer(text[start: start + 20 * n])["input_ids"][:n]
     assert len(ids) == n
     return np.asarray([ids])

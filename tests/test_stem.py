@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax import attention
 from sparsekv_jax.backend import Backend
@@ -54,7 +55,7 @@ def eq3(length: int, block_size: int, ratio: float | None, mu: float, min_blocks
     (128, 0.2, 0.6, 0, "uniform"),
 ])
 def test_schedule_is_eq3(block_size, ratio, mu, min_blocks, schedule):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     top = 1024 * block_size  # up to 128k tokens at block 128 (the table is [n+1, n])
     lengths = np.concatenate([[1, 4096, 8192, 16384, 16385, 32768], rng.integers(1, top, 9), [top]])
     lengths = np.minimum(lengths, top).astype(np.int32)
@@ -96,7 +97,7 @@ def _expected_counts(pol: Stem, length: int, n: int) -> np.ndarray:
 
 @pytest.mark.parametrize("hq, hkv", [(4, 4), (6, 2), (8, 2)])
 def test_lists_are_causal_distinct_forced_and_top_scored(hq, hkv):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     T = int(rng.integers(330, 400))
     lengths = np.array([T, int(rng.integers(180, T)), int(rng.integers(20, 120))], np.int32)
     q, k, v = _qkv(rng, 3, T, hq, hkv)
@@ -165,7 +166,7 @@ def _metric_reference(q, k, v, lengths, block_size, stride, beta, gqa):
 
 @pytest.mark.parametrize("gqa", ["mean", "max"])
 def test_oam_metric_matches_bruteforce(gqa):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     T = int(rng.integers(70, 100))
     lengths = np.array([T, int(rng.integers(20, T))])
     q, k, v = _qkv(rng, 2, T, 6, 2)
@@ -188,7 +189,7 @@ def test_oam_metric_matches_bruteforce(gqa):
 def tiny():
     cfg = ModelConfig(family="llama", vocab_size=89, hidden_size=48, num_layers=2, num_heads=6, num_kv_heads=2,
                       head_dim=16, intermediate_size=64, max_position_embeddings=512)
-    return random_params(cfg, jax.random.key(int(np.random.default_rng().integers(1 << 30))), jnp.float32, 0.3)
+    return random_params(cfg, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, 0.3)
 
 
 def _prefill_logits(params, policy, tokens, lengths):
@@ -198,7 +199,7 @@ def _prefill_logits(params, policy, tokens, lengths):
 
 
 def test_budget_covering_every_block_is_fullkv(tiny):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     tokens = rng.integers(0, 89, (2, 200)).astype(np.int32)
     lengths = np.array([200, 131], np.int32)
     stem = Stem(block_size=16, stride=4, min_blocks=18)  # last of 13 blocks: ceil(0.7 * 18) = 13
@@ -214,7 +215,7 @@ def test_budget_covering_every_block_is_fullkv(tiny):
 
 
 def test_covering_lists_equal_dense_attention_and_short_rows_stay_exact(tiny):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     T = 200
     q, k, v = _qkv(rng, 2, T, 6, 2)
     lengths = jnp.asarray([T, 77])
@@ -243,7 +244,7 @@ def test_covering_lists_equal_dense_attention_and_short_rows_stay_exact(tiny):
 
 
 def test_pallas_kernel_interpret_matches_jnp():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     T = 72  # not a multiple of the block: the kernel pads KV, the lists stay valid
     q, k, v = _qkv(rng, 1, T, 4, 2)
     pol = Stem(block_size=16, stride=4, sink_blocks=1, local_blocks=1, min_blocks=2, k_start_ratio=0.4)
@@ -275,7 +276,7 @@ def test_spec_and_pipeline(tiny):
     assert a == Stem() and b.k_start_ratio == 0.1 and b.block_size == 128
     pol = Pipeline(prefill=Stem(block_size=16, stride=4, min_blocks=2),
                    decode=Quest(budget=64, page_size=8, dense_layers=0))
-    tokens = np.random.default_rng().integers(0, 89, (1, 300)).astype(np.int32)
+    tokens = seeded_rng().integers(0, 89, (1, 300)).astype(np.int32)
     out = generate(tiny, pol, tokens, max_new_tokens=3, stop_tokens=(), page_size=8)
     assert float(out.stats["prefill_block_fraction"]) < 0.7 and float(out.stats["kv_read_fraction"][0]) < 1.0
 
@@ -284,7 +285,7 @@ def test_ablation_script_core(tiny, tmp_path):
     spec = importlib.util.spec_from_file_location("stem_ablation", ROOT / "scripts" / "stem_ablation.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     prompts = [rng.integers(0, 89, 300).tolist(), rng.integers(0, 89, 260).tolist()]
     policies = {"sparse": Stem(block_size=16, stride=4, min_blocks=2),
                 "covering": Stem(block_size=16, stride=4, min_blocks=40)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax.pallas.topk import threshold_top_k, threshold_top_k_applies, threshold_top_k_reference
 
@@ -33,7 +34,7 @@ def _rows(rng: np.random.Generator, M: int, W: int) -> np.ndarray:
                                                                (False, False, 1)])
 @pytest.mark.parametrize("W,k", [(64, 1), (128, 17), (256, 64), (256, 256)])
 def test_threshold_top_k_equals_numpy(W, k, early_exit, fast_select, block_rows):
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     x = _rows(rng, 6, W)
     want_v, want_i, want_t = _numpy_top_k(x, k)
     v, i, t = threshold_top_k(jnp.asarray(x), k, early_exit=early_exit, fast_select=fast_select,
@@ -47,7 +48,7 @@ def test_threshold_top_k_equals_numpy(W, k, early_exit, fast_select, block_rows)
 
 
 def test_threshold_top_k_keeps_leading_axes():
-    rng = np.random.default_rng()
+    rng = seeded_rng()
     x = np.abs(rng.normal(size=(2, 3, 128))).astype(np.float32)
     v, i, t = threshold_top_k(jnp.asarray(x), 8, interpret=True)
     assert v.shape == i.shape == (2, 3, 8) and t.shape == (2, 3)

@@ -111,19 +111,15 @@ def slice_matmul(lw: LayerParams) -> MatMul:
 def stacked_matmul(params: Params, layer: jax.Array, interpret: bool | None = None, mesh: Any = None) -> MatMul:
     """Matmuls that read layer ``layer`` of the stacked weights in the Pallas kernel (no slice);
     ``interpret`` defaults to off a GPU; on a ``mesh`` the kernel runs per device
-    (`sparsekv_jax.sharding.layer_matmul`)."""
-    from sparsekv_jax.pallas.matmul import layer_matmul
+    (`sparsekv_jax.pallas.dispatch.layer_matmul`)."""
+    from sparsekv_jax.backend import Backend
+    from sparsekv_jax.pallas import dispatch
 
-    interpret = jax.default_backend() != "gpu" if interpret is None else interpret
+    backend = Backend(interpret=interpret, mesh=mesh)
 
     def mm(h: jax.Array, name: str) -> jax.Array:
         w = getattr(params.layers, name)
-        if mesh is None:
-            out = layer_matmul(h.reshape(-1, h.shape[-1]), w, layer, interpret=interpret)
-        else:
-            from sparsekv_jax import sharding
-
-            out = sharding.layer_matmul(mesh, name, h.reshape(-1, h.shape[-1]), w, layer, interpret=interpret)
+        out = dispatch.layer_matmul(backend, name, h.reshape(-1, h.shape[-1]), w, layer)
         return out.reshape(*h.shape[:-1], w.shape[-1])
 
     return mm

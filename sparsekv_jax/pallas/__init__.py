@@ -16,6 +16,9 @@
 
 Arguments are validated at the Python boundary (`validation`); value checks run only on
 concrete arrays, so calls from inside ``jit`` skip them.
+
+Which of a kernel, its reference or the kernel per device on a mesh runs for a `Backend` is
+`dispatch`'s choice (the kernels themselves know no platform: ``interpret`` is an argument).
 """
 
 from sparsekv_jax.pallas.decode import decode_attention, decode_attention_reference

@@ -114,10 +114,14 @@ class Policy:
         """A stable text naming this policy with every field (resume keys of ``sparsekv eval``).
 
         Unlike ``repr`` it never prints an array's contents: a leaf array (calibrated thresholds,
-        SAE weights) is named by shape, dtype and a hash of its bytes.
+        SAE weights) is named by shape, dtype and a hash of its bytes. A ``backend`` field (the run's
+        `Backend`, which `bind` sets where a policy runs a kernel-level choice) is where the policy
+        runs, not what it is: it is left out.
         """
         fields = {}
         for f in dataclasses.fields(self):
+            if f.name == "backend":
+                continue
             fields[f.name] = _key_value(getattr(self, f.name))
         return json.dumps([type(self).__name__, fields], sort_keys=True, default=str)
 

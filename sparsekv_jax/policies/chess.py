@@ -79,9 +79,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import KVCache, LayerKV, page_counts
 from sparsekv_jax.models.rope import inverse_frequencies
-from sparsekv_jax.pallas.page_rope import rope_page_sums, rope_page_sums_reference
+from sparsekv_jax.pallas import dispatch
 from sparsekv_jax.policies.base import Policy, Selection, Setup
 from sparsekv_jax.policies.common import pages_to_list
 
@@ -171,10 +172,9 @@ class CHESS(Policy):
         needs `bind`, which `generate` calls), or as stored, ``"post_rope"`` (module doc).
       centred: score against the anchor minus the context's mean page vector (default; module doc).
       inv_freq: RoPE inverse frequencies, set by `bind` for ``keys="pre_rope"``.
-      page_sums: how the pre-RoPE rebuild sums pages, set by `bind` from the run's `Backend`:
-        ``"pallas"`` (`rope_page_sums`, the keys read in place) or ``"jnp"``.
-      mesh: the run's device mesh (`Backend.mesh`), set by `bind`: the page sums kernel then runs
-        per device (`sparsekv_jax.sharding.rope_page_sums`).
+      backend: the run's `Backend`, set by `bind`: how the pre-RoPE rebuild sums pages
+        (`sparsekv_jax.pallas.dispatch.rope_page_sums`: the Pallas kernel, the keys read in place,
+        per device on the backend's mesh, or its jnp reference; `page_sums` says which).
       entropy_threshold, varentropy_threshold: trigger thresholds (leaves; ``inf`` = never).
     """
 
@@ -192,8 +192,7 @@ class CHESS(Policy):
     keys: str = struct.field(pytree_node=False, default="pre_rope")
     centred: bool = struct.field(pytree_node=False, default=True)
     inv_freq: tuple[float, ...] | None = struct.field(pytree_node=False, default=None)
-    page_sums: str = struct.field(pytree_node=False, default="jnp")
-    mesh: Any = struct.field(pytree_node=False, default=None)
+    backend: Backend | None = struct.field(pytree_node=False, default=None)
     entropy_threshold: Any = float("inf")
     varentropy_threshold: Any = float("inf")
 
@@ -266,11 +265,16 @@ class CHESS(Policy):
                              f"page_size={setup.page_size}")
         if self.keys != "pre_rope":
             return self
-        half = setup.config.head_dim // 2
-        # the kernel's tables want a power-of-two half head dim; other models take the jnp path
-        impl = setup.backend.page_sums if not half & (half - 1) else "jnp"
-        return self.replace(inv_freq=tuple(float(f) for f in inverse_frequencies(setup.config)), page_sums=impl,
-                            mesh=setup.backend.mesh)
+        return self.replace(inv_freq=tuple(float(f) for f in inverse_frequencies(setup.config)),
+                            backend=setup.backend)
+
+    @property
+    def page_sums(self) -> str:
+        """How the pre-RoPE rebuild sums pages: ``"pallas"`` (`rope_page_sums`) or ``"jnp"``
+        (`sparsekv_jax.pallas.dispatch.rope_page_sums_method` of the bound backend; ``"jnp"`` unbound)."""
+        if self.inv_freq is None or self.backend is None:
+            return "jnp"
+        return dispatch.rope_page_sums_method(self.backend, 2 * len(self.inv_freq))
 
     @property
     def name(self) -> str:
@@ -375,15 +379,9 @@ class CHESS(Policy):
         at_edge = (jnp.arange(P)[None] == edge[:, None])[None, :, None]  # [1, B, 1, P]
         edge_slots = edge[:, None] * ps + jnp.arange(ps)  # [B, ps]
         edge_live = (edge_slots < jnp.minimum(anchor_end, S)[:, None])[None, :, None]  # [1, B, 1, ps]
-        if self.page_sums == "pallas":
-            kernel = rope_page_sums
-            if self.mesh is not None:  # per device: XLA cannot partition a Pallas kernel
-                from sparsekv_jax import sharding
-
-                kernel = functools.partial(sharding.rope_page_sums, self.mesh)
-            page_sums = functools.partial(kernel, page_size=ps, interpret=jax.default_backend() != "gpu")
-        else:
-            page_sums = functools.partial(rope_page_sums_reference, page_size=ps)
+        # the kernel (per device on a mesh) or its reference, as the bound backend says
+        backend = self.backend if self.backend is not None else Backend(page_sums="jnp")
+        page_sums = functools.partial(dispatch.rope_page_sums, backend, page_size=ps)
         # Per layer (the cache read by layer index), two exact ways to the pages' sums of un-rotated
         # keys. Fast, when every page's live positions are consecutive (p0, p0+1, ...) and only the
         # edge page is partly live — every layer that was not compressed: R(-(p0+j)) = R(-p0)·R(-j),

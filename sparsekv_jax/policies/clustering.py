@@ -16,9 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparsekv_jax.backend import on_gpu
+from sparsekv_jax.backend import Backend
 from sparsekv_jax.models.rope import apply_rope
-from sparsekv_jax.pallas.gsc import greedy_seed_clustering_kernel, gsc_kernel_applies
+from sparsekv_jax.pallas import dispatch
+from sparsekv_jax.pallas.gsc import greedy_seed_clustering_kernel
 
 DELIMITERS = ".,?!;: \t\n"  # SemantiCache's set: . , ? ! ; : space tab newline
 SENTENCE_ENDS = ".?!\n"  # the delimiters that close a sentence
@@ -250,20 +251,14 @@ def search_grid(top: float, steps: int) -> np.ndarray:
     return np.concatenate([[top], top - gaps]).astype(np.float32)
 
 
-GSC_METHODS = ("auto", "jnp", "pallas", "interpret")
+GSC_METHODS = dispatch.GSC_METHODS
 
 
-def resolve_gsc(method: str, width: int) -> str:
-    """``"auto"`` → ``"pallas"`` (the kernel, `sparsekv_jax.pallas.gsc`) on a GPU when it takes this band
-    ``width``, else ``"jnp"`` (`greedy_seed_clustering`); ``"interpret"`` runs the kernel on the CPU (tests)."""
-    if method not in GSC_METHODS:
-        raise ValueError(f"gsc={method!r} must be one of {GSC_METHODS}")
-    if method == "auto":
-        return "pallas" if on_gpu() and gsc_kernel_applies(width) else "jnp"
-    if method in ("pallas", "interpret") and not gsc_kernel_applies(width):
-        raise ValueError(f"gsc={method!r}: the kernel needs a power-of-two band width in [2, 128], got {width} "
-                         "(chunk_size, or the prompt length with chunking='none'); use gsc='jnp'")
-    return method
+def resolve_gsc(method: str, width: int, backend: Backend | None = None) -> str:
+    """``"auto"`` → ``"pallas"`` (the kernel, `sparsekv_jax.pallas.gsc`) on a GPU (``backend``'s platform;
+    ``None``: this process's default) when it takes this band ``width``, else ``"jnp"``
+    (`greedy_seed_clustering`); ``"interpret"`` runs the kernel on the CPU (tests). `dispatch.gsc_method`."""
+    return dispatch.gsc_method(backend, method, width)
 
 
 def clusterings(band: jax.Array, member: jax.Array, place: jax.Array, taus: jax.Array, method: str) -> jax.Array:

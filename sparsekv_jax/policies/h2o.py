@@ -19,15 +19,15 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from sparsekv_jax.backend import on_gpu
+from sparsekv_jax.backend import Backend, resolved
 from sparsekv_jax.cache import KVCache, LayerKV
-from sparsekv_jax.policies.base import Prompt
+from sparsekv_jax.policies.base import Prompt, Setup
 from sparsekv_jax.policies.common import budget_tokens, check_budget, prompt_scores_to_slots
 from sparsekv_jax.policies.scored import ScoredCompression
 
 
 def attention_mass(q: jax.Array, k: jax.Array, lengths: jax.Array, block: int = 256,
-                   implementation: str | None = None) -> jax.Array:
+                   implementation: str | None = None, backend: Backend | None = None) -> jax.Array:
     """Attention mass each key receives from all valid causal queries: ``[B, Hkv, T]`` fp32.
 
     ``q`` ``[B, T, Hq, D]``, ``k`` ``[B, T, Hkv, D]``. Query blocks are scanned so that no ``T×T``
@@ -35,10 +35,10 @@ def attention_mass(q: jax.Array, k: jax.Array, lengths: jax.Array, block: int = 
     ``[block, T]`` slab of scores: few large ops, what a GPU wants), ``"blocked"`` (only the causal
     ``[block, block]`` tiles, in two passes: the row normalisers, then the column sums; half the
     tiles, each in cache: 3x less CPU time than ``"dense"`` at 4k on a CPU) or ``None``: blocked on a
-    CPU, dense on a GPU.
+    CPU, dense on a GPU (``backend``'s platform; ``None``: this process's default).
     """
     if implementation is None:
-        implementation = "dense" if on_gpu() else "blocked"
+        implementation = "dense" if resolved(backend).gpu else "blocked"
     if implementation not in ("dense", "blocked"):
         raise ValueError(f"attention_mass implementation={implementation!r}: expected 'dense', 'blocked' or None")
     B, T, Hq, D = q.shape
@@ -118,11 +118,13 @@ class H2O(ScoredCompression):
       recent_ratio: share of the budget reserved for the most recent tokens (paper: 0.5).
       evict_during_decode: keep the cache at ``budget`` while decoding (the paper's algorithm);
         ``False`` appends decoded tokens after prefill compression instead.
+      backend: the run's `Backend`, set by `bind` (`attention_mass`'s implementation is its platform's).
     """
 
     budget: float | int = struct.field(pytree_node=False, default=0.25)
     recent_ratio: float = struct.field(pytree_node=False, default=0.5)
     evict_during_decode: bool = struct.field(pytree_node=False, default=True)
+    backend: Backend | None = struct.field(pytree_node=False, default=None)
 
     stages = ("compress", "decode")
 
@@ -141,8 +143,11 @@ class H2O(ScoredCompression):
     def forced_counts(self, keep: jax.Array | None) -> tuple[int, int | jax.Array]:
         return 0, (0 if keep is None else self._recent(keep))
 
+    def bind(self, setup: Setup) -> H2O:
+        return super().bind(setup).replace(backend=setup.backend)
+
     def observe(self, q, k, v, hidden, layer_index, prompt: Prompt) -> jax.Array:
-        return attention_mass(q, k, prompt.lengths)
+        return attention_mass(q, k, prompt.lengths, backend=self.backend)
 
     def score(self, cache: KVCache, observations: Any, prompt: Prompt) -> jax.Array:
         return prompt_scores_to_slots(observations, cache.capacity)

@@ -92,8 +92,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import KVCache
 from sparsekv_jax.models.rope import inverse_frequencies
+from sparsekv_jax.pallas import dispatch
 from sparsekv_jax.policies import clustering
 from sparsekv_jax.policies.base import Policy, Prompt, Setup
 from sparsekv_jax.policies.common import budget_tokens, check_budget, check_sinks_window, row_budgets, write_entries
@@ -142,6 +144,8 @@ class SemantiCache(Policy):
       sentence_end_mask: ``[V]`` bool leaf of tokens that close a sentence, set by `with_tokenizer`
         when number sentences are kept.
       inv_freq: RoPE frequencies, set by `bind` for ``keys="pre_rope"``.
+      backend: the run's `Backend`, set by `bind`: its platform resolves ``gsc="auto"``
+        (`sparsekv_jax.pallas.dispatch.gsc_method`).
     """
 
     budget: float | int = struct.field(pytree_node=False, default=0.25)
@@ -166,6 +170,7 @@ class SemantiCache(Policy):
     word_start_mask: jax.Array | None = None
     sentence_end_mask: jax.Array | None = None
     inv_freq: tuple[float, ...] | None = struct.field(pytree_node=False, default=None)
+    backend: Backend | None = struct.field(pytree_node=False, default=None)
 
     stages = ("compress",)
     # the delimiters come from the prompt's ids: nothing observed, chunked prefill works
@@ -234,9 +239,10 @@ class SemantiCache(Policy):
                              f"{self.chunk_size}")
         if T and self.gsc in ("pallas", "interpret"):
             clustering.resolve_gsc(self.gsc, self._width(T))  # a band the kernel cannot take: say so before jit
+        bound = self.replace(backend=setup.backend)
         if self.keys == "pre_rope":
-            return self.replace(inv_freq=tuple(float(f) for f in inverse_frequencies(setup.config)))
-        return self
+            return bound.replace(inv_freq=tuple(float(f) for f in inverse_frequencies(setup.config)))
+        return bound
 
     @property
     def name(self) -> str:
@@ -331,6 +337,7 @@ class SemantiCache(Policy):
         keep = row_budgets(self.budget, prompt.lengths)
         n_out = min(T, budget_tokens(self.budget, T))
         width, levels = self._width(T), self._levels()
+        gsc = dispatch.gsc_method(self.backend, self.gsc, width)  # "auto": the bound backend's platform decides
         is_delim = self._is_delim(prompt)[:, :T]
         protect, shares = self._protected(prompt)
         protect = None if protect is None else tuple(p[:, :T] for p in protect)
@@ -357,17 +364,17 @@ class SemantiCache(Policy):
                 band = jnp.minimum(band, clustering.similarity_band(v.astype(jnp.float32), width))
             if per_head:
                 back, kept_as_is, choice, tau = clustering.least_lossy_clustering(band, layouts, keep, top,
-                                                                                  self.search_steps, self.gsc)
+                                                                                  self.search_steps, gsc)
                 level = jnp.asarray(levels, jnp.int32)[choice]
             else:
                 kept_as_is = (forced | anchor)[:, None]
                 level = jnp.broadcast_to(row_level[:, None], k.shape[:2])
                 if search:
                     back, tau = clustering.largest_fitting_clustering(band, member, place, kept_as_is[:, 0], keep,
-                                                                      top, self.search_steps, self.gsc)
+                                                                      top, self.search_steps, gsc)
                 else:
                     taus = jnp.full((1, 1) + k.shape[:2], top)
-                    back = clustering.clusterings(band, member[None], place[None], taus, self.gsc)[0, 0]
+                    back = clustering.clusterings(band, member[None], place[None], taus, gsc)[0, 0]
                     tau = jnp.full(k.shape[:2], top)
             seed_of = jnp.arange(T) - back.astype(jnp.int32)  # members: their seed; others: kept_as_is overrides
             return (clustering.merge_clusters(k, v, pos, content, seed_of, kept_as_is, prompt.lengths, n_out,

@@ -22,25 +22,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sparsekv_jax.pallas.topk import threshold_top_k, threshold_top_k_applies
+from sparsekv_jax.backend import Backend
+from sparsekv_jax.pallas import dispatch
 from sparsekv_jax.sae.model import TopKSAE, encode, merge_heads, pre_activations
 
 FEATURE_METHODS = ("lax", "threshold")
 
 
-def _use_kernel(width: int, k: int) -> bool:
-    """The Pallas kernel on a GPU; the jnp bisection elsewhere (interpreted Pallas is for tests)."""
-    return jax.default_backend() == "gpu" and threshold_top_k_applies(width, k)
-
-
-def kth_largest(x: jax.Array, k: int) -> jax.Array:
+def kth_largest(x: jax.Array, k: int, backend: Backend | None = None) -> jax.Array:
     """The k-th largest value of each row of non-negative ``x`` ``[..., W]`` (fp32), by bisection.
 
     Non-negative floats order like their bit patterns read as int32, so the answer is the largest
-    bit pattern ``t`` with at least ``k`` entries ``>= t``: 31 halvings of ``[0, 2**31)``.
+    bit pattern ``t`` with at least ``k`` entries ``>= t``: 31 halvings of ``[0, 2**31)``. The Pallas
+    kernel on a GPU (``backend``'s platform; ``None``: this process's default), the jnp bisection
+    elsewhere (interpreted Pallas is for tests): `dispatch.threshold_top_k_method`.
     """
-    if _use_kernel(x.shape[-1], k):
-        return threshold_top_k(x, k)[2]
+    if dispatch.threshold_top_k_method(backend, x.shape[-1], k):
+        return dispatch.threshold_top_k(backend, x, k)[2]
     return kth_largest_jnp(x, k)
 
 
@@ -60,14 +58,15 @@ def kth_largest_jnp(x: jax.Array, k: int) -> jax.Array:
     return jax.lax.bitcast_convert_type(lo, jnp.float32)
 
 
-def select_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def select_k(x: jax.Array, k: int, backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
     """Exactly ``k`` entries of each row of non-negative ``x`` ``[..., W]`` with the largest values
-    (ties at the k-th value: lower index first), as ``(ids int32 ascending, values)``."""
+    (ties at the k-th value: lower index first), as ``(ids int32 ascending, values)``; the kernel
+    as in `kth_largest`."""
     W = x.shape[-1]
-    if _use_kernel(W, k):
-        vals, ids, _ = threshold_top_k(x, k)
+    if dispatch.threshold_top_k_method(backend, W, k):
+        vals, ids, _ = dispatch.threshold_top_k(backend, x, k)
         return ids, vals
-    sigma = kth_largest(x, k)[..., None]
+    sigma = kth_largest(x, k, backend)[..., None]
     above = x > sigma
     tie = x == sigma
     room = k - above.sum(-1, keepdims=True)

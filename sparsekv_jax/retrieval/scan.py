@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsekv_jax.attention import PREFILL_BLOCK, cached_attention, dense_causal_attention
+from sparsekv_jax.backend import Backend, resolved
 from sparsekv_jax.models.params import Params
 from sparsekv_jax.models.rope import inverse_frequencies
 from sparsekv_jax.models.transformer import embed, mlp, qkv_projection
@@ -69,12 +70,13 @@ class ScanConfig:
     features: str = "auto"
     attention: str = "auto"
 
-    def resolve(self, params: Params) -> ScanConfig:
-        """Every ``"auto"`` made concrete; ``ValueError`` on a bad value."""
+    def resolve(self, params: Params, backend: Backend | None = None) -> ScanConfig:
+        """Every ``"auto"`` made concrete for ``backend``'s platform (``None``: this process's default
+        `Backend`); ``ValueError`` on a bad value."""
         if self.chunk < 1 or self.sinks < 0 or self.window < 0:
             raise ValueError(f"ScanConfig chunk={self.chunk}, sinks={self.sinks}, window={self.window}: chunk must "
                              "be >= 1, sinks and window >= 0")
-        gpu = jax.default_backend() == "gpu"
+        gpu = resolved(backend).gpu
         features = ("threshold" if gpu else "lax") if self.features == "auto" else self.features
         if features not in FEATURE_METHODS:
             raise ValueError(f"ScanConfig.features={self.features!r} is not 'auto' or one of {FEATURE_METHODS}")

@@ -26,13 +26,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from sparsekv_jax.pallas.sae_decode import (
-    gather_decode,
-    gather_decode_reference,
-    gather_dot,
-    gather_dot_reference,
-    gather_kernels_apply,
-)
+from sparsekv_jax.backend import Backend
+from sparsekv_jax.pallas import dispatch
+from sparsekv_jax.pallas.sae_decode import gather_kernels_apply
 from sparsekv_jax.sae.config import DECODE_METHODS
 from sparsekv_jax.sae.topk import relu_top_k
 
@@ -200,12 +196,14 @@ def encode(sae: TopKSAE, x: jax.Array, *, method: str = "auto",
     return select(pre_activations(sae, x, compute_dtype), sae.k, method)
 
 
-def decode(sae: TopKSAE, ids: jax.Array, acts: jax.Array, method: str = "auto") -> jax.Array:
+def decode(sae: TopKSAE, ids: jax.Array, acts: jax.Array, method: str = "auto",
+           backend: Backend | None = None) -> jax.Array:
     """``x̂ = Σ_j acts_j · W_dec[ids_j] + b_dec`` (gathers the k rows; ``z`` is never built).
 
     ``method``: ``"xla"`` (a gather and an einsum), ``"pallas"`` (`sparsekv_jax.pallas.sae_decode`:
     the rows gathered into registers, never written out; its own gradient), or ``"auto"``: the
-    kernel on a GPU where it applies, else XLA. Both return fp32.
+    kernel on a GPU where it applies, else XLA (``backend``'s platform; ``None``: this process's
+    default); the kernel runs interpreted where ``backend`` says (off a GPU, for tests). Both return fp32.
     """
     S, D, W = sae.stack_shape, sae.d_in, sae.width
     s = math.prod(S)
@@ -213,25 +211,24 @@ def decode(sae: TopKSAE, ids: jax.Array, acts: jax.Array, method: str = "auto") 
     batch = tuple(ids.shape[len(S):-1])
     w_dec, b_dec = sae.w_dec.reshape(s, W, D), sae.b_dec.reshape(s, D)
     ids3, acts3 = ids.reshape(s, -1, kk), acts.reshape(s, -1, kk)
-    if resolve_decode(method, D) == "pallas":
-        out = gather_decode(w_dec, b_dec, ids3, acts3, interpret=jax.default_backend() != "gpu")
-    else:
-        out = gather_decode_reference(w_dec, b_dec, ids3, acts3)
+    out = dispatch.gather_decode(backend, resolve_decode(method, D, backend), w_dec, b_dec, ids3, acts3)
     return out.reshape(*S, *batch, D)
 
 
-def resolve_decode(method: str, d_in: int) -> str:
-    """``"auto"`` → ``"pallas"`` on a GPU for a power-of-two ``d_in`` (docs/BENCHMARKS.md), else ``"xla"``."""
+def resolve_decode(method: str, d_in: int, backend: Backend | None = None) -> str:
+    """``"auto"`` → ``"pallas"`` on a GPU (``backend``'s platform; ``None``: this process's default) for a
+    power-of-two ``d_in`` (docs/BENCHMARKS.md), else ``"xla"`` (`dispatch.sae_gather_method`)."""
     if method not in DECODE_METHODS:
         raise ValueError(f"decode method {method!r} is not one of {DECODE_METHODS}")
     if method == "pallas" and not gather_kernels_apply(d_in):
         raise ValueError(f"the Pallas decode needs a power-of-two d_in in [16, 1024]; got {d_in}")
     if method == "auto":
-        return "pallas" if jax.default_backend() == "gpu" and gather_kernels_apply(d_in) else "xla"
+        return dispatch.sae_gather_method(backend, d_in)
     return method
 
 
-def selected_activations(sae: TopKSAE, x: jax.Array, ids: jax.Array, method: str = "auto") -> jax.Array:
+def selected_activations(sae: TopKSAE, x: jax.Array, ids: jax.Array, method: str = "auto",
+                         backend: Backend | None = None) -> jax.Array:
     """``ReLU(W_enc (x − b_dec) + b_enc)`` at the latents ``ids`` only: ``[*stack, *batch, k]``, fp32.
 
     The same values as ``activations_at(pre_activations(sae, x), ids)`` (up to rounding: one dot of
@@ -246,10 +243,7 @@ def selected_activations(sae: TopKSAE, x: jax.Array, ids: jax.Array, method: str
     kk = ids.shape[-1]
     ids3 = ids.reshape(s, -1, kk)
     table = jnp.swapaxes(w, 1, 2)  # [s, W, D]: one row per latent
-    if resolve_decode(method, sae.d_in) == "pallas":
-        dots = gather_dot(table, ids3, xc, interpret=jax.default_backend() != "gpu")
-    else:
-        dots = gather_dot_reference(table, ids3, xc)
+    dots = dispatch.gather_dot(backend, resolve_decode(method, sae.d_in, backend), table, ids3, xc)
     pre_at = dots + jax.vmap(lambda b, i: b[i])(bias, ids3)
     return jax.nn.relu(pre_at).reshape(*ids.shape)
 

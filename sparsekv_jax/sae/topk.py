@@ -30,7 +30,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sparsekv_jax.pallas.topk import threshold_top_k, threshold_top_k_applies
+from sparsekv_jax.backend import Backend
+from sparsekv_jax.pallas import dispatch
+from sparsekv_jax.pallas.topk import threshold_top_k_applies
 from sparsekv_jax.sae.config import TOPK_METHODS
 
 
@@ -39,8 +41,9 @@ def blocked_applies(width: int, k: int, block: int = 1024, per_round: int = 16, 
     return width % block == 0 and width // block >= 2 and k <= (width // block) * per_round * rounds
 
 
-def resolve_method(method: str, width: int, k: int) -> str:
-    """``"auto"`` → ``"threshold"`` on a GPU where it applies (a power-of-two width), else ``"lax"``.
+def resolve_method(method: str, width: int, k: int, backend: Backend | None = None) -> str:
+    """``"auto"`` → ``"threshold"`` on a GPU (``backend``'s platform; ``None``: this process's default)
+    where it applies (a power-of-two width), else ``"lax"`` (`dispatch.threshold_top_k_method`).
 
     Measured on an H200 (docs/BENCHMARKS.md, "SAE training throughput"): XLA's sort-based top-k took
     30.7 ms of a 40.3 ms SmolLM2 SAE step at k 64; ``"blocked"`` was 2-3x slower than that on the GPU
@@ -50,8 +53,7 @@ def resolve_method(method: str, width: int, k: int) -> str:
     if method not in TOPK_METHODS:
         raise ValueError(f"top-k method {method!r} is not one of {TOPK_METHODS}")
     if method == "auto":
-        on_gpu = jax.default_backend() == "gpu"
-        return "threshold" if on_gpu and threshold_top_k_applies(width, k) else "lax"
+        return "threshold" if dispatch.threshold_top_k_method(backend, width, k) else "lax"
     if method == "blocked" and not blocked_applies(width, k):
         raise ValueError(f"blocked top-k needs a width that is a multiple of 1024 (>= 2048) and k <= "
                          f"width/1024 * 32; got width={width}, k={k}")
@@ -115,17 +117,19 @@ def blocked_top_k(x: jax.Array, k: int, *, block: int = 1024, per_round: int = 1
     return top_v.reshape(*lead, k), top_i.reshape(*lead, k)
 
 
-def top_k(x: jax.Array, k: int, method: str = "auto", *, ordered: bool = True) -> tuple[jax.Array, jax.Array]:
+def top_k(x: jax.Array, k: int, method: str = "auto", *, ordered: bool = True,
+          backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
     """``(values, int32 indices)`` of the k largest entries along the last axis of non-negative ``x``.
 
     ``ordered=False`` lets ``"threshold"`` skip the final sort of the k values (its ids are then
-    ascending); the other methods are always in descending value order.
+    ascending); the other methods are always in descending value order. The threshold kernel runs
+    interpreted where ``backend`` says (off a GPU, for tests).
     """
-    method = resolve_method(method, x.shape[-1], k)
+    method = resolve_method(method, x.shape[-1], k, backend)
     if method == "blocked":
         return blocked_top_k(x, k)
     if method == "threshold":
-        v, i, _ = threshold_top_k(x, k, interpret=jax.default_backend() != "gpu")
+        v, i, _ = dispatch.threshold_top_k(backend, x, k)
         if ordered:
             neg, i = jax.lax.sort((-v, i), dimension=-1, is_stable=True, num_keys=1)
             v = -neg
@@ -134,9 +138,10 @@ def top_k(x: jax.Array, k: int, method: str = "auto", *, ordered: bool = True) -
     return v, i.astype(jnp.int32)
 
 
-def relu_top_k(pre: jax.Array, k: int, method: str = "auto", *, ordered: bool = True) -> tuple[jax.Array, jax.Array]:
+def relu_top_k(pre: jax.Array, k: int, method: str = "auto", *, ordered: bool = True,
+               backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
     """`top_k` of ``ReLU(pre)``. The threshold kernel reads ``pre`` itself (it counts entries <= 0 as
     0), which saves the ReLU's write and read of a ``[rows, width]`` array on the GPU."""
-    if resolve_method(method, pre.shape[-1], k) == "threshold":
-        return top_k(pre, k, "threshold", ordered=ordered)
-    return top_k(jax.nn.relu(pre), k, method, ordered=ordered)
+    if resolve_method(method, pre.shape[-1], k, backend) == "threshold":
+        return top_k(pre, k, "threshold", ordered=ordered, backend=backend)
+    return top_k(jax.nn.relu(pre), k, method, ordered=ordered, backend=backend)
