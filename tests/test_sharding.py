@@ -104,6 +104,7 @@ def _generate_rows(cfg, params, meshes, rng) -> None:
     """Every policy unsharded, then on each mesh: one JSON line per (policy, mesh)."""
     import jax
 
+    from sparsekv_jax import engine as E
     from sparsekv_jax import generate as G
     from sparsekv_jax import sharding
 
@@ -131,13 +132,10 @@ def _generate_rows(cfg, params, meshes, rng) -> None:
             t0 = time.process_time()
             # what `generate(..., mesh=mesh)` does, with the compiled program kept for its HLO
             p2, backend = sharding.on_mesh(placed[mesh_name], tokens, mesh, None)
-            run = sharding.place_rows(G._setup(p2, policy, tokens, lengths, suffix, None, NEW, page, None, None,
-                                               backend=backend))
-            args = (p2, run.policy, run.tokens, run.lengths, run.question_start, run.prompt_lengths, run.suffix,
-                    run.suffix_lengths, jax.random.key(0))
-            compiled = G._generate_jit.lower(
-                *args, max_new_tokens=NEW, sampling=G.GREEDY, stop_tokens=(), page_size=page, prefill_chunk=None,
-                capacity=run.capacity, backend=run.backend).compile()
+            run = E.setup(p2, policy, tokens, lengths, suffix=suffix, max_new_tokens=NEW, stop_tokens=(),
+                          page_size=page, backend=backend)
+            args = (p2, run, jax.random.key(0))
+            compiled = E.generate_program.lower(*args).compile()
             out = compiled(*args)
             k = out.cache.layers.k
             print(json.dumps({
