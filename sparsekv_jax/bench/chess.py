@@ -122,11 +122,11 @@ def selection_cost(cfg, policy, context: int, batch: int, iters: int, page_size:
     cache, _ = _decode_cache(cfg, pol, context, batch, 1, jax.random.key(3), page_size=page_size)
 
     def rebuild_fn(p):
-        return jax.jit(lambda c: p._page_list(p.select_pages(c, c.length), c.length + 1, c))
+        return jax.jit(lambda c: p.page_list(p.select_pages(c, c.length), c.length + 1, c))
 
     rebuild = rebuild_fn(pol)
     selected = pol.select_pages(cache, cache.length)
-    refresh = jax.jit(lambda c, s: pol._page_list(s, c.length + 1, c))
+    refresh = jax.jit(lambda c, s: pol.page_list(s, c.length + 1, c))
     # the per-step work CHESS adds (entropy statistics of the logits, trigger test, page list kept
     # or rebuilt): a step inside a page, and a step that starts a page (the page list is rebuilt)
     _, state = pol.decode_init(cache, None)

@@ -150,7 +150,7 @@ def decode_fn(params, policy, steps: int, start=None, backend=None):
     import jax
     import jax.numpy as jnp
 
-    from sparsekv_jax.generate import decode_step
+    from sparsekv_jax.engine import decode_step
 
     def run(params, cache, state, token):
         if start is not None:
@@ -158,23 +158,38 @@ def decode_fn(params, policy, steps: int, start=None, backend=None):
 
         def body(i, carry):
             cache, state, token = carry
-            logits, cache, state, _ = decode_step(params, policy, cache, token, state, backend=backend)
-            return cache, state, jnp.argmax(logits, -1).astype(jnp.int32)
+            step = decode_step(params, policy, cache, token, state, backend=backend)
+            return step.cache, step.state, jnp.argmax(step.logits, -1).astype(jnp.int32)
 
         return jax.lax.fori_loop(0, steps, body, (cache, state, token))
 
     return jax.jit(run, donate_argnums=(1, 2))
 
 
-def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int], batches: list[int],
-              policy_spec: str, steps: int, iters: int, prefill_spec: str = "fullkv", backend=None) -> list[dict]:
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """The points of one model: prefill prompt lengths (batch 1, each policy of ``prefill_spec``),
+    decode contexts × batches (each policy of ``policy_spec``, ``steps`` steps per timed run),
+    ``iters`` timed repetitions (median reported)."""
+
+    prefill_contexts: list[int]
+    decode_contexts: list[int]
+    batches: list[int]
+    policy_spec: str = "fullkv"
+    prefill_spec: str = "fullkv"
+    steps: int = 32
+    iters: int = 5
+
+
+def run_model(model: str, grid: Grid, backend=None) -> list[dict]:
+    """Every point of ``grid`` on ``model``'s shapes (random bf16 weights): one JSON row each."""
     import jax
     import jax.numpy as jnp
 
     from sparsekv_jax import sharding
     from sparsekv_jax.backend import Backend
     from sparsekv_jax.cache import init_cache
-    from sparsekv_jax.generate import prefill
+    from sparsekv_jax.engine import prefill
     from sparsekv_jax.models import config as mc
     from sparsekv_jax.models.params import random_params
     from sparsekv_jax.policies import parse_policies
@@ -195,8 +210,9 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
         rows.append({**base, **row})
         print(json.dumps(rows[-1]), flush=True)
 
-    for prefill_policy in parse_policies(prefill_spec):
-        for T in prefill_contexts:
+    steps, iters = grid.steps, grid.iters
+    for prefill_policy in parse_policies(grid.prefill_spec):
+        for T in grid.prefill_contexts:
             pol = prefill_policy.bind(Setup(cfg, prompt_len=T, backend=backend))
             try:
                 if mesh is not None:
@@ -218,9 +234,9 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
             except Exception as e:  # noqa: BLE001 - report the point and go on
                 record({"kind": "prefill", "policy": pol.name, "context": T, "batch": 1, "error": _why(e)})
 
-    for policy in parse_policies(policy_spec):
-        for T in decode_contexts:
-            for B in batches:
+    for policy in parse_policies(grid.policy_spec):
+        for T in grid.decode_contexts:
+            for B in grid.batches:
                 pol = policy.bind(Setup(cfg, prompt_len=T, max_new_tokens=steps, backend=backend))
                 try:
                     if mesh is not None:
@@ -284,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             from sparsekv_jax import sharding
 
             backend = dataclasses.replace(backend, mesh=sharding.make_mesh(*sharding.parse_mesh(args.mesh)))
-        rows = run_model(args.one_model, pre, ctx, bat, args.policies, args.decode_steps, args.iters,
-                         args.prefill_policies, backend=backend)
+        grid = Grid(pre, ctx, bat, args.policies, args.prefill_policies, args.decode_steps, args.iters)
+        rows = run_model(args.one_model, grid, backend=backend)
         print("ROWS " + json.dumps(rows))
         if args.out:  # a direct --one-model run keeps its rows too (the parent reads the ROWS line)
             with open(args.out, "w") as f:
