@@ -215,7 +215,7 @@ def _carry_rows(cfg, params, meshes) -> None:
 
     from sparsekv_jax import sharding
     from sparsekv_jax.backend import Backend
-    from sparsekv_jax.bench.e2e import _decode_cache, decode_fn
+    from sparsekv_jax.bench.e2e import decode_cache, decode_fn
     from sparsekv_jax.policies.base import Setup
     from sparsekv_jax.policies.chess import CHESS
 
@@ -223,12 +223,12 @@ def _carry_rows(cfg, params, meshes) -> None:
     for name in ("2x4", "1x8"):
         mesh = meshes[name]
         backend = Backend(mesh=mesh, decode_attention="pallas", interpret=True)
-        # bf16 as the benchmarks' random caches (`_decode_cache`)
+        # bf16 as the benchmarks' random caches (`decode_cache`)
         sparams = sharding.shard_params(jax.tree.map(
             lambda x: x.astype("bfloat16") if x.dtype == np.float32 else x, params), mesh)
         policy = CHESS.from_spec("aggressive", chunk_pages=2, grid_chunks=2).bind(
             Setup(cfg, prompt_len=128, max_new_tokens=4, backend=backend))
-        cache, obs = _decode_cache(cfg, policy, 128, B, 4, jax.random.key(3), mesh=mesh)
+        cache, obs = decode_cache(cfg, policy, 128, B, 4, jax.random.key(3), mesh=mesh)
         # replicated, as an eager decode_init may leave it; place_state gives the split a step returns
         state = sharding.place_state(jax.device_put(policy.decode_init(cache, obs), NamedSharding(mesh, P())),
                                      cache, mesh)

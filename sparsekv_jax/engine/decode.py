@@ -16,7 +16,7 @@ from sparsekv_jax.engine.compress import Ready
 from sparsekv_jax.engine.prefill import _resolved, window_of
 from sparsekv_jax.engine.run import Decoding, Sampling
 from sparsekv_jax.models.params import Params
-from sparsekv_jax.models.transformer import forward, forward_interleaved, logits_from_hidden
+from sparsekv_jax.models.transformer import LayerStack, logits_from_hidden
 from sparsekv_jax.policies.base import Policy
 
 PAD_TOKEN = -1  # written after a row has stopped
@@ -114,30 +114,20 @@ def _attend(dec: Policy, cache: KVCache, shared_state: Any, window, carry: bool,
 def _layers(params: Params, cache: KVCache, token: jax.Array, layer_state: Any, attend, collect: bool,
             backend: Backend):
     """The layer stack of one decode step: ``(hidden, layers, layer_state, local, pages, new_length, outs)``."""
-    pos, carry = cache.next_position, backend.decode_carry
-    common = dict(unroll=backend.decode_unroll, weights_by_index=backend.decode_matmul == "pallas",
-                  interpret=backend.interpret, mesh=backend.mesh)
-    local, stacked = cache.local, (cache.layers, layer_state)
+    pos = cache.next_position
+    stack = LayerStack(carry=backend.decode_carry, unroll=backend.decode_unroll, interpret=backend.interpret,
+                       weights_by_index=backend.decode_matmul == "pallas", mesh=backend.mesh)
+    ring_attend = None if cache.local is None else local_layers.decode_attend(pos, collect)  # local layers: rings
+    hidden, (layers, layer_state), local, (pages, new_length, outs), ring = stack(
+        params, token[:, None], pos[:, None], (cache.layers, layer_state), cache.local, attend, ring_attend)
     if local is None:
-        if carry:
-            hidden, (_, stacked), (pages, new_length, outs) = forward(
-                params, token[:, None], pos[:, None], None, attend, carried=stacked, **common)
-        else:
-            hidden, stacked, (pages, new_length, outs) = forward(params, token[:, None], pos[:, None], stacked,
-                                                                 attend, **common)
-        return (hidden, *stacked, local, pages, new_length, outs)
-    ring_attend = local_layers.decode_attend(pos, collect)  # local layers read their rings
-    if carry:
-        hidden, (_, local, stacked), ((pages, new_length, outs), (ring_read, ring_outs)) = forward_interleaved(
-            params, token[:, None], pos[:, None], None, local, attend, ring_attend, carried=stacked, **common)
-    else:
-        hidden, (stacked, local), ((pages, new_length, outs), (ring_read, ring_outs)) = forward_interleaved(
-            params, token[:, None], pos[:, None], stacked, local, attend, ring_attend, **common)
+        return hidden, layers, layer_state, local, pages, new_length, outs
+    ring_read, ring_outs = ring
     # entries read / entries in use, over every layer (a local layer reads its whole window)
     in_use = new_length.astype(jnp.float32)
     pages = ((pages * in_use).sum(0) + ring_read.sum(0)) / jnp.maximum(in_use.sum(0) + ring_read.sum(0), 1.0)
     outs = local_layers.merge_layers(params.config, outs, ring_outs) if collect else None
-    return (hidden, *stacked, local, pages[None], new_length, outs)
+    return hidden, layers, layer_state, local, pages[None], new_length, outs
 
 
 def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array, state: tuple[Any, Any],

@@ -14,7 +14,7 @@ from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import KVCache, init_cache, pages_for, summarize_pages, write_chunk
 from sparsekv_jax.engine.run import Run
 from sparsekv_jax.models.params import Params
-from sparsekv_jax.models.transformer import attention_window, forward, forward_interleaved, last_token_logits
+from sparsekv_jax.models.transformer import LayerStack, attention_window, last_token_logits
 from sparsekv_jax.policies.base import Dense, Policy, Prompt
 
 
@@ -169,15 +169,12 @@ def _one_pass(params, pattern_stage, observing, tokens, lengths, cache, question
         seen = [p.observe(q, k, v, hidden, idx, prompt) for p in observing]
         return out, kv, (seen, fraction)
 
-    local = cache.local
-    if local is None:
-        hidden, layers, (seen, fractions) = forward(params, tokens, positions, cache.layers, attend,
-                                                    unroll=backend.prefill_unroll)
-    else:  # the prefill pattern and the observers run in the global layers only
-        hidden, (layers, local), ((seen, fractions), _) = forward_interleaved(
-            params, tokens, positions, cache.layers, local, attend, local_layers.prefill_attend(lengths, backend),
-            unroll=backend.prefill_unroll)
-    return hidden, layers, local, seen, fractions.mean()
+    # with rings, the prefill pattern and the observers run in the global layers only
+    ring_attend = None if cache.local is None else local_layers.prefill_attend(lengths, backend)
+    out = LayerStack(unroll=backend.prefill_unroll)(params, tokens, positions, cache.layers, cache.local, attend,
+                                                    ring_attend)
+    seen, fractions = out.extras
+    return out.hidden, out.caches, out.local, seen, fractions.mean()
 
 
 def _chunked(params, observing, tokens, lengths, cache, chunk, question_start, backend):
@@ -205,14 +202,10 @@ def _chunked(params, observing, tokens, lengths, cache, chunk, question_start, b
             seen = [p.observe(q, k, v, hidden, idx, prompt) for p in observing]
             return transpose_heads(out), kv, seen
 
-        if local is None:
-            hidden, layers, seen = forward(params, chunk_tokens, positions, layers, attend,
-                                           unroll=backend.prefill_unroll)
-        else:
-            ring_attend = local_layers.chunk_attend(positions, positions < lengths[:, None])
-            hidden, (layers, local), (seen, _) = forward_interleaved(
-                params, chunk_tokens, positions, layers, local, attend, ring_attend, unroll=backend.prefill_unroll)
-        return (layers, local), (hidden, seen)
+        ring_attend = None if local is None else local_layers.chunk_attend(positions, positions < lengths[:, None])
+        out = LayerStack(unroll=backend.prefill_unroll)(params, chunk_tokens, positions, layers, local, attend,
+                                                        ring_attend)
+        return (out.caches, out.local), (out.hidden, out.extras)
 
     (layers, local), (hiddens, seen) = jax.lax.scan(run_chunk, (cache.layers, cache.local),
                                                     (chunks, jnp.arange(n_chunks)))
@@ -247,12 +240,8 @@ def extend(params: Params, cache: KVCache, tokens: jax.Array, lengths: jax.Array
                                          bias=kv.bias, sliding_window=window(idx))
         return transpose_heads(out), kv, None
 
-    if local is None:
-        hidden, layers, _ = forward(params, tokens, positions, cache.layers, attend)
-    else:
-        ring_attend = local_layers.chunk_attend(positions, offs[None, :] < lengths[:, None])
-        hidden, (layers, local), _ = forward_interleaved(params, tokens, positions, cache.layers, local, attend,
-                                                         ring_attend)
+    ring_attend = None if local is None else local_layers.chunk_attend(positions, offs[None, :] < lengths[:, None])
+    hidden, layers, local, _, _ = LayerStack()(params, tokens, positions, cache.layers, local, attend, ring_attend)
     layers = summarize_pages(layers, new_length, cache.page_size)
     cache = cache.replace(layers=layers, local=local, length=new_length, next_position=cache.next_position + lengths)
     # a suffix is short: norming all of it costs nothing and keeps a oneDNN prefill program runnable

@@ -55,23 +55,27 @@ class Session:
     def prefill(self) -> Prefilled:
         """The prefill (compiled with the backend's prefill options)."""
         if self.prefilled is None:
-            program = _prefill_program
-            if split_programs(self.run, self.params):
-                program = self.run.backend.compile_prefill(_prefill_program.lower(self.params, self.run))
-            self.prefilled = program(self.params, self.run)
+            self.prefilled = self._prefill_side(_prefill_program, self.params, self.run)
         return self.prefilled
 
     def compress(self) -> Compressed:
         """The compress stage on the prefilled cache (the prefill runs first if it has not)."""
         if self.compressed is None:
-            self.compressed = _compress_program(self.params, self.run, self.prefill())
+            self.compressed = self._prefill_side(_compress_program, self.params, self.run, self.prefill())
         return self.compressed
 
     def begin(self, suffix: Any = None, suffix_lengths: Any = None) -> Ready:
         """Where decoding starts: ``suffix`` (default the run's own) read into the compressed cache."""
         if suffix is None:
             suffix, suffix_lengths = self.run.suffix, self.run.suffix_lengths
-        return _begin_program(self.params, self.run, self.compress(), suffix, suffix_lengths)
+        return self._prefill_side(_begin_program, self.params, self.run, self.compress(), suffix, suffix_lengths)
+
+    def _prefill_side(self, program: Any, *args: Any) -> Any:
+        """Run a step before the decode loop as `generate` compiles it: with the backend's prefill
+        options where it compiles the prefill apart (`split_programs`), else as it is."""
+        if split_programs(self.run, *args):
+            program = self.run.backend.compile_prefill(program.lower(*args))
+        return program(*args)
 
     def decode(self, ready: Ready | None = None, seed: int | jax.Array | None = None) -> GenerateOutput:
         """Decode from ``ready`` (default `begin` with the run's suffix); ``seed`` (default the
