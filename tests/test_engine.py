@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from sparsekv_jax import engine
+from sparsekv_jax.engine.run import HostNotes
 from sparsekv_jax.generate import generate
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
@@ -111,6 +112,10 @@ def test_run_holds_the_prompt_as_leaves_and_the_sizes_as_static(params, rng):
     a, b = (engine.setup(params, parse_policy("snapkv(0.5, window=8)"), rng.integers(1, CFG.vocab_size, (2, 24)),
                          max_new_tokens=4, page_size=8) for _ in range(2))
     assert jax.tree.structure(a) == jax.tree.structure(b)
+    # a context stage's host notes (timings, spans) are no part of the program
+    noted = a.replace(context_info=HostNotes({"seconds": 0.5, "kept_tokens": np.arange(3)}))
+    assert jax.tree.structure(noted) == jax.tree.structure(a)
+    assert not jax.tree.structure(noted) != jax.tree.structure(a)
     assert any(leaf is a.tokens for leaf in jax.tree.leaves(a))
     assert (a.capacity, a.page_size, a.decoding.max_new_tokens) == (32, 8, 4)  # 24 + 4 rounded up to pages of 8
     c = engine.setup(params, parse_policy("snapkv(0.5, window=8)"), np.asarray(a.tokens), max_new_tokens=4,

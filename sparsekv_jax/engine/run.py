@@ -92,6 +92,9 @@ class HostNotes(dict):
     def __eq__(self, other: object) -> bool:
         return isinstance(other, HostNotes)
 
+    def __ne__(self, other: object) -> bool:
+        return not isinstance(other, HostNotes)
+
     def __hash__(self) -> int:
         return 0
 
