@@ -87,7 +87,8 @@ class Session:
     def ask(self, question: Any, lengths: Any = None, *, seed: int | jax.Array | None = None) -> GenerateOutput:
         """Read ``question`` ``[B, Tq]`` (right-padded, ``lengths`` valid; ``[Tq]`` for one row) after
         the compressed context and decode its answer. The compressed context stays as it was, so the
-        next `ask` starts from it again. ``Tq`` must fit the room kept by ``question_tokens``."""
+        next `ask` starts from it again. ``Tq`` must fit the room kept by ``question_tokens``; questions
+        padded to one width share one compiled program (the decode loop is shared whatever the width)."""
         question = np.asarray(question) if not hasattr(question, "shape") else question
         question = question[None] if question.ndim == 1 else question
         if self.run.suffix is not None:
