@@ -125,8 +125,8 @@ fig.savefig(OUT / "explorer_kept.png", dpi=110)
 # %%
 from flax import struct
 
-from sparsekv_jax.generate import decode_step, prepare
-from sparsekv_jax.policies import Dense, Quest, Setup
+from sparsekv_jax.engine import decode_step, prepare, setup
+from sparsekv_jax.policies import Dense, Quest
 
 
 def recording(cls):
@@ -150,17 +150,15 @@ def recording(cls):
 
 def first_step_probs(policy):
     """``[L, Hq, S]`` attention probabilities of the first decode step under ``policy``."""
-    policy = policy.bind(Setup(cfg, prompt_len=T, max_new_tokens=2))
-    lengths = jnp.asarray([T])
+    run = setup(params, policy, tokens, max_new_tokens=2, page_size=16, capacity=T + 16)
 
     @jax.jit
-    def run(params, policy, toks):
-        logits, cache, state, _ = prepare(params, policy, toks, lengths, None, None, extra_tokens=2, page_size=16,
-                                          prefill_chunk=None, capacity=T + 16)
-        token = jnp.argmax(logits, -1).astype(jnp.int32)
-        return decode_step(params, policy, cache, token, state)[2][0]
+    def first_step(params, run):
+        ready = prepare(params, run)
+        token = jnp.argmax(ready.logits, -1).astype(jnp.int32)
+        return decode_step(params, run.policy, ready.cache, token, ready.state).state[0]
 
-    return np.asarray(run(params, policy, jnp.asarray(tokens)))[:, 0]
+    return np.asarray(first_step(params, run))[:, 0]
 
 
 dense_probs = first_step_probs(recording(Dense)())

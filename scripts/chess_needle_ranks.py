@@ -20,8 +20,9 @@ import numpy as np
 from tqdm import tqdm
 
 from sparsekv_jax import load
+from sparsekv_jax.engine import prepare, setup
 from sparsekv_jax.eval import ruler, runner
-from sparsekv_jax.generate import _setup, generate, prepare
+from sparsekv_jax.generate import generate
 from sparsekv_jax.policies import CHESS, Dense
 from sparsekv_jax.policies.base import Setup
 
@@ -41,11 +42,8 @@ def needle_page(tok, ctx: list[int], answer: str, page_size: int) -> int:
 
 def prompt_cache(params, policy, ctx: list[int], q: list[int]):
     """The cache as the first decode step sees it (context prefilled, question read)."""
-    run = _setup(params, policy, np.array([ctx]), None, np.array([q]), None, 12, 16, None, None)
-    _, cache, _, _ = jax.jit(lambda: prepare(params, run.policy, run.tokens, run.lengths, run.suffix,
-                                             run.suffix_lengths, extra_tokens=12, page_size=16, prefill_chunk=None,
-                                             capacity=run.capacity, backend=run.backend))()
-    return cache
+    run = setup(params, policy, np.array([ctx]), suffix=np.array([q]), max_new_tokens=12, page_size=16)
+    return jax.jit(prepare)(params, run).cache
 
 
 def main() -> None:

@@ -2,8 +2,8 @@
 
 SmolLM2-135M-Instruct from the embedded GGUF, loaded by both sides in the same dtype (fp32: the
 Q4_1 weights dequantised), on a ~4k-token needle prompt (chat template, as `make demo` builds it).
-Ours: the jitted prefill (`generate.prepare` with full attention) and the jitted decode loop
-(`generate.decode_loop`), each compiled ahead of time (compile time excluded). Theirs: one
+Ours: the jitted prefill (`engine.prepare` with full attention) and the jitted decode loop
+(`engine.decode_ready`), each compiled ahead of time (compile time excluded). Theirs: one
 ``model(ids, use_cache=True)`` call, then one call per token with the KV cache. Both decode the
 same number of tokens greedily, stop tokens ignored. The sides run interleaved, ``--repeats``
 times, and the medians are reported, with the machine's load average before and after (other
@@ -61,8 +61,7 @@ def _ours(params, backend, tokens, n_new):
     import jax
     import jax.numpy as jnp
 
-    from sparsekv_jax import sharding
-    from sparsekv_jax.generate import GREEDY, decode_loop, prepare
+    from sparsekv_jax import engine, sharding
     from sparsekv_jax.policies import Dense
 
     params, backend = sharding.on_mesh(params, tokens, backend.mesh, backend)
@@ -71,20 +70,18 @@ def _ours(params, backend, tokens, n_new):
     lengths = jnp.asarray([T], jnp.int32)
     capacity = -(-(T + n_new) // 16) * 16
     pol = Dense()
-    pre = jax.jit(lambda p, t, ln: prepare(p, pol, t, ln, None, None, extra_tokens=n_new, page_size=16,
-                                           prefill_chunk=None, capacity=capacity, backend=backend))
-    pre = backend.compile_prefill(pre.lower(params, tokens, lengths))  # oneDNN's dots where prefill_dots says
-    logits, cache, state, _ = pre(params, tokens, lengths)
-    dec = jax.jit(lambda p, lg, c, st, k: decode_loop(p, pol, lg, c, st, k, max_new_tokens=n_new, sampling=GREEDY,
-                                                       stop_tokens=(), backend=backend)[:2])
-    dec = dec.lower(params, logits, cache, state, jax.random.key(0)).compile()
+    run = engine.setup(params, pol, tokens, lengths, max_new_tokens=n_new, stop_tokens=(), capacity=capacity,
+                       backend=backend)
+    pre = engine.compiled_prepare(params, run)  # oneDNN's dots where prefill_dots says
+    ready = pre(params, run)
+    dec = jax.jit(lambda p, r, k: (lambda o: (o.tokens, o.num_generated))(engine.decode_ready(p, run, r, k)))
+    dec = dec.lower(params, ready, jax.random.key(0)).compile()
 
     def prefill():
-        return jax.block_until_ready(pre(params, tokens, lengths))
+        return jax.block_until_ready(pre(params, run))
 
-    def decode(prefilled):
-        logits, cache, state, _ = prefilled
-        out, n = jax.block_until_ready(dec(params, logits, cache, state, jax.random.key(0)))
+    def decode(ready):
+        out, n = jax.block_until_ready(dec(params, ready, jax.random.key(0)))
         return np.asarray(out[0, : int(n[0])]).tolist()
 
     return prefill, decode

@@ -77,19 +77,16 @@ def _compiled_generate(params, tokens, lengths, qs, new):
     ``(run(tokens, lengths, qs) -> output, compile seconds)``."""
     import jax
 
-    from sparsekv_jax.generate import GREEDY, _generate_jit, _setup
+    from sparsekv_jax import engine
     from sparsekv_jax.policies import Dense
 
     def args(tokens, lengths, qs):
-        run = _setup(params, Dense(), tokens, lengths, None, None, new, 16, None, None, question_start=qs)
-        kw = dict(max_new_tokens=new, sampling=GREEDY, stop_tokens=(), page_size=16, prefill_chunk=None,
-                  capacity=run.capacity, backend=run.backend)
-        return (params, run.policy, run.tokens, run.lengths, run.question_start, run.prompt_lengths, None, None,
-                jax.random.key(0)), kw
+        run = engine.setup(params, Dense(), tokens, lengths, question_start=qs, max_new_tokens=new, stop_tokens=())
+        return (params, run, jax.random.key(0)), {}
 
     a, kw = args(tokens, lengths, qs)
     t0 = time.perf_counter()
-    compiled = _generate_jit.lower(*a, **kw).compile()
+    compiled = engine.generate_program.lower(*a, **kw).compile()
     return (lambda tokens, lengths, qs: compiled(*args(tokens, lengths, qs)[0])), time.perf_counter() - t0
 
 

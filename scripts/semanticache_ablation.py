@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparsekv_jax.cache import init_cache
-from sparsekv_jax.generate import GREEDY, decode_loop, decode_step, extend, prefill, stored_entries
+from sparsekv_jax.engine import Decoding, Ready, decode_loop, decode_step, extend, prefill, stored_entries
 from sparsekv_jax.policies import Dense, SemantiCache, parse_policy
 from sparsekv_jax.policies.base import Prompt, Setup
 
@@ -160,8 +160,9 @@ def run(args) -> list[dict]:
                 (teacher-forced: log-probability and top-1 agreement at each of its tokens)."""
                 if suffix is not None:
                     logits, cache = extend(params, cache, *suffix)
-                out, num, _, _, _ = decode_loop(params, Dense(), logits, cache, (None, None), jax.random.key(0),
-                                                max_new_tokens=max_new, sampling=GREEDY, stop_tokens=stop)
+                dec = decode_loop(params, Dense(), Ready(logits, cache, (None, None), {}), jax.random.key(0),
+                                  Decoding(max_new, stop_tokens=stop))
+                out, num = dec.tokens, dec.num_generated
 
                 def step(cache, token):
                     step_logits, cache, _, _ = decode_step(params, Dense(), cache, token, (None, None))

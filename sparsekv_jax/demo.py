@@ -6,8 +6,8 @@ methods, full attention and the baselines; prints one table row per policy.
 Question-aware (SnapKV's protocol: the question is part of the prompt each policy compresses).
 Prefill and compression are separate stages, so every policy whose prefill is dense (the
 compressors and the decode-time selectors) shares ONE dense prefill, observed at once by every
-policy that needs observations (`generate.prefill_shared`); each compresses its own copy of that
-cache (`generate.compress_prefilled`) and decodes. A policy with its own prefill (Stem's block-sparse
+policy that needs observations (`engine.share_prefill`); each compresses its own copy of that
+cache (`engine.compress`) and decodes. A policy with its own prefill (Stem's block-sparse
 pattern, a context stage) prefills alone. Times exclude compilation (reported apart); compiled
 programs are kept in a persistent cache (``$SPARSEKV_CACHE/xla``), so a second run starts faster.
 """
@@ -97,6 +97,7 @@ class _Programs:
 
     def __init__(self) -> None:
         self.compiled: dict[Any, Any] = {}
+        self.compile_s = 0.0  # compile seconds summed by the caller
 
     def get(self, name: str, fn, *args, prefill_of: Any = None) -> tuple[Any, float]:
         """``(compiled fn, compile seconds)``: 0 seconds when an equal program was compiled before.
@@ -118,94 +119,74 @@ def _timed(fn, *args):
 
 
 def run(params: Any, tokenizer: Any, policies: list[tuple[str, Any]], tokens: np.ndarray,
-        question_start: np.ndarray, *, max_new_tokens: int, stop_tokens: tuple[int, ...], score=None,
+        question_start: np.ndarray, *, max_new_tokens: int, stop_tokens: tuple[int, ...],
         progress: bool = True) -> tuple[list[Row], float]:
     """Every policy on one prompt: one shared dense prefill for the policies whose prefill is dense,
-    then each one's compression and decode loop. Returns ``(rows, compile seconds)``."""
-    import jax.numpy as jnp
+    then each one's compression and decode loop (the engine's steps, `sparsekv_jax.engine`).
+    Returns ``(rows, compile seconds)``; `Row.right` is left for the caller to score."""
     from tqdm.auto import tqdm
 
-    from sparsekv_jax import local_layers
-    from sparsekv_jax.cache import init_cache
-    from sparsekv_jax.generate import GREEDY, _setup, compress_prefilled, decode_loop, prefill_shared, prepare
+    from sparsekv_jax import engine
     from sparsekv_jax.policies import Dense
 
-    runs = [(label, _setup(params, pol, tokens, None, None, None, max_new_tokens, PAGE_SIZE, None, None,
-                           question_start=question_start)) for label, pol in policies]
+    runs = [(label, engine.setup(params, pol, tokens, question_start=question_start, max_new_tokens=max_new_tokens,
+                                 stop_tokens=stop_tokens, page_size=PAGE_SIZE)) for label, pol in policies]
     shared = [i for i, (_, r) in enumerate(runs)
               if type(r.policy.stage("prefill")) is Dense and type(r.policy.stage("context")) is Dense]
     bar = tqdm(total=len(runs) + bool(shared), desc="demo", unit="step", disable=not progress, leave=False)
     programs = _Programs()
-    compile_s = 0.0
     rows = [Row(label) for label, _ in runs]
-    prefilled: dict[int, tuple] = {}
+    prefilled: dict[int, Any] = {}
     if shared:
-        r0 = runs[shared[0]][1]
-        pols = [runs[i][1].policy for i in shared]
-
-        # local layers' rings (Gemma 3) hold the window + what any of these policies may take back
-        rewind = max(p.stage("decode").max_rewind_tokens for p in pols)
-        ring = local_layers.ring_slots(params.config, r0.backend, rewind)
-
-        def shared_prefill(params, pols, toks, lens, qs):
-            cache = init_cache(params.config, toks.shape[0], r0.capacity, page_size=PAGE_SIZE, dtype=params.dtype,
-                               ring=ring)
-            return prefill_shared(params, pols, toks, lens, cache, question_start=qs, backend=r0.backend)
-
         bar.set_postfix_str(f"one dense prefill for {len(shared)} policies")
-        fn, c = programs.get("shared prefill", shared_prefill, params, pols, r0.tokens, r0.lengths,
-                             r0.question_start, prefill_of=r0.backend)
-        (logits, cache, observations, fraction), seconds = _timed(fn, params, pols, r0.tokens, r0.lengths,
-                                                                   r0.question_start)
-        compile_s += c
-        for j, i in enumerate(shared):
-            prefilled[i] = (logits, cache, observations[j], fraction)
+        shared_runs = [runs[i][1] for i in shared]
+        fn, c = programs.get("shared prefill", engine.share_prefill, params, shared_runs,
+                             prefill_of=shared_runs[0].backend)
+        outs, seconds = _timed(fn, params, shared_runs)
+        programs.compile_s += c
+        for i, pre in zip(shared, outs, strict=True):
+            prefilled[i] = pre
             rows[i].prefill_s, rows[i].shared_prefill = seconds, True
         bar.update()
     for i, (label, r) in enumerate(runs):
         bar.set_postfix_str(label)
-        pol = r.policy
-        if i in prefilled:
-            logits, cache, obs, fraction = prefilled[i]
-
-            def compress(params, pol, logits, cache, obs, fraction, toks, lens, qs, r=r):
-                return compress_prefilled(params, pol, logits, cache, obs, fraction, toks, lens, None, None,
-                                          extra_tokens=max_new_tokens, question_start=qs)
-
-            args = (params, pol, logits, cache, obs, fraction, r.tokens, r.lengths, r.question_start)
-            fn, c = programs.get(f"compress {label}", compress, *args)
-            (logits, cache, state, stats), rows[i].compress_s = _timed(fn, *args)
-        else:
-            def own_prefill(params, pol, toks, lens, qs, r=r):
-                return prepare(params, pol, toks, lens, None, None, extra_tokens=max_new_tokens, page_size=PAGE_SIZE,
-                               prefill_chunk=None, capacity=r.capacity, question_start=qs, backend=r.backend,
-                               prompt_lengths=r.prompt_lengths)  # stats against the user's prompt
-
-            args = (params, pol, r.tokens, r.lengths, r.question_start)
-            fn, c = programs.get(f"prefill {label}", own_prefill, *args, prefill_of=r.backend)
-            (logits, cache, state, stats), rows[i].prefill_s = _timed(fn, *args)
-        compile_s += c
-
-        def decode(params, pol, logits, cache, state, key, r=r):
-            return decode_loop(params, pol, logits, cache, state, key, max_new_tokens=max_new_tokens,
-                               sampling=GREEDY, stop_tokens=stop_tokens, backend=r.backend)
-
-        # the decode loop sees only the decode stage: equal stages on equal caches share a program
-        args = (params, pol.stage("decode"), logits, cache, state, jax.random.key(0))
-        fn, c = programs.get(f"decode {r.backend}", decode, *args)
-        compile_s += c
-        (out, n, _, read, _), decode_s = _timed(fn, *args)
-        new = np.asarray(out[0, : int(n[0])]).tolist()
-        row = rows[i]
-        row.answer = tokenizer.decode([t for t in new if t not in stop_tokens], skip_special_tokens=True).strip()
-        row.right = bool(score(row.answer)) if score is not None else False
-        row.stored, row.read = float(stats["kv_stored_fraction"][0]), float(read[0])
-        row.blocks = float(jnp.asarray(stats["prefill_block_fraction"]))
-        row.decode_ms = 1e3 * decode_s / max(len(new) - 1, 1)
+        new = _run_one(programs, params, label, r, prefilled.get(i), rows[i])
+        rows[i].answer = tokenizer.decode([t for t in new if t not in stop_tokens], skip_special_tokens=True).strip()
         bar.update()
-        tqdm.write(f"  {label}: {row.answer!r}")
+        tqdm.write(f"  {label}: {rows[i].answer!r}")
     bar.close()
-    return rows, compile_s
+    return rows, programs.compile_s
+
+
+def _compress_and_begin(params: Any, run: Any, prefilled: Any) -> Any:
+    from sparsekv_jax import engine
+
+    return engine.begin(params, run, engine.compress(params, run, prefilled))
+
+
+def _run_one(programs: _Programs, params: Any, label: str, r: Any, prefilled: Any, row: Row) -> list[int]:
+    """One policy's compression (of the shared prefill, or its own prefill and compression) and
+    decode loop, timed apart into ``row``; returns the generated ids."""
+    import jax.numpy as jnp
+
+    from sparsekv_jax import engine
+
+    if prefilled is not None:
+        fn, c = programs.get(f"compress {label}", _compress_and_begin, params, r, prefilled)
+        ready, row.compress_s = _timed(fn, params, r, prefilled)
+    else:  # its own prefill (a prefill pattern or a context stage); stats against the user's prompt
+        fn, c = programs.get(f"prefill {label}", engine.prepare, params, r, prefill_of=r.backend)
+        ready, row.prefill_s = _timed(fn, params, r)
+    # the decode loop sees only the decode stage: equal stages on equal caches share a program
+    args = (params, r.for_decode(), ready, jax.random.key(0))
+    fn, c2 = programs.get(f"decode {r.backend}", engine.decode_ready, *args)
+    programs.compile_s += c + c2
+    out, decode_s = _timed(fn, *args)
+    new = np.asarray(out.tokens[0, : int(out.num_generated[0])]).tolist()
+    row.stored, row.read = float(out.stats["kv_stored_fraction"][0]), float(out.stats["kv_read_fraction"][0])
+    row.blocks = float(jnp.asarray(out.stats["prefill_block_fraction"]))
+    row.decode_ms = 1e3 * decode_s / max(len(new) - 1, 1)
+    return new
 
 
 def table(rows: list[Row]) -> str:
@@ -251,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"prompt: {tokens.shape[1]} tokens, needle value {sample.answers[0]!r} at depth {sample.depth:.0%}, "
           f"budget {args.budget:g}\n")
     rows, compile_s = run(params, tokenizer, policies, tokens, question_start, max_new_tokens=args.max_new_tokens,
-                          stop_tokens=stops, score=lambda a: sample.score(a) >= 1.0)
+                          stop_tokens=stops)
+    for row in rows:
+        row.right = sample.score(row.answer) >= 1.0
     print()
     print(table(rows))
     print(f"\n= one dense prefill shared by these policies (they compress a copy of its cache); "

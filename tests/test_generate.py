@@ -230,25 +230,21 @@ def test_teacher_force_dense_equals_full_forward(params):
 def test_prefill_shared_then_compress_equals_prepare(params):
     """One dense prefill observed by several policies, each compressing a copy, gives what each
     policy's own `prepare` gives (the demo's shared prefill)."""
-    from sparsekv_jax.generate import _setup, compress_prefilled, prefill_shared, prepare
+    from sparsekv_jax.engine import compress, prepare, setup, share_prefill
+    from sparsekv_jax.generate import prefill_shared
     from sparsekv_jax.policies import parse_policies
 
     rng = seeded_rng()
     tokens = rng.integers(1, CFG.vocab_size, (1, 40))
     qs = np.array([32])
-    runs = [_setup(params, p, tokens, None, None, None, 4, 8, None, None, question_start=qs)
+    runs = [setup(params, p, tokens, question_start=qs, max_new_tokens=4, page_size=8)
             for p in parse_policies("fullkv, snapkv(0.5, window=8), h2o(0.5), streamingllm(0.25), quest(0.5)")]
     r0 = runs[0]
+    for r, pre in zip(runs, share_prefill(params, runs), strict=True):
+        got = compress(params, r, pre)
+        want = prepare(params, r)
+        np.testing.assert_allclose(np.asarray(got.logits), np.asarray(want.logits), atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(got.cache.layers.positions), np.asarray(want.cache.layers.positions))
     cache = init_cache(CFG, 1, r0.capacity, page_size=8, dtype=params.dtype)
-    logits, cache, observations, fraction = prefill_shared(params, [r.policy for r in runs], r0.tokens, r0.lengths,
-                                                           cache, question_start=r0.question_start,
-                                                           backend=r0.backend)
-    for r, obs in zip(runs, observations, strict=True):
-        got = compress_prefilled(params, r.policy, logits, cache, obs, fraction, r.tokens, r.lengths, None, None,
-                                 extra_tokens=4, question_start=r.question_start)
-        want = prepare(params, r.policy, r.tokens, r.lengths, None, None, extra_tokens=4, page_size=8,
-                       prefill_chunk=None, capacity=r.capacity, question_start=r.question_start, backend=r.backend)
-        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=1e-5)
-        np.testing.assert_array_equal(np.asarray(got[1].layers.positions), np.asarray(want[1].layers.positions))
     with pytest.raises(ValueError, match="prefill pattern"):
         prefill_shared(params, parse_policies("stem"), r0.tokens, r0.lengths, cache)

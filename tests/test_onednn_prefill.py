@@ -15,7 +15,8 @@ import pytest
 from conftest import seeded_rng
 
 from sparsekv_jax.backend import Backend, onednn_dots_available, onednn_fusions_runnable
-from sparsekv_jax.generate import _prepare_jit, _setup, generate
+from sparsekv_jax.engine import prepare_program, setup
+from sparsekv_jax.generate import generate
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
 from sparsekv_jax.policies import Dense, SnapKV
@@ -130,17 +131,15 @@ def test_prefill_on_onednn_matches_xla_dots(policy, suffix):
     kw = dict(suffix=rng.integers(1, CFG.vocab_size, (3, 5)), suffix_lengths=np.array([5, 3, 4])) if suffix else {}
     outs = {}
     for dots in ("xla", "onednn"):
-        run = _setup(params, policy, tokens, lengths, kw.get("suffix"), kw.get("suffix_lengths"), 6, 16, None, None,
-                     backend=Backend(prefill_dots=dots))
-        dynamic = (params, run.policy, run.tokens, run.lengths, run.suffix, run.suffix_lengths)
-        lowered = _prepare_jit.lower(*dynamic, extra_tokens=6, page_size=16, prefill_chunk=None,
-                                     capacity=run.capacity, question_start=None, prompt_lengths=run.prompt_lengths,
-                                     backend=run.backend)
+        run = setup(params, policy, tokens, lengths, suffix=kw.get("suffix"), suffix_lengths=kw.get("suffix_lengths"),
+                    max_new_tokens=6, backend=Backend(prefill_dots=dots))
+        lowered = prepare_program.lower(params, run)
         compiled = run.backend.compile_prefill(lowered)
         if dots == "onednn" and X86:
             assert onednn_fusions_runnable(compiled.as_text()) and '"__onednn_fusion"' in compiled.as_text()
-        logits, cache, _, stats = compiled(*dynamic, question_start=None, prompt_lengths=run.prompt_lengths)
-        outs[dots] = (np.asarray(logits), np.asarray(cache.layers.k), np.asarray(stats["kv_stored_fraction"]))
+        ready = compiled(params, run)
+        outs[dots] = (np.asarray(ready.logits), np.asarray(ready.cache.layers.k),
+                      np.asarray(ready.stats["kv_stored_fraction"]))
     for x, o in zip(outs["xla"], outs["onednn"], strict=True):
         np.testing.assert_allclose(o, x, rtol=1e-4, atol=1e-4)
     # and generate (two programs with oneDNN, one without) decodes the same tokens

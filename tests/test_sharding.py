@@ -104,6 +104,7 @@ def _generate_rows(cfg, params, meshes, rng) -> None:
     """Every policy unsharded, then on each mesh: one JSON line per (policy, mesh)."""
     import jax
 
+    from sparsekv_jax import engine as E
     from sparsekv_jax import generate as G
     from sparsekv_jax import sharding
 
@@ -131,13 +132,10 @@ def _generate_rows(cfg, params, meshes, rng) -> None:
             t0 = time.process_time()
             # what `generate(..., mesh=mesh)` does, with the compiled program kept for its HLO
             p2, backend = sharding.on_mesh(placed[mesh_name], tokens, mesh, None)
-            run = sharding.place_rows(G._setup(p2, policy, tokens, lengths, suffix, None, NEW, page, None, None,
-                                               backend=backend))
-            args = (p2, run.policy, run.tokens, run.lengths, run.question_start, run.prompt_lengths, run.suffix,
-                    run.suffix_lengths, jax.random.key(0))
-            compiled = G._generate_jit.lower(
-                *args, max_new_tokens=NEW, sampling=G.GREEDY, stop_tokens=(), page_size=page, prefill_chunk=None,
-                capacity=run.capacity, backend=run.backend).compile()
+            run = E.setup(p2, policy, tokens, lengths, suffix=suffix, max_new_tokens=NEW, stop_tokens=(),
+                          page_size=page, backend=backend)
+            args = (p2, run, jax.random.key(0))
+            compiled = E.generate_program.lower(*args).compile()
             out = compiled(*args)
             k = out.cache.layers.k
             print(json.dumps({
@@ -217,7 +215,7 @@ def _carry_rows(cfg, params, meshes) -> None:
 
     from sparsekv_jax import sharding
     from sparsekv_jax.backend import Backend
-    from sparsekv_jax.bench.e2e import _decode_cache, decode_fn
+    from sparsekv_jax.bench.e2e import decode_cache, decode_fn
     from sparsekv_jax.policies.base import Setup
     from sparsekv_jax.policies.chess import CHESS
 
@@ -225,12 +223,12 @@ def _carry_rows(cfg, params, meshes) -> None:
     for name in ("2x4", "1x8"):
         mesh = meshes[name]
         backend = Backend(mesh=mesh, decode_attention="pallas", interpret=True)
-        # bf16 as the benchmarks' random caches (`_decode_cache`)
+        # bf16 as the benchmarks' random caches (`decode_cache`)
         sparams = sharding.shard_params(jax.tree.map(
             lambda x: x.astype("bfloat16") if x.dtype == np.float32 else x, params), mesh)
         policy = CHESS.from_spec("aggressive", chunk_pages=2, grid_chunks=2).bind(
             Setup(cfg, prompt_len=128, max_new_tokens=4, backend=backend))
-        cache, obs = _decode_cache(cfg, policy, 128, B, 4, jax.random.key(3), mesh=mesh)
+        cache, obs = decode_cache(cfg, policy, 128, B, 4, jax.random.key(3), mesh=mesh)
         # replicated, as an eager decode_init may leave it; place_state gives the split a step returns
         state = sharding.place_state(jax.device_put(policy.decode_init(cache, obs), NamedSharding(mesh, P())),
                                      cache, mesh)

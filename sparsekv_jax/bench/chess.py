@@ -26,7 +26,7 @@ import json
 import statistics
 import time
 
-from sparsekv_jax.bench.e2e import MODELS, _decode_cache, _median_time, _median_time_carry, _tokens, decode_fn
+from sparsekv_jax.bench.e2e import MODELS, decode_cache, decode_fn, median_time, median_time_carry, parse_tokens
 from sparsekv_jax.policies.base import Setup
 
 
@@ -47,7 +47,7 @@ def largest_batch(cfg, params, policies, context: int, steps: int, page_size: in
     import jax
     import jax.numpy as jnp
 
-    from sparsekv_jax.bench.e2e import _memory
+    from sparsekv_jax.bench.e2e import memory_bytes
     from sparsekv_jax.cache import init_cache
 
     shapes = jax.eval_shape(lambda: init_cache(cfg, 1, context + steps, page_size=page_size, dtype=jnp.bfloat16))
@@ -58,12 +58,12 @@ def largest_batch(cfg, params, policies, context: int, steps: int, page_size: in
         need = 0
         for policy in policies:
             pol = policy.bind(Setup(cfg, prompt_len=context))
-            cache = jax.eval_shape(lambda b=batch, p=pol: _decode_cache(cfg, p, context, b, steps, jax.random.key(0),
+            cache = jax.eval_shape(lambda b=batch, p=pol: decode_cache(cfg, p, context, b, steps, jax.random.key(0),
                                                                        page_size=page_size)[0])
             state = jax.eval_shape(lambda c, p=pol: p.decode_init(c, None), cache)
             token = jax.ShapeDtypeStruct((batch,), jnp.int32)
             compiled = decode_fn(params, pol, steps).lower(params, cache, state, token).compile()
-            need = max(need, _memory(compiled) or 0)
+            need = max(need, memory_bytes(compiled) or 0)
         if need <= total * 0.95:
             return batch
         batch = min(batch - 1, int(batch * total * 0.95 / need)) if need else batch - 1
@@ -95,7 +95,7 @@ def _start(cfg, pol, context: int, batch: int, steps: int, seed: int, page_size:
     import jax
     import jax.numpy as jnp
 
-    cache, _ = _decode_cache(cfg, pol, context, batch, steps, jax.random.key(seed), page_size=page_size)
+    cache, _ = decode_cache(cfg, pol, context, batch, steps, jax.random.key(seed), page_size=page_size)
     return cache, pol.decode_init(cache, None), jnp.ones((batch,), jnp.int32)
 
 
@@ -105,7 +105,7 @@ def throughput(cfg, params, policies, context: int, batch: int, steps: int, iter
         pol = pol.bind(Setup(cfg, prompt_len=context))
         cache, state, token = _start(cfg, pol, context, batch, steps, 2, page_size)
         fn = decode_fn(params, pol, steps, start=(cache.length, cache.next_position))
-        sec, carry = _median_time_carry(fn, params, (cache, state, token), iters=iters)
+        sec, carry = median_time_carry(fn, params, (cache, state, token), iters=iters)
         rows.append({"kind": "throughput", "policy": pol.name, "context": context, "batch": batch,
                      "ms_per_step": sec * 1e3 / steps, "tokens_per_s": batch * steps / sec,
                      "cache_bytes": carry[0].nbytes()})
@@ -119,14 +119,14 @@ def selection_cost(cfg, policy, context: int, batch: int, iters: int, page_size:
     from sparsekv_jax.backend import Backend
 
     pol = policy.bind(Setup(cfg, prompt_len=context))
-    cache, _ = _decode_cache(cfg, pol, context, batch, 1, jax.random.key(3), page_size=page_size)
+    cache, _ = decode_cache(cfg, pol, context, batch, 1, jax.random.key(3), page_size=page_size)
 
     def rebuild_fn(p):
-        return jax.jit(lambda c: p._page_list(p.select_pages(c, c.length), c.length + 1, c))
+        return jax.jit(lambda c: p.page_list(p.select_pages(c, c.length), c.length + 1, c))
 
     rebuild = rebuild_fn(pol)
     selected = pol.select_pages(cache, cache.length)
-    refresh = jax.jit(lambda c, s: pol._page_list(s, c.length + 1, c))
+    refresh = jax.jit(lambda c, s: pol.page_list(s, c.length + 1, c))
     # the per-step work CHESS adds (entropy statistics of the logits, trigger test, page list kept
     # or rebuilt): a step inside a page, and a step that starts a page (the page list is rebuilt)
     _, state = pol.decode_init(cache, None)
@@ -134,15 +134,15 @@ def selection_cost(cfg, policy, context: int, batch: int, iters: int, page_size:
     update = jax.jit(pol.decode_update)
     page_start = {**state, "used": state["used"] - 1}
     out = {"kind": "selection", "policy": pol.name, "context": context, "batch": batch,
-           "rebuild_ms": _median_time(rebuild, cache, iters=iters) * 1e3,
-           "page_list_ms": _median_time(refresh, cache, selected, iters=iters) * 1e3,
-           "update_ms": _median_time(update, state, cache, logits, iters=iters) * 1e3,
-           "update_page_start_ms": _median_time(update, page_start, cache, logits, iters=iters) * 1e3,
+           "rebuild_ms": median_time(rebuild, cache, iters=iters) * 1e3,
+           "page_list_ms": median_time(refresh, cache, selected, iters=iters) * 1e3,
+           "update_ms": median_time(update, state, cache, logits, iters=iters) * 1e3,
+           "update_page_start_ms": median_time(update, page_start, cache, logits, iters=iters) * 1e3,
            "page_sums": pol.page_sums}
     if pol.page_sums != "jnp" and pol.keys == "pre_rope":
         # the same rebuild with the page sums in jnp (the layer sliced out of the stack: a copy)
         jnp_pol = policy.bind(Setup(cfg, prompt_len=context, backend=Backend(page_sums="jnp").resolve()))
-        out["rebuild_jnp_ms"] = _median_time(rebuild_fn(jnp_pol), cache, iters=iters) * 1e3
+        out["rebuild_jnp_ms"] = median_time(rebuild_fn(jnp_pol), cache, iters=iters) * 1e3
     del cache
     return out
 
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = getattr(mc, MODELS[args.model])()
     params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
-    context, gen = _tokens(args.context)[0], _tokens(args.gen)[0] if args.gen != "0" else 0
+    context, gen = parse_tokens(args.context)[0], parse_tokens(args.gen)[0] if args.gen != "0" else 0
     ps = args.page_size
     cps = args.cache_page_size
     if ps % cps:

@@ -31,7 +31,7 @@ import time
 MODELS = {"smollm2": "smollm2_135m_config", "llama3.1-8b": "llama31_8b_config"}
 
 
-def _tokens(text: str) -> list[int]:
+def parse_tokens(text: str) -> list[int]:
     out = []
     for part in filter(None, text.split(",")):
         part = part.strip().lower()
@@ -39,7 +39,7 @@ def _tokens(text: str) -> list[int]:
     return out
 
 
-def _median_time(fn, *args, iters: int) -> float:
+def median_time(fn, *args, iters: int) -> float:
     import jax
 
     jax.block_until_ready(fn(*args))  # warm-up
@@ -51,8 +51,8 @@ def _median_time(fn, *args, iters: int) -> float:
     return statistics.median(times)
 
 
-def _median_time_carry(fn, params, carry, *, iters: int) -> tuple[float, tuple]:
-    """Like `_median_time` for a step whose carry is donated: each call consumes the last one's output."""
+def median_time_carry(fn, params, carry, *, iters: int) -> tuple[float, tuple]:
+    """Like `median_time` for a step whose carry is donated: each call consumes the last one's output."""
     import jax
 
     carry = jax.block_until_ready(fn(params, *carry))  # warm-up
@@ -64,7 +64,7 @@ def _median_time_carry(fn, params, carry, *, iters: int) -> tuple[float, tuple]:
     return statistics.median(times), carry
 
 
-def _memory(compiled) -> int | None:
+def memory_bytes(compiled) -> int | None:
     try:
         m = compiled.memory_analysis()
         return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
@@ -73,7 +73,7 @@ def _memory(compiled) -> int | None:
         return None
 
 
-def _decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_size: int = 16, mesh=None):
+def decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_size: int = 16, mesh=None):
     """A cache holding ``context`` tokens as ``policy`` leaves it after prefill (+ room for steps); on
     ``mesh`` (`sparsekv_jax.sharding`) built split as `generate` splits it (no device holds it whole)."""
     import jax
@@ -150,7 +150,7 @@ def decode_fn(params, policy, steps: int, start=None, backend=None):
     import jax
     import jax.numpy as jnp
 
-    from sparsekv_jax.generate import decode_step
+    from sparsekv_jax.engine import decode_step
 
     def run(params, cache, state, token):
         if start is not None:
@@ -158,23 +158,38 @@ def decode_fn(params, policy, steps: int, start=None, backend=None):
 
         def body(i, carry):
             cache, state, token = carry
-            logits, cache, state, _ = decode_step(params, policy, cache, token, state, backend=backend)
-            return cache, state, jnp.argmax(logits, -1).astype(jnp.int32)
+            step = decode_step(params, policy, cache, token, state, backend=backend)
+            return step.cache, step.state, jnp.argmax(step.logits, -1).astype(jnp.int32)
 
         return jax.lax.fori_loop(0, steps, body, (cache, state, token))
 
     return jax.jit(run, donate_argnums=(1, 2))
 
 
-def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int], batches: list[int],
-              policy_spec: str, steps: int, iters: int, prefill_spec: str = "fullkv", backend=None) -> list[dict]:
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """The points of one model: prefill prompt lengths (batch 1, each policy of ``prefill_spec``),
+    decode contexts × batches (each policy of ``policy_spec``, ``steps`` steps per timed run),
+    ``iters`` timed repetitions (median reported)."""
+
+    prefill_contexts: list[int]
+    decode_contexts: list[int]
+    batches: list[int]
+    policy_spec: str = "fullkv"
+    prefill_spec: str = "fullkv"
+    steps: int = 32
+    iters: int = 5
+
+
+def run_model(model: str, grid: Grid, backend=None) -> list[dict]:
+    """Every point of ``grid`` on ``model``'s shapes (random bf16 weights): one JSON row each."""
     import jax
     import jax.numpy as jnp
 
     from sparsekv_jax import sharding
     from sparsekv_jax.backend import Backend
     from sparsekv_jax.cache import init_cache
-    from sparsekv_jax.generate import prefill
+    from sparsekv_jax.engine import prefill
     from sparsekv_jax.models import config as mc
     from sparsekv_jax.models.params import random_params
     from sparsekv_jax.policies import parse_policies
@@ -195,8 +210,9 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
         rows.append({**base, **row})
         print(json.dumps(rows[-1]), flush=True)
 
-    for prefill_policy in parse_policies(prefill_spec):
-        for T in prefill_contexts:
+    steps, iters = grid.steps, grid.iters
+    for prefill_policy in parse_policies(grid.prefill_spec):
+        for T in grid.prefill_contexts:
             pol = prefill_policy.bind(Setup(cfg, prompt_len=T, backend=backend))
             try:
                 if mesh is not None:
@@ -210,22 +226,22 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
                     return logits, cache.length, fraction
 
                 compiled = jax.jit(run).lower(params, tokens).compile()
-                sec = _median_time(compiled, params, tokens, iters=iters)
+                sec = median_time(compiled, params, tokens, iters=iters)
                 fraction = float(compiled(params, tokens)[2])
                 record({"kind": "prefill", "policy": pol.name, "spec": repr(prefill_policy), "context": T,
                         "batch": 1, "ms": sec * 1e3, "tokens_per_s": T / sec, "prefill_block_fraction": fraction,
-                        "memory_bytes": _memory(compiled)})
+                        "memory_bytes": memory_bytes(compiled)})
             except Exception as e:  # noqa: BLE001 - report the point and go on
-                record({"kind": "prefill", "policy": pol.name, "context": T, "batch": 1, "error": _why(e)})
+                record({"kind": "prefill", "policy": pol.name, "context": T, "batch": 1, "error": why(e)})
 
-    for policy in parse_policies(policy_spec):
-        for T in decode_contexts:
-            for B in batches:
+    for policy in parse_policies(grid.policy_spec):
+        for T in grid.decode_contexts:
+            for B in grid.batches:
                 pol = policy.bind(Setup(cfg, prompt_len=T, max_new_tokens=steps, backend=backend))
                 try:
                     if mesh is not None:
                         sharding.check_mesh(cfg, B, mesh)
-                    cache, obs = _decode_cache(cfg, pol, T, B, steps, jax.random.key(2), mesh=mesh)
+                    cache, obs = decode_cache(cfg, pol, T, B, steps, jax.random.key(2), mesh=mesh)
                     state = pol.decode_init(cache, obs)
                     token = jnp.ones((B,), jnp.int32)
 
@@ -233,19 +249,19 @@ def run_model(model: str, prefill_contexts: list[int], decode_contexts: list[int
                     fn = decode_fn(params, pol, steps, start=(cache.length, cache.next_position), backend=backend)
                     compiled = fn.lower(params, cache, state, token).compile()
                     sizes = (cache.nbytes(), cache.kv_nbytes())
-                    sec, carry = _median_time_carry(compiled, params, (cache, state, token), iters=iters)
+                    sec, carry = median_time_carry(compiled, params, (cache, state, token), iters=iters)
                     del carry  # a carry kept alive would make the next, larger point "not fit"
                     record({"kind": "decode", "policy": pol.name, "spec": repr(policy), "context": T, "batch": B,
                             "ms_per_token": sec * 1e3 / steps, "tokens_per_s": B * steps / sec,
                             "cache_bytes": sizes[0], "kv_bytes": sizes[1],
-                            "memory_bytes": _memory(compiled)})
+                            "memory_bytes": memory_bytes(compiled)})
                     del obs
                 except Exception as e:  # noqa: BLE001
-                    record({"kind": "decode", "policy": pol.name, "context": T, "batch": B, "error": _why(e)})
+                    record({"kind": "decode", "policy": pol.name, "context": T, "batch": B, "error": why(e)})
     return rows
 
 
-def _why(e: Exception) -> str:
+def why(e: Exception) -> str:
     text = str(e)
     if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower():
         return "does not fit in device memory"
@@ -274,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="write the rows as JSON here")
     p.add_argument("--one-model", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    pre, ctx, bat = _tokens(args.prefill_contexts), _tokens(args.contexts), _tokens(args.batches)
+    pre, ctx, bat = parse_tokens(args.prefill_contexts), parse_tokens(args.contexts), parse_tokens(args.batches)
     from sparsekv_jax.backend import Backend
 
     backend = Backend(decode_unroll=args.unroll or 1,
@@ -284,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
             from sparsekv_jax import sharding
 
             backend = dataclasses.replace(backend, mesh=sharding.make_mesh(*sharding.parse_mesh(args.mesh)))
-        rows = run_model(args.one_model, pre, ctx, bat, args.policies, args.decode_steps, args.iters,
-                         args.prefill_policies, backend=backend)
+        grid = Grid(pre, ctx, bat, args.policies, args.prefill_policies, args.decode_steps, args.iters)
+        rows = run_model(args.one_model, grid, backend=backend)
         print("ROWS " + json.dumps(rows))
         if args.out:  # a direct --one-model run keeps its rows too (the parent reads the ROWS line)
             with open(args.out, "w") as f:
@@ -323,6 +339,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{head}{r.get('ms', float('nan')):>9.1f}{r.get('ms_per_token', float('nan')):>8.2f}"
               f"{r['tokens_per_s']:>11,.0f}{r.get('cache_bytes', 0) / gib:>10.2f}{mem:>9.2f}")
     return 0
+
+
+# the names scripts/ imported before these helpers were public (experiments move onto the public names)
+_tokens, _median_time, _median_time_carry, _memory, _decode_cache, _why = (
+    parse_tokens, median_time, median_time_carry, memory_bytes, decode_cache, why)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@ read. The port itself knows nothing of selection policies.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -327,6 +328,50 @@ def forward_interleaved(params: Params, tokens: jax.Array, positions: jax.Array,
         rings, local_extras = jax.tree.map(cat, rings, tail), jax.tree.map(cat, local_extras, tail_extras)
     caches = (global_caches, rings) if carried is None else (global_caches, rings, state)
     return x, caches, (global_extras, local_extras)
+
+
+class StackOut(NamedTuple):
+    """What `LayerStack` returns, whatever the caches: ``hidden`` ``[B, T, H]``, ``caches`` (the
+    per-layer caches or carried state, updated), ``local`` (the local layers' rings, updated; ``None``
+    without rings), ``extras`` (what ``attend`` returned, stacked over its layers) and ``ring_extras``
+    (what ``ring_attend`` returned, stacked over the local layers; ``None`` without rings)."""
+
+    hidden: jax.Array
+    caches: Any
+    local: Any
+    extras: Any
+    ring_extras: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerStack:
+    """The model's layers over a cache, hiding how the cache is laid out and passed.
+
+    Uniform caches (every layer's cache stacked ``[L, ...]``: `forward`) or rings for the local
+    layers beside the global layers' caches (Gemma 3: `forward_interleaved`, chosen by ``local`` not
+    being ``None``); ``caches`` scanned as per-layer inputs or, with ``carry``, riding the scan's carry
+    (``attend`` then gets ``(None, caches)`` and returns it updated, as `forward` describes). The other
+    fields are `forward`'s options. Calling it always returns a `StackOut`."""
+
+    carry: bool = False
+    unroll: int | bool = 1
+    weights_by_index: bool = False
+    interpret: bool | None = None
+    mesh: Any = None
+
+    def __call__(self, params: Params, tokens: jax.Array, positions: jax.Array, caches: Any, local: Any,
+                 attend: AttendFn, ring_attend: AttendFn | None = None) -> StackOut:
+        """All layers over ``tokens`` ``[B, T]`` at ``positions``; ``ring_attend`` serves the local
+        layers when ``local`` holds their rings."""
+        opts = dict(unroll=self.unroll, weights_by_index=self.weights_by_index, interpret=self.interpret,
+                    mesh=self.mesh)
+        scanned, carried = (None, caches) if self.carry else (caches, None)
+        if local is None:
+            hidden, new, extras = forward(params, tokens, positions, scanned, attend, carried=carried, **opts)
+            return StackOut(hidden, new[1] if self.carry else new, None, extras, None)
+        hidden, new, (extras, ring_extras) = forward_interleaved(params, tokens, positions, scanned, local, attend,
+                                                                 ring_attend, carried=carried, **opts)
+        return StackOut(hidden, new[2] if self.carry else new[0], new[1], extras, ring_extras)
 
 
 def layer_view_of(tree: Any, i: jax.Array) -> Any:

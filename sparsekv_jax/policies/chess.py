@@ -459,6 +459,12 @@ class CHESS(Policy):
         return (jnp.broadcast_to(ids[:, None], (B, H, ids.shape[-1])).astype(jnp.int32),
                 jnp.broadcast_to(counts[:, None], (B, H)).astype(jnp.int32))
 
+    def page_list(self, selected: jax.Array, length: jax.Array, cache: KVCache) -> tuple[jax.Array, jax.Array]:
+        """Cache-page lists ``[B, H, K]`` and counts ``[B, H]`` that a decode step at ``length`` slots
+        reads for the CHESS pages ``selected`` ``[B, P]`` (with the sink and window pages forced in):
+        the page-list rebuild `sparsekv_jax.bench.chess` times."""
+        return self._page_list(selected, length, cache)
+
     # -- decode stages -------------------------------------------------------------------
     def decode_init(self, cache: KVCache, observations: Any) -> tuple[Any, Any]:
         B = cache.batch

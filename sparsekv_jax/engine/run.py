@@ -1,0 +1,340 @@
+"""`Run`: everything about one generation that is checked and sized before jit, made once by `setup`.
+
+The prompt arrays (tokens, lengths, question start, suffix) and the bound policy are the pytree's
+leaves; the sizes (cache capacity, page and chunk sizes, the room kept for tokens after the prompt),
+the decoding rule and the resolved `Backend` are static fields, so a `Run` is the whole description
+of a compiled program: ``jax.jit(f)(params, run, ...)`` recompiles only when one of those changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from sparsekv_jax import local_layers, sharding
+from sparsekv_jax.backend import Backend
+from sparsekv_jax.cache import pages_for
+from sparsekv_jax.models.params import Params
+from sparsekv_jax.pallas.validation import is_concrete
+from sparsekv_jax.policies.base import Dense, Policy, Setup
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Decoding rule. ``temperature == 0`` is greedy; ``top_k == 0`` and ``top_p == 1`` disable
+    those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+
+
+GREEDY = Sampling()
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+    """What the decode loop needs besides the cache: at most ``max_new_tokens`` per row (the stop
+    token included), the ``sampling`` rule, the ``stop_tokens`` ending a row. Static (hashable)."""
+
+    max_new_tokens: int
+    sampling: Sampling = GREEDY
+    stop_tokens: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The options of `setup` (and `generate`, `Session.start`) besides the prompt.
+
+    Attributes:
+      max_new_tokens: tokens generated per row at most (the first stop token included).
+      sampling: greedy by default; `Sampling(temperature, top_k, top_p)`.
+      seed: PRNG seed (int) or key of the sampling.
+      stop_tokens: ids that end a row (default: the model's EOS ids).
+      page_size: KV cache page size in tokens (a power of two).
+      prefill_chunk: process the prompt in chunks of this many tokens (``None``: one pass).
+      capacity: cache capacity in tokens (default: what the prompt and generation need).
+      question_tokens: room kept after compression for questions read later (`Session.ask`): the
+        widest question, in tokens. A ``suffix`` given to `setup` takes its own width.
+      backend: implementation choices (`sparsekv_jax.Backend`; default ``auto`` per platform).
+      mesh: a ``data`` × ``model`` `jax.sharding.Mesh` (`sparsekv_jax.sharding.make_mesh`) to run on.
+    """
+
+    max_new_tokens: int = 64
+    sampling: Sampling = GREEDY
+    seed: int | jax.Array = 0
+    stop_tokens: tuple[int, ...] | None = None
+    page_size: int = 16
+    prefill_chunk: int | None = None
+    capacity: int | None = None
+    question_tokens: int = 0
+    backend: Backend | None = None
+    mesh: Any = None
+
+
+class HostNotes(dict):
+    """Host-side notes of a run (a context stage's timings and spans): a static field of `Run` that
+    is no part of any program, so any two compare equal and hash alike (no recompilation)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HostNotes)
+
+    def __ne__(self, other: object) -> bool:
+        return not isinstance(other, HostNotes)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+@struct.dataclass
+class Run:
+    """One checked, sized generation (made by `setup`).
+
+    Leaves: ``policy`` (bound to this run), ``tokens`` ``[B, T]`` and ``lengths`` ``[B]`` as the prefill
+    sees them (after a context stage), ``question_start`` ``[B]`` or ``None``, ``prompt_lengths`` the
+    user's lengths (stats are fractions of those), ``suffix`` ``[B, Tq]`` / ``suffix_lengths`` or ``None``.
+    Static: ``capacity`` (tokens the cache holds), ``page_size``, ``prefill_chunk``,
+    ``question_tokens`` (room kept after compression for the suffix or later questions),
+    ``decoding`` (`Decoding`), ``backend`` (resolved) and ``context_info`` (host notes).
+    """
+
+    policy: Policy
+    tokens: jax.Array
+    lengths: jax.Array
+    question_start: jax.Array | None
+    prompt_lengths: jax.Array
+    suffix: jax.Array | None
+    suffix_lengths: jax.Array | None
+    capacity: int = struct.field(pytree_node=False)
+    page_size: int = struct.field(pytree_node=False)
+    prefill_chunk: int | None = struct.field(pytree_node=False)
+    question_tokens: int = struct.field(pytree_node=False)
+    decoding: Decoding = struct.field(pytree_node=False)
+    backend: Backend = struct.field(pytree_node=False)
+    context_info: HostNotes = struct.field(pytree_node=False)
+
+    @property
+    def extra_tokens(self) -> int:
+        """Tokens the cache takes after compression: the suffix (or question room) and the decode."""
+        return self.decoding.max_new_tokens + self.question_tokens
+
+    def for_decode(self) -> Run:
+        """This run as the decode loop sees it: the policy reduced to its decode stage and no prompt
+        arrays, so runs whose decode stages are equal share one compiled decode program."""
+        return self.replace(policy=self.policy.stage("decode"), tokens=None, lengths=None, question_start=None,
+                            prompt_lengths=None, suffix=None, suffix_lengths=None)
+
+
+def validate_prompt(params: Params, tokens: Any, lengths: Any, max_new_tokens: int,
+                    capacity: int | None) -> tuple[jax.Array, jax.Array, int]:
+    """Checks done before jit; returns ``(tokens [B, T] int32, lengths [B] int32, capacity)``."""
+    tokens = _tokens(params, tokens)
+    B, T = tokens.shape
+    lengths = _lengths(lengths, B, T)
+    cfg = params.config
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    needed = T + max_new_tokens
+    if needed > cfg.max_position_embeddings:
+        raise ValueError(f"prompt length {T} + max_new_tokens {max_new_tokens} = {needed} exceeds "
+                         f"the model's max_position_embeddings {cfg.max_position_embeddings}")
+    if capacity is None:
+        capacity = needed
+    elif capacity < needed:
+        raise ValueError(f"prompt length {T} + max_new_tokens {max_new_tokens} = {needed} exceeds the "
+                         f"cache capacity {capacity}")
+    return jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32), capacity
+
+
+def _tokens(params: Params, tokens: Any) -> Any:
+    if not hasattr(tokens, "shape"):
+        tokens = np.asarray(tokens)
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must have rank 1 or 2 ([T] or [B, T]), got shape {tuple(tokens.shape)}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be integers, got dtype {tokens.dtype}")
+    if 0 in tokens.shape:
+        raise ValueError(f"empty prompt: tokens has shape {tuple(tokens.shape)}")
+    if is_concrete(tokens):
+        t, vocab = np.asarray(tokens), params.config.vocab_size
+        if t.min() < 0 or t.max() >= vocab:
+            bad = int(t.min()) if t.min() < 0 else int(t.max())
+            raise ValueError(f"token id {bad} out of range [0, {vocab})")
+    return tokens
+
+
+def _lengths(lengths: Any, B: int, T: int) -> Any:
+    if lengths is None:
+        return np.full((B,), T, np.int32)
+    if not hasattr(lengths, "shape"):
+        lengths = np.asarray(lengths)
+    if lengths.shape != (B,):
+        raise ValueError(f"lengths must have shape ({B},), got {tuple(lengths.shape)}")
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+        shown = f" {np.asarray(lengths).tolist()}" if is_concrete(lengths) else ""
+        raise ValueError(f"lengths must be integers, got dtype {lengths.dtype}{shown}")
+    if is_concrete(lengths):
+        ln = np.asarray(lengths)
+        if ln.min() < 1 or ln.max() > T:
+            raise ValueError(f"lengths must be in [1, {T}] (prompt width), got min {ln.min()} max {ln.max()}")
+    return lengths
+
+
+def validate_question_start(question_start: Any, lengths: jax.Array) -> jax.Array | None:
+    """``question_start`` ``[B]`` int32 in ``[0, lengths]`` (or ``None``), checked before jit."""
+    if question_start is None:
+        return None
+    if not hasattr(question_start, "shape"):
+        question_start = np.asarray(question_start)
+    if question_start.shape != lengths.shape:
+        raise ValueError(f"question_start must have shape {tuple(lengths.shape)} (one per row), "
+                         f"got {tuple(question_start.shape)}")
+    if not jnp.issubdtype(question_start.dtype, jnp.integer):
+        raise ValueError(f"question_start must be integers, got dtype {question_start.dtype}")
+    if is_concrete(question_start) and is_concrete(lengths):
+        qs, ln = np.asarray(question_start), np.asarray(lengths)
+        bad = np.nonzero((qs < 0) | (qs > ln))[0]
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"question_start[{b}]={int(qs[b])} must be in [0, lengths[{b}]={int(ln[b])}]")
+    return jnp.asarray(question_start, jnp.int32)
+
+
+def validate_suffix(params: Params, suffix: Any, suffix_lengths: Any, batch: int):
+    """``(suffix [B, Tq] int32, suffix_lengths [B] int32)`` or ``(None, None)``, checked before jit."""
+    if suffix is None:
+        if suffix_lengths is not None:
+            raise ValueError("suffix_lengths given without suffix")
+        return None, None
+    suffix, suffix_lengths, _ = validate_prompt(params, suffix, suffix_lengths, 1, None)
+    if suffix.shape[0] != batch:
+        raise ValueError(f"suffix has batch {suffix.shape[0]}, tokens has batch {batch}")
+    return suffix, suffix_lengths
+
+
+def options_of(options: dict[str, Any]) -> Options:
+    """`Options` from keyword arguments (an ``options=Options(...)`` among them is taken whole)."""
+    if "options" in options:
+        if len(options) > 1:
+            raise ValueError(f"give options= or keyword options, not both ({', '.join(sorted(options))})")
+        return options["options"]
+    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(Options)})
+    if unknown:
+        raise TypeError(f"unknown option(s) {', '.join(unknown)}; options are "
+                        f"{', '.join(f.name for f in dataclasses.fields(Options))}")
+    return Options(**options)
+
+
+def setup(params: Params, policy: Policy | None = None, tokens: Any = None, lengths: Any = None, *,
+          question_start: Any = None, suffix: Any = None, suffix_lengths: Any = None, **options: Any) -> Run:
+    """Check and size one generation before jit; the context stage (if any) runs here, on the host.
+
+    Args:
+      params: model weights (carry their `ModelConfig`).
+      policy: a `Policy` (or `Pipeline`); ``None`` means `Dense()`.
+      tokens: ``[B, T]`` right-padded prompt ids (or ``[T]``).
+      lengths: ``[B]`` true prompt lengths, integers (default: all ``T``).
+      question_start: ``[B]`` where each row's question starts inside ``tokens`` (question-aware
+        compression). ``None``: no split is known (policies that need one use their fallback).
+      suffix: ``[B, Tq]`` right-padded tokens read *after* compression (question-agnostic).
+      suffix_lengths: ``[B]`` true suffix lengths.
+      **options: the fields of `Options` (or ``options=Options(...)``).
+
+    Every error names the bad value. With a mesh (``mesh=`` or ``backend.mesh``) the rows are placed
+    on it; the weights must be placed too (`place_params`: `Session` and `generate` do it).
+    """
+    return _open(params, policy, tokens, lengths, question_start, suffix, suffix_lengths, options_of(options))[1]
+
+
+def place_params(params: Params, tokens: Any, options: Options) -> tuple[Params, Backend | None]:
+    """``(params on the options' mesh, the backend carrying it)``; unchanged without a mesh."""
+    return sharding.on_mesh(params, tokens, options.mesh, options.backend)
+
+
+def _open(params: Params, policy: Any, tokens: Any, lengths: Any, question_start: Any, suffix: Any,
+          suffix_lengths: Any, opts: Options) -> tuple[Params, Run]:
+    """``(params placed on the mesh, the Run with its rows placed)``: `setup` for the programs."""
+    if tokens is None:
+        raise ValueError("tokens is required")
+    policy = Dense() if policy is None else policy
+    if not isinstance(policy, Policy):
+        raise ValueError(f"policy must be a Policy, got {type(policy).__name__}")
+    if opts.backend is not None and not isinstance(opts.backend, Backend):
+        raise ValueError(f"backend must be a sparsekv_jax.Backend, got {type(opts.backend).__name__}")
+    params, backend = place_params(params, tokens, opts)
+    backend = (Backend() if backend is None else backend).resolve(params)
+    if not hasattr(tokens, "shape"):
+        tokens = np.asarray(tokens)
+    suffix, suffix_lengths = validate_suffix(params, suffix, suffix_lengths, tokens.shape[0] if tokens.ndim == 2 else 1)
+    if suffix is not None and opts.question_tokens:
+        raise ValueError(f"question_tokens={opts.question_tokens} with a suffix: the suffix is the question "
+                         "(give one or the other)")
+    if opts.question_tokens < 0:
+        raise ValueError(f"question_tokens={opts.question_tokens} must be >= 0")
+    room = opts.question_tokens if suffix is None else suffix.shape[1]
+    prompt, info = _prompt(params, policy, tokens, lengths, question_start, opts.max_new_tokens + room, opts.capacity)
+    tokens, lengths, question_start, prompt_lengths, capacity = prompt
+    capacity = _sized(policy, tokens.shape[1], capacity, opts)
+    stops = params.config.eos_token_ids if opts.stop_tokens is None else opts.stop_tokens
+    decoding = Decoding(opts.max_new_tokens, opts.sampling, tuple(int(t) for t in stops))
+    # a model whose local layers keep rings is, to the policy, the model of its global layers
+    bound = policy.bind(Setup(config=local_layers.policy_config(params.config, backend), prompt_len=tokens.shape[1],
+                              max_new_tokens=opts.max_new_tokens + room, page_size=opts.page_size, backend=backend))
+    run = Run(policy=bound, tokens=tokens, lengths=lengths, question_start=question_start,
+              prompt_lengths=prompt_lengths, suffix=suffix, suffix_lengths=suffix_lengths, capacity=capacity,
+              page_size=opts.page_size, prefill_chunk=opts.prefill_chunk, question_tokens=room, decoding=decoding,
+              backend=backend, context_info=HostNotes(info))
+    return params, sharding.place_rows(run)
+
+
+def _prompt(params: Params, policy: Policy, tokens: Any, lengths: Any, question_start: Any, extra: int,
+            capacity: int | None):
+    """``((tokens, lengths, question_start, prompt_lengths, capacity), context info)``: the user's
+    prompt checked, then the context stage's rewrite of it (if the policy has one) checked."""
+    tokens, lengths, _ = validate_prompt(params, tokens, lengths, extra, None)
+    question_start = validate_question_start(question_start, lengths)
+    prompt_lengths, info = lengths, {}
+    context_stage = policy.stage("context")
+    if type(context_stage) is not Dense:
+        res = context_stage.context(params, np.asarray(tokens), np.asarray(lengths),
+                                    None if question_start is None else np.asarray(question_start))
+        tokens, lengths, _ = validate_prompt(params, res.tokens, res.lengths, extra, None)
+        question_start = validate_question_start(res.question_start, lengths)
+        info = dict(res.info)
+        capacity = None if capacity is None else max(capacity, tokens.shape[1] + extra)
+    tokens, lengths, capacity = validate_prompt(params, tokens, lengths, extra, capacity)
+    return (tokens, lengths, question_start, prompt_lengths, capacity), info
+
+
+def _sized(policy: Policy, T: int, capacity: int, opts: Options) -> int:
+    """The cache capacity rounded up to whole pages (and whole prefill chunks); page and chunk
+    sizes checked."""
+    page_size, chunk = opts.page_size, opts.prefill_chunk
+    if not isinstance(page_size, int) or page_size <= 0 or page_size & (page_size - 1):
+        raise ValueError(f"page_size={page_size} must be a positive power of two")
+    if chunk is not None and chunk <= 0:
+        raise ValueError(f"prefill_chunk={chunk} must be positive or None")
+    capacity = pages_for(capacity, page_size) * page_size
+    if chunk is not None and chunk < T and policy.needs_whole_prefill:
+        whole = [policy.stage(s).name for s in ("prefill", "compress", "decode") if policy.stage(s).needs_whole_prefill]
+        raise ValueError(f"prefill_chunk={chunk}: {', '.join(dict.fromkeys(whole))} need(s) the whole "
+                         f"prompt in one prefill pass (a prefill block pattern or observations of the whole "
+                         f"prompt); use prefill_chunk=None")
+    if chunk is not None:
+        capacity = max(capacity, pages_for(T, chunk) * chunk)
+    return capacity
