@@ -7,6 +7,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 SHAPE_PRESETS = ("smollm2", "llama3.1-8b")
 
@@ -35,6 +36,19 @@ def _model_failed(prog: str, model: str, e: BaseException) -> int:
         text = f"--model {model}: {text}"
     print(f"{prog}: error: {text}", file=sys.stderr)
     return 2
+
+
+def _load_model(prog: str, args: argparse.Namespace, dtype: Any) -> tuple[Any, Any] | int:
+    """``(params, tokenizer)`` of ``--model``, or exit status 2 after one line naming what is wrong
+    (the traceback only with ``--debug``)."""
+    from sparsekv_jax.models.embedded import load
+
+    try:
+        return load(args.model, dtype=dtype, progress=not args.quiet)
+    except MODEL_ERRORS as e:
+        if args.debug:
+            raise
+        return _model_failed(prog, args.model, e)
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -181,10 +195,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     mesh = _mesh(args.mesh, "sparsekv eval", args.distributed)
+    model = _load_model("sparsekv eval", args, dtype)
+    if isinstance(model, int):
+        return model
     try:
         summary = runner.run_eval(
-            model=args.model, suite=args.suite, tasks=tasks, lengths=lengths, policies=args.policies, n=args.n,
-            seed=args.seed, out_dir=args.out, question=args.question, batch_size=args.batch_size,
+            model=model, model_name=args.model, suite=args.suite, tasks=tasks, lengths=lengths,
+            policies=args.policies, n=args.n, seed=args.seed, out_dir=args.out, question=args.question,
+            batch_size=args.batch_size,
             fidelity=args.fidelity, progress=not args.quiet, dtype=dtype, pad_multiple=args.pad_multiple,
             prefill_chunk=args.prefill_chunk, mesh=mesh, add_fullkv=not args.no_fullkv)
     except (ValueError, FileNotFoundError) as e:
@@ -204,15 +222,22 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from sparsekv_jax.eval import calibrate
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     try:
         from sparsekv_jax.eval.runner import parse_length
 
         length = parse_length(args.length)
+    except ValueError as e:
+        print(f"sparsekv calibrate: error: bad --length: {e}", file=sys.stderr)
+        return 2
+    model = _load_model("sparsekv calibrate", args, dtype)
+    if isinstance(model, int):
+        return model
+    try:
         result = calibrate.calibrate(
-            model=args.model, suite=args.suite, data=args.data, tasks=tasks, length=length, n=args.n, seed=args.seed,
+            model=model, suite=args.suite, data=args.data, tasks=tasks, length=length, n=args.n, seed=args.seed,
             page_size=args.page_size, percentile=args.percentile, max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size, out=args.out, plot=args.plot, progress=not args.quiet,
-            dtype={"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype])
+            batch_size=args.batch_size, out=args.out, plot=args.plot, progress=not args.quiet, dtype=dtype)
     except (ValueError, FileNotFoundError) as e:
         print(f"sparsekv calibrate: error: {e}", file=sys.stderr)
         return 2
@@ -398,6 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=MESH_HELP + "; batches are filled up to a multiple of D rows")
     e.add_argument("--distributed", action="store_true", help=DISTRIBUTED_HELP)
     e.add_argument("-q", "--quiet", action="store_true", help="no progress bar or table")
+    e.add_argument("--debug", action="store_true", help="show the traceback of a model that fails to load")
     e.set_defaults(func=cmd_eval)
 
     c = sub.add_parser("calibrate", help="CHESS uncertainty thresholds from a calibration set",
@@ -423,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--plot", default=None, metavar="PNG", help="also plot the page density and thresholds")
     c.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary line")
+    c.add_argument("--debug", action="store_true", help="show the traceback of a model that fails to load")
     c.set_defaults(func=cmd_calibrate)
 
     b = sub.add_parser("bench", help="speed benchmarks (e2e, chess, kernels)",

@@ -178,13 +178,16 @@ def _bad_models(tmp_path: Path, monkeypatch) -> dict[str, tuple[str, str]]:
     }
 
 
-@pytest.mark.parametrize("command", [["generate", "hi", "-q"], ["info"]])
+@pytest.mark.parametrize("command", [["generate", "hi", "-q"], ["info"], ["eval", "-q", "--out", "OUT"],
+                                     ["calibrate", "-q", "--out", "OUT/c.json"]])
 def test_loading_failures_are_one_line_and_exit_2(command, tmp_path, monkeypatch, capsys):
+    command = [str(tmp_path / a) if a.startswith("OUT") else a for a in command]
+    prog = "sparsekv" + ("" if command[0] == "generate" else f" {command[0]}")
     for case, (model, says) in _bad_models(tmp_path, monkeypatch).items():
         assert cli.main([*command, "--model", model]) == 2, case
         out, err = capsys.readouterr()
         assert out == "" and err.count("\n") == 1 and says in err and model in err, (case, err)
-        assert err.startswith("sparsekv" + (" info" if command == ["info"] else "") + ": error: "), err
+        assert err.startswith(prog + ": error: "), err
         with pytest.raises((ValueError, OSError, RuntimeError)):  # --debug: the exception itself
             cli.main([*command, "--model", model, "--debug"])
 
