@@ -59,6 +59,17 @@ case "$STAGE" in
     ev 0.2 agnostic_8k_budgets agnostic 8k "$AT10, $AT50" --suite ruler --no-fullkv > "$RUNS/agn8k_b.log" 2>&1 &
     ev 0.2 agnostic_32k agnostic 32k "$AT25" --suite ruler --no-fullkv > "$RUNS/agn32k.log" 2>&1 &
     ;;
+  3)  # a second machine, after the engine/backend redesign merged: the rest of full attention at 32k, the
+      # value types, LongBench-mini, and full attention's 8k rows of two tasks again (same keys, new code:
+      # compared offline with stage 1's records)
+    ev 0.25 full agnostic 32k fullkv --suite ruler > "$RUNS/full32k_b.log" 2>&1 &
+    ev 0.2 variants_16k agnostic 16k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" \
+      --suite ruler-variants > "$RUNS/variants_b.log" 2>&1 &
+    ev 0.2 longbench agnostic 32k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" --suite longbench \
+      > "$RUNS/longbench.log" 2>&1 &
+    ev 0.2 recheck agnostic 8k fullkv --suite ruler --tasks niah_single_1,niah_multikey_1,vt,qa_1 \
+      > "$RUNS/recheck.log" 2>&1 &
+    ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
 wait
