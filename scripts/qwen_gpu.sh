@@ -26,6 +26,12 @@ if [ ! -f "$GGUF" ]; then
 fi
 if [ -n "${LCE:-}" ] && [ ! -f "$SPARSEKV_CACHE/wheels/$(basename "$LCE")" ]; then cp "$LCE" "$SPARSEKV_CACHE/wheels/"; fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+# a fresh machine resumes from the committed records (SEED=folder of <run>/results.jsonl.gz)
+SEED=${SEED:-docs/results/qwen2.5-coder-1.5b_h200}
+for f in "$SEED"/*/results.jsonl.gz; do
+  [ -f "$f" ] || continue; d="$RUNS/$(basename "$(dirname "$f")")"
+  if [ ! -f "$d/results.jsonl" ]; then mkdir -p "$d"; gunzip -c "$f" > "$d/results.jsonl"; fi
+done
 # convert once (dequantise + orbax cache) before the jobs start, not four times at once
 python -c "import time; t=time.time(); from sparsekv_jax.models.embedded import load; load('$MODEL'); print(f'loaded in {time.time()-t:.0f} s')" || exit 1
 
