@@ -3,8 +3,10 @@
 Input is the list of result records :func:`sparsekv_jax.eval.runner.run_eval` appends to
 ``results.jsonl`` (one per task, length, policy and sample). :func:`summarize` aggregates them:
 rows are policies, columns ``task@length`` (RULER's / LongBench's percentage, ``100 * mean``),
-plus the average over columns, the share of the full-attention average kept (over the columns
-both have), mean KV fractions stored/read, and mean fidelity metrics when present.
+plus the average over columns, the share of the full-attention average kept (on the samples
+both ran), mean KV fractions stored/read, and mean fidelity metrics when present. A row with fewer
+columns or samples than full attention (a run stopped at its deadline) is *partial*: the tables
+mark it and keep its average apart from complete rows', and the plots leave it out.
 :func:`write_reports` writes ``summary.json``, ``summary.md``, ``score_vs_budget.png`` (one line
 per policy family, budget on x) and ``score_vs_length.png`` (one line per policy).
 """
@@ -739,8 +741,9 @@ def regenerate(sources: Sequence[str | Path], out_dir: str | Path, *, resamples:
                seed: int = BOOTSTRAP_SEED) -> dict[str, Path]:
     """Rebuild the results tables and plots from committed records (nothing typed by hand).
 
-    Reads every ``results.jsonl(.gz)`` of ``sources`` (the last record per ``key`` wins) and writes
-    to ``out_dir``:
+    Reads every ``results.jsonl(.gz)`` of ``sources`` (the last record per ``key`` wins), gives
+    question-aware samples without a full-attention record the question-agnostic one of the same
+    sample (:func:`with_agnostic_reference`; the table says so), and writes to ``out_dir``:
 
     * ``RESULTS.md``: per model, suite and length, one table per question mode (rows policies,
       columns tasks, averages with paired bootstrap 95% intervals against full attention, see
