@@ -75,8 +75,11 @@ def test_summarize_kept_and_markdown(tmp_path):
     assert rows["quest(100)"]["budget_fraction"] == {"1k": 0.1}  # 100 tokens of a 1000-token prompt
     md = report.markdown_table(s)
     # one sample a column: every resample is the sample itself, so each interval is a point
-    assert ("| 3 | snapkv(0.1) | 50.00 | 25.00 | 37.50 | [37.50, 37.50] | 50.0 | [50.0, 50.0] | "
+    assert ("| 3 | snapkv(0.1) | complete | 50.00 | 25.00 | 37.50 | [37.50, 37.50] | – | 50.0 | [50.0, 50.0] | "
             "-37.50 [-37.50, -37.50] | – | 0.100 | 1.000 |") in md
+    # quest(100) ran one of full attention's two columns: partial, its average apart, its % of full named
+    assert ("| 2 | quest(100) | **partial**: 1 of 2 columns, 1 of 2 samples | 0.00 | – | – | – | 0.00 [0.00, 0.00] | "
+            "0.0 (on its 1 of 2 columns) |") in md
     assert rows["snapkv(0.5)"]["overlaps"] == ["fullkv"]  # the same scores: both intervals are the point 100
     paths = report.write_reports(s, tmp_path)
     assert paths["budget_plot"].stat().st_size > 1000 and paths["length_plot"].stat().st_size > 1000

@@ -165,3 +165,117 @@ def test_regenerate_tables_and_plots(tmp_path: Path, capsys):
         assert f"]({name})" in md
     assert report.main([str(tmp_path / "nothing"), "--out", str(out)]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def _capture_figures(monkeypatch) -> list:
+    """The figures the report functions close (kept instead), to read what they drew."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figs: list = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+    return figs
+
+
+def test_partial_rows_marked_apart_and_not_plotted(tmp_path: Path, monkeypatch):
+    """A row that stopped early (one of full attention's two columns, half its samples there) is marked
+    partial, its average leaves the "average" column, its % of full is the paired ratio on the samples
+    it shares, ≈ does not compare it with complete rows, and no plot draws it."""
+    seed = 5
+    rng = np.random.default_rng(seed)
+    recs = _records(rng, 4096, "agnostic", n=10)  # fullkv, snapkv(0.1), snapkv(0.5), h2o(0.1): complete
+    full = {(r["task"], r["index"]): r["score"] for r in recs if r["policy"] == "fullkv"}
+    quest = [(i, float(full[("niah_single_1", i)])) for i in range(5)]  # full attention's scores: ratio 100
+    recs += [_rec("quest(0.1)", "quest", 0.1, "niah_single_1", i, s) for i, s in quest]
+    s = report.summarize(recs, policy_order=["fullkv"])
+    rows = {r["policy"]: r for r in s["rows"]}
+    cov = rows["quest(0.1)"]["coverage"]
+    assert not cov["complete"] and (cov["columns"], cov["of"], cov["samples"], cov["of_samples"]) == (1, 2, 5, 20)
+    assert cov["missing"] == ["vt@4k"] and cov["short"] == ["niah_single_1@4k"] and cov["lengths"] == {"4k": False}
+    assert all(rows[p]["coverage"]["complete"] for p in ("fullkv", "snapkv(0.1)", "snapkv(0.5)", "h2o(0.1)"))
+    # % of full kept: the paired ratio on the 5 shared samples, by hand
+    q = np.array([sc for _, sc in quest])
+    f = np.array([full[("niah_single_1", i)] for i in range(5)])
+    assert rows["quest(0.1)"]["kept_pct"] == pytest.approx(round(100 * q.mean() / f.mean(), 1))
+    # snapkv(0.5) has full attention's scores too (ratio interval the point 100): over other columns, no ≈
+    assert "snapkv(0.5)" not in rows["quest(0.1)"]["overlaps"] and "quest(0.1)" not in rows["snapkv(0.5)"]["overlaps"]
+    assert "fullkv" in rows["quest(0.1)"]["overlaps"]
+    md = report.markdown_table(s)
+    line = next(x for x in md.splitlines() if "| quest(0.1) |" in x)
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    head = [c.strip() for c in md.splitlines()[0].strip("|").split("|")]
+    cell = dict(zip(head, cells, strict=True))
+    assert cell["coverage"] == "**partial**: 1 of 2 columns, 5 of 20 samples"
+    assert cell["average"] == "–" and cell["partial row: average over its columns [95% CI]"].startswith(
+        f"{100 * q.mean():.2f} [")
+    assert cell["% of full kept"] == f"{100 * q.mean() / f.mean():.1f} (on its 1 of 2 columns)"
+    snap = dict(zip(head, [c.strip() for c in next(x for x in md.splitlines() if "| snapkv(0.5) |" in x)
+                           .strip("|").split("|")], strict=True))
+    assert snap["coverage"] == "complete" and snap["partial row: average over its columns [95% CI]"] == "–"
+    assert "**Partial rows**" in md
+    # plots: the partial row is not drawn
+    figs = _capture_figures(monkeypatch)
+    s_kv = dict(s, title="4k")
+    report.plot_score_vs_kv([s_kv], tmp_path / "kv.png")
+    labels = figs[-1].axes[0].get_legend_handles_labels()[1]
+    assert "snapkv" in labels and "h2o" in labels and not any("quest" in x for x in labels)
+    assert any("1 partial rows not drawn" in t.get_text() for t in figs[-1].axes[0].texts)
+    report.plot_score_vs_length(s, tmp_path / "len.png")
+    assert "quest(0.1)" not in figs[-1].axes[0].get_legend_handles_labels()[1]
+    report.plot_score_vs_budget(s, tmp_path / "budget.png")
+    assert "quest" not in figs[-1].axes[0].get_legend_handles_labels()[1]
+
+
+def test_aware_rows_pair_with_agnostic_full_attention(tmp_path: Path):
+    """No question-aware full-attention run: the question-aware policies are paired, sample by sample,
+    with question-agnostic full attention (dense attention reads the same tokens in both modes)."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    print(f"seed {seed}")  # replay: put it here
+    rng = np.random.default_rng(seed)
+    tasks, n = ("niah_single_1", "vt"), 8  # indices 0..7: the report's sample order is the index order
+    full = {(t, i): float(rng.integers(0, 2)) for t in tasks for i in range(n)}
+    pol = {(t, i): float(full[(t, i)] * rng.integers(0, 2)) for t in tasks for i in range(n)}
+    recs = [_rec("fullkv", "fullkv", 1.0, t, i, s) for (t, i), s in full.items() if (t, i) != ("vt", 7)]
+    recs += [_rec("snapkv(0.25)", "snapkv", 0.25, t, i, s, question="aware") for (t, i), s in pol.items()]
+    recs += [_rec("snapkv(0.25)", "snapkv", 0.25, t, i, 0.0) for t in tasks for i in range(n)]  # agnostic too
+    # another prompt for one sample (not the same computation): not borrowed
+    next(r for r in recs if r["policy"] == "fullkv" and (r["task"], r["index"]) == ("niah_single_1", 2)
+         )["prompt_tokens"] = 4000
+    borrowed = [r for r in report.with_agnostic_reference(recs) if r.get("reference_from")]
+    assert sorted((r["task"], r["index"]) for r in borrowed) == sorted(
+        k for k in full if k not in (("vt", 7), ("niah_single_1", 2)))
+    assert {r["question"] for r in borrowed} == {"aware"}
+    # a sample with its own question-aware full-attention record keeps it
+    own = _rec("fullkv", "fullkv", 1.0, "vt", 0, 1.0 - full[("vt", 0)], question="aware")
+    again = [r for r in report.with_agnostic_reference([*recs, own]) if r.get("reference_from")]
+    assert ("vt", 0) not in {(r["task"], r["index"]) for r in again} and len(again) == len(borrowed) - 1
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (runs / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    report.regenerate([runs], tmp_path / "out", resamples=300, seed=seed)
+    aware = next(x for x in json.loads((tmp_path / "out" / "results.json").read_text())
+                 if x.get("question") == "aware" and "rows" in x)
+    rows = {r["policy"]: r for r in aware["rows"]}
+    assert aware["reference"] == "fullkv" and rows["fullkv"]["reference_from"] == ["agnostic"]
+    # the numpy reference: per column, the policy's and full attention's scores of the samples both have
+    keep = [k for k in pol if k not in (("vt", 7), ("niah_single_1", 2))]
+    p_cols = {f"{t}@4k": [pol[k] for k in keep if k[0] == t] for t in tasks}
+    f_cols = {f"{t}@4k": [full[k] for k in keep if k[0] == t] for t in tasks}
+    want = _reference_bootstrap(p_cols, f_cols, 300, seed)
+    got = rows["snapkv(0.25)"]["ci"]
+    assert got["n"] == {"niah_single_1@4k": 7, "vt@4k": 7}
+    for k in ("average", "difference") + (("ratio",) if got["ratio"] is not None else ()):
+        np.testing.assert_allclose(got[k][1:], want[k], atol=1e-3, err_msg=k)
+    a = np.mean([100 * np.mean(v) for v in p_cols.values()])
+    f = np.mean([100 * np.mean(v) for v in f_cols.values()])
+    assert got["difference"][0] == pytest.approx(a - f, abs=1e-3)
+    md = (tmp_path / "out" / "RESULTS.md").read_text()
+    assert "| 1 | fullkv (question-agnostic records) |" in md
+    assert "Full attention in this table is the question-agnostic run's records of the same samples" in md
+    # the question-agnostic table keeps its own full-attention row
+    agn = next(x for x in json.loads((tmp_path / "out" / "results.json").read_text())
+               if x.get("question") == "agnostic" and "rows" in x)
+    assert next(r for r in agn["rows"] if r["policy"] == "fullkv")["reference_from"] is None

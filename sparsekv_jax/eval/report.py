@@ -3,8 +3,10 @@
 Input is the list of result records :func:`sparsekv_jax.eval.runner.run_eval` appends to
 ``results.jsonl`` (one per task, length, policy and sample). :func:`summarize` aggregates them:
 rows are policies, columns ``task@length`` (RULER's / LongBench's percentage, ``100 * mean``),
-plus the average over columns, the share of the full-attention average kept (over the columns
-both have), mean KV fractions stored/read, and mean fidelity metrics when present.
+plus the average over columns, the share of the full-attention average kept (on the samples
+both ran), mean KV fractions stored/read, and mean fidelity metrics when present. A row with fewer
+columns or samples than full attention (a run stopped at its deadline) is *partial*: the tables
+mark it and keep its average apart from complete rows', and the plots leave it out.
 :func:`write_reports` writes ``summary.json``, ``summary.md``, ``score_vs_budget.png`` (one line
 per policy family, budget on x) and ``score_vs_length.png`` (one line per policy).
 """
@@ -24,7 +26,8 @@ from typing import Any
 
 __all__ = ["BOOTSTRAP_RESAMPLES", "BOOTSTRAP_SEED", "column_name", "load_results", "markdown_table",
            "paired_bootstrap", "plot_needle_types", "plot_score_vs_budget", "plot_score_vs_kv",
-           "plot_score_vs_length", "regenerate", "sample_key", "summarize", "write_reports"]
+           "plot_score_vs_length", "regenerate", "sample_key", "summarize", "with_agnostic_reference",
+           "write_reports"]
 
 FIDELITY_KEYS = ("kl_first", "kl_mean", "top1_agreement", "layer_rel_error_mean")
 BOOTSTRAP_RESAMPLES = 2000  # resamples of every interval
@@ -149,6 +152,43 @@ def sample_key(record: Mapping[str, Any]) -> tuple[Any, ...]:
             record.get("index"))
 
 
+def with_agnostic_reference(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``records`` plus, for every question-aware sample without a full-attention record, a copy of
+    the question-agnostic full-attention record of the same sample, marked ``"reference_from":
+    "agnostic"`` and placed in question-aware mode.
+
+    Dense attention reads the same prompt tokens wherever the question is placed (nothing is
+    dropped), so question-agnostic full attention is the question-aware reference too. The same
+    sample: model, suite, seed, task, length, sample index; a record whose ``prompt_tokens``
+    differ from a question-aware record's of that sample is not borrowed. A question-aware table
+    then gets a full-attention row (``summarize`` pairs its policies with it by :func:`sample_key`)
+    even when only the question-agnostic run recorded one.
+    """
+    def same_sample(r: Mapping[str, Any]) -> tuple[Any, ...]:
+        return (r.get("model"), r.get("suite"), r.get("seed"), r["task"], r.get("length"), r.get("index"))
+
+    aware = [r for r in records if r.get("question") == "aware"]
+    have = {same_sample(r) for r in aware if r.get("family") == "fullkv"}
+    prompts: dict[tuple[Any, ...], set[Any]] = defaultdict(set)
+    for r in aware:
+        if r.get("prompt_tokens") is not None:
+            prompts[same_sample(r)].add(r["prompt_tokens"])
+    groups = {(r.get("model"), r.get("suite"), r.get("length")) for r in aware}
+    out = list(records)
+    for r in records:
+        k = same_sample(r)
+        if (r.get("question") != "agnostic" or r.get("family") != "fullkv" or k in have
+                or (r.get("model"), r.get("suite"), r.get("length")) not in groups):
+            continue
+        if r.get("prompt_tokens") is not None and prompts[k] - {r["prompt_tokens"]}:
+            continue  # another prompt: not the same computation
+        copy = dict(r, question="aware", reference_from="agnostic")
+        if "key" in copy:
+            copy["key"] = json.dumps(["reference_from", "agnostic", copy["key"]])
+        out.append(copy)
+    return out
+
+
 def _paired_scores(recs: Sequence[dict[str, Any]], ref: Mapping[tuple[Any, ...], dict[str, Any]] | None
                    ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Per column, the scores of ``recs`` that have a reference record of the same sample, and those."""
@@ -166,6 +206,21 @@ def _paired_scores(recs: Sequence[dict[str, Any]], ref: Mapping[tuple[Any, ...],
     return dict(pol), dict(full)
 
 
+def _coverage(have: Mapping[str, int], scores: Mapping[str, float], expected: Mapping[str, int],
+              col_length: Mapping[str, int | None]) -> dict[str, Any]:
+    """How much of ``expected`` (column → samples) a row covers with ``have`` (column → samples)."""
+    missing = [c for c in expected if not have.get(c)]
+    short = [c for c in expected if 0 < have.get(c, 0) < expected[c]]
+    lengths: dict[str, bool] = {}
+    for c, n in expected.items():
+        ln = _length_label(col_length.get(c))
+        lengths[ln] = lengths.get(ln, True) and have.get(c, 0) >= n
+    return {"complete": not missing and not short, "columns": len(expected) - len(missing), "of": len(expected),
+            "samples": sum(min(have.get(c, 0), n) for c, n in expected.items()), "of_samples": sum(expected.values()),
+            "missing": missing, "short": short, "extra": [c for c in scores if c not in expected],
+            "lengths": lengths}
+
+
 def _overlap(a: Sequence[float] | None, b: Sequence[float] | None) -> bool:
     return a is not None and b is not None and a[1] <= b[2] and b[1] <= a[2]
 
@@ -177,15 +232,22 @@ def summarize(records: Sequence[dict[str, Any]], policy_order: Sequence[str] | N
 
     Each row: ``policy`` (label), ``family``, ``budget``, ``scores`` ``{column: pct}``, ``n``
     ``{column: samples}``, ``average`` (mean over its columns), ``kept_pct`` (its average over
-    the full-attention row's, on the columns both have; ``None`` without a full-attention row),
+    the full-attention row's on the samples both ran: the paired estimate of ``ci["ratio"]``;
+    ``None`` without a full-attention row), ``coverage`` (``complete``: the row has every column
+    full attention has, with as many samples, or without a full-attention row every column of the
+    table with the most samples any row has there; ``columns`` / ``of``, ``samples`` /
+    ``of_samples``, ``missing`` and ``short`` columns, ``extra`` columns full attention lacks,
+    ``lengths`` ``{length: complete there}``), ``reference_from`` (the question modes whose
+    records a borrowed full-attention row holds, see :func:`with_agnostic_reference`, or ``None``),
     ``by_length`` ``{length: average over tasks}``, ``budget_fraction`` ``{length: budget as a
     fraction of the mean prompt}``, ``kv_stored_fraction``, ``kv_read_fraction``,
     ``seconds_per_sample`` and ``fidelity`` (means of :data:`FIDELITY_KEYS`, or ``None``);
     ``ci``: :func:`paired_bootstrap` of the row against full attention on the samples both have
     (matched by :func:`sample_key`; ``average``, ``difference`` in points, ``ratio`` = % of full
     kept, each ``[estimate, lo, hi]``), or of the row alone without a full-attention row;
-    ``overlaps``: the other policies whose 95% intervals of the % of full kept overlap this
-    row's (of the average, without a full-attention row).
+    ``overlaps``: the other policies over the same columns and samples (and full attention) whose
+    95% intervals of the % of full kept overlap this row's (of the average, without a
+    full-attention row).
     """
     by_policy: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
@@ -240,25 +302,33 @@ def summarize(records: Sequence[dict[str, Any]], policy_order: Sequence[str] | N
         })
     ref = next((r for r in rows if _is_reference(r)), None)
     ref_records = None if ref is None else {sample_key(r): r for r in by_policy[ref["policy"]]}
+    paired_n = {}
     for row in rows:
         pol, full = _paired_scores(by_policy[row["policy"]], ref_records)
+        paired_n[row["policy"]] = {c: len(v) for c, v in pol.items()}
         # with a reference: the samples both ran on; without one: the row's own samples
         row["ci"] = (paired_bootstrap(pol, None if ref_records is None else full, resamples=resamples, seed=seed)
                      if pol else None)
-    # "≈": rows whose intervals of the % of full kept (their average's, without a reference) overlap; full
+        row["reference_from"] = sorted({r["reference_from"] for r in by_policy[row["policy"]]
+                                        if r.get("reference_from")}) or None
+    # what a complete row covers: full attention's columns and samples (without it, every column of the
+    # table with the most samples any row has there)
+    expected = dict(ref["n"]) if ref is not None else {
+        c: max(r["n"].get(c, 0) for r in rows) for c in columns}
+    for row in rows:
+        row["coverage"] = _coverage(paired_n[row["policy"]], row["scores"], expected, col_length)
+    # "≈": rows whose intervals of the % of full kept (their average's, without a reference) overlap, among
+    # rows over the same columns and samples (a ratio over other columns is another quantity); full
     # attention's own is the point 100, so a row whose interval holds 100 lists it
     stat = "ratio" if ref is not None else "average"
     for row in rows:
-        mine = (row["ci"] or {}).get(stat)
-        row["overlaps"] = [o["policy"] for o in rows if o is not row and _overlap(mine, (o["ci"] or {}).get(stat))]
+        mine = row["ci"] or {}
+        row["overlaps"] = [o["policy"] for o in rows if o is not row and _overlap(mine.get(stat), (o["ci"] or {}).get(
+            stat)) and (_is_reference(o) or _is_reference(row) or mine.get("n") == (o["ci"] or {}).get("n"))]
     for row in rows:
-        row["kept_pct"] = None
-        if ref is None:
-            continue
-        common = [c for c in row["scores"] if c in ref["scores"]]
-        ref_avg = _mean([ref["scores"][c] for c in common])
-        if common and ref_avg:
-            row["kept_pct"] = round(100.0 * _mean([row["scores"][c] for c in common]) / ref_avg, 1)
+        # the paired estimate: the row's average over full attention's on the samples both ran
+        ratio = (row["ci"] or {}).get("ratio") if ref is not None else None
+        row["kept_pct"] = None if ratio is None else round(ratio[0], 1)
     uniq = sorted(set(col_length.values()), key=lambda x: math.inf if x is None else x)
     return {"columns": columns, "rows": rows, "reference": ref["policy"] if ref else None,
             "lengths": {_length_label(x): x for x in uniq}, "length_order": [_length_label(x) for x in uniq]}
@@ -268,14 +338,51 @@ def _fmt(x: float | None, digits: int = 2) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
+def _complete(row: Mapping[str, Any]) -> bool:
+    return (row.get("coverage") or {}).get("complete", True)
+
+
+def _complete_at(row: Mapping[str, Any], length: str) -> bool:
+    return (row.get("coverage") or {}).get("lengths", {}).get(length, True)
+
+
+def _coverage_text(row: Mapping[str, Any]) -> str:
+    """``"complete"``, or ``"partial: 5 of 13 columns, 112 of 325 samples"``."""
+    cov = row.get("coverage")
+    if not cov:
+        return "–"
+    text = "complete" if cov["complete"] else (f"**partial**: {cov['columns']} of {cov['of']} columns, "
+                                               f"{cov['samples']} of {cov['of_samples']} samples")
+    if cov["extra"]:
+        text += f"; +{len(cov['extra'])} columns full attention lacks"
+    return text
+
+
+def _display(row: Mapping[str, Any]) -> str:
+    """The row's policy label (a borrowed full-attention row says whose records it holds)."""
+    label = row["policy"]
+    if row.get("reference_from"):
+        label += f" (question-{', '.join(row['reference_from'])} records)"
+    return label.replace("|", "\\|")
+
+
 def markdown_table(summary: dict[str, Any]) -> str:
-    """The summary as markdown: a header line and one table (rows policies, columns task@length)."""
+    """The summary as markdown: a header line and one table (rows policies, columns task@length).
+
+    When a row is partial (fewer columns or samples than full attention, e.g. a run stopped at its
+    deadline), a "coverage" column says how much it covers, its average moves out of "average"
+    into "partial row: average over its columns" (an average over other columns is not comparable),
+    and its "% of full kept" names the columns it is computed on.
+    """
     cols = summary["columns"]
-    has_fid = any(r["fidelity"] for r in summary["rows"])
+    rows = summary["rows"]
+    has_fid = any(r["fidelity"] for r in rows)
     has_ref = summary.get("reference") is not None
-    head = ["#", "policy", *cols, "average", "95% CI", "% of full kept", "95% CI", "Δ vs full (points)",
-            "≈ (intervals overlap)", "KV stored", "KV read"]
-    number = {r["policy"]: i + 1 for i, r in enumerate(summary["rows"])}
+    partial = any(not _complete(r) for r in rows)
+    head = ["#", "policy", *(["coverage"] if partial else []), *cols, "average", "95% CI",
+            *(["partial row: average over its columns [95% CI]"] if partial else []), "% of full kept", "95% CI",
+            "Δ vs full (points)", "≈ (intervals overlap)", "KV stored", "KV read"]
+    number = {r["policy"]: i + 1 for i, r in enumerate(rows)}
     if has_fid:
         head += ["KL first", "KL mean", "top-1 agree", "attn rel err"]
     lines = []
@@ -283,11 +390,20 @@ def markdown_table(summary: dict[str, Any]) -> str:
     if meta:
         lines += ["# Evaluation summary", "", ", ".join(meta), ""]
     lines += ["| " + " | ".join(head) + " |", "|" + "|".join(["---:", "---"] + ["---:"] * (len(head) - 2)) + "|"]
-    for r in summary["rows"]:
+    for r in rows:
         ci = r.get("ci") or {}
-        cells = [str(number[r["policy"]]), r["policy"].replace("|", "\\|")] + [_fmt(r["scores"].get(c)) for c in cols]
-        cells += [_fmt(r["average"]), _interval(ci.get("average")), _fmt(r["kept_pct"], 1),
-                  _interval(ci.get("ratio"), 1), _signed(ci.get("difference")),
+        done = _complete(r)
+        cells = [str(number[r["policy"]]), _display(r), *([_coverage_text(r)] if partial else [])]
+        cells += [_fmt(r["scores"].get(c)) for c in cols]
+        cells += [_fmt(r["average"]) if done else "–", _interval(ci.get("average")) if done else "–"]
+        if partial:
+            cells.append("–" if done else f"{_fmt(r['average'])} {_interval(ci.get('average'))}")
+        kept = _fmt(r["kept_pct"], 1)
+        if not done and r["kept_pct"] is not None:
+            cov = r["coverage"]
+            kept += (f" (on its {cov['columns']} of {cov['of']} columns)" if cov["missing"] else
+                     f" (on its {cov['samples']} of {cov['of_samples']} samples)")
+        cells += [kept, _interval(ci.get("ratio"), 1), _signed(ci.get("difference")),
                   ", ".join(str(number[o]) for o in r.get("overlaps", [])) or "–",
                   _fmt(r["kv_stored_fraction"], 3), _fmt(r["kv_read_fraction"], 3)]
         if has_fid:
@@ -297,13 +413,38 @@ def markdown_table(summary: dict[str, Any]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Scores are RULER / LongBench percentages (100 × mean per-sample score). "
               "\"% of full kept\" is the policy's average over the full-attention (fullkv) average on "
-              "the same columns. KV stored: entries kept after compression / prompt length; KV read: "
+              "the samples both ran. KV stored: entries kept after compression / prompt length; KV read: "
               "pages read per decode step / pages in use.", "", _ci_note(summary, has_ref)]
+    if partial:
+        lines += ["", _partial_note(has_ref)]
+    borrowed = next((r for r in rows if r.get("reference_from")), None)
+    if borrowed is not None:
+        lines += ["", _borrowed_note(borrowed)]
     if has_fid:
         lines.append("Fidelity (against full attention on the same prompt): KL(full ‖ policy) at the first "
                      "answer token and mean along full attention's greedy answer, top-1 agreement, and "
                      "‖o_policy − o_full‖ / ‖o_full‖ of the attention outputs averaged over layers and steps.")
     return "\n".join(lines) + "\n"
+
+
+def _partial_note(has_ref: bool) -> str:
+    whole = "every column and sample full attention has" if has_ref else \
+        "every column of the table with the most samples any row has there"
+    return ("**Partial rows** (coverage \"partial\": the run stopped before the row had " + whole + "): their "
+            "average is over their own columns only, often the first and easiest tasks, so it is not comparable "
+            "with a complete row's and is shown apart, under \"partial row: average over its columns\", not under "
+            "\"average\". Their \"% of full kept\" and Δ compare them with full attention on the columns and "
+            "samples both ran, which the cell names. ≈ compares rows over the same columns and samples only. "
+            "Plots leave partial rows out.")
+
+
+def _borrowed_note(row: Mapping[str, Any]) -> str:
+    modes = ", ".join(f"question-{m}" for m in row["reference_from"])
+    return (f"Full attention in this table is the {modes} run's records of the same samples (model, suite, seed, "
+            "task, length, sample index and prompt length): no full-attention run in this mode was recorded, "
+            "and dense attention reads the same prompt tokens wherever the question is placed (nothing is "
+            "dropped), so the two are the same computation. \"% of full kept\", Δ and the paired intervals pair "
+            "each policy sample with that record.")
 
 
 def _interval(ci: Sequence[float] | None, digits: int = 2) -> str:
@@ -319,12 +460,13 @@ def _ci_note(summary: dict[str, Any], has_ref: bool) -> str:
     b, seed = (ci["resamples"], ci["seed"]) if ci else (BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED)
     if not has_ref:
         return (f"95% CI: percentile bootstrap of the average ({b} resamples of the samples within each column, "
-                f"seed {seed}); no full-attention row, so no paired intervals. ≈ lists the rows whose average "
-                "intervals overlap.")
+                f"seed {seed}); no full-attention row, so no paired intervals. ≈ lists the rows over the same columns "
+                "and samples whose average intervals overlap.")
     return (f"95% CI: paired percentile bootstrap against full attention ({b} resamples of the samples within each "
             f"column, the same resampled samples for the policy and for full attention, seed {seed}), on the samples "
             "both ran. \"average\": the policy's average; \"% of full kept\": the ratio of the two averages × 100; "
-            "Δ: their difference in points. ≈ lists the rows (by #) whose \"% of full kept\" intervals overlap this "
+            "Δ: their difference in points. ≈ lists the rows (by #) over the same columns and samples (and full "
+            "attention) whose \"% of full kept\" intervals overlap this "
             "row's: overlapping intervals do not separate the two policies at this sample size (non-overlap is "
             "the conservative reading; it is not a paired test of the two policies against each other).")
 
@@ -339,7 +481,8 @@ def _plt() -> Any:
 
 
 def plot_score_vs_budget(summary: dict[str, Any], path: str | Path) -> Path:
-    """Average score vs budget, one line per policy family, one panel per length; full attention dashed."""
+    """Average score vs budget, one line per policy family, one panel per length; full attention dashed.
+    A row partial at a length (see :func:`summarize`'s ``coverage``) has no point there."""
     plt = _plt()
     lengths = summary.get("length_order") or [""]
     rows = summary["rows"]
@@ -350,7 +493,7 @@ def plot_score_vs_budget(summary: dict[str, Any], path: str | Path) -> Path:
     for ax, ln in zip(axes[0], lengths, strict=True):
         families: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for r in others:
-            y = r["by_length"].get(ln)
+            y = r["by_length"].get(ln) if _complete_at(r, ln) else None  # partial at this length: not drawn
             x = r["budget"] if tokens_axis else r["budget_fraction"].get(ln)
             if y is not None and x is not None:
                 families[r["family"]].append((float(x), y))
@@ -379,13 +522,14 @@ def plot_score_vs_budget(summary: dict[str, Any], path: str | Path) -> Path:
 
 
 def plot_score_vs_length(summary: dict[str, Any], path: str | Path) -> Path:
-    """Average score vs context length, one line per policy (a bar chart when there are no lengths)."""
+    """Average score vs context length, one line per policy (a bar chart when there are no lengths);
+    a row partial at a length has no point there (no bar when there are no lengths)."""
     plt = _plt()
     numeric = [(summary["lengths"][ln], ln) for ln in summary.get("length_order", []) if summary["lengths"].get(ln)]
     fig, ax = plt.subplots(figsize=(6.5, 4))
     if numeric:
         for r in summary["rows"]:
-            pts = [(x, r["by_length"][ln]) for x, ln in numeric if ln in r["by_length"]]
+            pts = [(x, r["by_length"][ln]) for x, ln in numeric if ln in r["by_length"] and _complete_at(r, ln)]
             if pts:
                 style = "--" if _is_reference(r) else "-"
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=r["policy"])
@@ -393,8 +537,9 @@ def plot_score_vs_length(summary: dict[str, Any], path: str | Path) -> Path:
         ax.set_xticks([x for x, _ in numeric], [ln for _, ln in numeric])
         ax.set_xlabel("context length (tokens)")
     else:
-        labels = [r["policy"] for r in summary["rows"]]
-        ax.bar(range(len(labels)), [r["average"] or 0.0 for r in summary["rows"]])
+        drawn = [r for r in summary["rows"] if _complete(r)]
+        labels = [r["policy"] for r in drawn]
+        ax.bar(range(len(labels)), [r["average"] or 0.0 for r in drawn])
         ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize="small")
     ax.set_ylabel("average score")
     ax.grid(alpha=0.3)
@@ -503,19 +648,23 @@ def kv_kept(row: dict[str, Any]) -> float | None:
 def plot_score_vs_kv(summaries: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
     """Average score (with its 95% interval) against the KV kept (:func:`kv_kept`), one panel per
     length (``summaries``: one per length, in order), one line per policy family and question mode;
-    full attention as a dashed line with its interval shaded."""
+    full attention as a dashed line with its interval shaded. Partial rows (see :func:`summarize`'s
+    ``coverage``) are not drawn: the panel counts them."""
     plt = _plt()
     fig, axes = plt.subplots(1, len(summaries), figsize=(5.5 * len(summaries), 4.2), squeeze=False)
     for ax, summ in zip(axes[0], summaries, strict=True):
         lines: dict[tuple[str, str], list[tuple[float, float, float, float]]] = defaultdict(list)
+        left_out = [r["policy"] for r in summ["rows"] if not _complete(r)]
         for r in summ["rows"]:
             ci = (r.get("ci") or {}).get("average")
             x = kv_kept(r)
-            if ci is None or x is None:
+            if ci is None or x is None or not _complete(r):
                 continue
             q = r.get("question_mode", summ.get("question", ""))
             if _is_reference(r):
-                ax.axhline(ci[0], color="black", linestyle="--", label=f"fullkv ({q})")
+                src = ", ".join(r.get("reference_from") or [])
+                ax.axhline(ci[0], color="black", linestyle="--",
+                           label=f"fullkv ({q}: question-{src} records)" if src else f"fullkv ({q})")
                 ax.axhspan(ci[1], ci[2], color="black", alpha=0.08)
                 continue
             lines[(r["family"], q)].append((x, ci[0], ci[0] - ci[1], ci[2] - ci[0]))
@@ -532,6 +681,9 @@ def plot_score_vs_kv(summaries: Sequence[dict[str, Any]], path: str | Path, titl
         ax.set_ylabel("average score (95% CI)")
         ax.set_title(summ.get("title", ""))
         ax.grid(alpha=0.3)
+        if left_out:
+            ax.text(0.01, 0.01, f"{len(left_out)} partial rows not drawn", transform=ax.transAxes, fontsize="x-small",
+                    va="bottom")
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize="x-small")
     if title:
@@ -544,18 +696,23 @@ def plot_score_vs_kv(summaries: Sequence[dict[str, Any]], path: str | Path, titl
 
 
 def plot_needle_types(by_type: Mapping[str, dict[str, Any]], path: str | Path, title: str = "") -> Path:
-    """Average score (95% interval) per needle value type (``by_type``: type → summary), one line
-    per policy."""
+    """Average score (95% interval) per needle value type (``by_type``: type → summary), a bar per
+    policy; a partial row of a type (fewer needle tasks or samples than full attention's) is not
+    drawn, and the figure names it."""
     plt = _plt()
     types = list(by_type)
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     labels = list(dict.fromkeys(r["policy"] for summ in by_type.values() for r in summ["rows"]))
     width = 0.8 / max(len(labels), 1)
+    left_out = []
     for k, label in enumerate(labels):
         xs, ys, lo, hi = [], [], [], []
         for i, t in enumerate(types):
             row = next((r for r in by_type[t]["rows"] if r["policy"] == label), None)
             ci = None if row is None else (row.get("ci") or {}).get("average")
+            if row is not None and not _complete(row):
+                left_out.append(f"{label} ({t})")
+                continue
             if ci is None:
                 continue
             xs.append(i - 0.4 + width * (k + 0.5))
@@ -569,6 +726,8 @@ def plot_needle_types(by_type: Mapping[str, dict[str, Any]], path: str | Path, t
     ax.set_ylim(0, 105)
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize="x-small")
+    if left_out:
+        fig.text(0.01, 0.01, "partial, not drawn: " + ", ".join(left_out), fontsize="x-small", wrap=True)
     if title:
         ax.set_title(title)
     fig.tight_layout()
@@ -582,8 +741,9 @@ def regenerate(sources: Sequence[str | Path], out_dir: str | Path, *, resamples:
                seed: int = BOOTSTRAP_SEED) -> dict[str, Path]:
     """Rebuild the results tables and plots from committed records (nothing typed by hand).
 
-    Reads every ``results.jsonl(.gz)`` of ``sources`` (the last record per ``key`` wins) and writes
-    to ``out_dir``:
+    Reads every ``results.jsonl(.gz)`` of ``sources`` (the last record per ``key`` wins), gives
+    question-aware samples without a full-attention record the question-agnostic one of the same
+    sample (:func:`with_agnostic_reference`; the table says so), and writes to ``out_dir``:
 
     * ``RESULTS.md``: per model, suite and length, one table per question mode (rows policies,
       columns tasks, averages with paired bootstrap 95% intervals against full attention, see
@@ -609,6 +769,8 @@ def regenerate(sources: Sequence[str | Path], out_dir: str | Path, *, resamples:
     recs = list(records.values()) + anonymous
     if not recs:
         raise ValueError(f"no readable records in {', '.join(map(str, files))}")
+    read = len(recs)
+    recs = with_agnostic_reference(recs)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     groups: dict[tuple[str, str], dict[int | None, dict[str, list[dict[str, Any]]]]] = defaultdict(
@@ -623,7 +785,7 @@ def regenerate(sources: Sequence[str | Path], out_dir: str | Path, *, resamples:
         summ["title"] = title
         return summ
 
-    md = ["# Results", "", f"Regenerated by `python -m sparsekv_jax.eval.report` from {len(recs)} records in:", ""]
+    md = ["# Results", "", f"Regenerated by `python -m sparsekv_jax.eval.report` from {read} records in:", ""]
     md += [f"- `{f}`" for f in files]
     md.append("")
     everything: list[dict[str, Any]] = []
@@ -678,17 +840,35 @@ def _question_modes_table(summaries: Sequence[dict[str, Any]], title: str) -> li
     for label in labels:
         cells = [label.replace("|", "\\|")]
         for summ in summaries:
-            row = next((r for r in summ["rows"] if r["policy"] == label), None)
-            cells.append(_avg_and_kept(None if row is None else row.get("ci")))
+            cells.append(_avg_and_kept(next((r for r in summ["rows"] if r["policy"] == label), None)))
         lines.append("| " + " | ".join(cells) + " |")
-    return lines + [""]
+    return lines + ["", _modes_note(summaries), ""]
 
 
-def _avg_and_kept(ci: Mapping[str, Any] | None) -> str:
-    ci = ci or {}
+def _modes_note(summaries: Sequence[dict[str, Any]]) -> str:
+    note = ("A cell marked partial covers fewer columns or samples than full attention (see the coverage column "
+            "above): its average is over its own columns and not comparable with a complete cell's; its % of full "
+            "is on the samples both ran.")
+    if any(r.get("reference_from") for summ in summaries for r in summ["rows"]):
+        note += (" Where no question-aware full-attention run was recorded, full attention's question-aware cells "
+                 "are its question-agnostic records (dense attention reads the same tokens in both modes), paired "
+                 "sample by sample.")
+    return note
+
+
+def _avg_and_kept(row: Mapping[str, Any] | None) -> str:
+    """``"average [CI] · % of full [CI]"`` of a row's intervals, marked when the row is partial."""
+    ci = (row or {}).get("ci") or {}
     avg = ci.get("average")
     kept = "–" if ci.get("ratio") is None else f"{ci['ratio'][0]:.1f} {_interval(ci['ratio'], 1)}"
-    return "–" if avg is None else f"{avg[0]:.2f} {_interval(avg)} · {kept}"
+    if avg is None:
+        return "–"
+    text = f"{avg[0]:.2f} {_interval(avg)} · {kept}"
+    if row is not None and not _complete(row):
+        cov = row["coverage"]
+        text = f"**partial** ({cov['columns']} of {cov['of']} columns, {cov['samples']} of {cov['of_samples']} " \
+               f"samples): {text}"
+    return text
 
 
 def _needle_type_table(by_type: Mapping[str, dict[str, Any]], title: str) -> list[str]:
@@ -701,10 +881,9 @@ def _needle_type_table(by_type: Mapping[str, dict[str, Any]], title: str) -> lis
     for label in labels:
         cells = [label.replace("|", "\\|")]
         for t in types:
-            row = next((r for r in by_type[t]["rows"] if r["policy"] == label), None)
-            cells.append(_avg_and_kept(None if row is None else row.get("ci")))
+            cells.append(_avg_and_kept(next((r for r in by_type[t]["rows"] if r["policy"] == label), None)))
         lines.append("| " + " | ".join(cells) + " |")
-    return lines + [""]
+    return lines + ["", _modes_note(list(by_type.values())), ""]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
