@@ -316,10 +316,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# the names scripts/ imported before these helpers were public (experiments move onto the public names)
-_tokens, _median_time, _median_time_carry, _memory, _decode_cache, _why = (
-    parse_tokens, median_time, median_time_carry, memory_bytes, decode_cache, why)
-
-
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -8,7 +8,7 @@ masked path (``Backend(local_cache="full")``: every layer stores every token, th
 ``ring`` the default (docs/GEMMA3.md). Points already in ``--out`` are skipped (resumable), and the
 script stops starting points at ``--deadline`` seconds.
 
-    python scripts/gemma3_speed.py --model /tmp/gemma-3-270m-q4_k_m.gguf --out $OUT/speed.json
+    python experiments/gemma3_speed.py --model /tmp/gemma-3-270m-q4_k_m.gguf --out $OUT/speed.json
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import time
 
 POINTS = (  # (path, batch, policy spec), most wanted first
@@ -25,17 +24,7 @@ POINTS = (  # (path, batch, policy spec), most wanted first
 )
 
 
-def _time(fn, iters: int) -> float:
-    fn()  # compile
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="gemma3-270m or a .gguf path")
     p.add_argument("--context", type=int, default=32768 - 128, help="prompt tokens (default 32k - 128)")
@@ -43,7 +32,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--deadline", type=float, default=1e9, help="seconds after which no new point starts")
     p.add_argument("--out", default="gemma3_speed.json")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     start = time.perf_counter()
 
     import jax
@@ -51,6 +40,7 @@ def main() -> None:
     import numpy as np
 
     from sparsekv_jax.backend import Backend
+    from sparsekv_jax.bench.timing import median_time
     from sparsekv_jax.generate import generate
     from sparsekv_jax.models.embedded import load
     from sparsekv_jax.policies import parse_policy
@@ -76,14 +66,14 @@ def main() -> None:
                 jax.block_until_ready(out.tokens)
                 return out
 
-            t1 = _time(lambda: run(1), args.iters)
+            t1 = median_time(lambda: run(1), iters=args.iters)
             out = run(1)
             row.update(prefill_s=t1, prefill_tokens_per_s=batch * args.context / t1,
                        cache_bytes=out.stats["cache_bytes"],
                        kv_stored_fraction=float(np.mean(out.stats["kv_stored_fraction"])),
                        prefill_block_fraction=float(out.stats["prefill_block_fraction"]))
             if spec != "stem":  # Stem changes the prefill only
-                t2 = _time(lambda: run(1 + args.steps), args.iters)
+                t2 = median_time(lambda: run(1 + args.steps), iters=args.iters)
                 row.update(decode_ms_per_token=1e3 * (t2 - t1) / args.steps,
                            kv_read_fraction=float(np.nanmean(run(1 + args.steps).stats["kv_read_fraction"])))
         except Exception as e:  # noqa: BLE001 - record the point and go on

@@ -2,13 +2,13 @@
 
 One layer's budget search input at a 32k prompt: a band of 64 cosines per slot for 8 KV heads
 (random keys with planted clusters), the three chunk layouts of budget mode (random ids, every 7th a
-delimiter, as `scripts/semanticache_gpu.py`), 16 thresholds per layout. The kernel
+delimiter, as the retired `semanticache_gpu.py`, experiments/README.md), 16 thresholds per layout. The kernel
 (`sparsekv_jax.pallas.gsc.greedy_seed_clustering_kernel`) runs for each ``--tiles`` x ``--warps``
 setting; its output must equal `clustering.clusterings(..., "jnp")` exactly, the reference is timed
 beside it. Times are medians of ``--iters`` runs after a warm-up, each ended by
 ``block_until_ready``. Prints a table last; ``--out`` gets ``gsc_gpu.json``.
 
-    python scripts/gsc_gpu.py --out $OUT
+    python experiments/gsc_gpu.py --out $OUT
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from sparsekv_jax.bench.e2e import _median_time as timed  # noqa: E402
+from sparsekv_jax.bench.timing import median_time as timed  # noqa: E402
 from sparsekv_jax.pallas.gsc import greedy_seed_clustering_kernel  # noqa: E402
 from sparsekv_jax.policies import clustering  # noqa: E402
 

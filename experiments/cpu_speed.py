@@ -28,7 +28,7 @@ processes on a shared machine slow both sides: compare within one run only).
 
 Each run's line gives the 1-minute load average when it started: measure on an idle machine.
 
-    python scripts/cpu_speed.py --length 4096 --decode-tokens 32 --repeats 3 --ours auto,xs
+    python experiments/cpu_speed.py --length 4096 --decode-tokens 32 --repeats 3 --ours auto,xs
 """
 
 from __future__ import annotations
@@ -108,12 +108,6 @@ def _theirs(model, ids, n_new, threads):
     return prefill, decode
 
 
-def _timed(fn, *args):
-    t0 = time.perf_counter()
-    res = fn(*args)
-    return res, time.perf_counter() - t0
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--length", type=int, default=4096, help="prompt length in tokens (chat template included)")
@@ -139,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     import jax.numpy as jnp
 
     from sparsekv_jax import Backend, load, sharding
+    from sparsekv_jax.bench.timing import timed_call
     from sparsekv_jax.eval.ruler import generate_samples
     from sparsekv_jax.models.embedded import embedded_gguf_path
 
@@ -178,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.repeats):
         for side, (prefill, decode) in sides.items():
             load1 = os.getloadavg()[0]
-            pre, t_pre = _timed(prefill)
-            out, t_dec = _timed(decode, pre)
+            pre, t_pre = timed_call(prefill)
+            out, t_dec = timed_call(decode, pre)
             times[side]["prefill_s"].append(t_pre)
             times[side]["decode_ms_per_token"].append(1e3 * t_dec / max(args.decode_tokens - 1, 1))
             times[side]["load1"].append(load1)

@@ -11,7 +11,7 @@ few adversarial rows (large ties at the k-th place, rows with fewer than k posit
    (`sparsekv_jax.retrieval.features.kth_largest_jnp`, threshold only); plus one read of the input
    (``jnp.max`` over rows) as the memory floor.
 
-    python scripts/topk_gpu.py --out $OUT
+    python experiments/topk_gpu.py --out $OUT
 
 Prints a table last; writes ``topk_gpu.json`` under ``--out``.
 """
@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from sparsekv_jax.bench.e2e import _median_time as median_time  # noqa: E402
+from sparsekv_jax.bench.timing import median_time  # noqa: E402
 from sparsekv_jax.pallas.topk import threshold_top_k, threshold_top_k_reference  # noqa: E402
 from sparsekv_jax.retrieval.features import kth_largest_jnp, token_features  # noqa: E402
 from sparsekv_jax.sae.model import init_sae  # noqa: E402

@@ -1,7 +1,7 @@
 """Compare two `sparsekv eval` runs of the same prompts (e.g. the code before and after a refactor,
 on one machine): per policy, the average score of each run and how many predictions are identical.
 
-    python scripts/compare_eval_runs.py OLD_DIR NEW_DIR [--out compare.md]
+    python experiments/compare_eval_runs.py OLD_DIR NEW_DIR [--out compare.md]
 
 Records are matched by (task, length, question mode, seed, sample index) and by the policy's label
 (the spec text), so resume keys written by different code versions need not agree. Reads

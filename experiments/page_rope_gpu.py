@@ -10,7 +10,7 @@ Random bf16 keys of Llama-3.1-8B's cache shape (8 KV heads × 128 dims, its RoPE
    sums: jnp (slices the layer, a copy, then elementwise) against the kernel, for a few
    ``block_p`` and warp counts; ms per pass and the key bytes per second it implies.
 
-    python scripts/page_rope_gpu.py --batch 4 --context 32k --out page_rope.json
+    python experiments/page_rope_gpu.py --batch 4 --context 32k --out page_rope.json
 
 Prints a table last; timings are medians after a warm-up, each run `block_until_ready`.
 """
@@ -24,13 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparsekv_jax.bench.e2e import _median_time, _tokens
+from sparsekv_jax.bench.e2e import parse_tokens
+from sparsekv_jax.bench.timing import median_time
 from sparsekv_jax.models.config import llama31_8b_config
 from sparsekv_jax.models.rope import inverse_frequencies
 from sparsekv_jax.pallas.page_rope import rope_page_sums, rope_page_sums_reference
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="JSON rows")
     p.add_argument("--batch", type=int, default=4, help="rows of the timed stack (default 4)")
@@ -38,7 +39,7 @@ def main() -> int:
     p.add_argument("--block-p", default="32,64,128", help="kernel pages per program to time (default 32,64,128)")
     p.add_argument("--warps", default="4,8", help="kernel warps per program to time (default 4,8)")
     p.add_argument("--iters", type=int, default=10, help="timed runs (default 10)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     cfg = llama31_8b_config()
     H, D, ps = cfg.num_kv_heads, cfg.head_dim, 32
     interpret = jax.default_backend() != "gpu"  # CPU smoke runs only
@@ -66,7 +67,7 @@ def main() -> int:
     save()
 
     # 2. one pass over the layers, as in a rebuild
-    S = _tokens(args.context)[0] + 1024
+    S = parse_tokens(args.context)[0] + 1024
     L = cfg.num_layers if not interpret else 2
     k = jax.random.normal(jax.random.key(1), (L, args.batch, H, S, D), jnp.bfloat16)
     gb = k.size * 2 / 1e9
@@ -79,7 +80,7 @@ def main() -> int:
                                          interpret=interpret), jnp.arange(L))
     for name, fn in impls.items():
         try:
-            ms = _median_time(jax.jit(fn), k, iters=args.iters) * 1e3
+            ms = median_time(jax.jit(fn), k, iters=args.iters) * 1e3
             rows.append({"kind": "time", "impl": name, "shape": list(k.shape), "ms": ms, "key_gb": gb})
             lines.append(f"time  {name:<30} {ms:8.2f} ms per pass over {L} layers, {gb / ms:.2f} TB/s of keys")
         except Exception as e:  # a tiling Triton rejects is a finding, not a crash

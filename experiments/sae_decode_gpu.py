@@ -9,7 +9,7 @@ Llama-3.1-8B: 1 x 32,768, 16,384 of 128, k 128), random tables and top-k ids dra
    kernel's at several ``block_rows`` x ``num_warps`` x ``unroll``; and each forward + backward of a
    squared error (XLA's autodiff vs the kernels' VJPs).
 
-    python scripts/sae_decode_gpu.py --out $OUT
+    python experiments/sae_decode_gpu.py --out $OUT
 
 Prints a table last; writes ``sae_decode_gpu.json`` under ``--out``.
 """
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from sparsekv_jax.bench.e2e import _median_time as median_time  # noqa: E402
+from sparsekv_jax.bench.timing import median_time  # noqa: E402
 from sparsekv_jax.pallas.sae_decode import (  # noqa: E402
     gather_decode,
     gather_decode_reference,

@@ -2,11 +2,12 @@
 every policy recorded in docs/results/ruler4k and docs/results/ruler4k_chess_stem (SmolLM2-135M,
 25 samples per task).
 
-    python scripts/readme_plot.py            # writes docs/results/readme_frontier.png
+    python experiments/readme_plot.py            # writes docs/results/readme_frontier.png
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -30,8 +31,11 @@ def rows() -> list[dict]:
     return out
 
 
-def main() -> None:
-    """Draw and save the plot."""
+def main(argv: list[str] | None = None) -> None:
+    """Draw and save the plot (``--out``, default docs/results/readme_frontier.png)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=RESULTS / "readme_frontier.png", help="the PNG to write")
+    out = p.parse_args(argv).out
     fig, ax = plt.subplots(figsize=(8, 3.8))
     for i, r in enumerate(rows()):
         label = r["policy"].replace(", calibration='smollm2'", "")
@@ -44,7 +48,6 @@ def main() -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6.5, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.tight_layout()
-    out = RESULTS / "readme_frontier.png"
     fig.savefig(out, dpi=110, bbox_inches="tight")
     print(out)
 
