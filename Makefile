@@ -22,7 +22,7 @@ demo: $(STAMP)
 	$(BIN)/python -m sparsekv_jax.demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check sparsekv_jax tests scripts notebooks
+	$(BIN)/ruff check sparsekv_jax tests scripts notebooks experiments
 
 # Two pytest-xdist workers (CI has 2 cores; an XLA compile uses about one): tests are dealt out one by one
 # and idle workers steal queued ones, so one long file (test_contract's pair matrix) does not bound the run.

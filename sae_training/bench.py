@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from sparsekv_jax.bench.timing import median_time  # noqa: E402
 from sparsekv_jax.models import config as mc  # noqa: E402
 from sparsekv_jax.models.params import random_params  # noqa: E402
 from sparsekv_jax.pallas.topk import threshold_top_k  # noqa: E402
@@ -58,16 +59,6 @@ MODELS = {
     "smollm2": (mc.smollm2_135m_config, (0, 11, 15, 27), 4),
     "llama3.1-8b": (mc.llama31_8b_config, (0, 12, 16, 29), 1),  # one layer per step: 4 would need ~60 GB
 }
-
-
-def median_time(fn, *args, iters: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile + warm-up
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def peak_matmul_rate(dtype, n: int, iters: int) -> float:

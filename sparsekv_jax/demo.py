@@ -23,6 +23,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from sparsekv_jax.bench.timing import timed_call
+
 # The demo's policies, in table order: full attention, the library's methods, the baselines.
 # ``{b}`` is the budget (--budget). A name not registered yet is skipped with a note: adding a method
 # to the demo is one line here.
@@ -112,12 +114,6 @@ class _Programs:
         return self.compiled[key], time.perf_counter() - t0
 
 
-def _timed(fn, *args):
-    t0 = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    return out, time.perf_counter() - t0
-
-
 def run(params: Any, tokenizer: Any, policies: list[tuple[str, Any]], tokens: np.ndarray,
         question_start: np.ndarray, *, max_new_tokens: int, stop_tokens: tuple[int, ...],
         progress: bool = True) -> tuple[list[Row], float]:
@@ -142,7 +138,7 @@ def run(params: Any, tokenizer: Any, policies: list[tuple[str, Any]], tokens: np
         shared_runs = [runs[i][1] for i in shared]
         fn, c = programs.get("shared prefill", engine.share_prefill, params, shared_runs,
                              prefill_of=shared_runs[0].backend)
-        outs, seconds = _timed(fn, params, shared_runs)
+        outs, seconds = timed_call(fn, params, shared_runs)
         programs.compile_s += c
         for i, pre in zip(shared, outs, strict=True):
             prefilled[i] = pre
@@ -173,15 +169,15 @@ def _run_one(programs: _Programs, params: Any, label: str, r: Any, prefilled: An
 
     if prefilled is not None:
         fn, c = programs.get(f"compress {label}", _compress_and_begin, params, r, prefilled)
-        ready, row.compress_s = _timed(fn, params, r, prefilled)
+        ready, row.compress_s = timed_call(fn, params, r, prefilled)
     else:  # its own prefill (a prefill pattern or a context stage); stats against the user's prompt
         fn, c = programs.get(f"prefill {label}", engine.prepare, params, r, prefill_of=r.backend)
-        ready, row.prefill_s = _timed(fn, params, r)
+        ready, row.prefill_s = timed_call(fn, params, r)
     # the decode loop sees only the decode stage: equal stages on equal caches share a program
     args = (params, r.for_decode(), ready, jax.random.key(0))
     fn, c2 = programs.get(f"decode {r.backend}", engine.decode_ready, *args)
     programs.compile_s += c + c2
-    out, decode_s = _timed(fn, *args)
+    out, decode_s = timed_call(fn, *args)
     new = np.asarray(out.tokens[0, : int(out.num_generated[0])]).tolist()
     row.stored, row.read = float(out.stats["kv_stored_fraction"][0]), float(out.stats["kv_read_fraction"][0])
     row.blocks = float(jnp.asarray(out.stats["prefill_block_fraction"]))

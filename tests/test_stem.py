@@ -282,7 +282,7 @@ def test_spec_and_pipeline(tiny):
 
 
 def test_ablation_script_core(tiny, tmp_path):
-    spec = importlib.util.spec_from_file_location("stem_ablation", ROOT / "scripts" / "stem_ablation.py")
+    spec = importlib.util.spec_from_file_location("stem_ablation", ROOT / "experiments" / "stem_ablation.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     rng = seeded_rng()

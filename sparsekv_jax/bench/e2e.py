@@ -23,10 +23,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import subprocess
 import sys
-import time
+
+from sparsekv_jax.bench.timing import median_time, median_time_carry  # noqa: F401 (re-exported)
 
 MODELS = {"smollm2": "smollm2_135m_config", "llama3.1-8b": "llama31_8b_config"}
 
@@ -37,31 +37,6 @@ def parse_tokens(text: str) -> list[int]:
         part = part.strip().lower()
         out.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
     return out
-
-
-def median_time(fn, *args, iters: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))  # warm-up
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def median_time_carry(fn, params, carry, *, iters: int) -> tuple[float, tuple]:
-    """Like `median_time` for a step whose carry is donated: each call consumes the last one's output."""
-    import jax
-
-    carry = jax.block_until_ready(fn(params, *carry))  # warm-up
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        carry = jax.block_until_ready(fn(params, *carry))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), carry
 
 
 def memory_bytes(compiled) -> int | None:
@@ -339,11 +314,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{head}{r.get('ms', float('nan')):>9.1f}{r.get('ms_per_token', float('nan')):>8.2f}"
               f"{r['tokens_per_s']:>11,.0f}{r.get('cache_bytes', 0) / gib:>10.2f}{mem:>9.2f}")
     return 0
-
-
-# the names scripts/ imported before these helpers were public (experiments move onto the public names)
-_tokens, _median_time, _median_time_carry, _memory, _decode_cache, _why = (
-    parse_tokens, median_time, median_time_carry, memory_bytes, decode_cache, why)
 
 
 if __name__ == "__main__":

@@ -25,9 +25,7 @@ import datetime
 import gc
 import json
 import math
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparsekv_jax.bench.timing import median_time
 from sparsekv_jax.pallas.decode import decode_attention, decode_attention_reference, selected_slot_mask
 from sparsekv_jax.pallas.prefill import prefill_attention, prefill_attention_reference
 from sparsekv_jax.pallas.testing import random_block_lists, random_page_lists, rel_err
@@ -46,14 +45,8 @@ L2_BYTES = 64 << 20
 # --------------------------------------------------------------------------------- timing
 
 def _timed(fn: Callable[[], Any], trials: int) -> float:
-    """Median wall time of ``fn()`` (which must block) over ``trials`` runs, after warm-up."""
-    jax.block_until_ready(fn())
-    ts = []
-    for _ in range(trials):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    """Median wall time of ``fn()`` over ``trials`` runs, after warm-up (`bench.timing.median_time`)."""
+    return median_time(fn, iters=trials)
 
 
 def per_call_time(call: Callable[..., Any], per_call_args: Sequence[tuple], shared: Sequence[tuple],

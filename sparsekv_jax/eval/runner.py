@@ -563,6 +563,3 @@ def _column_order(groups: list[Group]) -> list[str]:
             seen.append(c)
     return seen
 
-
-# what scripts/ call by the names these had before the runner was split (suites, batching, specs)
-_encode, _read_results = encode, read_results

@@ -76,7 +76,7 @@ def greedy_seed_clustering_kernel(band: jax.Array, member: jax.Array, place: jax
     ``band`` ``[B, H, T, W]`` fp32 (`clustering.similarity_band`, shared by the layouts),
     ``member``/``place`` ``[N, B, T]`` (N chunk layouts, `clustering.chunk_layout`), ``taus``
     ``[N, K, B, H]``. One program per (layout, row, head, tile of ``tile`` slots). Defaults: the fastest
-    of tiles 128-1,024 x 1/2/4 warps on an H100 at Llama-3.1-8B's shapes (`scripts/gsc_gpu.py`).
+    of tiles 128-1,024 x 1/2/4 warps on an H100 at Llama-3.1-8B's shapes (`experiments/gsc_gpu.py`).
     """
     B, H, T, W = band.shape
     N, K = taus.shape[:2]

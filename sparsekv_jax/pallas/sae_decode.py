@@ -19,7 +19,7 @@ The two are each other's gradient (both are ``custom_vjp``):
   `gather_decode` of its incoming gradient;
 * ``∂table`` of both is `scatter_rows`: ``Σ_{(n, j): ids[n, j] = w} c[n, j] · v[n]`` into row ``w``,
   left to XLA's scatter (on an H200 it beat Triton atomics in the kernel, 1.77 vs 2.44 ms for the
-  decoder's forward + backward at Llama's shape, `scripts/sae_decode_gpu.py`).
+  decoder's forward + backward at Llama's shape, `experiments/sae_decode_gpu.py`).
 
 For the encoder this replaces a dense ``[N, W]`` gradient of the pre-activations and a dense
 ``xᵀ · ∂pre`` matmul by one scatter of N·k rows. ``D`` must be a power of two (Triton block shapes);

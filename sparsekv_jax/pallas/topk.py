@@ -62,7 +62,7 @@ def _kernel(x_ref, v_ref, i_ref, t_ref, *, k: int, rows: int, width: int, k_pad:
     if early_exit:
         # Stop once exactly k entries are >= t: they are the top k, whatever the lower bits of the
         # k-th value. On continuous data that takes about as many passes as the bits that separate
-        # the k-th from the (k+1)-th value (measured in scripts/topk_gpu.py), not 31.
+        # the k-th from the (k+1)-th value (measured in experiments/topk_gpu.py), not 31.
         def more(state):
             b, _, n = state
             return (b < 31) & (jnp.max((n != k).astype(jnp.int32)) > 0)
@@ -110,7 +110,7 @@ def threshold_top_k(x: jax.Array, k: int, *, block_rows: int | None = None, num_
     ``kth`` is the k-th largest value (the threshold). ``block_rows`` rows share a program (a power
     of two dividing the rows; default 1). ``num_warps`` defaults to one warp per
     2,048 entries of a row, 4 to 8 (the fastest of 4/8/16/32 on an H100 at widths 8,192 and 16,384,
-    scripts/topk_gpu.py). ``early_exit`` stops the bisection of a row once exactly ``k`` entries are
+    experiments/topk_gpu.py). ``early_exit`` stops the bisection of a row once exactly ``k`` entries are
     at or above its lower bound (``False``: always 31 passes; the results are the same).
     ``fast_select`` (with ``early_exit``): when every row of a program exited early, select the
     entries ``>=`` the bound directly instead of the tie-breaking prefix count (same results).

@@ -26,7 +26,7 @@ The paper (arXiv 2602.20732), as implemented here:
   ``max_backtracks`` times per sequence). ``trigger="interval"`` instead rebuilds every
   ``interval`` pages (the paper's fixed-window comparison, Appendix C; no backtracking).
 
-Choices where the paper is silent (shown in ``scripts/chess_ablation.py`` / docs/RESULTS.md):
+Choices where the paper is silent (shown in docs/results/chess_ablation*, experiments/README.md):
 
 * ``chunk_pages=4`` and ``grid_chunks=8`` (a chunk = 128 tokens, a grid = 1024 tokens at page 32):
   at 4k-8k contexts that leaves 4-8 grids, enough for the grid level to prune anything.
@@ -43,7 +43,7 @@ Choices where the paper is silent (shown in ``scripts/chess_ablation.py`` / docs
   the prompt) is never rebuilt.
 
 Page vectors: which keys, and centring (the paper says only that "Key states inherently encode
-the semantic attributes of the input tokens"; ``scripts/chess_needle_ranks.py``, docs/RESULTS.md):
+the semantic attributes of the input tokens"; docs/results/chess_needle_ranks_4k.json):
 
 * ``keys="pre_rope"`` (default): each cached key is rotated back by its own position before the
   page means, so a page vector is the page's *content*. The literal reading, the keys as the cache

@@ -49,7 +49,7 @@ numbers: SmolLM2-135M, RULER question-agnostic (`sparsekv eval`, seed 0), bf16, 
   ``stem(min_blocks=32)`` the sparser setting.
 * ``gqa="max"`` (the paper, written for per-head selection, does not say): same budget, 8k,
   4096-token floor: 92% vs 82% of dense RULER for the group mean; logit KL against dense 0.20
-  vs 0.25 (2048-token floor, ``scripts/stem_ablation.py``).
+  vs 0.25 (2048-token floor, ``experiments/stem_ablation.py``).
 * ``block_size = 64`` (paper: 128): at a 2048-token floor and 8k, blocks of 128 / 64 / 32 gave a
   last-128-token KL against dense of 0.25 / 0.21 / 0.17 (3 prompts): finer blocks spend the
   same tokens more precisely; 64 keeps the kernel's tiles efficient for head_dim 64.

@@ -1,0 +1,100 @@
+"""Smoke tests of `experiments/`: each kept experiment runs at toy size on the CPU, or, where it can
+only run on a GPU (kernel timings at real shapes), is imported and its argument parser exercised.
+experiments/README.md lists them; this file fails if one is added there without a test here."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPERIMENTS = ROOT / "experiments"
+RECORD = ROOT / "docs" / "results" / "ruler4k"  # a committed `sparsekv eval` record
+GPU_ONLY = ("gemma3_speed", "gsc_gpu", "page_rope_gpu", "sae_decode_gpu", "topk_gpu")
+RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "readme_plot")
+TESTED_ELSEWHERE = {"stem_ablation": "tests/test_stem.py::test_ablation_script_core (toy model, CPU)"}
+
+
+def _module(name: str):
+    spec = importlib.util.spec_from_file_location(f"experiments_{name}", EXPERIMENTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_every_experiment_is_indexed_and_tested():
+    files = {p.stem for p in EXPERIMENTS.glob("*.py")}
+    assert files == set(GPU_ONLY) | set(RUN_ON_CPU) | set(TESTED_ELSEWHERE)
+    index = (EXPERIMENTS / "README.md").read_text()
+    for name in files:
+        assert f"`{name}.py`" in index, f"{name}.py is not in experiments/README.md"
+
+
+def test_experiments_import_no_private_names():
+    private = re.compile(r"from sparsekv_jax[\w.]* import[^\n]*\b_[a-z]\w*|sparsekv_jax(\.\w+)*\._[a-z]")
+    for path in EXPERIMENTS.glob("*.py"):
+        assert not private.search(path.read_text()), f"{path.name} imports a private name"
+
+
+@pytest.mark.parametrize("name", GPU_ONLY)
+def test_gpu_experiment_parses_its_arguments(name, capsys):
+    mod = _module(name)
+    with pytest.raises(SystemExit) as exit_:
+        mod.main(["--help"])
+    assert exit_.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:  # an unknown option is refused by the parser, before any work
+        mod.main(["--no-such-option"])
+    assert exit_.value.code == 2
+
+
+def _write_records(path: Path, records: list[dict]) -> None:
+    path.mkdir(parents=True)
+    with gzip.open(path / "results.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def test_compare_eval_runs_on_a_committed_record(tmp_path, capsys):
+    mod = _module("compare_eval_runs")
+    old = mod.read_records(RECORD)
+    policy = old[0]["policy"]
+    mine = [r for r in old if r["policy"] == policy]
+    changed = [dict(r) for r in mine]
+    changed[0]["prediction"] += " (changed)"
+    changed[0]["score"] = changed[0]["score"] + 100.0
+    _write_records(tmp_path / "new", changed)
+    assert mod.main([str(RECORD), str(tmp_path / "new"), "--out", str(tmp_path / "cmp.md")]) == 0
+    row = next(line for line in (tmp_path / "cmp.md").read_text().splitlines() if line.startswith(f"| {policy} |"))
+    n = len(mine)
+    mean = sum(r["score"] for r in mine) / n
+    expected = (f"| {policy} | {n} | {mean:.2f} | {mean + 100.0 / n:.2f} | "
+                f"{100 * (n - 1) / n:.1f}% |")
+    assert row == expected
+    assert row in capsys.readouterr().out
+
+
+def test_readme_plot_draws_the_recorded_rows(tmp_path):
+    mod = _module("readme_plot")
+    summary = json.loads((RECORD / "summary.json").read_text())["rows"]
+    rows = mod.rows()
+    assert [r["average"] for r in rows[: len(summary)]] == [r["average"] for r in summary]
+    mod.main(["--out", str(tmp_path / "plot.png")])
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cpu_speed_toy(tmp_path):
+    """SmolLM2 (fetched into the shared cache as the other SmolLM2 tests do) on a 256-token prompt,
+    our default configuration only: runs, writes its record, decodes the tokens asked for."""
+    mod = _module("cpu_speed")
+    assert mod.main(["--length", "256", "--decode-tokens", "3", "--repeats", "1", "--ours", "auto",
+                     "--no-transformers", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "cpu_speed.json").read_text())
+    assert 200 <= result["prompt_tokens"] <= 300
+    assert len(result["generated"]["ours:auto"]) == 3
+    med = result["median"]["ours:auto"]
+    assert med["prefill_s"] > 0 and med["decode_ms_per_token"] > 0
