@@ -84,7 +84,7 @@ from sparsekv_jax.cache import KVCache, LayerKV, page_counts
 from sparsekv_jax.models.rope import inverse_frequencies
 from sparsekv_jax.pallas import dispatch
 from sparsekv_jax.policies.base import Policy, Selection, Setup
-from sparsekv_jax.policies.common import pages_to_list
+from sparsekv_jax.policies.common import entropy_stats, pages_to_list
 
 PRESETS = {"conservative": (0.9, 0.9, 0.9), "moderate": (0.8, 0.7, 0.7), "aggressive": (0.5, 0.2, 0.1)}
 TRIGGERS = ("uncertainty", "interval")
@@ -140,12 +140,6 @@ def max_selected(num_pages: int, ratios: tuple[float, float, float], chunk_pages
     k_g = math.ceil(rho_g * grids - 1e-4)
     k_c = math.ceil(rho_c * min(k_g * grid_chunks, -(-num_pages // chunk_pages)) - 1e-4)
     return min(num_pages, math.ceil(rho_p * min(k_c * chunk_pages, num_pages) - 1e-4))
-
-
-def entropy_stats(logits: jax.Array) -> jax.Array:
-    """Entropy (nats) of the next-token distribution ``softmax(logits)``, ``[B, V]`` → ``[B]``."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -(jnp.exp(logp) * logp).sum(-1)
 
 
 @struct.dataclass

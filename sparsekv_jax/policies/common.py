@@ -207,3 +207,10 @@ def prompt_scores_to_slots(observations: jax.Array, capacity: int) -> jax.Array:
     slot = position); slots past the prompt get ``-inf``."""
     T = observations.shape[-1]
     return jnp.pad(observations, ((0, 0),) * 3 + ((0, capacity - T),), constant_values=-jnp.inf)
+
+
+def entropy_stats(logits: jax.Array) -> jax.Array:
+    """Entropy (nats) of the next-token distribution ``softmax(logits)``, ``[B, V]`` → ``[B]``: the
+    uncertainty CHESS's trigger averages over a page and `sparsekv_jax.eval.calibrate` measures."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -(jnp.exp(logp) * logp).sum(-1)
