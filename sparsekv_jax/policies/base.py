@@ -27,6 +27,9 @@ inferred from which methods a class overrides:
 * ``needs_decode_probs``: the decode step computes attention probabilities for ``decode_observe``.
 * ``needs_question``: the policy scores with the question (``Prompt.question_start``); without a
   split it uses a documented fallback.
+* ``page_summaries``: the cache's page summaries (`sparsekv_jax.cache.SUMMARIES`: ``page_sum``,
+  ``page_min``, ``page_max``, ``page_max_bias``) the policy reads, in any stage. The engine's cache
+  holds only those (others are ``None``: no bytes, no work on append); default none.
 
 `Pipeline` puts one policy in each stage; ``policy.stage(name)`` is the policy that runs a stage
 (the policy itself, or `Dense` where it implements none). Every method receives static sizes as
@@ -99,6 +102,7 @@ class Policy:
     needs_observations: ClassVar[bool] = False
     needs_decode_probs: ClassVar[bool] = False
     needs_question: ClassVar[bool] = False
+    page_summaries: ClassVar[frozenset[str]] = frozenset()
 
     @property
     def name(self) -> str:

@@ -288,6 +288,11 @@ class CHESS(Policy):
     def exact(self) -> bool:
         return self.ratios == (1.0, 1.0, 1.0)
 
+    @property
+    def page_summaries(self) -> frozenset[str]:  # type: ignore[override]
+        """Post-RoPE page vectors are the cache's page sums; pre-RoPE ones are rebuilt from the keys."""
+        return frozenset({"page_sum"}) if self.keys == "post_rope" else frozenset()
+
     # -- selection -----------------------------------------------------------------------
     def _page_scores(self, cache: KVCache, anchor_end: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Scores ``[B, P]`` of CHESS pages against the anchor of the window ending at slot
@@ -318,6 +323,9 @@ class CHESS(Policy):
                         live_tokens: jax.Array) -> jax.Array:
         """``[B, P]`` page key sums · (sum_p w_p · page sum), from the cache's page sums (no key read)."""
         page_sum = cache.layers.page_sum  # [L, B, H, Pc, D] fp32 sums of keys per cache page
+        if page_sum is None:
+            raise ValueError("CHESS(keys='post_rope') reads the cache's page_sum, which this cache does not hold "
+                             "(build it with init_cache(summaries=policy.page_summaries))")
         B, Pc, cps = cache.batch, cache.num_pages, cache.page_size
         m = self.page_size // cps
         P = w.shape[1]
