@@ -208,8 +208,13 @@ class Policy:
         return 0
 
     def decode_rewind(self, shared_state: Any) -> jax.Array | None:
-        """``[B]`` int: tokens each row takes back after this step (decided in ``decode_update``):
-        the generation loop drops them from the output and the cache and generates them again."""
+        """``[B]`` int: tokens each row takes back after this step (decided in ``decode_update``), or
+        ``None`` (static: never; the default). Any decode policy may use it (CHESS regenerates a
+        page with a rebuilt selection): the decode loop drops those tokens from the row's output
+        and its cache (``length`` and ``next_position`` step back; the slots are overwritten) and
+        generates them again, running up to ``max_rewind_tokens`` extra steps, which must bound
+        the total a row takes back. The new selection is the policy's own: ``decode_update`` sets it
+        for the cache as it will be after the rewind (``cache.length - rewind``)."""
         return None
 
     def decode_stats(self, shared_state: Any) -> dict[str, jax.Array]:
