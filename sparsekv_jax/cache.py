@@ -19,6 +19,9 @@ Layout (per layer, stacked over layers with a leading ``L`` axis in `KVCache.lay
   ``[B, Hkv, P]`` float32 is the largest bias in the page, so a bound on a page's logits stays a
   bound after merging (Quest). Summaries cover the page's live slots (below ``length``, position
   ``>= 0``). Maintained on single-token append; recomputed in one pass after prefill or compression.
+  Each summary is held only where it is read: a policy declares the ones it reads
+  (`Policy.page_summaries`), the engine's cache allocates those (`init_cache(summaries=...)`) and a
+  summary left out is ``None`` (no leaf: no bytes, no work on append or compaction).
 
 **Local layers** (a model with interleaved sliding-window and global layers, Gemma 3, under
 ``Backend(local_cache="ring")``): ``layers`` holds the *global* layers only and ``local`` (`LocalKV`) a
@@ -34,6 +37,7 @@ Capacity is fixed at creation: every shape is static.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -42,19 +46,28 @@ from flax import struct
 
 from sparsekv_jax.models.config import ModelConfig
 
+# the page summaries a cache may hold (module docstring); a policy declares the ones it reads
+SUMMARIES = ("page_sum", "page_min", "page_max", "page_max_bias")
+
 
 @struct.dataclass
 class LayerKV:
-    """One layer's cache (or all layers, stacked on a leading axis)."""
+    """One layer's cache (or all layers, stacked on a leading axis). A page summary the cache was
+    not asked to hold is ``None``."""
 
     k: jax.Array
     v: jax.Array
     positions: jax.Array
     bias: jax.Array
-    page_sum: jax.Array
-    page_min: jax.Array
-    page_max: jax.Array
-    page_max_bias: jax.Array
+    page_sum: jax.Array | None = None
+    page_min: jax.Array | None = None
+    page_max: jax.Array | None = None
+    page_max_bias: jax.Array | None = None
+
+    @property
+    def summaries(self) -> frozenset[str]:
+        """The page summaries this cache holds (names from `SUMMARIES`)."""
+        return frozenset(name for name in SUMMARIES if getattr(self, name) is not None)
 
 
 @struct.dataclass
@@ -104,13 +117,28 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+def check_summaries(summaries: Iterable[str]) -> frozenset[str]:
+    """``summaries`` as a frozenset of names from `SUMMARIES` (``ValueError`` naming an unknown one)."""
+    if isinstance(summaries, str):
+        raise ValueError(f"summaries={summaries!r} must be a collection of names from {SUMMARIES}, not a string")
+    names = frozenset(summaries)
+    unknown = sorted(names - set(SUMMARIES))
+    if unknown:
+        raise ValueError(f"unknown page summaries {unknown}; a cache holds {SUMMARIES}")
+    return names
+
+
 def init_cache(cfg: ModelConfig, batch: int, capacity: int, *, page_size: int = 16,
-               dtype: jnp.dtype = jnp.bfloat16, ring: int | None = None) -> KVCache:
+               dtype: jnp.dtype = jnp.bfloat16, ring: int | None = None,
+               summaries: Iterable[str] = SUMMARIES) -> KVCache:
     """An empty cache holding ``capacity`` tokens per row (rounded up to whole pages).
 
     ``ring`` (a model with interleaved local and global layers only): the local layers keep ring
     buffers of ``ring`` slots (at least the window) and ``layers`` holds the global layers alone.
+    ``summaries``: the page summaries to hold (default all of `SUMMARIES`; the engine passes the
+    policy's `page_summaries`); the others are ``None``.
     """
+    summaries = check_summaries(summaries)
     if batch <= 0:
         raise ValueError(f"batch={batch} must be positive")
     if capacity <= 0:
@@ -134,13 +162,21 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int, *, page_size: int = 
         v=jnp.zeros((L, batch, H, S, D), dtype),
         positions=jnp.full((L, batch, H, S), -1, jnp.int32),
         bias=jnp.zeros((L, batch, H, S), jnp.float32),
-        page_sum=jnp.zeros((L, batch, H, n_pages, D), jnp.float32),
-        page_min=jnp.zeros((L, batch, H, n_pages, D), dtype),
-        page_max=jnp.zeros((L, batch, H, n_pages, D), dtype),
-        page_max_bias=jnp.full((L, batch, H, n_pages), -jnp.inf, jnp.float32),
+        **empty_summaries(summaries, (L, batch, H, n_pages, D), dtype),
     )
     zeros = jnp.zeros((batch,), jnp.int32)
     return KVCache(layers=layers, length=zeros, next_position=zeros, local=local, page_size=page_size)
+
+
+def empty_summaries(summaries: Iterable[str], shape: tuple[int, ...], dtype: jnp.dtype) -> dict[str, Any]:
+    """The page-summary fields of an empty `LayerKV` with pages ``shape`` ``[..., P, D]`` and keys of
+    ``dtype``: each of ``summaries`` allocated (sums fp32, min/max in ``dtype``, max bias ``-inf``),
+    the others ``None``."""
+    make = {"page_sum": lambda: jnp.zeros(shape, jnp.float32), "page_min": lambda: jnp.zeros(shape, dtype),
+            "page_max": lambda: jnp.zeros(shape, dtype),
+            "page_max_bias": lambda: jnp.full(shape[:-1], -jnp.inf, jnp.float32)}
+    names = check_summaries(summaries)
+    return {name: make[name]() if name in names else None for name in SUMMARIES}
 
 
 def write_chunk(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, start: jax.Array,
@@ -161,11 +197,15 @@ def write_chunk(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, start: jax.Arra
 
 
 def summarize_pages(kv: LayerKV, length: jax.Array, page_size: int) -> LayerKV:
-    """Recompute page sum/min/max from the keys in slots ``< length`` (one layer or stacked layers).
+    """Recompute the page summaries ``kv`` holds from the keys in slots ``< length`` (one layer or
+    stacked layers; a cache holding none is returned as it is).
 
     Stacked layers are summarised one at a time (`lax.map`) and min/max are taken in the storage
     dtype (exact), so no fp32 copy of the whole cache is ever materialised.
     """
+    held = kv.summaries
+    if not held:
+        return kv
     if kv.k.ndim == 5:
         return jax.lax.map(lambda layer: summarize_pages(layer, length, page_size), kv)
     B, H, S, D = kv.k.shape
@@ -173,13 +213,17 @@ def summarize_pages(kv: LayerKV, length: jax.Array, page_size: int) -> LayerKV:
     valid = (_slot_valid(length, (B, H, S)) & (kv.positions >= 0)).reshape(B, H, P, page_size, 1)
     k = kv.k.reshape(B, H, P, page_size, D)
     big = jnp.asarray(jnp.finfo(k.dtype).max, k.dtype)
-    page_sum = jnp.where(valid, k, 0).sum(-2, dtype=jnp.float32)
-    page_min = jnp.where(valid, k, big).min(-2).astype(kv.page_min.dtype)
-    page_max = jnp.where(valid, k, -big).max(-2).astype(kv.page_max.dtype)
     has_any = valid.any(-2)
-    max_bias = jnp.where(valid[..., 0], kv.bias.reshape(B, H, P, page_size), -jnp.inf).max(-1)
-    return kv.replace(page_sum=page_sum, page_min=jnp.where(has_any, page_min, 0),
-                      page_max=jnp.where(has_any, page_max, 0), page_max_bias=max_bias)
+    new = {}
+    if "page_sum" in held:
+        new["page_sum"] = jnp.where(valid, k, 0).sum(-2, dtype=jnp.float32)
+    if "page_min" in held:
+        new["page_min"] = jnp.where(has_any, jnp.where(valid, k, big).min(-2).astype(kv.page_min.dtype), 0)
+    if "page_max" in held:
+        new["page_max"] = jnp.where(has_any, jnp.where(valid, k, -big).max(-2).astype(kv.page_max.dtype), 0)
+    if "page_max_bias" in held:
+        new["page_max_bias"] = jnp.where(valid[..., 0], kv.bias.reshape(B, H, P, page_size), -jnp.inf).max(-1)
+    return kv.replace(**new)
 
 
 def _slot_valid(length: jax.Array, shape: tuple[int, ...]) -> jax.Array:
@@ -191,7 +235,7 @@ def _slot_valid(length: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 def append_token(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slot: jax.Array,
                  position: jax.Array, new_length: jax.Array, page_size: int,
                  layer: jax.Array | None = None) -> LayerKV:
-    """Write one token per row at ``slot`` and refresh that page's summary.
+    """Write one token per row at ``slot`` and refresh that page's summaries (those ``kv`` holds).
 
     ``kv`` is one layer's cache, or with ``layer`` (int scalar, may be traced) every layer's,
     stacked ``[L, ...]``: then only that layer's token and page are written, in place (a decode
@@ -214,27 +258,34 @@ def append_token(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slot: jax.Arra
     k = _write(kv.k, layer, slot, k_new)
     v = _write(kv.v, layer, slot, v_new)
     pos = _write(kv.positions, layer, slot, jnp.broadcast_to(position[:, None], (B, H)))
+    bias = _write(kv.bias, layer, slot, jnp.zeros((B, H))) if in_place else kv.bias
+    held = kv.summaries
+    if not held:
+        return kv.replace(k=k, v=v, positions=pos, bias=bias)
     page = slot // page_size  # [B, H]
     in_page = page[..., None] * page_size + jnp.arange(page_size)  # [B, H, ps]
     pick = (lambda a: a) if layer is None else (lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False))
-    keys = jnp.take_along_axis(pick(k), in_page[..., None], axis=2).astype(jnp.float32)  # [B, H, ps, D]
     live = in_page < new_length[:, None, None]
     if in_place:
-        bias = _write(kv.bias, layer, slot, jnp.zeros((B, H)))
         live = live & (jnp.take_along_axis(pick(pos), in_page, axis=2) >= 0)  # holes stay out
-        page_bias = jnp.where(live, jnp.take_along_axis(pick(bias), in_page, axis=2), -jnp.inf).max(-1)
-        page_max_bias = _write(kv.page_max_bias, layer, page, page_bias)
-    else:
-        bias = kv.bias
-        page_max_bias = _write(kv.page_max_bias, layer, page, jnp.zeros((B, H)), jax.lax.scatter_max)
-    valid = live[..., None]
-    big = jnp.finfo(kv.page_min.dtype).max  # representable in the summaries' dtype
-    return kv.replace(
-        k=k, v=v, positions=pos, bias=bias, page_max_bias=page_max_bias,
-        page_sum=_write(kv.page_sum, layer, page, jnp.where(valid, keys, 0.0).sum(-2)),
-        page_min=_write(kv.page_min, layer, page, jnp.where(valid, keys, big).min(-2)),
-        page_max=_write(kv.page_max, layer, page, jnp.where(valid, keys, -big).max(-2)),
-    )
+    new = {}
+    if "page_max_bias" in held:
+        if in_place:
+            page_bias = jnp.where(live, jnp.take_along_axis(pick(bias), in_page, axis=2), -jnp.inf).max(-1)
+            new["page_max_bias"] = _write(kv.page_max_bias, layer, page, page_bias)
+        else:
+            new["page_max_bias"] = _write(kv.page_max_bias, layer, page, jnp.zeros((B, H)), jax.lax.scatter_max)
+    if held - {"page_max_bias"}:
+        keys = jnp.take_along_axis(pick(k), in_page[..., None], axis=2).astype(jnp.float32)  # [B, H, ps, D]
+        valid = live[..., None]
+        big = jnp.finfo(k.dtype).max  # representable in the summaries' dtype (min/max are in the keys')
+        if "page_sum" in held:
+            new["page_sum"] = _write(kv.page_sum, layer, page, jnp.where(valid, keys, 0.0).sum(-2))
+        if "page_min" in held:
+            new["page_min"] = _write(kv.page_min, layer, page, jnp.where(valid, keys, big).min(-2))
+        if "page_max" in held:
+            new["page_max"] = _write(kv.page_max, layer, page, jnp.where(valid, keys, -big).max(-2))
+    return kv.replace(k=k, v=v, positions=pos, bias=bias, **new)
 
 
 def _write(x: jax.Array, layer: jax.Array | None, index: jax.Array, value: jax.Array,
@@ -270,7 +321,10 @@ def page_counts(length: jax.Array, num_pages: int, page_size: int) -> jax.Array:
 
 
 def page_mean(kv: LayerKV, length: jax.Array, page_size: int) -> jax.Array:
-    """``[..., B, H, P, D]`` mean key of each page (zero for empty pages)."""
+    """``[..., B, H, P, D]`` mean key of each page (zero for empty pages); ``kv`` must hold ``page_sum``."""
+    if kv.page_sum is None:
+        raise ValueError("page_mean: this cache holds no page_sum (build it with init_cache(summaries=...) "
+                         "naming 'page_sum', or from a policy whose page_summaries include it)")
     counts = page_counts(length, kv.page_sum.shape[-2], page_size)  # [B, P]
     denom = jnp.maximum(counts, 1).astype(jnp.float32)[:, None, :, None]
     return kv.page_sum / denom

@@ -86,7 +86,8 @@ def test_block_pattern_listing_every_causal_block_is_dense(params):
     assert float(sparse.stats["prefill_block_fraction"]) < 1.0
 
 
-@pytest.mark.parametrize("policy", [Dense(), H2O(budget=40)], ids=["dense", "h2o"])
+@pytest.mark.parametrize("policy", [Dense(), H2O(budget=40), Quest(budget=32, dense_layers=0)],
+                         ids=["dense", "h2o", "quest"])
 def test_carried_cache_equals_scanned_cache(params, policy):
     """Decode with the cache in the scan carry (in-place writes by layer index) gives the same
     tokens, cache and policy state effects as scanning it layer by layer (jnp attention both)."""
@@ -96,7 +97,9 @@ def test_carried_cache_equals_scanned_cache(params, policy):
     ref = _run(params, policy, tokens, lengths, "jnp", "jnp", carry=False)
     got = _run(params, policy, tokens, lengths, "jnp", "jnp", carry=True)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
-    for name in ("k", "v", "positions", "bias", "page_sum", "page_min", "page_max", "page_max_bias"):
+    # the page summaries the policy reads (Quest's min/max/bias; none for Dense and H2O), and only those
+    assert got.cache.layers.summaries == ref.cache.layers.summaries == policy.page_summaries
+    for name in ("k", "v", "positions", "bias", *sorted(policy.page_summaries)):
         np.testing.assert_allclose(np.asarray(getattr(got.cache.layers, name)),
                                    np.asarray(getattr(ref.cache.layers, name)), atol=1e-5, err_msg=name)
 

@@ -67,6 +67,9 @@ def _check_run(policy: Policy, setup) -> None:
     policy = policy.with_tokenizer(tokenizer)
     out = generate(params, policy, tokens, lengths=LENGTHS, max_new_tokens=NEW, stop_tokens=())
     assert np.asarray(out.num_generated).tolist() == [NEW, NEW]
+    # the cache holds the page summaries the policy declares and no other (one it reads undeclared
+    # is None: the run above fails)
+    assert out.cache.layers.summaries == policy.page_summaries, (policy.name, out.cache.layers.summaries)
     for key in ("kv_stored_fraction", "kv_read_fraction", "prefill_block_fraction"):
         value = np.asarray(out.stats[key], np.float64)
         assert np.isfinite(value).all() and (value >= 0).all() and (value <= 1 + 1e-6).all(), (key, value)

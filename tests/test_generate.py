@@ -7,11 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import seeded_rng
+from flax import struct
 
-from sparsekv_jax.cache import init_cache, page_mean
+from sparsekv_jax.cache import SUMMARIES, init_cache, page_mean
 from sparsekv_jax.generate import Sampling, full_logits, generate, sample
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
+from sparsekv_jax.policies import CHESS, Dense, Pipeline, Quest, SnapKV
 
 CFG = ModelConfig(family="llama", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, intermediate_size=48, max_position_embeddings=64, eos_token_ids=(0,))
@@ -131,11 +133,18 @@ def test_same_seed_same_samples_other_seed_differs(params):
     assert not np.array_equal(np.asarray(a.tokens), np.asarray(c.tokens))
 
 
+@struct.dataclass
+class EverySummary(Dense):
+    """Full attention whose cache holds every page summary (it declares them all; reads none)."""
+
+    page_summaries = frozenset(SUMMARIES)
+
+
 def test_cache_bookkeeping_and_page_summaries(params):
     rng = seeded_rng()
     tokens = rng.integers(1, CFG.vocab_size, (2, 21))
     lengths = np.array([21, 10])
-    out = generate(params, None, tokens, lengths=lengths, max_new_tokens=5, stop_tokens=(), page_size=8)
+    out = generate(params, EverySummary(), tokens, lengths=lengths, max_new_tokens=5, stop_tokens=(), page_size=8)
     cache = out.cache
     np.testing.assert_array_equal(np.asarray(cache.length), lengths + 4)  # last token is not fed back
     np.testing.assert_array_equal(np.asarray(cache.next_position), lengths + 4)
@@ -157,6 +166,37 @@ def test_cache_bookkeeping_and_page_summaries(params):
         assert (page_bias[..., :used] == 0).all() and (page_bias[..., used:] == -np.inf).all()
 
 
+def test_cache_holds_only_the_page_summaries_its_policy_reads(params):
+    """FullKV's cache holds K, V, positions and biases and nothing else (no page summary, so its
+    bytes drop by exactly theirs); Quest's holds min/max/max-bias, post-RoPE CHESS's the sums,
+    pre-RoPE CHESS's none, a Pipeline's the union of its members'; the tokens stay those of a cache
+    holding every summary."""
+    rng = seeded_rng()
+    tokens = rng.integers(1, CFG.vocab_size, (2, 21))
+    lengths = np.array([21, 10])
+    run = dict(lengths=lengths, max_new_tokens=5, stop_tokens=(), page_size=8)
+    full, every = generate(params, Dense(), tokens, **run), generate(params, EverySummary(), tokens, **run)
+    np.testing.assert_array_equal(np.asarray(full.tokens), np.asarray(every.tokens))
+    layers = full.cache.layers
+    assert layers.summaries == frozenset() and all(getattr(layers, n) is None for n in SUMMARIES)
+    L, B, H, S, D = layers.k.shape
+    P, item = S // 8, layers.k.dtype.itemsize
+    assert full.cache.local is None
+    assert full.stats["cache_bytes"] == L * B * H * S * (2 * D * item + 4 + 4) + 2 * B * 4  # K, V, positions, bias
+    assert full.stats["cache_bytes"] == full.cache.kv_nbytes() + L * B * H * S * 8 + 2 * B * 4
+    summary_bytes = L * B * H * P * (D * 4 + 2 * D * item + 4)  # sum fp32, min/max in the keys' dtype, max bias
+    assert every.stats["cache_bytes"] - full.stats["cache_bytes"] == summary_bytes
+    quest, snap = Quest(budget=8, page_size=8, dense_layers=0), SnapKV(budget=0.5, window=2)
+    for policy, want in ((quest, {"page_min", "page_max", "page_max_bias"}), (CHESS(page_size=8), set()),
+                         (CHESS(page_size=8, keys="post_rope"), {"page_sum"}),
+                         (Pipeline(compress=snap, decode=quest), {"page_min", "page_max", "page_max_bias"})):
+        assert policy.page_summaries == want, policy.name
+        out = generate(params, policy, tokens, **run)
+        assert out.cache.layers.summaries == want, policy.name
+    with pytest.raises(ValueError, match=r"unknown page summaries \['page_mean'\]"):
+        init_cache(CFG, 1, 16, summaries=("page_sum", "page_mean"))
+
+
 def test_bf16_cache_page_min_max_are_exact_in_the_keys_dtype():
     """Min/max summaries are stored in the cache's dtype (half of float32's bytes) and, being
     minima and maxima of stored keys, equal them exactly — after prefill and after appends."""
@@ -164,7 +204,8 @@ def test_bf16_cache_page_min_max_are_exact_in_the_keys_dtype():
     params16 = random_params(CFG, jax.random.key(int(rng.integers(1 << 30))), jnp.bfloat16, scale=0.3)
     tokens = rng.integers(1, CFG.vocab_size, (2, 19))
     lengths = np.array([19, 11])
-    cache = generate(params16, None, tokens, lengths=lengths, max_new_tokens=6, stop_tokens=(), page_size=8).cache
+    cache = generate(params16, EverySummary(), tokens, lengths=lengths, max_new_tokens=6, stop_tokens=(),
+                     page_size=8).cache
     assert cache.layers.page_min.dtype == cache.layers.page_max.dtype == jnp.bfloat16
     assert cache.layers.page_sum.dtype == jnp.float32
     k = np.asarray(cache.layers.k.astype(jnp.float32))

@@ -144,6 +144,10 @@ class _GlobalLayersOnly(Policy):
     def bind(self, setup):
         return self.replace(inner=self.inner.bind(setup))
 
+    @property
+    def page_summaries(self):  # a wrapper reads what its inner policy reads
+        return self.inner.page_summaries
+
     def decode_select(self, q, kv, length, layer_state, shared_state, layer_index, page_size):
         ids, counts = self.inner.decode_select(q, kv, length, layer_state, shared_state, layer_index, page_size)
         every = jnp.broadcast_to(jnp.arange(ids.shape[-1], dtype=ids.dtype), ids.shape)

@@ -313,3 +313,70 @@ def test_teacher_force_passes_the_question_split(params):
     forced = _tokens(1, 3)
     logits = teacher_force(params, QuestionKeeper(), tokens, forced, lengths=lengths, question_start=qs)[0]
     assert np.isfinite(np.asarray(logits)).all()
+
+
+# -- the rewind hook: any decode policy, not CHESS alone ---------------------------------------
+
+@struct.dataclass
+class FirstPageThenRewind(Policy):
+    """Reads only the first cache page for ``at`` steps, then every page; the first ``rows`` rows
+    then take back the ``at`` tokens they decoded (a rewind through the protocol's hook alone)."""
+
+    at: int = struct.field(pytree_node=False, default=4)
+    rows: int = struct.field(pytree_node=False, default=0)
+    stages = ("decode",)
+
+    @property
+    def max_rewind_tokens(self) -> int:
+        return self.at if self.rows else 0
+
+    def decode_init(self, cache, observations):
+        B = cache.batch
+        return None, {"step": jnp.zeros((B,), jnp.int32), "rewind": jnp.zeros((B,), jnp.int32),
+                      "dense": jnp.zeros((B,), bool), "rewinds": jnp.zeros((B,), jnp.int32)}
+
+    def decode_select(self, q, kv, length, layer_state, shared_state, layer_index, page_size):
+        B, H, S, _ = kv.k.shape
+        P = S // page_size
+        ids = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, H, P))
+        counts = jnp.where(shared_state["dense"], -(-length // page_size), 1)
+        return ids, jnp.broadcast_to(counts[:, None], (B, H)).astype(jnp.int32)
+
+    def decode_update(self, shared_state, cache, logits):
+        step = shared_state["step"] + 1
+        fire = step == self.at
+        back = fire & (jnp.arange(step.shape[0]) < self.rows)
+        rewind = jnp.where(back, self.at, 0).astype(jnp.int32)
+        return {"step": step, "rewind": rewind, "dense": shared_state["dense"] | fire,
+                "rewinds": shared_state["rewinds"] + back}
+
+    def decode_rewind(self, shared_state):
+        return shared_state["rewind"] if self.max_rewind_tokens else None
+
+    def decode_stats(self, shared_state):
+        return {"rewinds": shared_state["rewinds"]}
+
+
+def test_any_policy_may_rewind_through_the_hook(params):
+    """A policy that is not CHESS takes tokens back with `decode_rewind`: the decode loop drops them
+    from the output and the cache and generates them again. Its first ``at`` steps read one page
+    (tokens unlike full attention's); rows that take those steps back then decode with every page
+    and so give exactly full attention's tokens and cache; the others keep what they decoded. The
+    same through a `Pipeline`."""
+    tokens = _tokens(4, 40)
+    lengths = np.array([40, 29, 40, 33])
+    run = dict(lengths=lengths, max_new_tokens=10, stop_tokens=(), page_size=8)
+    dense = generate(params, Dense(), tokens, **run)
+    kept = generate(params, FirstPageThenRewind(at=4, rows=0), tokens, **run)
+    want = np.asarray(dense.tokens)
+    assert (np.asarray(kept.tokens) != want).any(axis=1).all(), "one page read must change every row's tokens"
+    for policy in (FirstPageThenRewind(at=4, rows=2), Pipeline(decode=FirstPageThenRewind(at=4, rows=2))):
+        assert policy.max_rewind_tokens == 4
+        out = generate(params, policy, tokens, **run)
+        got = np.asarray(out.tokens)
+        np.testing.assert_array_equal(got[:2], want[:2])  # taken back and regenerated with every page
+        np.testing.assert_array_equal(got[2:], np.asarray(kept.tokens)[2:])  # never rewound
+        np.testing.assert_array_equal(np.asarray(out.stats["rewinds"]), [1, 1, 0, 0])
+        for field in ("length", "next_position"):
+            np.testing.assert_array_equal(np.asarray(getattr(out.cache, field)),
+                                          np.asarray(getattr(dense.cache, field)))

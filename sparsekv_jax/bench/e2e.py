@@ -49,7 +49,8 @@ def memory_bytes(compiled) -> int | None:
 
 
 def decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_size: int = 16, mesh=None):
-    """A cache holding ``context`` tokens as ``policy`` leaves it after prefill (+ room for steps); on
+    """A cache holding ``context`` tokens as ``policy`` leaves it after prefill (+ room for steps; the
+    page summaries it reads, as `generate` allocates them); on
     ``mesh`` (`sparsekv_jax.sharding`) built split as `generate` splits it (no device holds it whole)."""
     import jax
     import jax.numpy as jnp
@@ -65,8 +66,8 @@ def decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_si
     # them (built eagerly, zeros + random draws held twice the cache: out of memory at 8k x 32)
     @jax.jit
     def build(key):
-        cache = sharding.constrain_cache(init_cache(cfg, batch, capacity, page_size=page_size, dtype=jnp.bfloat16),
-                                         mesh)
+        cache = sharding.constrain_cache(init_cache(cfg, batch, capacity, page_size=page_size, dtype=jnp.bfloat16,
+                                                    summaries=policy.page_summaries), mesh)
         k1, k2, k3 = jax.random.split(key, 3)
         L, B, H, S, D = cache.layers.k.shape
         used = jnp.arange(S) < kept
@@ -196,7 +197,8 @@ def run_model(model: str, grid: Grid, backend=None) -> list[dict]:
                 lengths = jnp.full((1,), T, jnp.int32)
 
                 def run(params, tokens, T=T, lengths=lengths, pol=pol):
-                    cache = sharding.constrain_cache(init_cache(cfg, 1, T, page_size=16, dtype=jnp.bfloat16), mesh)
+                    cache = sharding.constrain_cache(init_cache(cfg, 1, T, page_size=16, dtype=jnp.bfloat16,
+                                                                summaries=pol.page_summaries), mesh)
                     logits, cache, _, fraction = prefill(params, pol, tokens, lengths, cache, backend=backend)
                     return logits, cache.length, fraction
 

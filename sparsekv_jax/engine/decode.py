@@ -156,7 +156,7 @@ def decode_loop(params: Params, policy: Policy, ready: Ready, key: jax.Array, de
     """Sample the first token from ``ready.logits`` then decode until every row stopped.
 
     Each row keeps its own output count, so a policy may take back a row's last tokens
-    (`Policy.decode_rewind`, CHESS's backtracking): they are dropped from the output and the cache
+    (the `Policy.decode_rewind` hook of any decode policy): they are dropped from the output and the cache
     and generated again; the loop then runs up to ``policy.max_rewind_tokens`` extra steps.
     """
     dec, n_new, stops = policy.stage("decode"), decoding.max_new_tokens, decoding.stop_tokens

@@ -61,13 +61,16 @@ def _unique(observers: dict[Any, Policy]) -> dict[Any, Any]:
     return first
 
 
-def empty_cache(params: Params, run: Run, rewind: int | None = None) -> KVCache:
+def empty_cache(params: Params, run: Run, rewind: int | None = None,
+                summaries: frozenset[str] | None = None) -> KVCache:
     """The empty cache of ``run`` (its capacity and page size; rings for local layers holding the
-    window plus ``rewind`` tokens, default what the run's decode stage may take back)."""
+    window plus ``rewind`` tokens, default what the run's decode stage may take back; the page
+    ``summaries`` to hold, default those the run's policy reads)."""
     rewind = run.policy.stage("decode").max_rewind_tokens if rewind is None else rewind
+    summaries = run.policy.page_summaries if summaries is None else summaries
     ring = local_layers.ring_slots(params.config, run.backend, rewind)
     cache = init_cache(params.config, run.tokens.shape[0], run.capacity, page_size=run.page_size, dtype=params.dtype,
-                       ring=ring)
+                       ring=ring, summaries=summaries)
     return sharding.constrain_cache(cache, run.backend.mesh)
 
 
@@ -84,8 +87,9 @@ def share_prefill(params: Params, runs: list[Run]) -> list[Prefilled]:
     at once by every policy that needs it; ``[Prefilled of each run]`` sharing one cache."""
     r0 = runs[0]
     rewind = max(r.policy.stage("decode").max_rewind_tokens for r in runs)
+    summaries = frozenset().union(*(r.policy.page_summaries for r in runs))
     logits, cache, seen, fraction = prefill_shared(params, [r.policy for r in runs], r0.tokens, r0.lengths,
-                                                   empty_cache(params, r0, rewind), chunk=r0.prefill_chunk,
+                                                   empty_cache(params, r0, rewind, summaries), chunk=r0.prefill_chunk,
                                                    question_start=r0.question_start, backend=r0.backend)
     return [Prefilled(logits, cache, obs, fraction) for obs in seen]
 

@@ -15,7 +15,8 @@ with full attention on a calibration set (its Figure 4). This module does exactl
    logits of every decode step;
 3. per complete page of ``page_size`` generated tokens (the steps CHESS sees: tokens 1.., the
    first comes from the prompt): mean entropy and varentropy (the variance of the per-token
-   entropy over the page, as in `sparsekv_jax.policies.chess`);
+   entropy over the page, as CHESS computes it; the entropy is
+   `sparsekv_jax.policies.common.entropy_stats`, which CHESS's trigger uses);
 4. the ``percentile``-th percentiles → JSON (`CHESS.from_spec(calibration=...)` loads it) and a
    density plot of the pages with the thresholds.
 
@@ -127,7 +128,7 @@ def calibrate(model: Any = "smollm2", suite: str = "wikitext", *, data: str | No
     from sparsekv_jax.generate import generate, teacher_force
     from sparsekv_jax.models.embedded import load
     from sparsekv_jax.policies import Dense
-    from sparsekv_jax.policies.chess import entropy_stats
+    from sparsekv_jax.policies.common import entropy_stats
 
     if not 0 < percentile < 100:
         raise ValueError(f"percentile={percentile} must be in (0, 100)")

@@ -27,6 +27,9 @@ inferred from which methods a class overrides:
 * ``needs_decode_probs``: the decode step computes attention probabilities for ``decode_observe``.
 * ``needs_question``: the policy scores with the question (``Prompt.question_start``); without a
   split it uses a documented fallback.
+* ``page_summaries``: the cache's page summaries (`sparsekv_jax.cache.SUMMARIES`: ``page_sum``,
+  ``page_min``, ``page_max``, ``page_max_bias``) the policy reads, in any stage. The engine's cache
+  holds only those (others are ``None``: no bytes, no work on append); default none.
 
 `Pipeline` puts one policy in each stage; ``policy.stage(name)`` is the policy that runs a stage
 (the policy itself, or `Dense` where it implements none). Every method receives static sizes as
@@ -99,6 +102,7 @@ class Policy:
     needs_observations: ClassVar[bool] = False
     needs_decode_probs: ClassVar[bool] = False
     needs_question: ClassVar[bool] = False
+    page_summaries: ClassVar[frozenset[str]] = frozenset()
 
     @property
     def name(self) -> str:
@@ -204,8 +208,13 @@ class Policy:
         return 0
 
     def decode_rewind(self, shared_state: Any) -> jax.Array | None:
-        """``[B]`` int: tokens each row takes back after this step (decided in ``decode_update``):
-        the generation loop drops them from the output and the cache and generates them again."""
+        """``[B]`` int: tokens each row takes back after this step (decided in ``decode_update``), or
+        ``None`` (static: never; the default). Any decode policy may use it (CHESS regenerates a
+        page with a rebuilt selection): the decode loop drops those tokens from the row's output
+        and its cache (``length`` and ``next_position`` step back; the slots are overwritten) and
+        generates them again, running up to ``max_rewind_tokens`` extra steps, which must bound
+        the total a row takes back. The new selection is the policy's own: ``decode_update`` sets it
+        for the cache as it will be after the rewind (``cache.length - rewind``)."""
         return None
 
     def decode_stats(self, shared_state: Any) -> dict[str, jax.Array]:

@@ -84,7 +84,7 @@ from sparsekv_jax.cache import KVCache, LayerKV, page_counts
 from sparsekv_jax.models.rope import inverse_frequencies
 from sparsekv_jax.pallas import dispatch
 from sparsekv_jax.policies.base import Policy, Selection, Setup
-from sparsekv_jax.policies.common import pages_to_list
+from sparsekv_jax.policies.common import entropy_stats, pages_to_list
 
 PRESETS = {"conservative": (0.9, 0.9, 0.9), "moderate": (0.8, 0.7, 0.7), "aggressive": (0.5, 0.2, 0.1)}
 TRIGGERS = ("uncertainty", "interval")
@@ -140,12 +140,6 @@ def max_selected(num_pages: int, ratios: tuple[float, float, float], chunk_pages
     k_g = math.ceil(rho_g * grids - 1e-4)
     k_c = math.ceil(rho_c * min(k_g * grid_chunks, -(-num_pages // chunk_pages)) - 1e-4)
     return min(num_pages, math.ceil(rho_p * min(k_c * chunk_pages, num_pages) - 1e-4))
-
-
-def entropy_stats(logits: jax.Array) -> jax.Array:
-    """Entropy (nats) of the next-token distribution ``softmax(logits)``, ``[B, V]`` → ``[B]``."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -(jnp.exp(logp) * logp).sum(-1)
 
 
 @struct.dataclass
@@ -294,6 +288,11 @@ class CHESS(Policy):
     def exact(self) -> bool:
         return self.ratios == (1.0, 1.0, 1.0)
 
+    @property
+    def page_summaries(self) -> frozenset[str]:  # type: ignore[override]
+        """Post-RoPE page vectors are the cache's page sums; pre-RoPE ones are rebuilt from the keys."""
+        return frozenset({"page_sum"}) if self.keys == "post_rope" else frozenset()
+
     # -- selection -----------------------------------------------------------------------
     def _page_scores(self, cache: KVCache, anchor_end: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Scores ``[B, P]`` of CHESS pages against the anchor of the window ending at slot
@@ -324,6 +323,9 @@ class CHESS(Policy):
                         live_tokens: jax.Array) -> jax.Array:
         """``[B, P]`` page key sums · (sum_p w_p · page sum), from the cache's page sums (no key read)."""
         page_sum = cache.layers.page_sum  # [L, B, H, Pc, D] fp32 sums of keys per cache page
+        if page_sum is None:
+            raise ValueError("CHESS(keys='post_rope') reads the cache's page_sum, which this cache does not hold "
+                             "(build it with init_cache(summaries=policy.page_summaries))")
         B, Pc, cps = cache.batch, cache.num_pages, cache.page_size
         m = self.page_size // cps
         P = w.shape[1]

@@ -9,7 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from sparsekv_jax.cache import KVCache, LayerKV, pages_for, summarize_pages
+from sparsekv_jax.cache import KVCache, LayerKV, empty_summaries, pages_for, summarize_pages
 
 KEEP = 1e30  # score that forces an entry to be kept (finite: sorts above everything else)
 
@@ -115,7 +115,7 @@ def write_entries(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Arr
     Heads may keep different numbers: the row's ``length`` is its largest count, and the slots a
     head leaves empty below it are *holes* (position ``-1``, bias ``-inf``, zero K/V) that no
     attention path reads. ``next_position`` is kept: decoding continues after the original prompt.
-    Page summaries are recomputed.
+    The page summaries the cache holds are recomputed (the others stay ``None``).
     """
     L, B, H, K, D = k.shape
     new_S = pages_for(capacity, cache.page_size) * cache.page_size
@@ -138,10 +138,7 @@ def write_entries(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Arr
         v=pad(jnp.where(live[..., None], v, zero).astype(cache.layers.v.dtype), 0),
         positions=pad(jnp.where(live, positions, -1).astype(jnp.int32), -1),
         bias=pad(jnp.where(live, bias, jnp.where(hole, -jnp.inf, 0.0)).astype(jnp.float32), 0.0),
-        page_sum=jnp.zeros((L, B, H, new_S // cache.page_size, D), cache.layers.page_sum.dtype),
-        page_min=jnp.zeros((L, B, H, new_S // cache.page_size, D), cache.layers.page_min.dtype),
-        page_max=jnp.zeros((L, B, H, new_S // cache.page_size, D), cache.layers.page_max.dtype),
-        page_max_bias=jnp.zeros((L, B, H, new_S // cache.page_size), jnp.float32))
+        **empty_summaries(cache.layers.summaries, (L, B, H, new_S // cache.page_size, D), cache.layers.k.dtype))
     layers = summarize_pages(layers, length, cache.page_size)
     # the local layers' ring buffers (if any) are the policy's to leave alone
     return KVCache(layers=layers, length=length, next_position=cache.next_position, local=cache.local,
@@ -207,3 +204,10 @@ def prompt_scores_to_slots(observations: jax.Array, capacity: int) -> jax.Array:
     slot = position); slots past the prompt get ``-inf``."""
     T = observations.shape[-1]
     return jnp.pad(observations, ((0, 0),) * 3 + ((0, capacity - T),), constant_values=-jnp.inf)
+
+
+def entropy_stats(logits: jax.Array) -> jax.Array:
+    """Entropy (nats) of the next-token distribution ``softmax(logits)``, ``[B, V]`` → ``[B]``: the
+    uncertainty CHESS's trigger averages over a page and `sparsekv_jax.eval.calibrate` measures."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -(jnp.exp(logp) * logp).sum(-1)

@@ -84,6 +84,11 @@ class Pipeline(Policy):
     def max_rewind_tokens(self) -> int:
         return self.stage("decode").max_rewind_tokens
 
+    @property
+    def page_summaries(self) -> frozenset[str]:  # type: ignore[override]
+        """Every page summary a member reads (whatever stage reads it)."""
+        return frozenset().union(*(p.page_summaries for p in self.members))
+
     @classmethod
     def covering(cls) -> Pipeline:
         return cls()

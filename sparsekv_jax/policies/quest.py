@@ -40,6 +40,7 @@ class Quest(Policy):
     prompt_len: int = struct.field(pytree_node=False, default=0)  # set by `bind` before jit
 
     stages = ("decode",)
+    page_summaries = frozenset({"page_min", "page_max", "page_max_bias"})  # the bound reads these alone
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
@@ -66,6 +67,10 @@ class Quest(Policy):
                       layer_index: jax.Array, page_size: int) -> Selection:
         if self.exact:
             return None
+        missing = self.page_summaries - kv.summaries
+        if missing:
+            raise ValueError(f"Quest reads the page summaries {sorted(missing)}, which this cache does not hold "
+                             "(build it with init_cache(summaries=policy.page_summaries))")
         B, Hkv, P, D = kv.page_min.shape
         m = self.page_size // page_size  # cache pages per Quest page
         Pq = P // m
