@@ -214,13 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from sparsekv_jax import load
+    from sparsekv_jax.backend import resolved
     from sparsekv_jax.models.embedded import cache_root
 
     t_start = time.perf_counter()
     if not args.no_compile_cache:
         jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+    print(f"device: {jax.devices()[0].device_kind} ({resolved().platform}), jax {jax.__version__}")
     params, tokenizer = load("smollm2")
     specs = DEMO_POLICIES if args.policies is None else [s for s in _split(args.policies) if s]
     policies, notes = resolve_policies(list(specs), args.budget, tokenizer)
