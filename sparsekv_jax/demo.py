@@ -11,14 +11,13 @@ cache (`engine.compress`) and decodes. A policy with its own prefill (Stem's blo
 pattern, a context stage) prefills alone. Times exclude compilation (reported apart); compiled
 programs are kept in a persistent cache (``$SPARSEKV_CACHE/xla``), so a second run starts faster,
 except a prefill compiled with oneDNN's dots (fp32 on an x86 CPU, `Backend.prefill_dots`): this
-XLA cannot serialise a oneDNN fusion, so that program is compiled afresh each run (`_unstored`).
+XLA cannot serialise a oneDNN fusion, so `Backend.compile_prefill` compiles it afresh each run.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import dataclasses
 import time
 from typing import Any
@@ -111,42 +110,16 @@ class _Programs:
             return self.compiled[key], 0.0
         t0 = time.perf_counter()
         lowered = jax.jit(fn).lower(*args)
-        if prefill_of is None:
-            self.compiled[key] = lowered.compile()
-        else:
-            with _unstored() if prefill_of.prefill_compiler_options() is not None else contextlib.nullcontext():
-                self.compiled[key] = prefill_of.compile_prefill(lowered)
+        self.compiled[key] = lowered.compile() if prefill_of is None else prefill_of.compile_prefill(lowered)
         return self.compiled[key], time.perf_counter() - t0
 
 
 def persistent_cache(path: Any, min_compile_seconds: float = 0.5) -> None:
     """Keep this process's compiled programs in ``path`` (those compiling for at least
-    ``min_compile_seconds``), except the ones XLA cannot serialise (`_unstored`). Call it before
+    ``min_compile_seconds``; a oneDNN prefill never: `Backend.compile_prefill`). Call it before
     anything compiles: JAX sets the cache up at the process's first compilation."""
-    from sparsekv_jax.backend import onednn_dots_available
-
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
-    with _unstored():  # its probe compiles a dot with oneDNN's options: nothing to store
-        onednn_dots_available()
-
-
-@contextlib.contextmanager
-def _unstored():
-    """Compile without writing the program to the persistent compilation cache.
-
-    XLA:CPU cannot serialise a program holding oneDNN fusions (jaxlib 0.10.2: ``UNIMPLEMENTED:
-    ToProto is not implemented for thunk kind: onednn-fusion``), so JAX's attempt to store a prefill
-    compiled with oneDNN's dots fails, with a warning, every run. Such a program is left out of the
-    cache (no write is attempted: none is stored below the minimum compile time, here infinite);
-    every other program of the demo is still stored."""
-    key = "jax_persistent_cache_min_compile_time_secs"
-    old = getattr(jax.config, key)
-    jax.config.update(key, float("inf"))
-    try:
-        yield
-    finally:
-        jax.config.update(key, old)
 
 
 def _timed(fn, *args):

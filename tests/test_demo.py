@@ -66,9 +66,10 @@ def test_demo_table_columns_fit_long_policy_names():
 
 
 def test_demo_leaves_onednn_prefills_out_of_the_persistent_cache(tmp_path):
-    """XLA:CPU cannot serialise a oneDNN fusion: the demo compiles such a prefill without trying to
-    store it (no 'Error writing persistent compilation cache entry' warning) and still stores its
-    other programs. A fresh process: the persistent cache is set up at a process's first compile."""
+    """XLA:CPU cannot serialise a oneDNN fusion: `Backend.compile_prefill` (and its oneDNN probe)
+    compile such a program without trying to store it (no 'Error writing persistent compilation
+    cache entry' warning), and the demo's other programs are still stored. A fresh process: the
+    persistent cache is set up at a process's first compile."""
     import subprocess
     import sys
 
