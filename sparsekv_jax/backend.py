@@ -19,8 +19,8 @@ and for the ``"auto"`` methods of the policies, the SAE and the retrieval scan, 
 operation -- the Pallas kernel, its jnp reference, or the kernel per device on ``mesh`` -- is
 `sparsekv_jax.pallas.dispatch`, from a `Backend`.
 
-No choice here reads the environment: an entry point that honours ``$SPARSEKV_DECODE_MATMUL`` (the
-benchmarks) builds its backend with `Backend.from_env`.
+No choice here reads the environment: an entry point that honours ``$SPARSEKV_DECODE_MATMUL``
+(``sparsekv generate``/``eval``, ``bench e2e``) builds its backend with `Backend.from_env`.
 """
 
 from __future__ import annotations
@@ -157,8 +157,8 @@ class Backend:
       decode_matmul: decode matmuls: ``"xla"`` (cuBLAS on the scan's slice of the stacked weights,
         which XLA copies out first), ``"pallas"`` (`layer_matmul` reads the layer's tiles from the
         stack), ``"auto"`` = ``"pallas"`` on a GPU where every weight fits the kernel (2.7x faster
-        decode for Llama-3.1-8B at batch 1 on an H100: docs/BENCHMARKS.md). Default from
-        ``$SPARSEKV_DECODE_MATMUL``.
+        decode for Llama-3.1-8B at batch 1 on an H100: docs/BENCHMARKS.md). `Backend.from_env`
+        takes it from ``$SPARSEKV_DECODE_MATMUL`` (the command line's backends).
       page_sums: CHESS's pre-RoPE rebuild: the Pallas `rope_page_sums` (reads each layer's keys in
         place) or its jnp reference.
       prefill_unroll: unroll factor of the layer scan over many tokens (1 = rolled).
