@@ -19,12 +19,13 @@ and for the ``"auto"`` methods of the policies, the SAE and the retrieval scan, 
 operation -- the Pallas kernel, its jnp reference, or the kernel per device on ``mesh`` -- is
 `sparsekv_jax.pallas.dispatch`, from a `Backend`.
 
-No choice here reads the environment: an entry point that honours ``$SPARSEKV_DECODE_MATMUL`` (the
-benchmarks) builds its backend with `Backend.from_env`.
+No choice here reads the environment: an entry point that honours ``$SPARSEKV_DECODE_MATMUL``
+(``sparsekv generate``/``eval``, ``bench e2e``) builds its backend with `Backend.from_env`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -52,6 +53,24 @@ def _default_platform() -> str:
     return jax.default_backend()
 
 
+@contextlib.contextmanager
+def _not_stored():
+    """Compile without writing the program to JAX's persistent compilation cache (if one is set).
+
+    XLA:CPU cannot serialise a program holding oneDNN fusions (jaxlib 0.10.2: ``UNIMPLEMENTED:
+    ToProto is not implemented for thunk kind: onednn-fusion``): storing one only fails, with an
+    "Error writing persistent compilation cache entry" warning, at every compile. So such a program
+    is not offered to the cache (none is stored below the minimum compile time, here infinite for
+    the compile's duration); it compiles afresh in each process. Other programs are stored as usual."""
+    key = "jax_persistent_cache_min_compile_time_secs"
+    old = getattr(jax.config, key)
+    jax.config.update(key, float("inf"))
+    try:
+        yield
+    finally:
+        jax.config.update(key, old)
+
+
 @functools.cache
 def onednn_dots_available() -> bool:
     """Whether this process's XLA:CPU compiles a dot with `_ONEDNN_DOTS` (an x86 CPU, and a jaxlib
@@ -60,7 +79,8 @@ def onednn_dots_available() -> bool:
         return False
     try:
         x = jax.numpy.ones((8, 8), jax.numpy.float32)
-        jax.jit(lambda a: a @ a, compiler_options=_ONEDNN_DOTS).lower(x).compile()
+        with _not_stored():
+            jax.jit(lambda a: a @ a, compiler_options=_ONEDNN_DOTS).lower(x).compile()
     except Exception:  # an unknown option or value: keep XLA's own dots
         return False
     return True
@@ -137,8 +157,8 @@ class Backend:
       decode_matmul: decode matmuls: ``"xla"`` (cuBLAS on the scan's slice of the stacked weights,
         which XLA copies out first), ``"pallas"`` (`layer_matmul` reads the layer's tiles from the
         stack), ``"auto"`` = ``"pallas"`` on a GPU where every weight fits the kernel (2.7x faster
-        decode for Llama-3.1-8B at batch 1 on an H100: docs/BENCHMARKS.md). Default from
-        ``$SPARSEKV_DECODE_MATMUL``.
+        decode for Llama-3.1-8B at batch 1 on an H100: docs/BENCHMARKS.md). `Backend.from_env`
+        takes it from ``$SPARSEKV_DECODE_MATMUL`` (the command line's backends).
       page_sums: CHESS's pre-RoPE rebuild: the Pallas `rope_page_sums` (reads each layer's keys in
         place) or its jnp reference.
       prefill_unroll: unroll factor of the layer scan over many tokens (1 = rolled).
@@ -263,10 +283,12 @@ class Backend:
         """Compile a lowered prefill program (``jax.jit(f).lower(...)``) with
         `prefill_compiler_options`, or with XLA's defaults where the options are none, where this
         XLA cannot take them (`onednn_dots_available`), or where the oneDNN program would not run
-        (`onednn_fusions_runnable`). The same values either way."""
+        (`onednn_fusions_runnable`). The same values either way. A oneDNN program is left out of a
+        persistent compilation cache (`_not_stored`: XLA:CPU cannot serialise it)."""
         options = self.prefill_compiler_options()
         if options is not None and onednn_dots_available():
-            compiled = lowered.compile(compiler_options=options)
+            with _not_stored():
+                compiled = lowered.compile(compiler_options=options)
             if onednn_fusions_runnable(compiled.as_text()):
                 return compiled
         return lowered.compile()

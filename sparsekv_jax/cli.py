@@ -84,6 +84,18 @@ def _mesh(text: str | None, prog: str, distributed: bool = False):
 DISTRIBUTED_HELP = ("several hosts: run the same command on each (one process per host); "
                     "jax.distributed.initialize() finds the others through the cluster manager (SLURM, Open MPI, "
                     "Kubernetes, Cloud TPU) and --mesh spans every host's devices (docs/SHARDING.md)")
+def _backend(prog: str):
+    """The `Backend` of a command's runs: `Backend.from_env`, so ``$SPARSEKV_DECODE_MATMUL``
+    (``auto``/``xla``/``pallas``) picks the decode matmuls for the whole command. The library itself
+    never reads the environment; the command line (``sparsekv generate``/``eval``, ``bench e2e``) does."""
+    from sparsekv_jax.backend import Backend
+
+    try:
+        return Backend.from_env()
+    except ValueError as e:
+        raise SystemExit(f"{prog}: error: {e}") from None
+
+
 MESH_HELP = ("run on a data x model device mesh, e.g. data=1,model=2: rows split over data, attention heads, MLP and "
              "vocabulary over model (docs/SHARDING.md)")
 
@@ -104,6 +116,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"sparsekv: error: bad --policy: {e}") from None
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    backend = _backend("sparsekv")
     mesh = _mesh(args.mesh, "sparsekv", args.distributed)
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     try:
@@ -123,7 +136,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         out = generate(params, policy, np.asarray([ids]), max_new_tokens=args.max_new_tokens,
-                       sampling=sampling, seed=args.seed, mesh=mesh)
+                       sampling=sampling, seed=args.seed, mesh=mesh, backend=backend)
     except ValueError as e:
         raise SystemExit(f"sparsekv: error: {e}") from None
     new = out.sequences()[0]
@@ -194,6 +207,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 2
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
+    backend = _backend("sparsekv eval")
     mesh = _mesh(args.mesh, "sparsekv eval", args.distributed)
     model = _load_model("sparsekv eval", args, dtype)
     if isinstance(model, int):
@@ -204,7 +218,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             policies=args.policies, n=args.n, seed=args.seed, out_dir=args.out, question=args.question,
             batch_size=args.batch_size,
             fidelity=args.fidelity, progress=not args.quiet, dtype=dtype, pad_multiple=args.pad_multiple,
-            prefill_chunk=args.prefill_chunk, mesh=mesh, add_fullkv=not args.no_fullkv)
+            prefill_chunk=args.prefill_chunk, mesh=mesh, add_fullkv=not args.no_fullkv, backend=backend)
     except (ValueError, FileNotFoundError) as e:
         print(f"sparsekv eval: error: {e}", file=sys.stderr)
         return 2
@@ -329,7 +343,11 @@ python -m sparsekv_jax.eval.report DIR... --out OUT.
 RULER suites: ruler (RULER's 13 tasks; --tasks may name needle variants: niah_single_2@words,
 niah_multikey_2@uuids:numbers), ruler-variants (the 8 needle tasks with number, word and UUID
 values), ruler-shared (multi-key needle contexts asked one key at a time: a shared context; --n
-counts contexts, 4 questions each).
+counts contexts, 4 questions each; with --question agnostic each context is compressed once and
+its questions asked in turn from that cache, records marked "shared_context").
+
+environment: SPARSEKV_DECODE_MATMUL=auto|xla|pallas picks the decode matmuls of every run (as for
+sparsekv generate and sparsekv bench e2e; auto: the Pallas layer matmul on a GPU).
 
 examples:
   sparsekv eval --suite ruler --tasks niah_single_1,vt --lengths 2k,4k \\
@@ -349,7 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     g = sub.add_parser("generate", help="generate text from a prompt",
-                       description="Generate a continuation of PROMPT (argument, --prompt-file, or stdin).")
+                       description="Generate a continuation of PROMPT (argument, --prompt-file, or stdin).",
+                       epilog="environment: SPARSEKV_DECODE_MATMUL=auto|xla|pallas picks the decode matmuls "
+                              "(auto: the Pallas layer matmul on a GPU).")
     g.add_argument("prompt", nargs="?", metavar="PROMPT", help="the prompt text (default: read stdin)")
     g.add_argument("--prompt-file", metavar="F", help="read the prompt from file F")
     g.add_argument("--model", default="smollm2",

@@ -9,7 +9,9 @@ compressors and the decode-time selectors) shares ONE dense prefill, observed at
 policy that needs observations (`engine.share_prefill`); each compresses its own copy of that
 cache (`engine.compress`) and decodes. A policy with its own prefill (Stem's block-sparse
 pattern, a context stage) prefills alone. Times exclude compilation (reported apart); compiled
-programs are kept in a persistent cache (``$SPARSEKV_CACHE/xla``), so a second run starts faster.
+programs are kept in a persistent cache (``$SPARSEKV_CACHE/xla``), so a second run starts faster,
+except a prefill compiled with oneDNN's dots (fp32 on an x86 CPU, `Backend.prefill_dots`): this
+XLA cannot serialise a oneDNN fusion, so `Backend.compile_prefill` compiles it afresh each run.
 """
 
 from __future__ import annotations
@@ -114,6 +116,14 @@ class _Programs:
         return self.compiled[key], time.perf_counter() - t0
 
 
+def persistent_cache(path: Any, min_compile_seconds: float = 0.5) -> None:
+    """Keep this process's compiled programs in ``path`` (those compiling for at least
+    ``min_compile_seconds``; a oneDNN prefill never: `Backend.compile_prefill`). Call it before
+    anything compiles: JAX sets the cache up at the process's first compilation."""
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_seconds)
+
+
 def run(params: Any, tokenizer: Any, policies: list[tuple[str, Any]], tokens: np.ndarray,
         question_start: np.ndarray, *, max_new_tokens: int, stop_tokens: tuple[int, ...],
         progress: bool = True) -> tuple[list[Row], float]:
@@ -186,15 +196,21 @@ def _run_one(programs: _Programs, params: Any, label: str, r: Any, prefilled: An
 
 
 def table(rows: list[Row]) -> str:
-    """The demo's table as text (``=`` marks the one prefill the dense-prefill policies share)."""
-    head = (f"{'policy':<16}{'right':>6}{'KV stored':>11}{'KV read':>9}{'prefill blocks':>16}{'prefill s':>11}"
-            f"{'compress s':>12}{'decode ms/tok':>15}  answer")
-    lines = [head]
-    for r in rows:
-        pre = f"{'=' if r.shared_prefill else ' '}{r.prefill_s:.2f}"
-        lines.append(f"{r.label:<16}{'yes' if r.right else 'NO':>6}{r.stored:>10.0%}{r.read:>9.0%}{r.blocks:>15.0%}"
-                     f"{pre:>12}{r.compress_s:>11.2f}{r.decode_ms:>15.1f}  {r.answer[:40]!r}")
-    return "\n".join(lines)
+    """The demo's table as text (``=`` marks the one prefill the dense-prefill policies share); each
+    column as wide as its longest entry, so long policy names keep the columns aligned."""
+    head = ["policy", "right", "KV stored", "KV read", "prefill blocks", "prefill s", "compress s", "decode ms/tok",
+            "answer"]
+    cells = [[r.label, "yes" if r.right else "NO", f"{r.stored:.0%}", f"{r.read:.0%}", f"{r.blocks:.0%}",
+              f"{'=' if r.shared_prefill else ' '}{r.prefill_s:.2f}", f"{r.compress_s:.2f}", f"{r.decode_ms:.1f}",
+              repr(r.answer[:40])] for r in rows]
+    widths = [max(len(line[i]) for line in [head, *cells]) for i in range(len(head))]
+
+    def line(values: list[str]) -> str:
+        first, *middle, last = values
+        return "  ".join([first.ljust(widths[0]), *(v.rjust(w) for v, w in zip(middle, widths[1:-1], strict=True)),
+                          last]).rstrip()
+
+    return "\n".join(line(v) for v in [head, *cells])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,13 +226,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from sparsekv_jax import load
+    from sparsekv_jax.backend import resolved
     from sparsekv_jax.models.embedded import cache_root
 
     t_start = time.perf_counter()
     if not args.no_compile_cache:
-        jax.config.update("jax_compilation_cache_dir", str(cache_root() / "xla"))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), jax {jax.__version__}")
+        persistent_cache(cache_root() / "xla")
+    print(f"device: {jax.devices()[0].device_kind} ({resolved().platform}), jax {jax.__version__}")
     params, tokenizer = load("smollm2")
     specs = DEMO_POLICIES if args.policies is None else [s for s in _split(args.policies) if s]
     policies, notes = resolve_policies(list(specs), args.budget, tokenizer)

@@ -42,7 +42,8 @@ def test_help_names_the_packaged_data(command, data, capsys):
     with pytest.raises(SystemExit):
         cli.main([command, "--help"])
     out = " ".join(capsys.readouterr().out.split())  # argparse wraps help lines
-    assert "package data" in out and data in out and "shared" not in out
+    # no path outside the package (a `shared/` folder beside the clone); "ruler-shared" is a suite's name
+    assert "package data" in out and data in out and "shared/" not in out
 
 
 def test_info_of_a_model_directory_matches_transformers(hf_tiny_dir, capsys):
@@ -92,3 +93,40 @@ def test_info_of_the_llama_preset_in_a_fresh_process():
     res = subprocess.run([sys.executable, "-m", "sparsekv_jax.cli", "info", "--model", "llama3.1-8b"],
                          capture_output=True, text=True)
     assert res.returncode == 0 and "8,030,261,248" in res.stdout  # Llama-3.1-8B's published size
+
+
+@pytest.mark.parametrize("value", ["xla", "pallas"])
+def test_decode_matmul_from_the_environment_reaches_every_entry_point(smol, value, monkeypatch, tmp_path):
+    """``$SPARSEKV_DECODE_MATMUL`` is read by the command line only (`Backend.from_env`): `sparsekv
+    generate` and `sparsekv eval` hand that backend to the engine, `bench e2e` to its runs (its
+    --decode-matmul wins); a bad value is an error naming it."""
+    import sparsekv_jax.generate as generate_module
+    import sparsekv_jax.models.embedded as embedded
+    from sparsekv_jax.bench import e2e
+    from sparsekv_jax.eval import runner
+
+    seen = {}
+
+    class Out:
+        def sequences(self):
+            return [[]]
+
+    def fake_generate(*args, **kwargs):
+        seen["generate"] = kwargs["backend"]
+        return Out()
+
+    monkeypatch.setenv("SPARSEKV_DECODE_MATMUL", value)
+    monkeypatch.setattr(embedded, "load", lambda *a, **k: (smol[1], smol[2]))
+    monkeypatch.setattr(generate_module, "generate", fake_generate)
+    monkeypatch.setattr(runner, "run_eval", lambda **kw: seen.setdefault("eval", kw["backend"]) and {})
+    monkeypatch.setattr(e2e, "run_model", lambda model, grid, backend: seen.setdefault("e2e", backend) and [])
+    assert cli.main(["generate", "hello", "--max-new-tokens", "2", "-q"]) == 0
+    assert cli.main(["eval", "--out", str(tmp_path), "-q"]) == 0
+    assert e2e.main(["--one-model", "smollm2"]) == 0
+    assert {k: b.decode_matmul for k, b in seen.items()} == {"generate": value, "eval": value, "e2e": value}
+    seen.clear()
+    assert e2e.main(["--one-model", "smollm2", "--decode-matmul", "auto", "--unroll", "2"]) == 0
+    assert (seen["e2e"].decode_matmul, seen["e2e"].decode_unroll) == ("auto", 2)
+    monkeypatch.setenv("SPARSEKV_DECODE_MATMUL", "cublas")
+    with pytest.raises(SystemExit, match="SPARSEKV_DECODE_MATMUL='cublas'"):
+        cli.main(["generate", "hello", "-q"])

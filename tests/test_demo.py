@@ -45,3 +45,53 @@ def test_demo_shared_prefill_answers_like_generate():
                          page_size=demo.PAGE_SIZE)
         assert row.answer == _Tokenizer().decode(alone.sequences()[0]), label
     print(demo.table(rows))
+
+
+def test_demo_table_columns_fit_long_policy_names():
+    """Every column is as wide as its longest entry: a long pipeline label pushes the columns right
+    for every line alike, so each value ends where its header does."""
+    rows = [demo.Row("Dense", "Paris", True, 1.0, 1.0, 1.0, 3.5, True, 0.0, 12.25),
+            demo.Row("Pipeline(context=S3Hybrid(0.25), decode=Quest(0.25))", "x" * 60, False, 0.25, 0.125, 0.5,
+                     1.0, False, 0.5, 1234.5)]
+    head, *lines = demo.table(rows).splitlines()
+    names = ["right", "KV stored", "KV read", "prefill blocks", "prefill s", "compress s", "decode ms/tok"]
+    ends = [head.index(n) + len(n) for n in names]
+    want = [["yes", "100%", "100%", "100%", "=3.50", "0.00", "12.2"], ["NO", "25%", "12%", "50%", "1.00", "0.50",
+                                                                       "1234.5"]]
+    for line, values in zip(lines, want, strict=True):
+        for end, value in zip(ends, values, strict=True):
+            assert line[end - len(value): end] == value and line[end: end + 2] == "  ", (line, value)
+    assert lines[1].startswith(rows[1].label + "  ") and lines[1].endswith(repr("x" * 40))
+    assert head.index("answer") == lines[0].index("'Paris'") == lines[1].index("'xxx")
+
+
+def test_demo_leaves_onednn_prefills_out_of_the_persistent_cache(tmp_path):
+    """XLA:CPU cannot serialise a oneDNN fusion: `Backend.compile_prefill` (and its oneDNN probe)
+    compile such a program without trying to store it (no 'Error writing persistent compilation
+    cache entry' warning), and the demo's other programs are still stored. A fresh process: the
+    persistent cache is set up at a process's first compile."""
+    import subprocess
+    import sys
+
+    code = f"""
+import warnings, jax, jax.numpy as jnp
+warnings.simplefilter("error")
+from sparsekv_jax import demo
+from sparsekv_jax.backend import Backend, onednn_dots_available
+demo.persistent_cache({str(tmp_path)!r}, min_compile_seconds=0)
+x = jnp.ones((64, 64), jnp.float32)
+progs = demo._Programs()
+backend = Backend(prefill_dots="onednn" if onednn_dots_available() else "xla").resolve()
+progs.get("prefill", lambda a: jnp.tanh(a @ a) @ a + 1, x, prefill_of=backend)
+progs.get("plain", lambda a: a @ a + 2, x)
+print("onednn" if backend.prefill_compiler_options() else "xla")
+"""
+    from sparsekv_jax.backend import onednn_dots_available
+
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:]
+    # the probe too compiled without a warning (one would make it report oneDNN unavailable)
+    assert res.stdout.split()[-1] == ("onednn" if onednn_dots_available() else "xla")
+    stored = sorted(p.name.split("-")[0] for p in tmp_path.iterdir())
+    # the plain program is stored; the prefill only where it has no oneDNN fusion to serialise
+    assert stored.count("jit__lambda") == (1 if res.stdout.split()[-1] == "onednn" else 2), (stored, res.stdout)

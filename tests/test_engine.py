@@ -134,3 +134,54 @@ def test_decode_step_returns_one_shape_whatever_is_collected(params, rng):
     np.testing.assert_array_equal(np.asarray(plain.logits), np.asarray(full.logits))
     logits, cache, state, pages = plain  # unpacks as the old 4-tuple
     assert logits is plain.logits and pages.shape == (2,)
+
+
+def test_full_logits_attends_with_the_given_backend(params, rng, monkeypatch):
+    """`full_logits` hands its (resolved) backend to the dense attention, whose "auto" reads its
+    platform; the logits do not depend on which implementation ran."""
+    from sparsekv_jax import attention
+    from sparsekv_jax.backend import Backend
+
+    seen = []
+    dense = attention.dense_causal_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("backend"), kwargs.get("implementation")))
+        return dense(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "dense_causal_attention", spy)
+    tokens = rng.integers(1, CFG.vocab_size, (2, 12))
+    mine = Backend(dense_prefill="blocked", decode_attention="pallas")
+    got = engine.full_logits(params, tokens, backend=mine)
+    assert seen and {b for b, _ in seen} == {mine.resolve(params)} and {i for _, i in seen} == {"blocked"}
+    want = engine.full_logits(params, tokens)
+    assert seen[-1] == (Backend().resolve(params), "auto")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="backend must be a sparsekv_jax.Backend, got str"):
+        engine.full_logits(params, tokens, backend="cpu")
+
+
+def test_context_stage_runs_bound_to_the_run(params, rng):
+    """The context stage is bound before it runs: it sees the run's resolved backend and the user's
+    prompt width (S³'s scan makes its "auto" choices for that backend's platform)."""
+    from flax import struct
+
+    from sparsekv_jax.backend import Backend
+    from sparsekv_jax.policies import ContextResult, Policy
+
+    @struct.dataclass
+    class Notes(Policy):
+        stages = ("context",)
+        backend: object = struct.field(pytree_node=False, default=None)
+        width: int = struct.field(pytree_node=False, default=0)
+
+        def bind(self, setup):
+            return self.replace(backend=setup.backend, width=setup.prompt_len)
+
+        def context(self, params, tokens, lengths, question_start):
+            return ContextResult(tokens, lengths, question_start, {"backend": self.backend, "width": self.width})
+
+    mine = Backend(decode_attention="pallas")
+    run = engine.setup(params, Notes(), rng.integers(1, CFG.vocab_size, (2, 20)), backend=mine, max_new_tokens=2)
+    assert run.context_info["backend"] == run.backend == mine.resolve(params) != Backend().resolve(params)
+    assert run.context_info["width"] == 20

@@ -4,6 +4,7 @@ question placement (``question_start``), every stat a policy reports recorded, r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -310,6 +311,82 @@ def test_shared_context_questions_read_one_compressed_context(tiny, tmp_path):
     assert len({tuple(r["answers"]) for r in recs}) == 4  # four questions
     assert len({r["stats"]["kv_stored_fraction"] for r in recs}) == 1
     assert summary["columns"] == ["niah_multiquery@split@1k"]
+    # compressed once, asked in turn: every record says so, with its question's place
+    assert all(r["shared_context"] for r in recs)
+    assert sorted(r["question_index"] for r in recs) == [0, 1, 2, 3]
+    assert len({r["timing"]["context_seconds"] for r in recs}) == 1 and {r["timing"]["questions"] for r in recs} == {4}
+
+
+@pytest.fixture(scope="module")
+def shared_plan(tiny):
+    """Two ``niah_multiquery@split`` contexts of 512 tokens, four questions each, planned question-
+    agnostic for full attention, a SnapKV budget covering the prompt and a compressing SnapKV."""
+    from sparsekv_jax.eval.suites import build_groups
+
+    params, tok = tiny
+    suite, groups = build_groups("ruler-shared", ["niah_multiquery"], [512], 2, 0, tok,
+                                 params.config.max_position_embeddings, None, None)
+    specs = [dataclasses.replace(s, policy=s.policy.with_tokenizer(tok))
+             for s in runner.policy_specs("fullkv, snapkv(1.0), snapkv(0.5)")]
+    return runner.plan_eval(groups, specs, tok, params.config.max_position_embeddings, model="tiny", suite=suite,
+                            question="agnostic", seed=0)
+
+
+def _shared_runs(tiny, plan, spec):
+    """``{sample index: (generated ids, prediction)}`` of ``spec`` on the shared path (one batch of
+    both contexts), and the `SharedBatch`."""
+    (shared,) = [b for b in plan.batches(2, 256, shared=True)]
+    assert isinstance(shared, runner.SharedBatch) and shared.rows == 2 and len(shared.turns) == 4
+    stop = tuple(tiny[0].config.eos_token_ids)
+    _, runs = runner.run_shared(*tiny, spec, shared, stop_tokens=stop)
+    out = {}
+    for turn, run, real in zip(shared.turns, runs, shared.real, strict=True):
+        for i in real:
+            out[turn.items[i].sample.index] = (run.tokens[i, : run.num_generated[i]].tolist(), run.predictions[i])
+    return out, shared
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["fullkv", "snapkv(1.0)"])
+def test_shared_context_answers_equal_each_question_run_alone(tiny, shared_plan, which):
+    """Full attention, and SnapKV with a budget covering the prompt: compressing each context once and
+    asking its four questions in turn (batch of 2 contexts) gives every question the answer the
+    per-question path (`generate` with the question as suffix, rows batched by length) gives."""
+    spec = shared_plan.specs[which]
+    shared, _ = _shared_runs(tiny, shared_plan, spec)
+    stop = tuple(tiny[0].config.eos_token_ids)
+    alone = {}
+    for batch in shared_plan.batches(4, 256):
+        assert isinstance(batch, runner.Batch)
+        run = runner.run_batch(*tiny, spec, batch, stop_tokens=stop)
+        for i, it in enumerate(batch.items):
+            alone[it.sample.index] = (run.tokens[i, : run.num_generated[i]].tolist(), run.predictions[i])
+    assert sorted(shared) == sorted(alone) == list(range(8))
+    assert len({tuple(ids) for ids, _ in alone.values()}) > 1  # the questions lead to different answers
+    assert shared == alone
+
+
+def test_shared_context_compressing_policy_equals_session_ask_by_hand(tiny, shared_plan):
+    """SnapKV(0.5) on the shared path equals, for each context alone (batch 1, its own length), a
+    `Session` compressing it once and asked each question in turn (unpadded)."""
+    from sparsekv_jax.engine import Session
+
+    params, tok = tiny
+    spec = shared_plan.specs[2]
+    got, shared = _shared_runs(tiny, shared_plan, spec)
+    first = shared.turns[0]
+    new = max(runner.decode_length(t, spec.policy) for t in shared.turns)
+    stop = tuple(params.config.eos_token_ids)
+    for row in range(2):
+        n = int(first.inputs["lengths"][row])
+        session = Session.start(params, spec.policy, first.inputs["tokens"][row: row + 1, :n],
+                                question_tokens=int(first.inputs["suffix"].shape[1]), max_new_tokens=new,
+                                stop_tokens=stop, page_size=16)
+        for turn in shared.turns:
+            it = turn.items[row]
+            out = session.ask(np.asarray([it.question_ids], np.int32))
+            ids = out.sequences()[0]
+            assert got[it.sample.index][0] == ids, (row, it.sample.index)
+    assert len({tuple(ids) for ids, _ in got.values()}) > 1  # the questions lead to different answers
 
 
 def test_cli_ruler_variants_then_report(tiny_load, tmp_path, capsys):

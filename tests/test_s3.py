@@ -251,3 +251,29 @@ def test_hybrid_mix_fills_the_same_budget_in_the_mixed_order(smol):
         res = pol.context(params, tok, lengths, qs, scan=scan)
         assert res.question_start[0] == want.sum() <= 96
         np.testing.assert_array_equal(res.tokens[0, : res.question_start[0]], np.array(ctx)[want])
+
+
+def test_context_stage_scans_for_the_runs_backend(model, monkeypatch):
+    """The engine binds S³ before its context stage runs: the scan resolves its "auto" choices with
+    the run's `Backend`, not the process's default (which a policy used before it was bound)."""
+    from sparsekv_jax import engine
+    from sparsekv_jax.backend import Backend
+    from sparsekv_jax.retrieval import scan as scan_module
+
+    params, _ = model
+    seen = []
+    resolve = scan_module.ScanConfig.resolve
+
+    def spy(self, params, backend=None):
+        seen.append(backend)
+        return resolve(self, params, backend)
+
+    monkeypatch.setattr(scan_module.ScanConfig, "resolve", spy)
+    tok = _tokens(seeded_rng(), T=150)
+    mine = Backend(decode_attention="pallas", page_sums="jnp")  # unlike the default's resolution on any platform
+    pol = Pipeline(context=_policy(S3Pure, model, budget=48, kernel=8))
+    run = engine.setup(params, pol, tok, np.array([150, 120]), question_start=np.array([130, 100]), backend=mine,
+                       max_new_tokens=2)
+    assert seen == [run.backend] and run.backend == mine.resolve(params) != Backend().resolve(params)
+    assert run.context_info["kept_tokens"].tolist() == [48, 48]
+    assert pol.stage("context").backend is None and run.policy.stage("context").backend == run.backend

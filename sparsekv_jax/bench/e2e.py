@@ -270,8 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     pre, ctx, bat = parse_tokens(args.prefill_contexts), parse_tokens(args.contexts), parse_tokens(args.batches)
     from sparsekv_jax.backend import Backend
 
-    backend = Backend(decode_unroll=args.unroll or 1,
-                      **({"decode_matmul": args.decode_matmul} if args.decode_matmul else {}))
+    try:  # --decode-matmul, else $SPARSEKV_DECODE_MATMUL, else auto
+        backend = Backend.from_env(decode_unroll=args.unroll or 1,
+                                   **({"decode_matmul": args.decode_matmul} if args.decode_matmul else {}))
+    except ValueError as e:
+        p.error(str(e))
     if args.one_model:
         if args.mesh:
             from sparsekv_jax import sharding

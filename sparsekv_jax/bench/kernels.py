@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparsekv_jax.backend import resolved
 from sparsekv_jax.bench.timing import median_time
 from sparsekv_jax.pallas.decode import decode_attention, decode_attention_reference, selected_slot_mask
 from sparsekv_jax.pallas.prefill import prefill_attention, prefill_attention_reference
@@ -440,7 +441,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return d
 
     meta = dict(date=datetime.date.today().isoformat(), jax=jax.__version__,
-                device=str(jax.devices()[0].device_kind), backend=jax.default_backend(),
+                device=str(jax.devices()[0].device_kind), backend=resolved().platform,
                 argv=list(argv or sys.argv[1:]))
     print(f"# {meta}", flush=True)
     rows: list[dict[str, Any]] = []

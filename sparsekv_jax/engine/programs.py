@@ -3,6 +3,7 @@ apart: `Backend.prefill_dots`), `teacher_force` and the reference `full_logits`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -11,6 +12,7 @@ import numpy as np
 from flax import struct
 
 from sparsekv_jax import attention
+from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import KVCache
 from sparsekv_jax.engine.compress import Ready, prepare
 from sparsekv_jax.engine.decode import Decoded, decode_loop, decode_step
@@ -169,20 +171,26 @@ def teacher_force(params: Params, policy: Policy | None, tokens: Any, forced: An
     return teacher_force_program(params, run, jnp.asarray(forced, jnp.int32), collect_attention=collect_attention)
 
 
-@jax.jit
-def _full_logits(params: Params, tokens: jax.Array) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("backend",))
+def _full_logits(params: Params, tokens: jax.Array, backend: Backend) -> jax.Array:
     cfg = params.config
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
     def attend(q, k, v, kv, idx, hidden):
-        return attention.dense_causal_attention(q, k, v, sliding_window=attention_window(cfg, idx)), kv, None
+        out = attention.dense_causal_attention(q, k, v, sliding_window=attention_window(cfg, idx),
+                                               implementation=backend.dense_prefill, backend=backend)
+        return out, kv, None
 
     hidden, _, _ = forward(params, tokens, positions, jnp.zeros((cfg.num_layers,)), attend)
     return logits_from_hidden(params, hidden)
 
 
-def full_logits(params: Params, tokens: Any) -> jax.Array:
-    """``[B, T, V]`` fp32 logits of a plain causal forward pass (no cache): the reference."""
+def full_logits(params: Params, tokens: Any, *, backend: Backend | None = None) -> jax.Array:
+    """``[B, T, V]`` fp32 logits of a plain causal forward pass (no cache): the reference.
+    ``backend`` decides the dense attention's implementation (``dense_prefill``; default: ``Backend()``,
+    the platform's choice)."""
     tokens, _, _ = validate_prompt(params, tokens, None, 1, None)
-    return _full_logits(params, tokens)
+    if backend is not None and not isinstance(backend, Backend):
+        raise ValueError(f"backend must be a sparsekv_jax.Backend, got {type(backend).__name__}")
+    return _full_logits(params, tokens, (Backend() if backend is None else backend).resolve(params))

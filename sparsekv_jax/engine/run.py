@@ -287,7 +287,7 @@ def _open(params: Params, policy: Any, tokens: Any, lengths: Any, question_start
     if opts.question_tokens < 0:
         raise ValueError(f"question_tokens={opts.question_tokens} must be >= 0")
     room = opts.question_tokens if suffix is None else suffix.shape[1]
-    prompt, info = _prompt(params, policy, tokens, lengths, question_start, opts.max_new_tokens + room, opts.capacity)
+    prompt, info = _prompt(params, policy, tokens, lengths, question_start, opts.max_new_tokens + room, opts, backend)
     tokens, lengths, question_start, prompt_lengths, capacity = prompt
     capacity = _sized(policy, tokens.shape[1], capacity, opts)
     stops = params.config.eos_token_ids if opts.stop_tokens is None else opts.stop_tokens
@@ -303,14 +303,20 @@ def _open(params: Params, policy: Any, tokens: Any, lengths: Any, question_start
 
 
 def _prompt(params: Params, policy: Policy, tokens: Any, lengths: Any, question_start: Any, extra: int,
-            capacity: int | None):
+            opts: Options, backend: Backend):
     """``((tokens, lengths, question_start, prompt_lengths, capacity), context info)``: the user's
-    prompt checked, then the context stage's rewrite of it (if the policy has one) checked."""
+    prompt checked, then the context stage's rewrite of it (if the policy has one) checked. The
+    context stage runs bound to the run (its `Setup` sees the user's prompt width and the run's
+    ``backend``), as every stage after it is."""
+    capacity = opts.capacity
     tokens, lengths, _ = validate_prompt(params, tokens, lengths, extra, None)
     question_start = validate_question_start(question_start, lengths)
     prompt_lengths, info = lengths, {}
     context_stage = policy.stage("context")
     if type(context_stage) is not Dense:
+        context_stage = context_stage.bind(Setup(config=local_layers.policy_config(params.config, backend),
+                                                 prompt_len=tokens.shape[1], max_new_tokens=extra,
+                                                 page_size=opts.page_size, backend=backend))
         res = context_stage.context(params, np.asarray(tokens), np.asarray(lengths),
                                     None if question_start is None else np.asarray(question_start))
         tokens, lengths, _ = validate_prompt(params, res.tokens, res.lengths, extra, None)

@@ -21,7 +21,7 @@ import numpy as np
 
 from sparsekv_jax.eval.tasks import Sample
 
-__all__ = ["QUESTION_MODES", "Item", "batch_inputs", "batches", "bucket", "encode"]
+__all__ = ["QUESTION_MODES", "Item", "batch_inputs", "batches", "bucket", "context_batches", "encode", "shared_inputs"]
 
 QUESTION_MODES = ("agnostic", "aware")
 SUFFIX_MULTIPLE = 64  # questions are padded to a multiple of this (agnostic mode)
@@ -112,3 +112,52 @@ def batch_inputs(items: list[Item], question: str, max_positions: int, pad_multi
     suffix, suffix_lengths = _pad([it.question_ids for it in rows], qwidth)
     return {"tokens": tokens, "lengths": lengths, "question_start": None, "suffix": suffix,
             "suffix_lengths": suffix_lengths}
+
+
+# ----------------------------------------------------------------------------------------------
+# shared contexts: one context, several questions asked in turn (``ruler-shared``)
+# ----------------------------------------------------------------------------------------------
+
+
+def context_batches(contexts: list[list[Item]], batch_size: int,
+                    max_positions: int | None = None) -> Iterator[list[list[Item]]]:
+    """Contexts (each the list of its questions' items, in question order) of similar length, at
+    most ``batch_size`` a batch, and never more than fit together: the longest context, the longest
+    question of the batch and the decode length must fit in the model's positions."""
+    contexts = sorted(contexts, key=lambda c: (len(c[0].context_ids), c[0].sample.index))
+    batch: list[list[Item]] = []
+    for c in contexts:
+        trial = batch + [c]
+        items = [it for x in trial for it in x]
+        fits = max_positions is None or (
+            max(len(x.context_ids) for x in items) + max(len(x.question_ids) for x in items)
+            + bucket(max(x.max_new_tokens for x in items)) <= max_positions)
+        if batch and (len(batch) == batch_size or not fits):
+            yield batch
+            trial = [c]
+        batch = trial
+    if batch:
+        yield batch
+
+
+def shared_inputs(contexts: list[list[Item]], max_positions: int, pad_multiple: int,
+                  fill_to: int) -> tuple[dict[str, Any], list[tuple[np.ndarray, np.ndarray, list[Item]]]]:
+    """The inputs of contexts asked their questions in turn, padded to ``fill_to`` rows (copies of
+    the last context): ``(context inputs, questions)``. The context inputs are `batch_inputs`'
+    question-agnostic keys without the suffix (``tokens``, ``lengths``); ``questions[j]`` is
+    ``(suffix [rows, Tq], suffix_lengths [rows], items)``: every row's ``j``-th question (a context
+    with fewer questions repeats its last). Widths are those `batch_inputs` gives all the items at
+    once: one question width ``Tq`` for every turn (one compiled program for every question)."""
+    rows = contexts + [contexts[-1]] * (fill_to - len(contexts))
+    items = [it for c in contexts for it in c]
+    new = bucket(max(it.max_new_tokens for it in items))
+    longest = max(len(it.context_ids) for it in items)
+    qwidth = _round_width(max(len(it.question_ids) for it in items), SUFFIX_MULTIPLE, max_positions - new - longest)
+    width = _round_width(longest, pad_multiple, max_positions - new - qwidth)
+    tokens, lengths = _pad([c[0].context_ids for c in rows], width)
+    questions = []
+    for j in range(max(len(c) for c in contexts)):
+        asked = [c[min(j, len(c) - 1)] for c in rows]
+        suffix, suffix_lengths = _pad([it.question_ids for it in asked], qwidth)
+        questions.append((suffix, suffix_lengths, asked))
+    return {"tokens": tokens, "lengths": lengths}, questions

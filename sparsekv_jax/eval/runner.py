@@ -31,6 +31,16 @@ Question placement (recorded in every result as ``question``):
 * ``"agnostic"``: ``tokens`` = the context, ``suffix`` = the question: the policy compresses the
   context before the question is read (`generate`'s ``suffix``), as when one cached document
   serves many questions. The question is read with every kept entry (dense).
+
+Shared contexts (``--suite ruler-shared``: samples whose ``meta`` names a ``context_index`` and a
+``question_index``): in question-agnostic mode the rows that share a context run as one
+`sparsekv_jax.engine.Session` (:func:`run_shared`): the context is prefilled and compressed once,
+then each question is read into that compressed cache and answered in turn (`Session.ask`),
+batched over contexts. Their records carry ``"shared_context": true``, ``"question_index"`` and
+``timing.context_seconds`` (the prefill and compression, once for all the questions of the batch;
+``batch_seconds`` is the question's own reading and decoding). With ``fidelity`` (its reference
+prefills each row) or question-aware placement (the compression sees each question) every
+question runs alone, as in the other suites.
 """
 
 from __future__ import annotations
@@ -47,8 +57,18 @@ from typing import Any
 
 import numpy as np
 
+from sparsekv_jax.backend import resolved
 from sparsekv_jax.eval import report
-from sparsekv_jax.eval.batching import QUESTION_MODES, Item, batch_inputs, batches, bucket, encode
+from sparsekv_jax.eval.batching import (
+    QUESTION_MODES,
+    Item,
+    batch_inputs,
+    batches,
+    bucket,
+    context_batches,
+    encode,
+    shared_inputs,
+)
 from sparsekv_jax.eval.specs import (
     PolicySpec,
     format_length,
@@ -69,6 +89,7 @@ __all__ = [
     "BatchRun",
     "Plan",
     "PolicySpec",
+    "SharedBatch",
     "format_length",
     "load_ruler_dir",
     "make_record",
@@ -83,6 +104,7 @@ __all__ = [
     "row_stats",
     "run_batch",
     "run_eval",
+    "run_shared",
 ]
 
 # distinct compiled generate programs kept alive by one eval run before the caches are dropped
@@ -136,15 +158,30 @@ class Plan:
     def keys(self) -> list[str]:
         return [self.key(it, s) for items in self.items for it in items for s in self.specs]
 
-    def batches(self, batch_size: int, pad_multiple: int, row_multiple: int = 1) -> Iterator[Batch]:
+    def batches(self, batch_size: int, pad_multiple: int, row_multiple: int = 1,
+                shared: bool = False) -> Iterator[Batch | SharedBatch]:
         """Every group's rows in batches of at most ``batch_size``; a group with more rows than that
         fills its short last batch up to ``batch_size`` (one shape, one compile), and every batch is
-        filled up to a multiple of ``row_multiple`` rows (a mesh's data axis)."""
+        filled up to a multiple of ``row_multiple`` rows (a mesh's data axis). With ``shared``, a
+        group of shared-context samples (``meta["context_index"]``) gives `SharedBatch`es instead:
+        at most ``batch_size`` contexts each, every context with all its questions."""
+        def fill(n: int, chunk: list[Any]) -> int:
+            return -(-(batch_size if n > batch_size else len(chunk)) // row_multiple) * row_multiple
+
         for items in self.items:
-            for chunk in batches(items, batch_size, self.max_positions):
-                fill = batch_size if len(items) > batch_size else len(chunk)
-                fill = -(-fill // row_multiple) * row_multiple
-                yield Batch(chunk, batch_inputs(chunk, self.question, self.max_positions, pad_multiple, fill))
+            contexts = shared_contexts(items) if shared else None
+            if contexts is None:
+                for chunk in batches(items, batch_size, self.max_positions):
+                    yield Batch(chunk, batch_inputs(chunk, self.question, self.max_positions, pad_multiple,
+                                                    fill(len(items), chunk)))
+                continue
+            for chunk in context_batches(contexts, batch_size, self.max_positions):
+                context, questions = shared_inputs(chunk, self.max_positions, pad_multiple,
+                                                   fill(len(contexts), chunk))
+                turns = [Batch(asked, {**context, "question_start": None, "suffix": suffix,
+                                       "suffix_lengths": suffix_lengths})
+                         for suffix, suffix_lengths, asked in questions]
+                yield SharedBatch(turns, [[i for i, c in enumerate(chunk) if j < len(c)] for j in range(len(turns))])
 
     def pending(self, batch: Batch, done: Mapping[str, Mapping[str, Any]], fidelity: bool) -> dict[str, list[int]]:
         """``{spec.key: rows of batch still to run}``: a row is done when results hold its key (with
@@ -153,6 +190,39 @@ class Plan:
             return k in done and (not fidelity or done[k].get("fidelity") is not None)
 
         return {s.key: [i for i, it in enumerate(batch.items) if not finished(self.key(it, s))] for s in self.specs}
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedBatch:
+    """Contexts asked their questions in turn (one `Session` per policy: compress once, ask each).
+
+    ``turns[j]`` is the `Batch` of every context's ``j``-th question: its ``tokens``/``lengths`` the
+    contexts (the same in every turn), its ``suffix`` the questions. ``real[j]``: the rows of turn
+    ``j`` that are samples (a context with fewer questions repeats its last, and rows filling the
+    batch repeat the last context; neither is recorded)."""
+
+    turns: list[Batch]
+    real: list[list[int]]
+
+    @property
+    def rows(self) -> int:
+        return self.turns[0].rows
+
+    @property
+    def items(self) -> list[Item]:
+        return [t.items[i] for t, rows in zip(self.turns, self.real, strict=True) for i in rows]
+
+
+def shared_contexts(items: list[Item]) -> list[list[Item]] | None:
+    """``items`` grouped by shared context (``sample.meta["context_index"]``), each context's items
+    in question order (``meta["question_index"]``); ``None`` if the items are not shared-context
+    samples."""
+    if not items or any("context_index" not in it.sample.meta for it in items):
+        return None
+    out: dict[Any, list[Item]] = {}
+    for it in items:
+        out.setdefault(it.sample.meta["context_index"], []).append(it)
+    return [sorted(c, key=lambda it: it.sample.meta.get("question_index", it.sample.index)) for c in out.values()]
 
 
 def plan_eval(groups: list[Group], specs: list[PolicySpec], tokenizer: Any, max_positions: int, *, model: str,
@@ -192,8 +262,9 @@ class CompiledPrograms:
     costs time, so nothing is dropped there).
     """
 
-    def __init__(self, limit: int = MAX_LIVE_PROGRAMS) -> None:
+    def __init__(self, limit: int = MAX_LIVE_PROGRAMS, platform: str | None = None) -> None:
         self.limit = limit
+        self.platform = resolved().platform if platform is None else platform
         self.seen: set[tuple[Any, ...]] = set()
 
     def first_call(self, key: tuple[Any, ...]) -> bool:
@@ -202,7 +273,7 @@ class CompiledPrograms:
 
         if key in self.seen:
             return False
-        if len(self.seen) >= self.limit and jax.default_backend() == "cpu":
+        if len(self.seen) >= self.limit and self.platform == "cpu":
             jax.clear_caches()
             self.seen.clear()
         self.seen.add(key)
@@ -235,11 +306,9 @@ def decode_length(batch: Batch, policy: Policy) -> int:
 
 def run_batch(params: Any, tokenizer: Any, spec: PolicySpec, batch: Batch, *, stop_tokens: tuple[int, ...],
               page_size: int = 16, prefill_chunk: int | None = None,
-              programs: CompiledPrograms | None = None, mesh: Any = None) -> BatchRun:
+              programs: CompiledPrograms | None = None, mesh: Any = None, backend: Any = None) -> BatchRun:
     """Generate greedily with ``spec.policy`` on ``batch`` and decode each item's answer (on ``mesh``,
-    if given: `sparsekv_jax.sharding`)."""
-    import jax
-
+    if given: `sparsekv_jax.sharding`; ``backend``: `generate`'s, default the platform's)."""
     from sparsekv_jax.generate import generate
 
     new = decode_length(batch, spec.policy)
@@ -248,7 +317,15 @@ def run_batch(params: Any, tokenizer: Any, spec: PolicySpec, batch: Batch, *, st
     res = generate(params, spec.policy, batch.inputs["tokens"], lengths=batch.inputs["lengths"],
                    question_start=batch.inputs["question_start"], max_new_tokens=new, stop_tokens=stop_tokens,
                    page_size=page_size, prefill_chunk=prefill_chunk, suffix=batch.inputs["suffix"],
-                   suffix_lengths=batch.inputs["suffix_lengths"], mesh=mesh)
+                   suffix_lengths=batch.inputs["suffix_lengths"], mesh=mesh, backend=backend)
+    return _answers(tokenizer, batch, res, stop_tokens, t0, first_call)
+
+
+def _answers(tokenizer: Any, batch: Batch, res: Any, stop_tokens: tuple[int, ...], t0: float,
+             first_call: bool) -> BatchRun:
+    """A `GenerateOutput` of ``batch`` on the host as a `BatchRun` (timed from ``t0``)."""
+    import jax
+
     tokens, num = np.asarray(res.tokens), np.asarray(res.num_generated)
     stats = {k: np.asarray(v) if isinstance(v, jax.Array) else v for k, v in res.stats.items()}
     seconds = time.perf_counter() - t0
@@ -258,6 +335,36 @@ def run_batch(params: Any, tokenizer: Any, spec: PolicySpec, batch: Batch, *, st
         predictions.append(tokenizer.decode([t for t in ids if t not in stop_tokens], skip_special_tokens=True))
     return BatchRun(tokens=tokens, num_generated=num, stats=stats, predictions=predictions, seconds=seconds,
                     first_call=first_call)
+
+
+def run_shared(params: Any, tokenizer: Any, spec: PolicySpec, shared: SharedBatch, *, stop_tokens: tuple[int, ...],
+               page_size: int = 16, prefill_chunk: int | None = None, programs: CompiledPrograms | None = None,
+               mesh: Any = None, backend: Any = None) -> tuple[float, list[BatchRun]]:
+    """``spec.policy`` on contexts asked their questions in turn: one `Session` prefills and
+    compresses the contexts once (question-agnostic: the compression sees no question), then
+    `Session.ask` reads each turn's questions into that compressed cache and decodes the answers
+    greedily. Returns ``(seconds of the prefill and compression, one BatchRun per turn)``."""
+    import jax
+
+    from sparsekv_jax.engine import Session
+
+    first = shared.turns[0]
+    new = max(decode_length(t, spec.policy) for t in shared.turns)
+    key = (spec.key, "shared", first.shapes(), len(shared.turns), new)
+    first_call = programs.first_call(key) if programs is not None else True
+    t0 = time.perf_counter()
+    session = Session.start(params, spec.policy, first.inputs["tokens"], lengths=first.inputs["lengths"],
+                            question_tokens=int(first.inputs["suffix"].shape[1]), max_new_tokens=new,
+                            stop_tokens=stop_tokens, page_size=page_size, prefill_chunk=prefill_chunk, mesh=mesh,
+                            backend=backend)
+    jax.block_until_ready(session.compress())
+    context_seconds = time.perf_counter() - t0
+    runs = []
+    for turn in shared.turns:
+        t1 = time.perf_counter()
+        res = session.ask(turn.inputs["suffix"], turn.inputs["suffix_lengths"])
+        runs.append(_answers(tokenizer, turn, res, stop_tokens, t1, first_call))
+    return context_seconds, runs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -390,6 +497,7 @@ class _Options:
     fidelity: bool
     num_layers: int
     mesh: Any = None
+    backend: Any = None
 
 
 def _eval_batch(params: Any, tokenizer: Any, plan: Plan, batch: Batch, done: Mapping[str, Any], opts: _Options,
@@ -407,7 +515,7 @@ def _eval_batch(params: Any, tokenizer: Any, plan: Plan, batch: Batch, done: Map
         if not rows and not (is_dense(spec.policy) and opts.fidelity and others_pending):
             continue
         run = run_batch(params, tokenizer, spec, batch, stop_tokens=opts.stop_tokens, page_size=opts.page_size,
-                        prefill_chunk=opts.prefill_chunk, programs=programs, mesh=opts.mesh)
+                        prefill_chunk=opts.prefill_chunk, programs=programs, mesh=opts.mesh, backend=opts.backend)
         if is_dense(spec.policy):
             dense_run = run
         fids, fid_seconds = None, None
@@ -427,6 +535,30 @@ def _eval_batch(params: Any, tokenizer: Any, plan: Plan, batch: Batch, done: Map
                 fids = fid.compare(params, spec.policy, ref)
             fid_seconds = time.perf_counter() - t1
         yield [make_record(plan, spec, batch, i, run, None if fids is None else fids[i], fid_seconds) for i in rows]
+
+
+def _eval_shared(params: Any, tokenizer: Any, plan: Plan, shared: SharedBatch, done: Mapping[str, Any],
+                 opts: _Options, programs: CompiledPrograms) -> Iterator[list[dict[str, Any]]]:
+    """Run every policy with rows pending on ``shared`` (one `Session` each: compress once, ask each
+    question); yield each policy's new records."""
+    pending = [plan.pending(turn, done, False) for turn in shared.turns]
+    for spec in plan.specs:
+        todo = [[i for i in p[spec.key] if i in real] for p, real in zip(pending, shared.real, strict=True)]
+        if not any(todo):
+            continue
+        context_seconds, runs = run_shared(params, tokenizer, spec, shared, stop_tokens=opts.stop_tokens,
+                                           page_size=opts.page_size, prefill_chunk=opts.prefill_chunk,
+                                           programs=programs, mesh=opts.mesh, backend=opts.backend)
+        records = []
+        for j, (turn, run, rows) in enumerate(zip(shared.turns, runs, todo, strict=True)):
+            for i in rows:
+                rec = make_record(plan, spec, turn, i, run)
+                rec["shared_context"], rec["question_index"] = True, j
+                rec["timing"].update(context_seconds=context_seconds, questions=len(shared.turns),
+                                     seconds_per_sample=(run.seconds + context_seconds / len(shared.turns))
+                                     / turn.rows)
+                records.append(rec)
+        yield records
 
 
 def _checked_specs(policies: str | Sequence[str | Policy], prefill_chunk: int | None, fidelity: bool,
@@ -468,7 +600,7 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
              fidelity: bool = False, progress: bool = True, *, dtype: Any = None, model_name: str | None = None,
              longbench_path: str | os.PathLike[str] | None = None, cache_dir: str | os.PathLike[str] | None = None,
              page_size: int = 16, pad_multiple: int = 64, add_fullkv: bool = True,
-             prefill_chunk: int | None = None, mesh: Any = None) -> dict[str, Any]:
+             prefill_chunk: int | None = None, mesh: Any = None, backend: Any = None) -> dict[str, Any]:
     """Evaluate ``policies`` on a suite; append results to ``out_dir/results.jsonl``; write summaries.
 
     Args:
@@ -500,6 +632,12 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
       add_fullkv: run full attention too when no policy is dense (the "% kept" reference).
       mesh: a ``data`` × ``model`` device mesh (`sparsekv_jax.sharding.make_mesh`) every `generate`
         runs on; batches are filled up to a multiple of its ``data`` axis.
+      backend: the `sparsekv_jax.Backend` of every `generate` (default: ``Backend()``, the platform's
+        choices; ``sparsekv eval`` passes `Backend.from_env`, which reads ``$SPARSEKV_DECODE_MATMUL``).
+
+    Shared-context suites (``ruler-shared``) in question-agnostic mode without ``fidelity`` run each
+    batch of contexts as one `Session` per policy: compressed once, asked each question in turn
+    (see the module docstring).
 
     Returns:
       The summary (also written to ``summary.json``), see `sparsekv_jax.eval.report.summarize`.
@@ -531,15 +669,18 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
                       f"{results_path}.damaged; their samples run again", stacklevel=2)
     done: dict[str, dict[str, Any]] = {r["key"]: r for r in read_results(results_path) if "key" in r}
     opts = _Options(stop_tokens=stop, page_size=page_size, prefill_chunk=prefill_chunk, fidelity=fidelity,
-                    num_layers=cfg.num_layers, mesh=mesh)
+                    num_layers=cfg.num_layers, mesh=mesh, backend=backend)
 
-    batch_list = list(plan.batches(batch_size, pad_multiple, 1 if mesh is None else int(mesh.shape["data"])))
-    total = sum(len(rows) for b in batch_list for rows in plan.pending(b, done, fidelity).values())
+    shared = question == "agnostic" and not fidelity
+    batch_list = list(plan.batches(batch_size, pad_multiple, 1 if mesh is None else int(mesh.shape["data"]), shared))
+    total = sum(_pending_count(plan, b, done, fidelity) for b in batch_list)
     bar = tqdm(total=total, disable=not progress, desc="eval", unit="sample")
-    programs = CompiledPrograms(MAX_LIVE_PROGRAMS)
+    programs = CompiledPrograms(MAX_LIVE_PROGRAMS, resolved(backend).platform)
     with results_path.open("a", encoding="utf-8") as sink:
         for batch in batch_list:
-            for records in _eval_batch(params, tokenizer, plan, batch, done, opts, programs):
+            run = _eval_shared if isinstance(batch, SharedBatch) else _eval_batch
+            steps = run(params, tokenizer, plan, batch, done, opts, programs)
+            for records in steps:
                 for rec in records:
                     sink.write(json.dumps(rec) + "\n")
                     done[rec["key"]] = rec
@@ -553,6 +694,13 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
                     "fidelity": fidelity, "out_dir": str(out)})
     report.write_reports(summary, out)
     return summary
+
+
+def _pending_count(plan: Plan, batch: Batch | SharedBatch, done: Mapping[str, Any], fidelity: bool) -> int:
+    if isinstance(batch, SharedBatch):
+        return sum(len(set(rows) & set(real)) for turn, real in zip(batch.turns, batch.real, strict=True)
+                   for rows in plan.pending(turn, done, fidelity).values())
+    return sum(len(rows) for rows in plan.pending(batch, done, fidelity).values())
 
 
 def _column_order(groups: list[Group]) -> list[str]:

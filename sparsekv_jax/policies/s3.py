@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from sparsekv_jax.policies.base import Setup
 from sparsekv_jax.policies.retrieval import ContextRetrieval
 from sparsekv_jax.retrieval import rankers, spans
 
@@ -78,6 +79,12 @@ class S3Pure(ContextRetrieval):
     stop_df: float = struct.field(pytree_node=False, default=0.5)
     span: int | None = struct.field(pytree_node=False, default=None)
     max_extend: int = struct.field(pytree_node=False, default=32)
+    backend: Any = struct.field(pytree_node=False, default=None)  # the run's `Backend` (`bind`); None: the default
+
+    def bind(self, setup: Setup) -> S3Pure:
+        """This policy holding the run's `Backend`: the scan's ``"auto"`` choices (features,
+        attention) are made for its platform (the engine binds the context stage before it runs)."""
+        return self.replace(backend=setup.backend)
 
     def stacked_saes(self, params: Any) -> tuple[tuple[int, ...], Any]:
         """``(layers, stacked TopKSAE)`` for this policy; ``ValueError`` if they do not fit the model."""
@@ -108,7 +115,7 @@ class S3Pure(ContextRetrieval):
                              "(local and global layers), which the S3 scan does not support")
         layers, stack = self.stacked_saes(params)
         cfg = ScanConfig(chunk=self.chunk, sinks=self.sinks, window=self.window, features=self.features)
-        return scan_context(params, stack, layers, tokens, ctx, ctx, ql, cfg)
+        return scan_context(params, stack, layers, tokens, ctx, ctx, ql, cfg, backend=self.backend)
 
     def s3_spans(self, result: Any, tokens: np.ndarray, ctx: np.ndarray, budgets: np.ndarray) -> list[list[spans.Span]]:
         """Per row: ranked spans from a scan ``result`` (only this policy's layers of it are scored)."""

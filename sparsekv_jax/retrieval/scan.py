@@ -209,12 +209,14 @@ def _copy(index: SegmentedIndex, segment: int, postings: jax.Array, counts: jax.
 
 def scan_context(params: Params, saes: TopKSAE, layers: tuple[int, ...], tokens: np.ndarray,
                  context_lengths: np.ndarray, question_starts: np.ndarray, question_lengths: np.ndarray,
-                 scan: ScanConfig = ScanConfig(), *, on_chunk: Callable[[int], None] | None = None) -> ScanResult:
+                 scan: ScanConfig = ScanConfig(), *, on_chunk: Callable[[int], None] | None = None,
+                 backend: Backend | None = None) -> ScanResult:
     """Index each row's context ``tokens[b, :context_lengths[b]]`` and encode its question
     ``tokens[b, question_starts[b] : question_starts[b] + question_lengths[b]]``.
 
     ``saes`` is a stack of one SAE per entry of ``layers`` (model layer indices). ``on_chunk(c)`` is
-    called after chunk ``c`` is dispatched (tests watch the live device arrays there). Timings:
+    called after chunk ``c`` is dispatched (tests watch the live device arrays there). ``scan``'s
+    ``"auto"`` choices are made for ``backend``'s platform (``None``: this process's default). Timings:
     ``scan`` (the whole chunk loop), ``index_copy`` (host time copying segments into the index,
     overlapped with the device's next chunk), ``question`` (the question chunk).
     """
@@ -223,7 +225,7 @@ def scan_context(params: Params, saes: TopKSAE, layers: tuple[int, ...], tokens:
     if saes.stack_shape != (len(layers),) or saes.d_in != cfg.head_dim:
         raise ValueError(f"SAEs stacked {saes.stack_shape} with d_in {saes.d_in} do not fit {len(layers)} target "
                          f"layers of head_dim {cfg.head_dim}")
-    scan = scan.resolve(params)
+    scan = scan.resolve(params, backend)
     tokens = np.asarray(tokens)
     B = tokens.shape[0]
     ctx = np.asarray(context_lengths, np.int32)
