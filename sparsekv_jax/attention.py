@@ -75,7 +75,7 @@ def blocked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block:
     back several times (mask, max, exp, sum, divide): at T = 4k that is 0.6 GB per layer, far out of
     cache, and it also computes the masked upper triangle. Here each query block visits only the
     key blocks at or before it (inside the sliding window, if any) and the ``[G*block, block]`` tile
-    of scores stays in cache (SmolLM2's prefill at 4k on a CPU: docs/BENCHMARKS.md, "CPU speed
+    of scores stays in cache (SmolLM2's prefill at 4k on a CPU: experiments/diary/BENCHMARKS_DIARY.md, "CPU speed
     against transformers"). Same shapes and semantics as
     `dense_causal_attention` (GQA grouped, no repeated keys); fp32 accumulation. The inner loop has
     a data-dependent trip count, so it is not reverse-differentiable (nothing here differentiates
@@ -160,7 +160,7 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.
     if T == 1:
         # One query per row (decode): the same math without the length-1 query axis. With it, XLA:CPU
         # lays the scores' dot out against a transposed copy of each layer's keys (the largest cost of
-        # a CPU decode step at 4k; docs/BENCHMARKS.md, "CPU speed against transformers").
+        # a CPU decode step at 4k; experiments/diary/BENCHMARKS_DIARY.md, "CPU speed against transformers").
         out, probs = _attend(_grouped(q[:, :, 0], Hkv).astype(k.dtype), k, v, bias, mask[:, :, 0], "bhgd,bhsd->bhgs",
                              "bhgs,bhsd->bhgd", bias_at=(slice(None), slice(None), None))
         out, probs = out[:, :, :, None], probs[:, :, :, None]

@@ -144,8 +144,8 @@ class Backend:
       dense_prefill: dense prefill attention: ``"cudnn"``, ``"xla"`` (`jax.nn.dot_product_attention`),
         ``"blocked"`` (`attention.blocked_causal_attention`, a flash-style loop over key blocks in jnp) or
         ``"auto"`` = cuDNN on a GPU for bf16/fp16, blocked on a CPU past one block (XLA:CPU's attention
-        materialises the full score matrix; docs/BENCHMARKS.md, "CPU speed against transformers"), XLA
-        otherwise. Left ``"auto"`` by `resolve`: the choice depends on the dtype and length, which
+        materialises the full score matrix; experiments/diary/BENCHMARKS_DIARY.md, "CPU speed against
+        transformers"), XLA otherwise. Left ``"auto"`` by `resolve`: the choice depends on the dtype and length, which
         `attention` sees.
       sparse_prefill: block-sparse prefill attention (a policy's prefill pattern): the same choice
         for `sparsekv_jax.pallas.prefill`.
@@ -153,17 +153,17 @@ class Backend:
         kernel reads the layer by index) instead of scanning it as xs/ys, which copies every layer's
         cache out and back at each step. ``"auto"`` = True (on a CPU too: 1.7x less CPU time per
         token at 4k for SmolLM2 once the single-query attention stopped transposing the keys,
-        docs/BENCHMARKS.md, "CPU speed against transformers").
+        experiments/diary/BENCHMARKS_DIARY.md, "CPU speed against transformers").
       decode_matmul: decode matmuls: ``"xla"`` (cuBLAS on the scan's slice of the stacked weights,
         which XLA copies out first), ``"pallas"`` (`layer_matmul` reads the layer's tiles from the
         stack), ``"auto"`` = ``"pallas"`` on a GPU where every weight fits the kernel (2.7x faster
-        decode for Llama-3.1-8B at batch 1 on an H100: docs/BENCHMARKS.md). `Backend.from_env`
+        decode for Llama-3.1-8B at batch 1 on an H100: experiments/diary/BENCHMARKS_DIARY.md). `Backend.from_env`
         takes it from ``$SPARSEKV_DECODE_MATMUL`` (the command line's backends).
       page_sums: CHESS's pre-RoPE rebuild: the Pallas `rope_page_sums` (reads each layer's keys in
         place) or its jnp reference.
       prefill_unroll: unroll factor of the layer scan over many tokens (1 = rolled).
       decode_unroll: unroll factor of the decode layer scan (1 = rolled; unrolling did not remove
-        the weight copies inside the decode loop on an H100, docs/BENCHMARKS.md).
+        the weight copies inside the decode loop on an H100, experiments/diary/BENCHMARKS_DIARY.md).
       interpret: run Pallas kernels interpreted; ``None`` = off a GPU.
       mesh: a ``data`` × ``model`` `jax.sharding.Mesh` to run on (`sparsekv_jax.sharding`): the
         cache is pinned to its split by rows and KV heads and the Pallas kernels run per device
@@ -179,7 +179,7 @@ class Backend:
         jaxlib takes the option, XLA otherwise. oneDNN runs the blocked prefill attention's small
         per-tile matmuls on both of a 2-core machine's cores where XLA's use about 1.2: SmolLM2's
         fp32 prefill at 4k took 9.45 s with it, 11.45 s without, and transformers 11.38 s in the
-        same run (docs/BENCHMARKS.md, "CPU prefill on oneDNN's dots"). The decode loop keeps
+        same run (experiments/diary/BENCHMARKS_DIARY.md, "CPU prefill on oneDNN's dots"). The decode loop keeps
         XLA's dots (oneDNN made its matrix-vector products 2x slower), so `generate` compiles
         prefill and decode as two programs when this is oneDNN.
       platform: the JAX platform the choices are made for (``"gpu"``, ``"cpu"``, ...); ``None`` =

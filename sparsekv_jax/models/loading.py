@@ -605,8 +605,8 @@ def check_gguf_tokenizer(tokenizer: Any, gguf_path: str | Path) -> None:
     by score (llama.cpp's SPM tokenizer; Unigram models are ``"t5"``). transformers 5.17 built
     Gemma 3's as a ``Unigram`` model. That model cuts common words into pieces: "the provided
     text" became ' t', 'he', ' prov', 'id', 'ed', ' t', 'ext'. A RULER run on a GPU with it scored
-    as if the model could not read (docs/RESULTS.md). transformers 5.23 builds a BPE model and matches
-    the model's own tokenizer.
+    as if the model could not read (experiments/diary/RESULTS_DIARY.md). transformers 5.23 builds a BPE
+    model and matches the model's own tokenizer.
     """
     import gguf
     import transformers

@@ -301,7 +301,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
       num_splits: split-K factor (default: fill ~`TARGET_PROGRAMS` programs).
       num_warps, num_stages: Triton compiler params. Defaults (128, 8 warps, 3 stages) were
         the fastest of a 12-point grid on an H200 at L=32k/B=8 and L=128k/B=1
-        (docs/BENCHMARKS.md); stages are lowered automatically where tiles would overflow
+        (experiments/diary/BENCHMARKS_DIARY.md); stages are lowered automatically where tiles would overflow
         shared memory (float32).
       return_probs: also return the step's attention probabilities (for policies that
         accumulate them, e.g. H2O).

@@ -7,7 +7,7 @@ Why a kernel: the reference runs Algorithm 1 seed place by seed place (a loop of
 ``width`` = 64 steps), and every step gathers each slot's cosine to its candidate seed and that
 seed's status across the whole ``[K, B, H, T]`` state. On an H200 at Llama-3.1-8B's shapes and a 32k
 prompt, the budget search (2 passes x 16 thresholds x 3 chunk layouts, 32 layers) took 23% of the
-prefill that way (docs/BENCHMARKS.md); the issue's target is 10%.
+prefill that way (experiments/diary/BENCHMARKS_DIARY.md); the issue's target is 10%.
 
 The kernel reads Algorithm 1 as a scan over slots. A member ``t`` joins the *earliest* seed of its
 chunk whose cosine with it exceeds ``tau`` (seeds absorb in order, and an absorbed slot is never

@@ -4,7 +4,7 @@
 a runtime index. Why it exists: in a decode step (``M`` = batch, small) the layer `lax.scan`
 slices each layer's weights out of the stacked arrays, and XLA materialises that slice before
 cuBLAS reads it — a read and a write of every weight per token, measured at 15.7 ms for
-Llama-3.1-8B's matmuls where reading the weights once takes 6.5 ms (docs/BENCHMARKS.md, "Decode:
+Llama-3.1-8B's matmuls where reading the weights once takes 6.5 ms (experiments/diary/BENCHMARKS_DIARY.md, "Decode:
 where the time goes"). This kernel reads the tiles of ``w[layer]`` straight from the stack, like
 the decode attention kernel reads its layer of the cache.
 
@@ -21,7 +21,8 @@ Design: memory bound (each weight byte is used ``M`` times), so it streams ``w``
 
 Backend: Pallas' Triton lowering with explicit compiler params; ``interpret=True`` runs the same
 kernel on CPU for tests. ``transformer``'s decode path uses it on GPUs by default
-(`sparsekv_jax.models.transformer.DECODE_MATMUL`; measurements in docs/BENCHMARKS.md).
+(`Backend.decode_matmul`, `$SPARSEKV_DECODE_MATMUL` at the command line; measurements in
+experiments/diary/BENCHMARKS_DIARY.md).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ __all__ = ["MATMUL_MAX_PROGRAMS", "layer_matmul", "layer_matmul_reference", "mat
 
 # At most two waves of programs on a 132-SM Hopper part. Fewer, longer programs stream the weight
 # faster than the four waves the attention kernels aim for: the H200 sweep of 2026-11-22
-# (docs/BENCHMARKS.md, "Decode matmul tiling") found 128-256 programs of >= 8 K tiles best for
+# (experiments/diary/BENCHMARKS_DIARY.md, "Decode matmul tiling") found 128-256 programs of >= 8 K tiles best for
 # every Llama-3.1-8B weight, and 512-1024 programs 10-30% slower.
 MATMUL_MAX_PROGRAMS = 2 * 132
 

@@ -17,7 +17,7 @@ loops over the ``ps`` slots of a page: the two halves of slot ``j``'s keys (``bl
 apart, ``D/2`` contiguous values each) are turned by ``-j`` with four fused multiply-adds per pair
 and accumulated in fp32. Memory bound: every key is read once and no FLOP is wasted (a matmul with
 the equivalent ``[ps·D, D]`` rotation matrix does ``D/2`` times the work; measured 1.8 TB/s on an
-H200, docs/BENCHMARKS.md). Slots past the cache's end (``S`` not a multiple of ``ps``) are masked
+H200, experiments/diary/BENCHMARKS_DIARY.md). Slots past the cache's end (``S`` not a multiple of ``ps``) are masked
 to zero, so nothing is padded.
 """
 

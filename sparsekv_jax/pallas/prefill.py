@@ -299,7 +299,7 @@ def default_tiles(block_size: int, head_dim: int, itemsize: int = 2) -> tuple[in
     """Kernel tiles ``(block_q, block_k)`` for a list granularity.
 
     128x128 at 8 warps / 3 stages was the fastest of an 8-point grid for bf16, D=128 on an
-    H200 (docs/BENCHMARKS.md); float32 inputs take smaller tiles so registers and shared
+    H200 (experiments/diary/BENCHMARKS_DIARY.md); float32 inputs take smaller tiles so registers and shared
     memory still fit.
     """
     bq, bk = 128, 128

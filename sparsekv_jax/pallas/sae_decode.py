@@ -9,7 +9,7 @@ layer, trained together) and ``table [S, W, D]`` one row per latent:
 
 Why: XLA runs the jnp forms (``table[ids]`` then an einsum) as a gather that writes the ``[S, N, k, D]``
 rows to memory and a reduction that reads them back: 2 GiB each way at Llama's SAE step (N = 32,768,
-k = 128, D = 128), 2.8 ms of the decode on an H200 (docs/BENCHMARKS.md). The table is small (16,384
+k = 128, D = 128), 2.8 ms of the decode on an H200 (experiments/diary/BENCHMARKS_DIARY.md). The table is small (16,384
 x 128 fp32 = 8 MiB, it stays in L2), so one program per block of rows gathers its rows straight
 into registers and accumulates: 0.41-0.54 ms. Nothing of size ``N·k·D`` touches HBM.
 
@@ -67,7 +67,8 @@ def scatter_rows(ids: jax.Array, coef: jax.Array, vec: jax.Array, width: int) ->
     out = jax.vmap(lambda i, c: jnp.zeros((width, vec.shape[-1]), jnp.float32).at[i].add(c))(ids, contrib)
     # The barrier keeps the scatter in this row layout: for the encoder (``table = W_encᵀ``) XLA
     # otherwise folded the transpose back to ``[D, W]`` into the scatter, which then wrote each row
-    # as a strided column: 13.6 instead of 9.1 ms for Llama's SAE step on an H200 (docs/BENCHMARKS.md).
+    # as a strided column: 13.6 instead of 9.1 ms for Llama's SAE step on an H200
+    # (experiments/diary/BENCHMARKS_DIARY.md).
     return jax.lax.optimization_barrier(out)
 
 

@@ -2,7 +2,7 @@
 
 Why: XLA's GPU compiler has a fast top-k only for ``k <= 16``; the SAE's ``k`` (64-128, one per head
 dimension in S³) makes ``lax.top_k`` sort every 8,192- or 16,384-wide row, which took 30.7 of a
-40.3 ms SAE training step on an H200 (docs/BENCHMARKS.md). A row's top k does not need an order,
+40.3 ms SAE training step on an H200 (experiments/diary/BENCHMARKS_DIARY.md). A row's top k does not need an order,
 only a threshold: the k-th largest value ``t``. One program holds one row in registers and finds
 ``t`` by bisection on its bit pattern: for non-negative IEEE floats the int32 bits order like the
 values, so 31 passes of "how many bits >= candidate" (a compare and a sum over the row, no memory

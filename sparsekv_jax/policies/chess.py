@@ -54,7 +54,7 @@ the semantic attributes of the input tokens"; docs/results/chess_needle_ranks_4k
   page's positions are consecutive (any cache that was not compressed), R(-(p0+j)) = R(-p0)·R(-j):
   each key is turned by its slot in the page with a fixed table and summed (the Pallas
   `rope_page_sums` on a GPU, reading the layer in place), then each page sum by its first
-  position (docs/BENCHMARKS.md, "CHESS decode speed", has the rebuild's time); compressed layers
+  position (experiments/diary/BENCHMARKS_DIARY.md, "CHESS decode speed", has the rebuild's time); compressed layers
   rotate key by key. Rebuilds are rare and the per-step page list is the same either way.
   ``post_rope`` reads only the page sums (3.4 ms).
 * ``centred=True`` (default; not in the paper): keys share a large common component, so every
@@ -155,7 +155,7 @@ class CHESS(Policy):
       next_pages: also read the ``next_pages`` pages that follow each semantically selected page
         (default 0, the paper). Not in the paper: pages are scored independently, so a needle cut
         by a page boundary loses its second half whenever that page looks like the haystack (the
-        cause of CHESS-moderate's RULER niah_single_2 losses at 4k; docs/RESULTS.md). On SmolLM2,
+        cause of CHESS-moderate's RULER niah_single_2 losses at 4k; experiments/diary/RESULTS_DIARY.md). On SmolLM2,
         ``moderate`` with ``next_pages=2`` keeps 99.6-103% of full attention on RULER 4k/8k, reading
         65-76% of the pages; plain CHESS at the same reads keeps 96.5-100%.
       trigger: ``"uncertainty"`` (the paper) or ``"interval"`` (rebuild every ``interval`` pages).

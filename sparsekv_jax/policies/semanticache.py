@@ -33,14 +33,14 @@ Choices where the paper is silent (docs/SEMANTICACHE.md shows them in ablations)
   a token that starts with whitespace and around delimiters, `clustering.number_words`). A row where
   the words would not fit keeps only the digits; one where the digits would not fit, nothing.
   RULER 4k at 50%, question-agnostic: 30.24 with the words, 29.07 with the digits only (UUID
-  needles: 16 against 4; docs/RESULTS.md).
+  needles: 16 against 4; experiments/diary/RESULTS_DIARY.md).
 * **And the sentences that hold them** (``number_sentences=64``, the default with ``number_words``):
   every token of a sentence of at most 64 tokens that holds a digit (a sentence ends at a delimiter
   token holding ``.`` ``?`` ``!`` or a newline, `clustering.sentence_end_mask`), so a fact keeps the
   words that say what its number is: "One of the special magic numbers for wise-cook is: 7975467."
   A row keeps its sentences only while they take at most ``sentence_share`` (half) of its budget;
   else the words, as above. RULER at 50%, question-agnostic: 33.00 at 4k (95.8% of full attention)
-  and 22.84 at 8k, against 30.24 and 20.71 with the words; LongBench-mini even (docs/RESULTS.md).
+  and 22.84 at 8k, against 30.24 and 20.71 with the words; LongBench-mini even (experiments/diary/RESULTS_DIARY.md).
 * **Sinks and window.** The first ``sinks`` (4) and last ``window`` (32) prompt entries are kept as
   they are, counted inside the budget (as every compressor here).
 * **Bounded chunks.** A run of more than ``chunk_size`` (64) tokens without a delimiter is split, so

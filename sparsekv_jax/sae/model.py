@@ -217,7 +217,7 @@ def decode(sae: TopKSAE, ids: jax.Array, acts: jax.Array, method: str = "auto",
 
 def resolve_decode(method: str, d_in: int, backend: Backend | None = None) -> str:
     """``"auto"`` → ``"pallas"`` on a GPU (``backend``'s platform; ``None``: this process's default) for a
-    power-of-two ``d_in`` (docs/BENCHMARKS.md), else ``"xla"`` (`dispatch.sae_gather_method`)."""
+    power-of-two ``d_in`` (experiments/diary/BENCHMARKS_DIARY.md), else ``"xla"`` (`dispatch.sae_gather_method`)."""
     if method not in DECODE_METHODS:
         raise ValueError(f"decode method {method!r} is not one of {DECODE_METHODS}")
     if method == "pallas" and not gather_kernels_apply(d_in):

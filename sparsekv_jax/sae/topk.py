@@ -45,7 +45,7 @@ def resolve_method(method: str, width: int, k: int, backend: Backend | None = No
     """``"auto"`` → ``"threshold"`` on a GPU (``backend``'s platform; ``None``: this process's default)
     where it applies (a power-of-two width), else ``"lax"`` (`dispatch.threshold_top_k_method`).
 
-    Measured on an H200 (docs/BENCHMARKS.md, "SAE training throughput"): XLA's sort-based top-k took
+    Measured on an H200 (experiments/diary/BENCHMARKS_DIARY.md, "SAE training throughput"): XLA's sort-based top-k took
     30.7 ms of a 40.3 ms SmolLM2 SAE step at k 64; ``"blocked"`` was 2-3x slower than that on the GPU
     (it stays an explicit choice; it is faster than ``lax`` on a CPU). ``"threshold"`` is the Pallas
     kernel of `sparsekv_jax.pallas.topk` (Triton; on a CPU it runs interpreted, for tests only).

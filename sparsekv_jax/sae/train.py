@@ -110,7 +110,7 @@ def losses(sae: TopKSAE, x: jax.Array, dead: jax.Array, cfg: TrainConfig,
     ``auxk``: compute the AuxK loss (``True``), skip it (``False``), or decide on the device from
     ``dead`` (``None``, a `lax.cond`). `train_step` decides outside the gradient instead: under
     autodiff the cond cost 1.9 ms of a 10.5 ms SmolLM2 step even when AuxK did not run (H200,
-    docs/BENCHMARKS.md)."""
+    experiments/diary/BENCHMARKS_DIARY.md)."""
     dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else None
     # With the gather kernels (GPU default) the dense pre-activations only select: the selected
     # activations are recomputed at their ids (`selected_activations`), whose gradient is a sparse
