@@ -227,17 +227,21 @@ def validate_suffix(params: Params, suffix: Any, suffix_lengths: Any, batch: int
     return suffix, suffix_lengths
 
 
-def options_of(options: dict[str, Any]) -> Options:
-    """`Options` from keyword arguments (an ``options=Options(...)`` among them is taken whole)."""
+def options_of(options: dict[str, Any], kind: type[Any] = Options) -> Any:
+    """A ``kind`` (default `Options`; any frozen options dataclass, e.g. `EvalOptions`) from keyword
+    arguments; an ``options=kind(...)`` among them is taken whole. An unknown keyword raises
+    `TypeError` naming it and listing the valid ones."""
+    names = [f.name for f in dataclasses.fields(kind)]
     if "options" in options:
         if len(options) > 1:
             raise ValueError(f"give options= or keyword options, not both ({', '.join(sorted(options))})")
+        if not isinstance(options["options"], kind):
+            raise TypeError(f"options= must be a {kind.__name__}, got {type(options['options']).__name__}")
         return options["options"]
-    unknown = sorted(set(options) - {f.name for f in dataclasses.fields(Options)})
+    unknown = sorted(set(options) - set(names))
     if unknown:
-        raise TypeError(f"unknown option(s) {', '.join(unknown)}; options are "
-                        f"{', '.join(f.name for f in dataclasses.fields(Options))}")
-    return Options(**options)
+        raise TypeError(f"unknown option(s) {', '.join(unknown)}; options are {', '.join(names)}")
+    return kind(**options)
 
 
 def setup(params: Params, policy: Policy | None = None, tokens: Any = None, lengths: Any = None, *,

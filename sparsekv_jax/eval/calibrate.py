@@ -26,6 +26,7 @@ or LongBench).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -110,17 +111,78 @@ def suite_prompts(suite: str, tokenizer: Any, cfg: Any, tasks: list[str] | None,
     return prompts
 
 
-def calibrate(model: Any = "smollm2", suite: str = "wikitext", *, data: str | None = None,
-              tasks: list[str] | None = None, length: int = 2048, n: int = 32, seed: int = 1234,
-              page_size: int = 32, percentile: float = 99.0, max_new_tokens: int = 256, batch_size: int = 4,
-              out: str | os.PathLike[str] = "chess_calibration.json", plot: str | os.PathLike[str] | None = None,
-              progress: bool = True, dtype: Any = None, cache_dir: str | None = None) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class CalibrateOptions:
+    """The options of `calibrate` besides the model, suite and output file.
+
+    Attributes:
+      data: the text file of ``suite="wikitext"`` (default: the WikiText-2 test split shipped with
+        the package); unused for an eval suite.
+      tasks: task names of an eval suite (default: all of it).
+      length: prompt length in tokens.
+      n: prompts.
+      seed: the seed drawing the prompts.
+      page_size: tokens per page (CHESS's page size).
+      percentile: the thresholds' percentile over pages, in (0, 100).
+      max_new_tokens: tokens generated per prompt (must exceed ``page_size``).
+      batch_size: prompts per `generate` call.
+      plot: where to write the (mean entropy, varentropy) density plot (``None``: no plot).
+      progress: a tqdm bar over batches.
+      dtype: weight dtype when loading ``model`` (default float32).
+      cache_dir: cache root for the embedded model and the suites' data files.
+    """
+
+    data: str | os.PathLike[str] | None = None
+    tasks: list[str] | None = None
+    length: int = 2048
+    n: int = 32
+    seed: int = 1234
+    page_size: int = 32
+    percentile: float = 99.0
+    max_new_tokens: int = 256
+    batch_size: int = 4
+    plot: str | os.PathLike[str] | None = None
+    progress: bool = True
+    dtype: Any = None
+    cache_dir: str | None = None
+
+
+def calibrate_options(**options: Any) -> CalibrateOptions:
+    """`CalibrateOptions` from `calibrate`'s keyword options (or ``options=CalibrateOptions(...)``).
+
+    Raises:
+      TypeError: an unknown keyword (named, with the valid ones listed), or an ``options=`` that is
+        not a `CalibrateOptions`.
+      ValueError: both ``options=`` and keyword options.
+    """
+    from sparsekv_jax.engine.run import options_of
+
+    return options_of(options, CalibrateOptions)
+
+
+def calibrate(model: Any = "smollm2", suite: str = "wikitext", *,
+              out: str | os.PathLike[str] = "chess_calibration.json", **options: Any) -> dict[str, Any]:
     """Measure the page statistics and write the thresholds (see the module docstring).
 
-    ``suite``: ``"wikitext"`` (plain text from the file ``data``, by default the WikiText-2 test
-    split shipped with the package), another text file path, or a `sparsekv eval` suite (``data``
-    unused). Returns the JSON written to ``out``.
+    Args:
+      model: ``"smollm2"``, a model directory / ``.gguf`` path, or a loaded ``(params, tokenizer)``.
+      suite: ``"wikitext"`` (plain text from the file ``data``, by default the WikiText-2 test split
+        shipped with the package), another text file path, or a `sparsekv eval` suite (``data``
+        unused).
+      out: the JSON file written.
+      **options: the fields of `CalibrateOptions` (``data``, ``tasks``, ``length``, ``n``, ``seed``,
+        ``page_size``, ``percentile``, ``max_new_tokens``, ``batch_size``, ``plot``, ``progress``,
+        ``dtype``, ``cache_dir``), or ``options=CalibrateOptions(...)``. They are checked before the
+        model loads: an unknown keyword raises `TypeError` naming it.
+
+    Returns:
+      The JSON written to ``out``.
     """
+    o = calibrate_options(**options)
+    data, tasks, length, n, seed, plot = o.data, o.tasks, o.length, o.n, o.seed, o.plot
+    page_size, percentile, max_new_tokens, batch_size = o.page_size, o.percentile, o.max_new_tokens, o.batch_size
+    progress, dtype, cache_dir = o.progress, o.dtype, o.cache_dir
+
     import jax
     import jax.numpy as jnp
     from tqdm.auto import tqdm

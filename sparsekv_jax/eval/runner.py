@@ -593,36 +593,20 @@ def _load_model(model: Any, model_name: str | None, dtype: Any, progress: bool,
     return params, tokenizer, model_name or (str(model) if isinstance(model, (str, os.PathLike)) else "custom")
 
 
-def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite: str = "ruler",
-             tasks: Sequence[str] | None = None, lengths: Sequence[int | str] | str | None = None,
-             policies: str | Sequence[str | Policy] = "fullkv", n: int = 10, seed: int = 0,
-             out_dir: str | os.PathLike[str] = "eval_out", question: str = "agnostic", batch_size: int = 4,
-             fidelity: bool = False, progress: bool = True, *, dtype: Any = None, model_name: str | None = None,
-             longbench_path: str | os.PathLike[str] | None = None, cache_dir: str | os.PathLike[str] | None = None,
-             page_size: int = 16, pad_multiple: int = 64, add_fullkv: bool = True,
-             prefill_chunk: int | None = None, mesh: Any = None, backend: Any = None) -> dict[str, Any]:
-    """Evaluate ``policies`` on a suite; append results to ``out_dir/results.jsonl``; write summaries.
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+    """The options of `run_eval` besides the model, suite, policies and output folder.
 
-    Args:
-      model: ``"smollm2"``, a model directory / ``.gguf`` path (loaded with
-        `sparsekv_jax.models.embedded.load`), or an already loaded ``(params, tokenizer)``.
-      suite: ``"ruler"``, ``"longbench"`` (the MiniLongBench sample shipped with the package) or a
-        path (see :mod:`sparsekv_jax.eval.suites`).
+    Attributes:
       tasks: task names (default: all of the suite).
       lengths: RULER prompt lengths / LongBench truncation lengths, ints or ``"4k"`` strings
         (default: 4k for RULER; the model's limit for LongBench; all folders of a RULER path).
-      policies: a spec string (``"fullkv, snapkv(budget=0.1)"``) or a list of specs / `Policy`.
       n: samples per task and length.
       seed: RULER's sample seed (part of the resume key for every suite).
-      out_dir: where results and summaries go (created).
       question: ``"agnostic"`` (compress the context, then read the question) or ``"aware"``.
       batch_size: rows per `generate` call.
       fidelity: also measure KL / top-1 agreement / attention-output error against full attention.
       progress: a tqdm bar over (sample, policy) pairs.
-      prefill_chunk: prefill prompts in chunks of this many tokens (memory: a chunk's scores
-        instead of the whole prompt's); only for policies that need no one-pass prefill
-        (``needs_whole_prefill`` false: full attention, decode-stage policies such as Quest and
-        CHESS), and not with ``fidelity``.
       dtype: weight dtype when loading ``model`` (default float32).
       model_name: name in the resume key (default: ``model`` when it is a string).
       longbench_path: LongBench data for ``suite="longbench"`` (default: the shipped sample).
@@ -630,10 +614,66 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
       page_size: KV cache page size.
       pad_multiple: prompts are right-padded to a multiple of this (fewer distinct shapes).
       add_fullkv: run full attention too when no policy is dense (the "% kept" reference).
+      prefill_chunk: prefill prompts in chunks of this many tokens (memory: a chunk's scores
+        instead of the whole prompt's); only for policies that need no one-pass prefill
+        (``needs_whole_prefill`` false: full attention, decode-stage policies such as Quest and
+        CHESS), and not with ``fidelity``.
       mesh: a ``data`` × ``model`` device mesh (`sparsekv_jax.sharding.make_mesh`) every `generate`
         runs on; batches are filled up to a multiple of its ``data`` axis.
       backend: the `sparsekv_jax.Backend` of every `generate` (default: ``Backend()``, the platform's
         choices; ``sparsekv eval`` passes `Backend.from_env`, which reads ``$SPARSEKV_DECODE_MATMUL``).
+    """
+
+    tasks: Sequence[str] | None = None
+    lengths: Sequence[int | str] | str | None = None
+    n: int = 10
+    seed: int = 0
+    question: str = "agnostic"
+    batch_size: int = 4
+    fidelity: bool = False
+    progress: bool = True
+    dtype: Any = None
+    model_name: str | None = None
+    longbench_path: str | os.PathLike[str] | None = None
+    cache_dir: str | os.PathLike[str] | None = None
+    page_size: int = 16
+    pad_multiple: int = 64
+    add_fullkv: bool = True
+    prefill_chunk: int | None = None
+    mesh: Any = None
+    backend: Any = None
+
+
+def eval_options(**options: Any) -> EvalOptions:
+    """`EvalOptions` from `run_eval`'s keyword options (or ``options=EvalOptions(...)``, taken whole).
+
+    Raises:
+      TypeError: an unknown keyword (named, with the valid ones listed), or an ``options=`` that is
+        not an `EvalOptions`.
+      ValueError: both ``options=`` and keyword options.
+    """
+    from sparsekv_jax.engine.run import options_of
+
+    return options_of(options, EvalOptions)
+
+
+def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite: str = "ruler", *,
+             policies: str | Sequence[str | Policy] = "fullkv", out_dir: str | os.PathLike[str] = "eval_out",
+             **options: Any) -> dict[str, Any]:
+    """Evaluate ``policies`` on a suite; append results to ``out_dir/results.jsonl``; write summaries.
+
+    Args:
+      model: ``"smollm2"``, a model directory / ``.gguf`` path (loaded with
+        `sparsekv_jax.models.embedded.load`), or an already loaded ``(params, tokenizer)``.
+      suite: ``"ruler"``, ``"longbench"`` (the MiniLongBench sample shipped with the package) or a
+        path (see :mod:`sparsekv_jax.eval.suites`).
+      policies: a spec string (``"fullkv, snapkv(budget=0.1)"``) or a list of specs / `Policy`.
+      out_dir: where results and summaries go (created).
+      **options: the fields of `EvalOptions` (``tasks``, ``lengths``, ``n``, ``seed``, ``question``,
+        ``batch_size``, ``fidelity``, ``progress``, ``dtype``, ``model_name``, ``longbench_path``,
+        ``cache_dir``, ``page_size``, ``pad_multiple``, ``add_fullkv``, ``prefill_chunk``, ``mesh``,
+        ``backend``), or ``options=EvalOptions(...)``. They are checked before the model loads: an
+        unknown keyword raises `TypeError` naming it.
 
     Shared-context suites (``ruler-shared``) in question-agnostic mode without ``fidelity`` run each
     batch of contexts as one `Session` per policy: compressed once, asked each question in turn
@@ -642,22 +682,26 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
     Returns:
       The summary (also written to ``summary.json``), see `sparsekv_jax.eval.report.summarize`.
     """
+    o = eval_options(**options)
+    tasks, lengths, n, seed, question, batch_size = o.tasks, o.lengths, o.n, o.seed, o.question, o.batch_size
+    fidelity, progress, page_size, pad_multiple = o.fidelity, o.progress, o.page_size, o.pad_multiple
+    prefill_chunk, cache_dir, mesh, backend = o.prefill_chunk, o.cache_dir, o.mesh, o.backend
     from tqdm.auto import tqdm
 
     if question not in QUESTION_MODES:
         raise ValueError(f"question={question!r} must be one of {QUESTION_MODES}")
     if n < 1 or batch_size < 1:
         raise ValueError(f"n={n} and batch_size={batch_size} must be >= 1")
-    specs = _checked_specs(policies, prefill_chunk, fidelity, add_fullkv)
+    specs = _checked_specs(policies, prefill_chunk, fidelity, o.add_fullkv)
     length_list = parse_lengths(lengths) if lengths else None
-    params, tokenizer, name = _load_model(model, model_name, dtype, progress, cache_dir)
+    params, tokenizer, name = _load_model(model, o.model_name, o.dtype, progress, cache_dir)
     # what a policy needs of the tokenizer (delimiter masks) is fixed once; keys stay the spec's
     specs = [dataclasses.replace(s, policy=s.policy.with_tokenizer(tokenizer)) for s in specs]
     cfg = params.config
     stop = tuple(sorted({*cfg.eos_token_ids, *([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None
                                                else [])}))
     suite_id, groups = build_groups(suite, tasks, length_list, n, seed, tokenizer, cfg.max_position_embeddings,
-                                    cache_dir, longbench_path)
+                                    cache_dir, o.longbench_path)
     plan = plan_eval(groups, specs, tokenizer, cfg.max_position_embeddings, model=name, suite=suite_id,
                      question=question, seed=seed)
     out = Path(out_dir)
