@@ -78,15 +78,20 @@ def batches(items: list[Item], batch_size: int, max_positions: int | None = None
     batch: list[Item] = []
     for it in items:
         trial = batch + [it]
-        fits = max_positions is None or (
-            max(len(x.context_ids) for x in trial) + max(len(x.question_ids) for x in trial)
-            + bucket(max(x.max_new_tokens for x in trial)) <= max_positions)
-        if batch and (len(batch) == batch_size or not fits):
+        if batch and (len(batch) == batch_size or not _fits(trial, max_positions)):
             yield batch
             trial = [it]
         batch = trial
     if batch:
         yield batch
+
+
+def _fits(items: list[Item], max_positions: int | None) -> bool:
+    """Whether ``items`` fit one batch: the longest context, the longest question and the bucketed
+    decode length (they may come from different rows) within the model's positions."""
+    return max_positions is None or (
+        max(len(x.context_ids) for x in items) + max(len(x.question_ids) for x in items)
+        + bucket(max(x.max_new_tokens for x in items)) <= max_positions)
 
 
 def batch_inputs(items: list[Item], question: str, max_positions: int, pad_multiple: int,
@@ -128,11 +133,7 @@ def context_batches(contexts: list[list[Item]], batch_size: int,
     batch: list[list[Item]] = []
     for c in contexts:
         trial = batch + [c]
-        items = [it for x in trial for it in x]
-        fits = max_positions is None or (
-            max(len(x.context_ids) for x in items) + max(len(x.question_ids) for x in items)
-            + bucket(max(x.max_new_tokens for x in items)) <= max_positions)
-        if batch and (len(batch) == batch_size or not fits):
+        if batch and (len(batch) == batch_size or not _fits([it for x in trial for it in x], max_positions)):
             yield batch
             trial = [c]
         batch = trial
