@@ -185,3 +185,21 @@ def test_context_stage_runs_bound_to_the_run(params, rng):
     run = engine.setup(params, Notes(), rng.integers(1, CFG.vocab_size, (2, 20)), backend=mine, max_new_tokens=2)
     assert run.context_info["backend"] == run.backend == mine.resolve(params) != Backend().resolve(params)
     assert run.context_info["width"] == 20
+
+
+def test_jit_tells_apart_policy_classes_whose_fields_are_equal(params):
+    """jax 0.10's tree structures of two flax dataclasses with equal static fields compare equal
+    whatever their classes, so a cached program traced for one policy class could run for another
+    (it did in CI: a full-attention cache came back with another test policy's page summaries).
+    `Run.policy_classes` keeps them apart: 48 classes with no fields, each traced and run in turn
+    by one jitted function, each gets its own program; the decode view names its own policy's."""
+    from flax import struct
+
+    classes = [struct.dataclass(type(f"Marked{i}", (Dense,), {"mark": i})) for i in range(48)]
+    tokens = np.arange(1, 9)[None]
+    marks = jax.jit(lambda run: jnp.int32(type(run.policy).mark))
+    runs = [engine.setup(params, cls(), tokens, max_new_tokens=2) for cls in classes]
+    assert [int(marks(run)) for run in runs] == list(range(48))
+    snap = engine.setup(params, parse_policy("snapkv(0.5, window=4)"), tokens, max_new_tokens=2)
+    assert runs[0].for_decode().policy_classes == (Dense,)  # a policy without a decode stage decodes densely
+    assert snap.policy_classes[0].__name__ == "SnapKV" and snap.for_decode().policy_classes == (Dense,)

@@ -108,7 +108,10 @@ class Run:
     user's lengths (stats are fractions of those), ``suffix`` ``[B, Tq]`` / ``suffix_lengths`` or ``None``.
     Static: ``capacity`` (tokens the cache holds), ``page_size``, ``prefill_chunk``,
     ``question_tokens`` (room kept after compression for the suffix or later questions),
-    ``decoding`` (`Decoding`), ``backend`` (resolved) and ``context_info`` (host notes).
+    ``decoding`` (`Decoding`), ``backend`` (resolved), ``context_info`` (host notes) and
+    ``policy_classes`` (`node_classes` of ``policy``: jax 0.10's tree structures of two
+    ``register_dataclass`` nodes compare equal when their static fields do, whatever their classes,
+    so without it ``jax.jit`` may run a program traced for another policy class).
     """
 
     policy: Policy
@@ -125,6 +128,7 @@ class Run:
     decoding: Decoding = struct.field(pytree_node=False)
     backend: Backend = struct.field(pytree_node=False)
     context_info: HostNotes = struct.field(pytree_node=False)
+    policy_classes: tuple[type, ...] = struct.field(pytree_node=False)
 
     @property
     def extra_tokens(self) -> int:
@@ -134,8 +138,30 @@ class Run:
     def for_decode(self) -> Run:
         """This run as the decode loop sees it: the policy reduced to its decode stage and no prompt
         arrays, so runs whose decode stages are equal share one compiled decode program."""
-        return self.replace(policy=self.policy.stage("decode"), tokens=None, lengths=None, question_start=None,
-                            prompt_lengths=None, suffix=None, suffix_lengths=None)
+        decode = self.policy.stage("decode")
+        return self.replace(policy=decode, policy_classes=node_classes(decode), tokens=None, lengths=None,
+                            question_start=None, prompt_lengths=None, suffix=None, suffix_lengths=None)
+
+
+def node_classes(tree: Any) -> tuple[type, ...]:
+    """The classes of every dataclass in ``tree`` (a policy: its members, its bound settings), in
+    order: a static field that tells apart pytrees whose structures jax compares equal."""
+    found: list[type] = []
+
+    def walk(node: Any) -> None:
+        if dataclasses.is_dataclass(node) and not isinstance(node, type):
+            found.append(type(node))
+            for f in dataclasses.fields(node):
+                walk(getattr(node, f.name))
+        elif isinstance(node, (tuple, list)):
+            for item in node:
+                walk(item)
+        elif isinstance(node, dict):
+            for item in node.values():
+                walk(item)
+
+    walk(tree)
+    return tuple(found)
 
 
 def validate_prompt(params: Params, tokens: Any, lengths: Any, max_new_tokens: int,
@@ -302,7 +328,7 @@ def _open(params: Params, policy: Any, tokens: Any, lengths: Any, question_start
     run = Run(policy=bound, tokens=tokens, lengths=lengths, question_start=question_start,
               prompt_lengths=prompt_lengths, suffix=suffix, suffix_lengths=suffix_lengths, capacity=capacity,
               page_size=opts.page_size, prefill_chunk=opts.prefill_chunk, question_tokens=room, decoding=decoding,
-              backend=backend, context_info=HostNotes(info))
+              backend=backend, context_info=HostNotes(info), policy_classes=node_classes(bound))
     return params, sharding.place_rows(run)
 
 
