@@ -136,7 +136,7 @@ def test_chess_holds_the_backend_and_reaches_the_kernel_through_dispatch(monkeyp
 
 
 def test_semanticache_resolves_gsc_from_the_bound_backend():
-    kw = dict(budget=0.5, keep_numbers=False, number_sentences=0, chunking="fixed", chunk_size=64, keys="post_rope")
+    kw = dict(budget=0.5, chunking="fixed", chunk_size=64, keys="post_rope")
     pol = SemantiCache(**kw).bind(Setup(CFG, prompt_len=256, backend=CPU.resolve()))
     assert pol.backend.platform == "cpu" and pol.spec_key() == SemantiCache(**kw).spec_key()
     assert dispatch.gsc_method(pol.backend, pol.gsc, 64) == "jnp"

@@ -86,6 +86,14 @@ def ref_number_sentences(row: np.ndarray, longest: int) -> np.ndarray:
     return out
 
 
+def ref_rare_tokens(row: np.ndarray, cap: int) -> np.ndarray:
+    """The tokens whose id occurs at most ``c`` times in ``row``, for the largest ``c`` whose tokens
+    number at most ``cap``, counted id by id."""
+    counts = np.array([int((row == token).sum()) for token in row])
+    fits = [c for c in range(len(row) + 1) if (counts <= c).sum() <= cap]
+    return counts <= max(fits)
+
+
 def ref_chunks(delim: np.ndarray, n: int, s: int, w: int, level: int, width: int, protect: np.ndarray):
     """``(kept-as-is slots, chunks as lists of slots)`` of one row, built token by token; a
     protected slot (a digit under ``keep_numbers``) is kept as it is and ends the chunk at every level."""
@@ -171,13 +179,17 @@ def ref_compress(k, v, pos, tokens, lengths, pol: SemantiCache, margins: list[fl
         order = (0, 1, 2) if pol.chunking == "delimiters" else (2,)
         # kept unmerged: the sentences holding a digit (within their share of the budget), else the
         # words holding a digit, else the digits, else nothing: the first that fits
+        # (rare tokens: sized to their share of the budget, else nothing)
         words, digits = ref_number_words(tokens[b]), NUMBER_MASK[tokens[b]]
         candidates = []
-        if pol.keep_numbers and pol.number_words and pol.number_sentences:  # padding is in no sentence
+        if pol.protect == "digit_sentences":  # padding is in no sentence
             sentences = np.pad(ref_number_sentences(tokens[b][:n], pol.number_sentences), (0, T - n))
             candidates += [(3, sentences | words, pol.sentence_share)]
-        candidates += [(2, words, 1.0)] if pol.keep_numbers and pol.number_words else []
-        candidates += [(1, digits, 1.0)] if pol.keep_numbers else []
+        candidates += [(2, words, 1.0)] if pol.protect in ("digit_words", "digit_sentences") else []
+        candidates += [(1, digits, 1.0)] if pol.protect in ("digits", "digit_words", "digit_sentences") else []
+        if pol.protect == "rare_tokens":
+            candidates += [(4, np.pad(ref_rare_tokens(tokens[b][:n], math.floor(pol.sentence_share * keep)),
+                                      (0, T - n)), 1.0)]
         for kind, protect, share in candidates + [(0, np.zeros(T, bool), 1.0)]:
             protect = np.asarray(protect, bool)
             layouts = {level: ref_chunks(delim, n, s, w, level, width, protect) for level in order}
@@ -295,53 +307,63 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
     return sizes, [chosen[i][0] for i in order], protection
 
 
+SENTENCES, WORDS, DIGITS = (dict(protect=p) for p in ("digit_sentences", "digit_words", "digits"))
+
+
 @pytest.mark.parametrize("pol, delim_rate, number_rate, kept", [
     # threshold mode, number sentences kept (share 1: ids 4 and 5 are digits, so ~12% of tokens are, and most
     # sentences hold one; at the default share a draw could keep the words in every row)
-    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, sentence_share=1.0), 0.15, 0.02, 3),
-    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, number_sentences=0), 0.15, 0.1, 2),  # number words kept
-    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, keep_numbers=False), 0.15, 0.1, 0),  # the paper's
+    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, sentence_share=1.0, **SENTENCES), 0.15, 0.02, 3),
+    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, **WORDS), 0.15, 0.1, 2),  # number words kept
+    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4), 0.15, 0.1, 0),  # the paper's (the default)
     # budget mode; 40% delimiters: the paper's layout cannot fit 30%, heads use coarser chunks
-    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5), 0.4, 0.1, None),
-    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5, keep_numbers=False), 0.4, 0.1, 0),
+    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5, **SENTENCES), 0.4, 0.1, None),
+    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5), 0.4, 0.1, 0),
     # 90%: sentences of up to 12 tokens holding a digit are kept (the longer ones keep their words: the
     # reference case fails if a sentence's length is not checked; the share: the test after this one)
-    (SemantiCache(0.9, chunk_size=8, sinks=2, window=2, search_steps=5, number_sentences=12, sentence_share=1.0),
-     0.15, 0.0, 3),
+    (SemantiCache(0.9, chunk_size=8, sinks=2, window=2, search_steps=5, number_sentences=12, sentence_share=1.0,
+                  **SENTENCES), 0.15, 0.0, 3),
     # 75%: the words around the digits fit (rows that keep words next to rows that keep only digits:
     # test_rows_whose_number_words_do_not_fit_keep_their_digits)
-    (SemantiCache(0.75, chunk_size=8, sinks=2, window=2, search_steps=5, number_sentences=0), 0.15, 0.05, 2),
-    (SemantiCache(0.6, chunk_size=8, sinks=2, window=2, search_steps=5, number_words=False), 0.15, 0.05, 1),
+    (SemantiCache(0.75, chunk_size=8, sinks=2, window=2, search_steps=5, **WORDS), 0.15, 0.05, 2),
+    (SemantiCache(0.6, chunk_size=8, sinks=2, window=2, search_steps=5, **DIGITS), 0.15, 0.05, 1),
     # 40%+ digits at a 30% budget: they do not fit, those rows merge them
-    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5), 0.15, 0.4, 0),
+    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5, **SENTENCES), 0.15, 0.4, 0),
+    # the rare tokens, within half of the budget (budget and threshold mode)
+    (SemantiCache(0.5, chunk_size=8, sinks=2, window=2, search_steps=5, protect="rare_tokens"), 0.15, 0.1, 4),
+    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, protect="rare_tokens"), 0.15, 0.1, 4),
     (SemantiCache(0.5, tau=0.8, chunk_size=8, window=4, search_steps=5, chunking="fixed", keys="post_rope"), 0.15,
      0.1, None),
     (SemantiCache(12, window=4, recent_ratio=0.5, search_steps=5, chunking="none"), 0.15, 0.1, None),  # window: 6
     (SemantiCache(0.4, chunk_size=8, sinks=2, window=2, search_steps=5, similarity="keys_values"), 0.15, 0.05, None),
     # on the GSC kernel (interpreted): the GPU's path
-    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, sentence_share=1.0, gsc="interpret"), 0.15, 0.02, 3),
-    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5, gsc="interpret"), 0.4, 0.1, None),
+    (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, sentence_share=1.0, gsc="interpret", **SENTENCES), 0.15,
+     0.02, 3),
+    (SemantiCache(0.3, chunk_size=8, sinks=2, window=2, search_steps=5, gsc="interpret", **SENTENCES), 0.4, 0.1,
+     None),
 ], ids=["threshold", "threshold-words", "threshold-paper", "budget-fallback", "budget-fallback-paper",
         "number-sentences", "number-words", "digits-only",
-        "digits-overflow", "capped-fixed-post_rope", "none", "keys_values", "threshold-kernel",
+        "digits-overflow", "rare-tokens", "threshold-rare-tokens", "capped-fixed-post_rope", "none", "keys_values",
+        "threshold-kernel",
         "budget-fallback-kernel"])
 def test_chunking_gsc_and_merging_equal_the_numpy_reference(pol, delim_rate, number_rate, kept):
     """``kept``: the class kept unmerged (3 = sentences holding a digit, 2 = words holding a digit,
-    1 = digits, 0 = nothing) that some row of the draw must take, as the reference decides it."""
+    1 = digits, 4 = rare tokens, 0 = nothing) that some row of the draw must take, as the reference
+    decides it."""
     sizes, levels, protection = compare(pol, int(seeded_rng().integers(1 << 30)), delim_rate=delim_rate,
                                         number_rate=number_rate)
     assert min(sizes) < 40  # clusters did merge
     if delim_rate > 0.3:
         assert max(levels) > 0  # the fallback was taken
     if kept is not None:
-        most = (3 if pol.number_sentences else 2) if pol.number_words else 1
-        assert kept in protection and max(protection) <= most * pol.keep_numbers, protection
+        most = {None: 0, "digits": 1, "digit_words": 2, "digit_sentences": 3, "rare_tokens": 4}[pol.protect]
+        assert kept in protection and max(protection) <= most, protection
 
 
 def test_rows_whose_number_words_do_not_fit_keep_their_digits():
     """At 55%, some rows keep the words around their digits unmerged and the rest, where those words
     would overflow one entry per chunk, keep only the digits (the numpy reference decides which)."""
-    pol = SemantiCache(0.55, chunk_size=8, sinks=2, window=2, search_steps=5, number_sentences=0)
+    pol = SemantiCache(0.55, chunk_size=8, sinks=2, window=2, search_steps=5, **WORDS)
     seen = []
     for seed in seeded_rng().integers(1 << 30, size=5):  # ~1 draw in 10 has one class only
         seen.append(compare(pol, int(seed), lengths=(48, 46, 44, 40, 36, 29), number_rate=0.05)[2])
@@ -367,12 +389,28 @@ def test_number_sentences_equal_the_reference(longest):
     assert want.any() and (~want).any()
 
 
+@pytest.mark.parametrize("cap", [0, 3, 12, 40])
+def test_rare_tokens_equal_the_reference(cap):
+    """`clustering.rare_tokens` on 64 random padded rows (ids from a small vocabulary, so counts
+    repeat) against counting id by id: the most tokens that fit ``cap``, rarest first, whole counts."""
+    rng = seeded_rng()
+    B, T = 64, 40
+    tokens = rng.integers(0, 12, (B, T))
+    lengths = rng.integers(1, T + 1, B)
+    got = np.asarray(clustering.rare_tokens(jnp.asarray(tokens), jnp.asarray(lengths), jnp.full(B, cap)))
+    want = np.stack([np.pad(ref_rare_tokens(row[:n], cap), (0, T - n)) for row, n in zip(tokens, lengths,
+                                                                                         strict=True)])
+    np.testing.assert_array_equal(got, want)
+    assert (got.sum(1) <= cap).all() and (cap == 0 or got.any())
+
+
 def test_number_sentences_over_their_share_keep_their_words():
     """The same draw at a share of 1 and of 0.3: rows whose number sentences fit one entry per chunk
     but take more than 30% of the budget keep only the words holding a digit."""
     for seed in seeded_rng().integers(1 << 30, size=4):
         found = [compare(SemantiCache(0.75, chunk_size=8, sinks=2, window=2, search_steps=5, number_sentences=12,
-                                      sentence_share=share), int(seed), lengths=(48, 46, 44, 40), number_rate=0.04)[2]
+                                      sentence_share=share, **SENTENCES), int(seed), lengths=(48, 46, 44, 40),
+                         number_rate=0.04)[2]
                  for share in (1.0, 0.3)]
         if any(a == 3 and b == 2 for a, b in zip(*found, strict=True)):
             break
@@ -380,9 +418,9 @@ def test_number_sentences_over_their_share_keep_their_words():
 
 
 def test_digits_are_kept_as_they_are():
-    """``keep_numbers`` (the default): every digit between the sinks and the window is its own entry,
-    its key, value and position bit for bit, even where its key equals its neighbours' (which the
-    paper's algorithm merges, ``keep_numbers=False``)."""
+    """``protect="digits"``: every digit between the sinks and the window is its own entry, its key,
+    value and position bit for bit, even where its key equals its neighbours' (which the paper's
+    algorithm, the default, merges)."""
     T, lengths = 48, (48, 40)
     rng = seeded_rng()
     cache, keys, values, positions, tokens = planted(int(rng.integers(1 << 30)), lengths, T, 0.1)
@@ -394,8 +432,8 @@ def test_digits_are_kept_as_they_are():
     prompt = Prompt(tokens=jnp.asarray(tokens, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32))
     kept = {}
     for keep_numbers in (True, False):
-        pol = masked(SemantiCache(0.6, chunk_size=8, sinks=2, window=2, keep_numbers=keep_numbers)).bind(
-            Setup(CFG, prompt_len=T))
+        rule = "digits" if keep_numbers else None
+        pol = masked(SemantiCache(0.6, chunk_size=8, sinks=2, window=2, protect=rule)).bind(Setup(CFG, prompt_len=T))
         out = jax.tree.map(np.asarray, pol.compress(cache, None, T, prompt).layers)
         found = []
         for b, n in enumerate(lengths):
@@ -573,7 +611,7 @@ def test_composes_with_quest_and_chess(params):
 
 def test_delimiter_mask_of_smollm2(smol):
     tok = smol[2]
-    pol = SemantiCache.from_tokenizer(tok, 0.2)
+    pol = SemantiCache.from_tokenizer(tok, 0.2, protect="digit_sentences")
     mask = np.asarray(pol.delimiter_mask)
     assert mask.shape == (len(tok),)
 
@@ -590,14 +628,14 @@ def test_delimiter_mask_of_smollm2(smol):
     assert digits.shape == (len(tok),) and not (digits & mask).any()
     assert [tok.decode([i]) for i in ids("In 1998, 7975467 of 3.14 fair-submission x2") if digits[i]] == list(
         "1998" "7975467" "314" "2")
-    assert SemantiCache.from_tokenizer(tok, 0.2, keep_numbers=False).number_mask is None
+    assert SemantiCache.from_tokenizer(tok, 0.2).number_mask is None  # the paper's (the default) reads no digits
     # number words: a UUID's letters, "x86", "1990s" are kept whole; "fair-submission" and delimiters are not
     starts = np.asarray(pol.word_start_mask)
     text = ids("Code 3f2b8c1a-5d4e, x86 and 1990s fair-submission 12.")
     kept = clustering.number_words(*(jnp.asarray(m[np.asarray(text)])[None] for m in (digits, starts, mask)))[0]
     assert "".join(tok.decode([i]) for i, k in zip(text, np.asarray(kept), strict=True) if k) == (
         "3f2b8c1a-5d4e" " x86" "1990s" "12")
-    assert SemantiCache.from_tokenizer(tok, 0.2, number_words=False).word_start_mask is None
+    assert SemantiCache.from_tokenizer(tok, 0.2, protect="digits").word_start_mask is None
     # number sentences: "." "?" "!" and newlines close a sentence, "," ":" and spaces do not; a sentence that
     # holds a digit is kept whole (the needle's key with its value), up to number_sentences tokens
     ends = np.asarray(pol.sentence_end_mask)
@@ -616,7 +654,7 @@ def test_delimiter_mask_of_smollm2(smol):
     # "!\n" is one token: the newline closes "Nothing here!", which holds no digit
     assert kept_text(64) == " One of the magic numbers for wise-cook is: 7975467." "In 1990 it was."
     assert kept_text(10) == "In 1990 it was."  # the needle's sentence is longer than 10 tokens
-    assert SemantiCache.from_tokenizer(tok, 0.2, number_sentences=0).sentence_end_mask is None
+    assert SemantiCache.from_tokenizer(tok, 0.2, protect="digit_words").sentence_end_mask is None
 
 
 def test_spec_and_bad_settings():
@@ -627,8 +665,9 @@ def test_spec_and_bad_settings():
                           (dict(similarity="values"), "similarity='values'"), (dict(budget=0.01), "budget=0.01"),
                           (dict(budget=10, window=32), "window=32"), (dict(chunk_size=1), "chunk_size=1"),
                           (dict(recent_ratio=1.0), "recent_ratio=1.0"), (dict(gsc="cuda"), "gsc='cuda'"),
-                          (dict(keep_numbers="yes"), "keep_numbers='yes'"),
-                          (dict(number_words=1), "number_words=1"), (dict(number_sentences=-1), "number_sentences=-1"),
+                          (dict(protect="numbers"), "protect='numbers'"), (dict(protect=True), "protect=True"),
+                          (dict(number_sentences=0), "number_sentences=0"),
+                          (dict(number_sentences=-1), "number_sentences=-1"),
                           (dict(number_sentences=True), "number_sentences=True"),
                           (dict(number_sentences=2.5), "number_sentences=2.5"),
                           (dict(sentence_share=0.0), "sentence_share=0.0"),
@@ -644,11 +683,11 @@ def test_without_a_tokenizer_generate_says_what_to_call(params):
     tokens, lengths = _prompt()
     with pytest.raises(ValueError, match="with_tokenizer"):
         generate(params, SemantiCache(0.5, window=8), tokens, lengths=lengths, max_new_tokens=2)
-    no_words = masked(SemantiCache(0.5, window=8)).replace(word_start_mask=None)
-    with pytest.raises(ValueError, match="number_words=True.*word-start.*with_tokenizer"):
+    no_words = masked(SemantiCache(0.5, window=8, protect="digit_words")).replace(word_start_mask=None)
+    with pytest.raises(ValueError, match="protect='digit_words'.*word-start.*with_tokenizer"):
         generate(params, no_words, tokens, lengths=lengths, max_new_tokens=2)
-    no_ends = masked(SemantiCache(0.5, window=8)).replace(sentence_end_mask=None)
-    with pytest.raises(ValueError, match="number_sentences=64.*sentence-end.*with_tokenizer"):
+    no_ends = masked(SemantiCache(0.5, window=8, protect="digit_sentences")).replace(sentence_end_mask=None)
+    with pytest.raises(ValueError, match="protect='digit_sentences'.*sentence-end.*with_tokenizer"):
         generate(params, no_ends, tokens, lengths=lengths, max_new_tokens=2)
     with pytest.raises(ValueError, match="with_tokenizer"):
         generate(params, Pipeline(compress=SemantiCache(0.5, window=8), decode=Quest(0.5)), tokens, lengths=lengths,

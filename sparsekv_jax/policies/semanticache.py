@@ -20,27 +20,41 @@ Choices where the paper is silent (docs/SEMANTICACHE.md shows them in ablations)
   that starts with a space: SmolLM2's BPE glues the leading space to 65% of its vocabulary (every
   word after the first), so that reading would make nearly every word an unmerged anchor. The mask
   over the vocabulary is computed once (`delimiter_mask`) and held as a leaf.
-* **Numbers are kept unmerged** (``keep_numbers=True``, the default; ``False`` is the paper's
-  algorithm as written). A token made only of digits (`number_mask`; SmolLM2 and Gemma split every
-  number into single digits) is an anchor at every chunk layout. The digits of one number have
-  similar keys (pre-RoPE cosine 0.80-0.98 on SmolLM2), so GSC merges a number into one entry whose
-  mean value is no digit: RULER's needles were lost at every budget. Kept digits count in the
-  budget; a row whose digits would not fit with one entry per chunk merges them as the paper does.
+* **Protection from merging** (``protect``; default ``None``: the paper's algorithm as written).
+  Every rule below is our addition, opt-in, and a results row that uses one names it.
+
+  ``protect="digits"``: numbers are kept unmerged. A token made only of digits (`number_mask`;
+  SmolLM2, Gemma and Qwen2 split every number into single digits) is an anchor at every chunk
+  layout. The digits of one number have similar keys (pre-RoPE cosine 0.80-0.98 on SmolLM2), so
+  GSC merges a number into one entry whose mean value is no digit: RULER's needles were lost at
+  every budget. Kept digits count in the budget; a row whose digits would not fit with one entry
+  per chunk merges them as the paper does.
   The same prefilled caches, RULER 4k at 50%, question-agnostic: 28.81 with, 13.32 without
-  (docs/SEMANTICACHE.md).
-* **So are the words around them** (``number_words=True``, the default with ``keep_numbers``): every
+  (docs/SEMANTICACHE.md). These rules recognise RULER's default answer format: on the same tasks
+  with word-valued needles the digit rules keep less than the paper's algorithm (issue #36;
+  docs/RESULTS.md), which is why none of them is the default.
+
+  ``protect="digit_words"``: so are the words around them: every
   token of a word that holds a digit (a UUID's letters, ``"x86"``, ``"1990s"``; a word is cut before
   a token that starts with whitespace and around delimiters, `clustering.number_words`). A row where
   the words would not fit keeps only the digits; one where the digits would not fit, nothing.
   RULER 4k at 50%, question-agnostic: 30.24 with the words, 29.07 with the digits only (UUID
   needles: 16 against 4; experiments/diary/RESULTS_DIARY.md).
-* **And the sentences that hold them** (``number_sentences=64``, the default with ``number_words``):
+
+  ``protect="digit_sentences"`` (the default until 2026-11-27): and the sentences that hold them:
   every token of a sentence of at most 64 tokens that holds a digit (a sentence ends at a delimiter
   token holding ``.`` ``?`` ``!`` or a newline, `clustering.sentence_end_mask`), so a fact keeps the
   words that say what its number is: "One of the special magic numbers for wise-cook is: 7975467."
-  A row keeps its sentences only while they take at most ``sentence_share`` (half) of its budget;
-  else the words, as above. RULER at 50%, question-agnostic: 33.00 at 4k (95.8% of full attention)
-  and 22.84 at 8k, against 30.24 and 20.71 with the words; LongBench-mini even (experiments/diary/RESULTS_DIARY.md).
+  (``number_sentences`` = 64 tokens at most.) A row keeps its sentences only while they take at
+  most ``sentence_share`` (half) of its budget; else the words, as above. RULER at 50%,
+  question-agnostic: 33.00 at 4k (95.8% of full attention) and 22.84 at 8k, against 30.24 and
+  20.71 with the words; LongBench-mini even (experiments/diary/RESULTS_DIARY.md).
+
+  ``protect="rare_tokens"``: a rule that does not look at the answer's format. The tokens whose id
+  occurs least often in the row's prompt are kept unmerged, as many as ``sentence_share`` of the
+  row's budget holds (per row the largest count ``c`` such that the tokens occurring at most ``c``
+  times fit; `rare_tokens`). A needle's value is new to its haystack, as a name or a figure is new
+  to the document around it; a haystack's repeated words are what merging can afford to lose.
 * **Sinks and window.** The first ``sinks`` (4) and last ``window`` (32) prompt entries are kept as
   they are, counted inside the budget (as every compressor here).
 * **Bounded chunks.** A run of more than ``chunk_size`` (64) tokens without a delimiter is split, so
@@ -75,7 +89,7 @@ Choices where the paper is silent (docs/SEMANTICACHE.md shows them in ablations)
   ``SemantiCache(budget=1.0, tau=x)`` is the paper's pure threshold (room for the whole prompt).
 
 On SmolLM2 the digits of a needle's number (one token each) are among the most similar neighbours
-in the prompt (keys and values alike), so without ``keep_numbers`` any budget that merges prose
+in the prompt (keys and values alike), so without protection any budget that merges prose
 merges a number in it first (docs/SEMANTICACHE.md).
 
 The mechanics (layout, GSC, the threshold search, the merged entries) are `policies/clustering.py`;
@@ -104,6 +118,7 @@ CHUNKINGS = ("delimiters", "fixed", "none")
 LEVEL_RULES = ("least_lossy", "finest")
 KEYS = ("pre_rope", "post_rope")
 SIMILARITIES = ("keys", "keys_values")
+PROTECT = (None, "digits", "digit_words", "digit_sentences", "rare_tokens")
 
 
 @struct.dataclass
@@ -118,13 +133,13 @@ class SemantiCache(Policy):
       sinks, window: first / last prompt entries kept unmerged (4 / 32).
       recent_ratio: the window is at least this share of the row's budget (H2O's ``recent_ratio``;
         default 0: ``window`` entries).
-      keep_numbers: digit tokens are kept unmerged, anchors at every chunk layout (our addition;
-        dropped in a row where they would not fit the budget). ``False``: the paper as written.
-      number_words: with ``keep_numbers``, the whole word around a digit is kept (the digits only in
-        a row where the words would not fit); ``False``: the digits only.
-      number_sentences: with ``number_words``, a sentence of at most this many tokens that holds a
-        digit is kept whole (the words only in a row where the sentences would not fit); 0: off.
-      sentence_share: the largest share of a row's budget its number sentences may take (0.5).
+      protect: entries kept unmerged, anchors at every chunk layout (our additions, opt-in; module
+        docstring): ``None`` (the paper as written), ``"digits"``, ``"digit_words"`` (the digits
+        only in a row where the words would not fit), ``"digit_sentences"`` (then the words, then
+        the digits) or ``"rare_tokens"`` (the prompt's least frequent token ids). A row where the
+        protected slots would not fit the budget merges as the paper does.
+      number_sentences: with ``protect="digit_sentences"``, the longest sentence (tokens) kept whole.
+      sentence_share: the largest share of a row's budget its digit sentences (or rare tokens) take.
       chunking: ``"delimiters"`` (the paper), ``"fixed"`` (``chunk_size`` blocks, no anchors) or
         ``"none"`` (one chunk: global clustering) — the paper's Table 4 variants.
       chunk_size: longest chunk (longer delimiter-free runs are split); the fixed block size.
@@ -138,11 +153,11 @@ class SemantiCache(Policy):
       gsc: where GSC runs: ``"auto"`` (the Pallas kernel on a GPU, jnp elsewhere), ``"jnp"``,
         ``"pallas"`` or ``"interpret"`` (the kernel on the CPU, for tests); same result on every path.
       delimiter_mask: ``[V]`` bool leaf (`from_tokenizer` / `with_tokenizer`).
-      number_mask: ``[V]`` bool leaf of digit tokens, set by `with_tokenizer` when ``keep_numbers``.
-      word_start_mask: ``[V]`` bool leaf of tokens that begin a word, set by `with_tokenizer` when
-        ``keep_numbers`` and ``number_words``.
+      number_mask: ``[V]`` bool leaf of digit tokens, set by `with_tokenizer` for the digit rules.
+      word_start_mask: ``[V]`` bool leaf of tokens that begin a word, set by `with_tokenizer` for
+        ``"digit_words"`` and ``"digit_sentences"``.
       sentence_end_mask: ``[V]`` bool leaf of tokens that close a sentence, set by `with_tokenizer`
-        when number sentences are kept.
+        for ``"digit_sentences"``.
       inv_freq: RoPE frequencies, set by `bind` for ``keys="pre_rope"``.
       backend: the run's `Backend`, set by `bind`: its platform resolves ``gsc="auto"``
         (`sparsekv_jax.pallas.dispatch.gsc_method`).
@@ -153,8 +168,7 @@ class SemantiCache(Policy):
     sinks: int = struct.field(pytree_node=False, default=4)
     window: int = struct.field(pytree_node=False, default=32)
     recent_ratio: float = struct.field(pytree_node=False, default=0.0)
-    keep_numbers: bool = struct.field(pytree_node=False, default=True)
-    number_words: bool = struct.field(pytree_node=False, default=True)
+    protect: str | None = struct.field(pytree_node=False, default=None)
     number_sentences: int = struct.field(pytree_node=False, default=64)
     sentence_share: float = struct.field(pytree_node=False, default=0.5)
     chunking: str = struct.field(pytree_node=False, default="delimiters")
@@ -185,17 +199,15 @@ class SemantiCache(Policy):
                              "the exact recent window")
         if self.tau is not None and (isinstance(self.tau, bool) or not -1.0 <= self.tau <= 1.0):
             raise ValueError(f"tau={self.tau!r} must be None (budget mode) or a cosine threshold in [-1, 1]")
-        if not isinstance(self.keep_numbers, bool):
-            raise ValueError(f"keep_numbers={self.keep_numbers!r} must be True or False")
-        if not isinstance(self.number_words, bool):
-            raise ValueError(f"number_words={self.number_words!r} must be True or False")
+        if self.protect not in PROTECT:
+            raise ValueError(f"protect={self.protect!r} must be one of {PROTECT}")
         if isinstance(self.number_sentences, bool) or not isinstance(self.number_sentences, int) \
-                or self.number_sentences < 0:
-            raise ValueError(f"number_sentences={self.number_sentences!r} must be 0 (off) or the longest sentence, "
-                             "in tokens, kept whole around a digit")
+                or self.number_sentences < 1:
+            raise ValueError(f"number_sentences={self.number_sentences!r} must be a positive int: the longest "
+                             "sentence, in tokens, that protect='digit_sentences' keeps whole around a digit")
         if isinstance(self.sentence_share, bool) or not 0.0 < self.sentence_share <= 1.0:
             raise ValueError(f"sentence_share={self.sentence_share!r} must be in (0, 1]: the largest share of a row's "
-                             "budget its number sentences may take")
+                             "budget its digit sentences or rare tokens may take")
         if self.chunking not in CHUNKINGS:
             raise ValueError(f"chunking={self.chunking!r} must be one of {CHUNKINGS}")
         if self.keys not in KEYS:
@@ -222,9 +234,8 @@ class SemantiCache(Policy):
         return cls(*args, **kwargs).with_tokenizer(tokenizer)
 
     def with_tokenizer(self, tokenizer: Any) -> SemantiCache:
-        numbers = jnp.asarray(clustering.number_mask(tokenizer)) if self.keep_numbers else None
-        starts = (jnp.asarray(clustering.word_start_mask(tokenizer)) if self.keep_numbers and self.number_words
-                  else None)
+        numbers = jnp.asarray(clustering.number_mask(tokenizer)) if self._digits else None
+        starts = jnp.asarray(clustering.word_start_mask(tokenizer)) if self._words else None
         ends = jnp.asarray(clustering.sentence_end_mask(tokenizer)) if self._sentences else None
         return self.replace(delimiter_mask=jnp.asarray(clustering.delimiter_mask(tokenizer)), number_mask=numbers,
                             word_start_mask=starts, sentence_end_mask=ends)
@@ -248,15 +259,23 @@ class SemantiCache(Policy):
     def name(self) -> str:
         defaults = {f.name: f.default for f in dataclasses.fields(SemantiCache)}
         shown = [f"{n}={getattr(self, n)!r}"
-                 for n in ("tau", "sinks", "window", "recent_ratio", "keep_numbers", "number_words", "number_sentences",
-                           "sentence_share", "chunking", "chunk_size", "keys", "similarity", "level_rule")
+                 for n in ("tau", "sinks", "window", "recent_ratio", "protect", "number_sentences", "sentence_share",
+                           "chunking", "chunk_size", "keys", "similarity", "level_rule")
                  if getattr(self, n) != defaults[n]]
         return f"SemantiCache({', '.join([repr(self.budget), *shown])})"
 
     @property
+    def _digits(self) -> bool:
+        return self.protect in ("digits", "digit_words", "digit_sentences")
+
+    @property
+    def _words(self) -> bool:
+        """Words holding a digit are kept (the sentences rule falls back on them)."""
+        return self.protect in ("digit_words", "digit_sentences")
+
+    @property
     def _sentences(self) -> bool:
-        """Sentences holding a digit are kept (they need the words rule to fall back on)."""
-        return bool(self.keep_numbers and self.number_words and self.number_sentences)
+        return self.protect == "digit_sentences"
 
     @property
     def threshold_mode(self) -> bool:
@@ -293,15 +312,19 @@ class SemantiCache(Policy):
     def _protected(self, prompt: Prompt) -> tuple[tuple[jax.Array, ...] | None, tuple[float, ...] | None]:
         """The slots kept unmerged at every layout, most protective first (`clustering.candidate_layouts`
         takes, per row, the first that fits), and the budget share each may take: the sentences
-        holding a digit (with the words of longer ones), the words holding a digit, the digits."""
-        if not self.keep_numbers:
+        holding a digit (with the words of longer ones), the words holding a digit, the digits; or
+        the rare tokens (sized to their share here)."""
+        if self.protect is None:
             return None, None
+        if self.protect == "rare_tokens":
+            cap = jnp.floor(self.sentence_share * row_budgets(self.budget, prompt.lengths)).astype(jnp.int32)
+            return (clustering.rare_tokens(prompt.tokens, prompt.lengths, cap),), (1.0,)
 
         def take(mask):
             return jnp.take(mask, prompt.tokens, mode="fill", fill_value=False)
 
         digits = take(self.number_mask)
-        if not self.number_words:
+        if not self._words:
             return (digits,), (1.0,)
         words = clustering.number_words(digits, take(self.word_start_mask), take(self.delimiter_mask))
         if not self._sentences:
@@ -312,15 +335,14 @@ class SemantiCache(Policy):
 
     def _check_masks(self) -> None:
         fix = "build it with SemantiCache.from_tokenizer(tokenizer, ...) or call policy.with_tokenizer(tokenizer)"
-        if self.keep_numbers and self.number_mask is None:
-            raise ValueError(f"SemantiCache(keep_numbers=True) needs the tokenizer's digit tokens: {fix}")
-        if self.keep_numbers and self.number_words and self.word_start_mask is None:
-            raise ValueError(f"SemantiCache(number_words=True) needs the tokenizer's word-start tokens: {fix}")
+        if self._digits and self.number_mask is None:
+            raise ValueError(f"SemantiCache(protect={self.protect!r}) needs the tokenizer's digit tokens: {fix}")
+        if self._words and self.word_start_mask is None:
+            raise ValueError(f"SemantiCache(protect={self.protect!r}) needs the tokenizer's word-start tokens: {fix}")
         if self._sentences and self.sentence_end_mask is None:
-            raise ValueError(f"SemantiCache(number_sentences={self.number_sentences}) needs the tokenizer's "
-                             f"sentence-end tokens: {fix}")
-        if (self.chunking == "delimiters" or self.keep_numbers and self.number_words) and self.delimiter_mask is None:
-            raise ValueError(f"SemantiCache(chunking={self.chunking!r}, number_words={self.number_words}) needs the "
+            raise ValueError(f"SemantiCache(protect={self.protect!r}) needs the tokenizer's sentence-end tokens: {fix}")
+        if (self.chunking == "delimiters" or self._words) and self.delimiter_mask is None:
+            raise ValueError(f"SemantiCache(chunking={self.chunking!r}, protect={self.protect!r}) needs the "
                              f"tokenizer's delimiter mask: {fix}")
 
     def choices(self, cache: KVCache, prompt: Prompt) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,74 @@
+"""Rewrite `sparsekv eval` records made before SemantiCache's ``protect`` field (2026-11-27) so they
+say which rule made them.
+
+Until then ``SemantiCache(b)`` meant the digit-sentence rule (``keep_numbers=True,
+number_words=True, number_sentences=64``); now it is the paper's algorithm and the rule is
+``protect="digit_sentences"``. A record's policy text, ``policy_key`` and ``key`` are rewritten to
+the new spelling (``keep_numbers=False`` → no protection, ``number_words=False`` → ``"digits"``,
+``number_sentences=0`` → ``"digit_words"``), so its rows are reported under the rule's name and
+a resumed run does not take them for the paper's. Other records are copied unchanged.
+
+    python scripts/migrate_semanticache_records.py docs/results/qwen2.5-coder-1.5b_h200*/*/results.jsonl.gz
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+import sys
+
+
+def protect_of(fields: dict) -> str | None:
+    if not fields.pop("keep_numbers"):
+        fields.pop("number_words", None)
+        return None
+    if not fields.pop("number_words"):
+        return "digits"
+    return "digit_words" if fields.get("number_sentences") == 0 else "digit_sentences"
+
+
+def migrate(record: dict) -> bool:
+    """Rewrite one record in place; ``True`` when it changed."""
+    if not record.get("policy_key", "").startswith('["SemantiCache"'):
+        return False  # another policy (or transformers' rows, keyed by name)
+    name, fields = json.loads(record["policy_key"])
+    if "keep_numbers" not in fields:
+        return False
+    old_key = record["policy_key"]
+    protect = protect_of(fields)
+    if fields.get("number_sentences") == 0:
+        fields["number_sentences"] = 64
+    fields["protect"] = protect
+    record["policy_key"] = json.dumps([name, dict(sorted(fields.items()))])
+    record["key"] = record["key"].replace(json.dumps(old_key)[1:-1], json.dumps(record["policy_key"])[1:-1])
+    text = re.sub(r",\s*(keep_numbers|number_words)=\w+|,\s*number_sentences=0\b", "", record["policy"])
+    if protect is not None:
+        text = f"{text[:-1]}, protect={protect!r})"
+    record["policy"] = text
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", help="results.jsonl or results.jsonl.gz files, rewritten in place")
+    args = parser.parse_args(argv)
+    for path in args.files:
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        changed = sum(migrate(r) for r in records)
+        if changed:
+            if path.endswith(".gz"):
+                with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0, filename="") as f:
+                    f.write("".join(json.dumps(r) + "\n" for r in records).encode())
+            else:
+                with open(path, "w") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in records)
+        print(f"{path}: {changed} of {len(records)} records rewritten")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
