@@ -63,6 +63,7 @@ Stem needs no ``bind``. The anti-diagonal matmul runs over chunks of query block
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -220,6 +221,13 @@ class Stem(Policy):
 
     stages = ("prefill",)
     needs_whole_prefill = True
+
+    @property
+    def name(self) -> str:
+        """``Stem`` with every field set away from its default (``Stem(min_blocks=32)``)."""
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(Stem)
+                 if getattr(self, f.name) != f.default]
+        return f"Stem({', '.join(shown)})" if shown else "Stem"
 
     def __post_init__(self) -> None:
         if not _is_pow2(self.block_size) or not 16 <= self.block_size <= 4096:
