@@ -22,7 +22,7 @@ from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
 from sparsekv_jax.policies import CHESS, Dense, parse_policy
 from sparsekv_jax.policies.base import Setup
-from sparsekv_jax.policies.chess import PRESETS, hierarchical_select, max_selected
+from sparsekv_jax.policies.chess import PRESETS, hierarchical_select, max_selected, uncertain
 
 CFG = ModelConfig(family="llama", vocab_size=71, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=16, intermediate_size=48, max_position_embeddings=1024)
@@ -174,7 +174,8 @@ def test_backtracking_reproduces_output_when_selection_unchanged(params):
     tokens, lengths = rng.integers(0, CFG.vocab_size, (2, 300)), np.array([300, 300])
     kw = dict(ratios="aggressive", page_size=16, chunk_pages=2, grid_chunks=2, prompt_end=300)
     calm = _gen(params, _StableCHESS(**kw), tokens, lengths)
-    shaky = _gen(params, _StableCHESS(**kw, entropy_threshold=0.0, max_backtracks=3), tokens, lengths)
+    shaky = _gen(params, _StableCHESS(**kw, entropy_threshold=0.0, varentropy_threshold=0.0, max_backtracks=3),
+                 tokens, lengths)
     np.testing.assert_array_equal(np.asarray(shaky.stats["backtracks"]), [3, 3])
     np.testing.assert_array_equal(np.asarray(shaky.tokens), np.asarray(calm.tokens))
     assert np.all(np.asarray(shaky.num_generated) == 100)
@@ -188,8 +189,8 @@ def test_regeneration_changes_the_page_when_selection_changes(params):
     the loop stays consistent (full length, no padding holes) whatever it produces."""
     rng = seeded_rng()
     tokens, lengths = rng.integers(0, CFG.vocab_size, (3, 300)), np.array([300, 170, 260])
-    out = _gen(params, CHESS.aggressive(page_size=16, chunk_pages=2, grid_chunks=2, entropy_threshold=0.0), tokens,
-               lengths, n=70)
+    out = _gen(params, CHESS.aggressive(page_size=16, chunk_pages=2, grid_chunks=2, entropy_threshold=0.0,
+                                       trigger_on="either"), tokens, lengths, n=70)
     toks = np.asarray(out.tokens)
     assert np.all(np.asarray(out.num_generated) == 70) and np.all(toks >= 0)
     np.testing.assert_array_equal(np.asarray(out.stats["backtracks"]), [2, 2, 2])
@@ -199,7 +200,7 @@ def test_regeneration_changes_the_page_when_selection_changes(params):
 def test_batch_rows_independent(params):
     rng = seeded_rng()
     tokens, lengths = rng.integers(0, CFG.vocab_size, (2, 300)), np.array([300, 190])
-    pol = CHESS.aggressive(page_size=16, chunk_pages=2, grid_chunks=2, entropy_threshold=2.0)
+    pol = CHESS.aggressive(page_size=16, chunk_pages=2, grid_chunks=2, entropy_threshold=2.0, trigger_on="either")
     both = _gen(params, pol, tokens, lengths, n=60)
     for b in range(2):
         one = _gen(params, pol, tokens[b:b + 1, : lengths[b]], None, n=60)
@@ -479,3 +480,105 @@ def test_next_pages_adds_the_pages_after_each_semantic_page(next_pages):
     assert pol.name.endswith(f"[next={next_pages}]")
     with pytest.raises(ValueError, match="next_pages"):
         CHESS(next_pages=-1)
+
+
+def _planted_cache(rng, lengths, S=512, gen=16):
+    """Pre-RoPE keys: noise, the prompt's last two pages and three decoy pages along ``u``, a needle
+    page (page 10) along ``v ⟂ u``, and ``gen`` generated tokens after each prompt along ``v``,
+    strongly: the prompt-end anchor (``u``) misses the needle, the generated page's finds it."""
+    L, H, D = CFG.num_layers, CFG.num_kv_heads, CFG.head_dim
+    u, v = np.linalg.qr(rng.standard_normal((D, 2)))[0].T  # orthonormal
+    raw = 0.05 * rng.standard_normal((L, len(lengths), H, S, D))
+    for b, n in enumerate(lengths):
+        for page in (3, 6, 13):
+            raw[:, b, :, page * 16:(page + 1) * 16] += 3 * u
+        raw[:, b, :, (-(-n // 16) - 2) * 16:n] += 3 * u
+        raw[:, b, :, 160:176] += 3 * v
+        raw[:, b, :, n:n + gen] += 8 * v
+    cache, _ = _positioned_cache(rng, lengths + gen, S, raw, consecutive=True)
+    return cache
+
+
+def test_backtrack_on_the_first_page_rebuilds_from_the_uncertain_page():
+    """A trigger on the first generated page rebuilds the selection with the anchor of the window
+    as it stands (the generated page's keys, read before they are taken back): the needle page that
+    the prompt-end anchor (`decode_init`'s) missed is selected, and only pages before the rewind."""
+    rng = seeded_rng()
+    lengths = np.array([320, 296])  # page-aligned and not
+    full = _planted_cache(rng, lengths)
+    pol = CHESS(ratios=(1.0, 1.0, 0.2), page_size=16, chunk_pages=2, grid_chunks=2, entropy_threshold=0.0,
+                varentropy_threshold=0.0).bind(SETUP)
+    _, st = pol.decode_init(full.replace(length=jnp.asarray(lengths, jnp.int32)), None)
+    assert not np.asarray(st["selected"])[:, 10].any(), "the prompt-end anchor should miss the needle page"
+    assert np.asarray(st["selected"])[:, [3, 6, 13]].all()
+    update = jax.jit(pol.decode_update)
+    for i in range(1, 17):  # a page of 16 generated tokens, entropies varying (varentropy > 0)
+        logits = jnp.asarray(rng.standard_normal((2, CFG.vocab_size)) * (1 + i % 3), jnp.float32)
+        st = update(st, full.replace(length=jnp.asarray(lengths + i, jnp.int32)), logits)
+    np.testing.assert_array_equal(np.asarray(st["backtracks"]), [1, 1])
+    np.testing.assert_array_equal(np.asarray(st["rewind"]), [16, 16])
+    selected = np.asarray(st["selected"])
+    assert selected[:, 10].all(), "the rebuilt selection should hold the needle page"
+    used = -(-lengths // 16)
+    for b in range(2):
+        assert not selected[b, used[b]:].any(), f"row {b}: a page past the rewind was selected"
+        assert selected[b, [0, used[b] - 2, used[b] - 1]].all(), f"row {b}: sink/window of the context"
+
+
+def test_regenerated_page_differs_and_is_counted(params):
+    """End to end: a forced backtrack on the first page regenerates it under the rebuilt selection;
+    it differs from the page it replaced (the calm run's, identical up to the trigger) in some
+    rows, and ``changed_backtracks`` counts exactly the rows where it does."""
+    rng = seeded_rng()
+    tokens, lengths = rng.integers(0, CFG.vocab_size, (6, 300)), np.array([300, 290, 277, 300, 260, 233])
+    kw = dict(ratios="aggressive", page_size=16, chunk_pages=2, grid_chunks=2, max_backtracks=1)
+    calm = _gen(params, CHESS(**kw), tokens, lengths, n=20)
+    shaky = _gen(params, CHESS(**kw, entropy_threshold=0.0, varentropy_threshold=0.0), tokens, lengths, n=20)
+    np.testing.assert_array_equal(np.asarray(shaky.stats["backtracks"]), [1] * 6)
+    first = slice(1, 17)  # the page the trigger took back: tokens 1..16 (token 0 comes from the prefill)
+    differs = (np.asarray(shaky.tokens)[:, first] != np.asarray(calm.tokens)[:, first]).any(-1)
+    assert differs.any(), "no regenerated page changed: the rebuild kept the prompt's selection"
+    np.testing.assert_array_equal(np.asarray(shaky.stats["changed_backtracks"]), differs.astype(int))
+    np.testing.assert_array_equal(np.asarray(calm.stats["changed_backtracks"]), [0] * 6)
+
+
+@pytest.mark.parametrize("trigger_on", ["both", "either"])
+def test_trigger_mask_on_hand_made_uncertainty(trigger_on):
+    """The page's mean entropy and varentropy (hand-made) against thresholds 2.0 / 0.5: `uncertain`
+    and the rebuilds `decode_update` counts equal a numpy reference of the reading."""
+    mean = np.array([2.5, 2.5, 1.0, 1.0, 2.0, 3.0, 2.0001])
+    var = np.array([0.7, 0.1, 0.7, 0.1, 0.5, 0.5, 0.5001])
+    want = {"both": (mean > 2.0) & (var > 0.5), "either": (mean > 2.0) | (var > 0.5)}[trigger_on]
+    got = uncertain(jnp.asarray(mean), jnp.asarray(var), 2.0, 0.5, trigger_on)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    # through decode_update: a page's sums set so that, with a last token of uniform logits (entropy
+    # log V), the page's mean and varentropy are the hand-made ones (the exact ties left out)
+    rows = np.array([0, 1, 2, 3, 5])
+    B, ps = len(rows), 16
+    m, vr, h = mean[rows], var[rows], math.log(CFG.vocab_size)
+    pol = CHESS(ratios="aggressive", page_size=ps, trigger_on=trigger_on, regenerate=False,
+                entropy_threshold=2.0, varentropy_threshold=0.5).bind(SETUP)
+    cache = _filled_cache(seeded_rng(), B, 256, np.full(B, 200))
+    _, st = pol.decode_init(cache, None)
+    st = {**st, "in_page": jnp.full((B,), ps - 1, jnp.int32), "ent_sum": jnp.asarray(ps * m - h, jnp.float32),
+          "ent_sq": jnp.asarray(ps * (vr + m * m) - h * h, jnp.float32)}
+    st = pol.decode_update(st, cache, jnp.zeros((B, CFG.vocab_size), jnp.float32))
+    np.testing.assert_array_equal(np.asarray(st["reselections"]), want[rows].astype(int))
+    assert not np.asarray(st["rewind"]).any()
+
+
+def test_new_options_named_and_checked():
+    """``trigger_on`` and ``regenerate`` show in the name and the spec key when not the default;
+    bad values are refused by name."""
+    base = CHESS.moderate()
+    assert base.trigger_on == "both" and base.name == "CHESS-moderate"
+    assert CHESS.moderate(trigger_on="either").name == "CHESS-moderate[either]"
+    assert CHESS.moderate(regenerate=False).name == "CHESS-moderate[no-regen]"
+    assert CHESS.moderate(trigger="interval").name == "CHESS-moderate[interval=6]"
+    keys = {p.spec_key() for p in (base, CHESS.moderate(trigger_on="either"), CHESS.moderate(regenerate=False))}
+    assert len(keys) == 3
+    assert parse_policy("chess('moderate', trigger_on='either', regenerate=False)").name == \
+        "CHESS-moderate[either, no-regen]"
+    for bad, match in ((dict(trigger_on="all"), "trigger_on='all'"), (dict(regenerate="no"), "regenerate='no'")):
+        with pytest.raises(ValueError, match=match):
+            CHESS(**bad)

@@ -21,10 +21,22 @@ The paper (arXiv 2602.20732), as implemented here:
 * **Reconstruction.** The selection is kept across steps. After every ``page_size`` generated
   tokens, the mean entropy and the varentropy of that page's next-token distributions are
   compared with thresholds (from ``sparsekv calibrate``: the 99th percentiles on a calibration
-  set); above either, the selection is rebuilt from the current anchor and, with ``regenerate``,
-  the page is thrown away and generated again with the new selection (backtracking, at most
-  ``max_backtracks`` times per sequence). ``trigger="interval"`` instead rebuilds every
-  ``interval`` pages (the paper's fixed-window comparison, Appendix C; no backtracking).
+  set). Above both (``trigger_on="both"``, default) — Figure 4: "Dashed lines represent the
+  selected 99th percentile thresholds. The shaded upper-right region highlights the pruned area,
+  corresponding to high-uncertainty outliers" — or above either (``trigger_on="either"``; the
+  text, "two complementary uncertainty metrics", names no rule), the selection is rebuilt and,
+  with ``regenerate``, the page is thrown away and generated again with the new selection
+  (backtracking, at most ``max_backtracks`` times per sequence). ``trigger="interval"`` instead
+  rebuilds every ``interval`` pages (the paper's fixed-window comparison, Appendix C; no
+  backtracking).
+* **The rebuild's anchor** is the window as it stands when the trigger fires, the uncertain page
+  included (its keys are read before the page is taken back): "To capture the evolving semantic
+  information of the current generation, CHESS constructs a query anchor by aggregating the Key
+  states of the recent local window" (Sec. 3.2, Eq. 3), backtracking "dynamically retrieving
+  previously pruned information" (Sec. 1). Only the pages that stay (before the taken-back
+  tokens) are selected. An anchor at the context's end after the rewind would, on the first
+  generated page, be the prompt's end again: the first selection, and greedy decoding would
+  regenerate the same page.
 
 Choices where the paper is silent (shown in docs/results/chess_ablation*, experiments/README.md):
 
@@ -88,6 +100,7 @@ from sparsekv_jax.policies.common import entropy_stats, pages_to_list
 
 PRESETS = {"conservative": (0.9, 0.9, 0.9), "moderate": (0.8, 0.7, 0.7), "aggressive": (0.5, 0.2, 0.1)}
 TRIGGERS = ("uncertainty", "interval")
+TRIGGER_ON = ("both", "either")
 KEYS = ("post_rope", "pre_rope")
 CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "calibration")
 
@@ -95,6 +108,14 @@ CALIBRATION_DIR = os.path.join(os.path.dirname(__file__), "calibration")
 def _ceil_count(ratio: float, n: jax.Array) -> jax.Array:
     # 0.7 * 10 is 7.000000000000001 in floating point: the epsilon keeps ceil from taking 8
     return jnp.ceil(ratio * n.astype(jnp.float32) - 1e-4).astype(jnp.int32)
+
+
+def uncertain(mean_entropy: jax.Array, varentropy: jax.Array, entropy_threshold: Any, varentropy_threshold: Any,
+              trigger_on: str) -> jax.Array:
+    """``[B]`` bool: a page is uncertain when its mean entropy and its varentropy are strictly
+    above their thresholds, ``"both"`` of them or ``"either"``."""
+    high_h, high_v = mean_entropy > entropy_threshold, varentropy > varentropy_threshold
+    return (high_h & high_v) if trigger_on == "both" else (high_h | high_v)
 
 
 def top_fraction(scores: jax.Array, available: jax.Array, ratio: float) -> jax.Array:
@@ -159,8 +180,12 @@ class CHESS(Policy):
         ``moderate`` with ``next_pages=2`` keeps 99.6-103% of full attention on RULER 4k/8k, reading
         65-76% of the pages; plain CHESS at the same reads keeps 96.5-100%.
       trigger: ``"uncertainty"`` (the paper) or ``"interval"`` (rebuild every ``interval`` pages).
+      trigger_on: a page is uncertain when its mean entropy and varentropy pass ``"both"``
+        thresholds (default, Figure 4's shaded region) or ``"either"`` (module doc).
       interval: pages between rebuilds for ``trigger="interval"`` (paper's comparison: 6).
-      regenerate: on an uncertainty trigger, regenerate the page with the new selection.
+      regenerate: on an uncertainty trigger, take the page back and generate it again with the new
+        selection (backtracking); ``False`` only rebuilds the selection for the pages that follow
+        (the "without regeneration" ablation; name suffix ``no-regen``).
       max_backtracks: regenerations allowed per sequence.
       keys: page vectors from the cached keys rotated back to position 0, ``"pre_rope"`` (default;
         needs `bind`, which `generate` calls), or as stored, ``"post_rope"`` (module doc).
@@ -180,6 +205,7 @@ class CHESS(Policy):
     window_pages: int = struct.field(pytree_node=False, default=2)
     next_pages: int = struct.field(pytree_node=False, default=0)
     trigger: str = struct.field(pytree_node=False, default="uncertainty")
+    trigger_on: str = struct.field(pytree_node=False, default="both")
     interval: int = struct.field(pytree_node=False, default=6)
     regenerate: bool = struct.field(pytree_node=False, default=True)
     max_backtracks: int = struct.field(pytree_node=False, default=2)
@@ -217,6 +243,10 @@ class CHESS(Policy):
             raise ValueError(f"centred={self.centred!r} must be a bool")
         if self.trigger not in TRIGGERS:
             raise ValueError(f"trigger={self.trigger!r} must be one of {TRIGGERS}")
+        if self.trigger_on not in TRIGGER_ON:
+            raise ValueError(f"trigger_on={self.trigger_on!r} must be one of {TRIGGER_ON}")
+        if not isinstance(self.regenerate, bool):
+            raise ValueError(f"regenerate={self.regenerate!r} must be a bool")
         for name in ("entropy_threshold", "varentropy_threshold"):
             value = getattr(self, name)
             if isinstance(value, (int, float)) and not value >= 0:
@@ -273,8 +303,12 @@ class CHESS(Policy):
     @property
     def name(self) -> str:
         names = {v: k for k, v in PRESETS.items()}
+        uncertainty = self.trigger == "uncertainty"
         variant = [v for v, on in (("post-RoPE", self.keys == "post_rope"), ("uncentred", not self.centred),
-                                   (f"next={self.next_pages}", self.next_pages > 0)) if on]
+                                   (f"next={self.next_pages}", self.next_pages > 0),
+                                   (f"interval={self.interval}", not uncertainty),
+                                   ("either", uncertainty and self.trigger_on == "either"),
+                                   ("no-regen", uncertainty and not self.regenerate)) if on]
         return f"CHESS-{names.get(self.ratios, '-'.join(map(str, self.ratios)))}" + (
             f"[{', '.join(variant)}]" if variant else "")
 
@@ -476,7 +510,11 @@ class CHESS(Policy):
         shared = {"selected": selected, "ids": ids, "counts": counts, "used": self._used(cache.length + 1),
                   **{k: jnp.zeros((B,), jnp.float32) for k in ("ent_sum", "ent_sq")},
                   **{k: jnp.zeros((B,), jnp.int32) for k in ("in_page", "pages", "reselections", "backtracks",
-                                                             "rewind")}}
+                                                             "changed_backtracks", "rewind")},
+                  # the page's greedy tokens, and those of the page last taken back (compared once
+                  # its regeneration completes: `pending`)
+                  **{k: jnp.zeros((B, self.page_size), jnp.int32) for k in ("page_tokens", "replaced")},
+                  "pending": jnp.zeros((B,), bool)}
         return None, shared
 
     def decode_select(self, q: jax.Array, kv: LayerKV, length: jax.Array, layer_state: Any, shared_state: Any,
@@ -488,6 +526,9 @@ class CHESS(Policy):
     def decode_update(self, shared_state: Any, cache: KVCache, logits: jax.Array) -> Any:
         st = dict(shared_state)
         h = entropy_stats(logits)
+        slot = jnp.arange(self.page_size)[None] == st["in_page"][:, None]  # [B, ps] this token's place
+        st["page_tokens"] = jnp.where(slot, jnp.argmax(logits, axis=-1)[:, None].astype(jnp.int32),
+                                      st["page_tokens"])
         st["ent_sum"] = st["ent_sum"] + h
         st["ent_sq"] = st["ent_sq"] + h * h
         st["in_page"] = st["in_page"] + 1
@@ -497,7 +538,8 @@ class CHESS(Policy):
         mean = st["ent_sum"] / n
         varent = jnp.maximum(st["ent_sq"] / n - mean * mean, 0.0)
         if self.trigger == "uncertainty":
-            fire = page_done & ((mean > self.entropy_threshold) | (varent > self.varentropy_threshold))
+            fire = page_done & uncertain(mean, varent, self.entropy_threshold, self.varentropy_threshold,
+                                         self.trigger_on)
             back = fire & (st["backtracks"] < self.max_backtracks) if self.regenerate else jnp.zeros_like(fire)
         else:
             fire = page_done & (st["pages"] % self.interval == 0)
@@ -507,6 +549,11 @@ class CHESS(Policy):
         st["reselections"] = st["reselections"] + fire
         st["backtracks"] = st["backtracks"] + back
         st["rewind"] = rewind
+        # a regenerated page that completes: did it come out unlike the one it replaced?
+        differs = (st["page_tokens"] != st["replaced"]).any(-1)
+        st["changed_backtracks"] = st["changed_backtracks"] + (page_done & st["pending"] & differs)
+        st["pending"] = jnp.where(page_done, back, st["pending"])
+        st["replaced"] = jnp.where(back[:, None], st["page_tokens"], st["replaced"])
         for key in ("ent_sum", "ent_sq", "in_page"):
             st[key] = jnp.where(page_done, jnp.zeros_like(st[key]), st[key])
         # The page list is a function of the selection and of the pages in use (sinks and window):
@@ -518,8 +565,16 @@ class CHESS(Policy):
         used = self._used(length + 1)
         changed = fire.any() | (used != st["used"]).any()
 
+        def rebuild():
+            # the anchor is the window as it stands, the uncertain page included (module doc). A row
+            # taking its page back keeps only the pages that stay, plus the window of the context it
+            # regenerates from, read until the next rebuild (as `select_pages` keeps its window)
+            P = st["selected"].shape[1]
+            stays = jnp.arange(P)[None] < self._used(length)[:, None]
+            return (self.select_pages(cache, cache.length) & stays) | (self._forced(length, P) & back[:, None])
+
         def refresh():
-            rebuilt = jax.lax.cond(fire.any(), lambda: self.select_pages(cache, length), lambda: st["selected"])
+            rebuilt = jax.lax.cond(fire.any(), rebuild, lambda: st["selected"])
             selected = jnp.where(fire[:, None], rebuilt, st["selected"])
             return (selected, *self._page_list(selected, length + 1, cache))
 
@@ -532,7 +587,10 @@ class CHESS(Policy):
         return shared_state["rewind"] if self.max_rewind_tokens else None
 
     def decode_stats(self, shared_state: Any) -> dict[str, jax.Array]:
-        return {"reselections": shared_state["reselections"], "backtracks": shared_state["backtracks"]}
+        """Per row: ``reselections`` (rebuilds), ``backtracks`` (pages taken back) and
+        ``changed_backtracks`` (regenerated pages that completed unlike the page they replaced; the
+        tokens compared are the greedy choices, the decoded tokens under greedy decoding)."""
+        return {k: shared_state[k] for k in ("reselections", "backtracks", "changed_backtracks")}
 
 
 def load_thresholds(calibration: str) -> dict[str, float]:
