@@ -76,7 +76,8 @@ def _policies(cfg) -> dict:
     sized = {  # the defaults would not act here (a budget covering the prompt, every block or page forced)
         "stem": Stem(block_size=16, stride=4, sink_blocks=1, local_blocks=1, min_blocks=2, k_start_ratio=0.3),
         # a rebuild, and the page regenerated (backtracking), whenever a row generates a page (4 tokens)
-        "chess": CHESS.from_spec("aggressive", page_size=4, chunk_pages=4, grid_chunks=4, entropy_threshold=0.0),
+        "chess": CHESS.from_spec("aggressive", page_size=4, chunk_pages=4, grid_chunks=4, entropy_threshold=0.0,
+                                   varentropy_threshold=0.0),
         "bm25": BM25Retrieval(budget=64),
         "s3pure": S3Pure(budget=64, weights=saes, layers=(0, 2), chunk=64),
         "s3hybrid": S3Hybrid(budget=64, weights=saes, layers=(0, 2), chunk=64),
