@@ -17,12 +17,19 @@ local expansion, as a question-aware compressor after one prefill pass (docs/BSE
   softmax of log-attention; ``"softmax"`` = the softmax of ``ā`` itself, as Eq. 4 is written —
   attention probabilities are ≪ 1, so that is uniform to 3 decimals (= mean pooling, measured);
   ``"mean"`` = uniform (the "without Stage II" ablation). ``R = Σ w·E`` (Eq. 5) and relevance
-  ``s = cos(R, mean E of Q)``. ``E`` (``embedding``): ``"input"`` (default) = the token
-  embeddings (the input of layer 0); ``"hidden"`` = the hidden states entering the first probed
-  layer, scaled to unit RMS. ``centred`` subtracts the context's mean ``E`` first (spreads the
+  ``s = cos(R, mean E of Q)``. ``E`` (``embedding``): ``"hidden"`` (default) = the hidden states
+  entering the first probed layer, scaled to unit RMS; ``"input"`` = the token embeddings (the
+  input of layer 0; the default until the full-size ablation, docs/BSER.md, where hidden states
+  kept 85.7% of full on RULER 4k at 25% against 71.6%). ``stage1="tokens"`` is the paper's
+  "w/o Stage I" ablation: every context token is its own block (``s`` per token, ``w`` = 1, gated
+  and ordered token by token; Stage III has nothing to expand in a one-token block, so a refined
+  token is kept). ``centred`` subtracts the context's mean ``E`` first (spreads the
   cosines; off by default: with it the paper's thresholds refine the needle blocks). Attention
   sinks are left out of block representations (outlying states and attention mass; kept anyway).
-* **Gating** with ``(alpha, beta)``: discard ``s ≤ α``, retain ``s ≥ β``, refine otherwise. A
+* **Gating** with ``(alpha, beta)``: discard ``s ≤ α``, retain ``s ≥ β``, refine otherwise. Left
+  unset they are `THRESHOLDS` of ``E``: the paper's (0.3, 0.7) for token embeddings, and for hidden
+  states the values that discard / retain the same shares of blocks as (0.3, 0.7) do with token
+  embeddings on a WikiText-2 calibration set (``scripts/bser_thresholds.py`` derives them). A
   refined block keeps a share ρ (``expansion`` = 0.5, the paper's local expansion factor) of its
   context tokens: its anchors in ``ā`` order, each with every token within ``radius`` (2) of it
   inside the block, until ``round(ρ · n)`` tokens (``fill``; i.e. the top ``round(ρ · n)`` by the
@@ -75,6 +82,14 @@ from sparsekv_jax.policies.common import (
 )
 
 QUERY_CHUNK = 16  # question queries per softmax slab: [B, Hq, 16, T] fp32 at a time
+
+# (α, β) per ``E`` when not given. "input": the paper's. "hidden": `python scripts/bser_thresholds.py`
+# (SmolLM2-135M fp32, 8 WikiText-2 prompts of 2,048 context tokens, seed 0; no eval data): the paper's
+# (0.3, 0.7) on token embeddings discard 1 and retain 85 of the 264 blocks (0.4%, 32.2%); the
+# hidden-state cosines at the same shares are 0.852 (the lowest seen) and 0.942. Median s: 0.658 with
+# token embeddings, 0.936 with hidden states, where (0.3, 0.7) retain every block. Other models' cosines
+# sit elsewhere: docs/BSER.md ("Thresholds for E = hidden states") gives theirs, to pass as alpha/beta.
+THRESHOLDS = {"input": (0.3, 0.7), "hidden": (0.852, 0.942)}
 
 
 def question_start(prompt: Prompt, tail: int, min_question: int = 1) -> jax.Array:
@@ -175,17 +190,20 @@ class BSER(Policy):
 
     Args:
       budget: ``None`` = threshold mode (the paper's); a fraction or token count = budget mode.
-      alpha, beta: gating thresholds on the cosine relevance (paper: 0.3, 0.7).
+      alpha, beta: gating thresholds on the cosine relevance; ``None`` = `THRESHOLDS` of
+        ``embedding`` (token embeddings: the paper's 0.3, 0.7; hidden states: re-derived for their
+        cosine scale, see `THRESHOLDS`).
       block_size: tokens per block (paper 128; 64 for SmolLM2-sized models).
       probe_layers: the top ``L`` layers probed (paper: 4; all layers of a shallower model).
       expansion: ρ, the share of a refined block kept at most (paper: 0.5).
       radius: neighbourhood radius around anchors, inside the block.
-      embedding: ``E``: ``"input"`` (token embeddings) or ``"hidden"`` (entering the first probed layer).
+      embedding: ``E``: ``"hidden"`` (entering the first probed layer, the default) or ``"input"`` (token embeddings).
       salience: ``"attention"`` (ā renormalised per block), ``"softmax"`` (Eq. 4 on ā) or ``"mean"``.
       centred: centre ``E`` on the context's mean before the cosine.
       refine: ``"expand"`` (Stage III), ``"drop"`` or ``"keep"`` (ablations).
       fill: a refined block keeps ρ of its tokens (anchors added until then); False: a fixed count.
       refine_order: refined tokens across blocks by ``"salience"`` (their Stage III ā) or ``"block"`` s.
+      stage1: ``"blocks"`` (Stage I) or ``"tokens"``: each token its own block (the "w/o Stage I" ablation).
       max_kept: threshold mode: the cache holds at most this share of the prompt.
       sinks, window: first / last prompt tokens always kept (inside the budget).
       tail: stand-in question length when no split is given (fallback).
@@ -196,13 +214,13 @@ class BSER(Policy):
     """
 
     budget: float | int | None = struct.field(pytree_node=False, default=None)
-    alpha: float = struct.field(pytree_node=False, default=0.3)
-    beta: float = struct.field(pytree_node=False, default=0.7)
+    alpha: float | None = struct.field(pytree_node=False, default=None)
+    beta: float | None = struct.field(pytree_node=False, default=None)
     block_size: int = struct.field(pytree_node=False, default=64)
     probe_layers: int = struct.field(pytree_node=False, default=4)
     expansion: float = struct.field(pytree_node=False, default=0.5)
     radius: int = struct.field(pytree_node=False, default=2)
-    embedding: str = struct.field(pytree_node=False, default="input")
+    embedding: str = struct.field(pytree_node=False, default="hidden")
     salience: str = struct.field(pytree_node=False, default="attention")
     refine: str = struct.field(pytree_node=False, default="expand")
     max_kept: float = struct.field(pytree_node=False, default=0.5)
@@ -215,6 +233,7 @@ class BSER(Policy):
     centred: bool = struct.field(pytree_node=False, default=False)
     fill: bool = struct.field(pytree_node=False, default=True)
     refine_order: str = struct.field(pytree_node=False, default="salience")
+    stage1: str = struct.field(pytree_node=False, default="blocks")
     num_layers: int = struct.field(pytree_node=False, default=0)
 
     stages = ("compress",)
@@ -227,11 +246,12 @@ class BSER(Policy):
             check_budget(self.budget)
         for name, options in (("embedding", ("input", "hidden")), ("salience", ("softmax", "attention", "mean")),
                               ("refine", ("expand", "drop", "keep")), ("gate", ("cond", "mask")),
-                              ("refine_order", ("salience", "block"))):
+                              ("refine_order", ("salience", "block")),
+                              ("stage1", ("blocks", "tokens"))):
             if getattr(self, name) not in options:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {options}")
-        if not self.alpha <= self.beta:
-            raise ValueError(f"alpha={self.alpha} must be <= beta={self.beta}")
+        if not self.gates[0] <= self.gates[1]:
+            raise ValueError(f"alpha={self.gates[0]} must be <= beta={self.gates[1]}")
         for name in ("block_size", "probe_layers", "tail", "max_question", "min_question"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -249,7 +269,7 @@ class BSER(Policy):
 
     @property
     def name(self) -> str:
-        return f"BSER({self.budget})" if self.budget is not None else f"BSER(α={self.alpha}, β={self.beta})"
+        return f"BSER({self.budget})" if self.budget is not None else f"BSER(α={self.gates[0]}, β={self.gates[1]})"
 
     @property
     def cap(self) -> float | int:
@@ -257,8 +277,20 @@ class BSER(Policy):
         return self.max_kept if self.budget is None else self.budget
 
     @property
+    def gates(self) -> tuple[float, float]:
+        """``(α, β)``: the fields where given, else `THRESHOLDS` for ``embedding``."""
+        alpha, beta = THRESHOLDS[self.embedding]
+        return (alpha if self.alpha is None else self.alpha, beta if self.beta is None else self.beta)
+
+    @property
+    def gate_block(self) -> int:
+        """Tokens per gated block: ``block_size``, or 1 with ``stage1="tokens"`` (each token its own block)."""
+        return 1 if self.stage1 == "tokens" else self.block_size
+
+    @property
     def anchors(self) -> int:
-        return max(1, min(self.block_size, round(self.expansion * self.block_size / (2 * self.radius + 1))))
+        bs = self.gate_block
+        return max(1, min(bs, round(self.expansion * bs / (2 * self.radius + 1))))
 
     @property
     def probed(self) -> int:
@@ -297,7 +329,7 @@ class BSER(Policy):
 
         attn = gated(layer_index >= first, lambda: question_attention(q, k, qpos, valid))
         stats = gated(layer_index == self.embedding_layer,
-                      lambda: embedding_stats(hidden, qpos, valid, self.block_size, self.embedding == "hidden",
+                      lambda: embedding_stats(hidden, qpos, valid, self.gate_block, self.embedding == "hidden",
                                               context if self.centred else None))
         return {"attn": attn, **stats}
 
@@ -310,7 +342,7 @@ class BSER(Policy):
         e = self.embedding_layer
         dot, gram, qnorm = observations["dot"][e], observations["gram"][e], observations["qnorm"][e]
         B, T = attn.shape
-        nb, bs = gram.shape[1], self.block_size
+        nb, bs = gram.shape[1], self.gate_block
         pos = jnp.arange(nb * bs)
         lengths, qs = prompt.lengths, question_start(prompt, self.tail, self.min_question)
         context = (pos < qs[:, None]) & (pos >= self.sinks)
@@ -328,8 +360,9 @@ class BSER(Policy):
         has = m.any(-1)
         s = jnp.where(has, (w * d).sum(-1) / jnp.maximum(norm, 1e-30), -jnp.inf)
 
-        discard = s <= self.alpha
-        retain = ~discard & (s >= self.beta)
+        alpha, beta = self.gates
+        discard = s <= alpha
+        retain = ~discard & (s >= beta)
         refine = has & ~discard & ~retain
         a_ctx = jnp.where(m, a, -jnp.inf)
         token_rank = _rank(a_ctx)

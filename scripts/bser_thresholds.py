@@ -1,0 +1,152 @@
+"""Derive BSER's (α, β) for ``E`` = hidden states from the paper's (0.3, 0.7) for token embeddings.
+
+The rule (answer-agnostic: no eval data, no answers, no scores). The paper's thresholds were set
+for cosines between token embeddings. On a calibration set, pool the block relevances ``s`` of
+every context block measured both ways, from one prefill:
+
+* ``p_α`` = the share of blocks with ``s ≤ 0.3`` under token embeddings (discarded by the paper's α),
+* ``p_β`` = the share of blocks with ``s < 0.7`` under token embeddings (not retained by the paper's β),
+
+and take ``α``, ``β`` for hidden states as the ``p_α`` / ``p_β`` quantiles of ``s`` under hidden
+states (order statistics: α = the ``n·p_α``-th smallest hidden-state ``s``, β = the
+``n·(1 − p_β)``-th largest), rounded to 3 decimals (hidden-state cosines are bunched near 1, so 2
+decimals would move many blocks). The gates then discard, refine and retain the same shares of
+blocks as the paper's thresholds do with token embeddings. Where no embedding block falls at or
+below 0.3 (``p_α = 0``), α is set just under the lowest hidden-state ``s`` seen.
+
+Calibration set: ``--prompts`` prompts of about ``--tokens`` tokens cut from the WikiText-2 test
+split the package ships (`sparsekv_jax.datasets.wikitext2_text`; not an eval suite), each from a
+seeded article start, followed by a question naming one of the section headings inside it
+("What does the text say about <heading>?"), in the model's chat template where it has one (as
+the eval renders prompts). BSER's other settings are its defaults (block size, probe layers,
+attention salience, question reach-back).
+
+    python scripts/bser_thresholds.py                           # SmolLM2, 8 prompts of 2k tokens (CPU: ~1.5 min)
+    python scripts/bser_thresholds.py --model gemma3-270m
+    python scripts/bser_thresholds.py --model qwen2.5-coder-1.5b --prompts 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+
+import numpy as np
+
+PAPER = (0.3, 0.7)
+
+
+def calibration_texts(tok, n: int, tokens: int, seed: int) -> list[tuple[str, str]]:
+    """``[(context text, question text)]``: WikiText-2 windows from seeded article starts, and a
+    question naming a section heading inside each window (not its first line)."""
+    from sparsekv_jax.datasets import wikitext2_text
+
+    text = wikitext2_text()
+    starts = [m.start() for m in re.finditer(r"^ = [^=\n]+ = \n", text, flags=re.M)]
+    rng = np.random.default_rng(seed)
+    out: list[tuple[str, str]] = []
+    for start in rng.permutation(starts):
+        ids = tok(text[start: start + 12 * tokens], add_special_tokens=False)["input_ids"][:tokens]
+        window = tok.decode(ids)
+        heads = [h.strip() for h in re.findall(r"^ = = ([^=\n]+?) = = \n", window, flags=re.M)]
+        if len(ids) < tokens or not heads:
+            continue
+        out.append((window, f"\n\nQuestion: What does the text say about {heads[rng.integers(len(heads))]}?"))
+        if len(out) == n:
+            break
+    return out
+
+
+def relevances(params, tok, texts, chat: bool) -> dict[str, np.ndarray]:
+    """``{"input": s, "hidden": s}``: every context block's relevance under each ``E``, from one
+    prefill of all prompts (`prefill_shared`)."""
+    import jax
+    import jax.numpy as jnp
+
+    from sparsekv_jax.cache import init_cache
+    from sparsekv_jax.engine.prefill import prefill_shared
+    from sparsekv_jax.eval.tasks import render_prompt
+    from sparsekv_jax.policies import BSER
+    from sparsekv_jax.policies.base import Prompt, Setup
+
+    rows = []
+    for context, question in texts:
+        c, q = render_prompt(tok, context, question, chat=chat)
+        rows.append((tok(c, add_special_tokens=not chat)["input_ids"], tok(q, add_special_tokens=False)["input_ids"]))
+    width = -(-max(len(c) + len(q) for c, q in rows) // 64) * 64
+    tokens = np.zeros((len(rows), width), np.int32)
+    for i, (c, q) in enumerate(rows):
+        tokens[i, : len(c) + len(q)] = c + q
+    lengths = jnp.asarray([len(c) + len(q) for c, q in rows], jnp.int32)
+    qs = jnp.asarray([len(c) for c, _ in rows], jnp.int32)
+    cfg = params.config
+    policies = {e: BSER(0.25, embedding=e).bind(Setup(cfg, prompt_len=width)) for e in ("input", "hidden")}
+    prompt = Prompt(tokens=jnp.asarray(tokens), lengths=lengths, question_start=qs)
+
+    @jax.jit
+    def observe(t):
+        return prefill_shared(params, list(policies.values()), t, lengths, init_cache(cfg, len(rows), width),
+                              question_start=qs)[2]
+
+    seen = observe(prompt.tokens)
+    out = {}
+    for (name, policy), obs in zip(policies.items(), seen, strict=True):
+        s = np.asarray(policy.select(obs["compress"], prompt)["s"])
+        out[name] = s
+    return out
+
+
+def derive(s_input: np.ndarray, s_hidden: np.ndarray, paper: tuple[float, float] = PAPER) -> dict:
+    """(α, β) for hidden states that discard / retain as many blocks as the paper's thresholds do
+    with token embeddings (see the module docstring); inputs are the pooled finite ``s``."""
+    h = np.sort(s_hidden)
+    n_discard, n_retain = int(np.sum(s_input <= paper[0])), int(np.sum(s_input >= paper[1]))
+    alpha = float(h[n_discard - 1]) if n_discard else float(h[0]) - 1e-3
+    beta = float(h[len(h) - n_retain]) if n_retain else float(h[-1]) + 1e-3
+    return {"p_alpha": n_discard / len(h), "p_beta": 1 - n_retain / len(h),
+            "alpha": round(alpha, 3), "beta": round(beta, 3)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="an embedded model name, HF directory or .gguf")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--tokens", type=int, default=2048, help="context tokens per prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    args = p.parse_args(argv)
+
+    import jax.numpy as jnp
+
+    from sparsekv_jax.eval.suites import has_chat_template
+    from sparsekv_jax.models.embedded import load
+
+    t0 = time.time()
+    params, tok = load(args.model, dtype=getattr(jnp, args.dtype), progress=False)
+    chat = has_chat_template(tok)
+    texts = calibration_texts(tok, args.prompts, args.tokens, args.seed)
+    s = relevances(params, tok, texts, chat)
+    pooled = {k: v[np.isfinite(v)] for k, v in s.items()}
+    d = derive(pooled["input"], pooled["hidden"])
+    print(f"model {args.model}: {len(texts)} WikiText-2 prompts of {args.tokens} context tokens (seed {args.seed}), "
+          f"chat template {chat}, {pooled['input'].size} blocks, {time.time() - t0:.0f} s")
+    for i, (_, q) in enumerate(texts):
+        print(f"  prompt {i}: {q.strip()!r}")
+    qs = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0]
+    print("quantile      " + " ".join(f"{q:6.2f}" for q in qs))
+    for k, v in pooled.items():
+        print(f"s ({k:6s})    " + " ".join(f"{x:6.3f}" for x in np.quantile(v, qs)))
+    print(f"token embeddings, paper's (α, β) = {PAPER}: discard {d['p_alpha']:.3f}, refine "
+          f"{d['p_beta'] - d['p_alpha']:.3f}, retain {1 - d['p_beta']:.3f} of the blocks")
+    h = pooled["hidden"]
+    print(f"hidden states, derived (α, β) = ({d['alpha']}, {d['beta']}): discard {np.mean(h <= d['alpha']):.3f}, "
+          f"refine {np.mean((h > d['alpha']) & (h < d['beta'])):.3f}, retain {np.mean(h >= d['beta']):.3f}")
+    print(f"hidden states, paper's (α, β): discard {np.mean(h <= PAPER[0]):.3f}, retain {np.mean(h >= PAPER[1]):.3f}")
+    print(json.dumps({"model": args.model, **d}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
