@@ -9,8 +9,8 @@ every context block measured both ways, from one prefill:
 
 and take ``α``, ``β`` for hidden states as the ``p_α`` / ``p_β`` quantiles of ``s`` under hidden
 states (order statistics: α = the ``n·p_α``-th smallest hidden-state ``s``, β = the
-``n·(1 − p_β)``-th largest), rounded to 3 decimals (hidden-state cosines are bunched near 1, so 2
-decimals would move many blocks). The gates then discard, refine and retain the same shares of
+``n·(1 − p_β)``-th largest), rounded outwards to 3 decimals (α up, β down; hidden-state cosines are
+bunched near 1, so 2 decimals would move many blocks). The gates then discard, refine and retain the same shares of
 blocks as the paper's thresholds do with token embeddings. Where no embedding block falls at or
 below 0.3 (``p_α = 0``), α is set just under the lowest hidden-state ``s`` seen.
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import time
 
@@ -61,15 +62,16 @@ def calibration_texts(tok, n: int, tokens: int, seed: int) -> list[tuple[str, st
 
 def relevances(params, tok, texts, chat: bool) -> dict[str, np.ndarray]:
     """``{"input": s, "hidden": s}``: every context block's relevance under each ``E``, from one
-    prefill of all prompts (`prefill_shared`)."""
+    prefill of all prompts, set up as `generate` sets it up (`engine.run.setup`: on Gemma 3 the
+    policy sees the global layers, as in the eval), observed by both policies at once."""
     import jax
     import jax.numpy as jnp
 
-    from sparsekv_jax.cache import init_cache
-    from sparsekv_jax.engine.prefill import prefill_shared
+    from sparsekv_jax.engine.prefill import share_prefill
+    from sparsekv_jax.engine.run import setup
     from sparsekv_jax.eval.tasks import render_prompt
     from sparsekv_jax.policies import BSER
-    from sparsekv_jax.policies.base import Prompt, Setup
+    from sparsekv_jax.policies.base import Prompt
 
     rows = []
     for context, question in texts:
@@ -79,23 +81,14 @@ def relevances(params, tok, texts, chat: bool) -> dict[str, np.ndarray]:
     tokens = np.zeros((len(rows), width), np.int32)
     for i, (c, q) in enumerate(rows):
         tokens[i, : len(c) + len(q)] = c + q
-    lengths = jnp.asarray([len(c) + len(q) for c, q in rows], jnp.int32)
-    qs = jnp.asarray([len(c) for c, _ in rows], jnp.int32)
-    cfg = params.config
-    policies = {e: BSER(0.25, embedding=e).bind(Setup(cfg, prompt_len=width)) for e in ("input", "hidden")}
-    prompt = Prompt(tokens=jnp.asarray(tokens), lengths=lengths, question_start=qs)
-
-    @jax.jit
-    def observe(t):
-        return prefill_shared(params, list(policies.values()), t, lengths, init_cache(cfg, len(rows), width),
-                              question_start=qs)[2]
-
-    seen = observe(prompt.tokens)
-    out = {}
-    for (name, policy), obs in zip(policies.items(), seen, strict=True):
-        s = np.asarray(policy.select(obs["compress"], prompt)["s"])
-        out[name] = s
-    return out
+    lengths = np.asarray([len(c) + len(q) for c, q in rows], np.int32)
+    qs = np.asarray([len(c) for c, _ in rows], np.int32)
+    runs = [setup(params, BSER(0.25, embedding=e), tokens, lengths, question_start=qs, max_new_tokens=1)
+            for e in ("input", "hidden")]
+    seen = jax.jit(share_prefill)(params, runs)
+    prompt = Prompt(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths), question_start=jnp.asarray(qs))
+    return {e: np.asarray(run.policy.select(pre.observations["compress"], prompt)["s"])
+            for e, run, pre in zip(("input", "hidden"), runs, seen, strict=True)}
 
 
 def derive(s_input: np.ndarray, s_hidden: np.ndarray, paper: tuple[float, float] = PAPER) -> dict:
@@ -103,10 +96,10 @@ def derive(s_input: np.ndarray, s_hidden: np.ndarray, paper: tuple[float, float]
     with token embeddings (see the module docstring); inputs are the pooled finite ``s``."""
     h = np.sort(s_hidden)
     n_discard, n_retain = int(np.sum(s_input <= paper[0])), int(np.sum(s_input >= paper[1]))
-    alpha = float(h[n_discard - 1]) if n_discard else float(h[0]) - 1e-3
-    beta = float(h[len(h) - n_retain]) if n_retain else float(h[-1]) + 1e-3
-    return {"p_alpha": n_discard / len(h), "p_beta": 1 - n_retain / len(h),
-            "alpha": round(alpha, 3), "beta": round(beta, 3)}
+    # 3 decimals, rounded outwards so the block at the boundary stays on its side (α up, β down)
+    alpha = math.ceil(1000 * h[n_discard - 1]) if n_discard else math.floor(1000 * h[0]) - 1
+    beta = math.floor(1000 * h[len(h) - n_retain]) if n_retain else math.ceil(1000 * h[-1]) + 1
+    return {"p_alpha": n_discard / len(h), "p_beta": 1 - n_retain / len(h), "alpha": alpha / 1000, "beta": beta / 1000}
 
 
 def main(argv: list[str] | None = None) -> int:
