@@ -484,9 +484,10 @@ def test_infinite_thresholds_keep_everything_identical_logits(model):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
-def test_budget_mode_through_generate_keeps_question_sinks_window(model):
+@pytest.mark.parametrize("stage1", ["blocks", "tokens"])
+def test_budget_mode_through_generate_keeps_question_sinks_window(model, stage1):
     params, tokens, lengths, qs = model
-    policy = parse_policy("bser(0.3, block_size=16, window=8)")
+    policy = parse_policy(f"bser(0.3, block_size=16, window=8, stage1={stage1!r})")
     out = generate(params, policy, tokens, lengths=lengths, question_start=qs, max_new_tokens=3, stop_tokens=())
     stored = np.asarray(out.stats["kv_stored_fraction"])
     for b in range(2):

@@ -19,8 +19,8 @@ local expansion, as a question-aware compressor after one prefill pass (docs/BSE
   ``"mean"`` = uniform (the "without Stage II" ablation). ``R = Σ w·E`` (Eq. 5) and relevance
   ``s = cos(R, mean E of Q)``. ``E`` (``embedding``): ``"hidden"`` (default) = the hidden states
   entering the first probed layer, scaled to unit RMS; ``"input"`` = the token embeddings (the
-  input of layer 0; the default until the full-size ablation, docs/BSER.md, where hidden states
-  kept 85.7% of full on RULER 4k at 25% against 71.6%). ``stage1="tokens"`` is the paper's
+  input of layer 0; the default until issue #36: in the full-size ablation, docs/BSER.md, hidden
+  states kept 85.7% of full on RULER 4k at 25% against 71.6%). ``stage1="tokens"`` is the paper's
   "w/o Stage I" ablation: every context token is its own block (``s`` per token, ``w`` = 1, gated
   and ordered token by token; Stage III has nothing to expand in a one-token block, so a refined
   token is kept). ``centred`` subtracts the context's mean ``E`` first (spreads the
