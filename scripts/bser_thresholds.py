@@ -22,8 +22,8 @@ the eval renders prompts). BSER's other settings are its defaults (block size, p
 attention salience, question reach-back).
 
     python scripts/bser_thresholds.py                           # SmolLM2, 8 prompts of 2k tokens (CPU: ~1.5 min)
-    python scripts/bser_thresholds.py --model gemma3-270m
-    python scripts/bser_thresholds.py --model qwen2.5-coder-1.5b --prompts 2
+    python scripts/bser_thresholds.py --model gemma3-270m                     # CPU: ~3 min
+    python scripts/bser_thresholds.py --model qwen2.5-coder-1.5b --prompts 4 --tokens 1024   # CPU: ~10 min
 """
 
 from __future__ import annotations
@@ -60,18 +60,21 @@ def calibration_texts(tok, n: int, tokens: int, seed: int) -> list[tuple[str, st
     return out
 
 
-def relevances(params, tok, texts, chat: bool) -> dict[str, np.ndarray]:
-    """``{"input": s, "hidden": s}``: every context block's relevance under each ``E``, from one
+def relevances(params, tok, texts, chat: bool) -> tuple[dict[str, np.ndarray], tuple]:
+    """``({"input": s, "hidden": s}, key)``: every context block's relevance under each ``E``, from one
     prefill of all prompts, set up as `generate` sets it up (`engine.run.setup`: on Gemma 3 the
-    policy sees the global layers, as in the eval), observed by both policies at once."""
+    policy sees the global layers, as in the eval), observed by both policies at once; ``key`` is
+    the model's `bser.config_key` (its `HIDDEN_THRESHOLDS` entry)."""
     import jax
     import jax.numpy as jnp
 
+    from sparsekv_jax import local_layers
     from sparsekv_jax.engine.prefill import share_prefill
     from sparsekv_jax.engine.run import setup
     from sparsekv_jax.eval.tasks import render_prompt
     from sparsekv_jax.policies import BSER
     from sparsekv_jax.policies.base import Prompt
+    from sparsekv_jax.policies.bser import config_key
 
     rows = []
     for context, question in texts:
@@ -87,8 +90,9 @@ def relevances(params, tok, texts, chat: bool) -> dict[str, np.ndarray]:
             for e in ("input", "hidden")]
     seen = jax.jit(share_prefill)(params, runs)
     prompt = Prompt(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths), question_start=jnp.asarray(qs))
-    return {e: np.asarray(run.policy.select(pre.observations["compress"], prompt)["s"])
-            for e, run, pre in zip(("input", "hidden"), runs, seen, strict=True)}
+    s = {e: np.asarray(run.policy.select(pre.observations["compress"], prompt)["s"])
+         for e, run, pre in zip(("input", "hidden"), runs, seen, strict=True)}
+    return s, config_key(local_layers.policy_config(params.config, runs[0].backend))
 
 
 def derive(s_input: np.ndarray, s_hidden: np.ndarray, paper: tuple[float, float] = PAPER) -> dict:
@@ -120,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     params, tok = load(args.model, dtype=getattr(jnp, args.dtype), progress=False)
     chat = has_chat_template(tok)
     texts = calibration_texts(tok, args.prompts, args.tokens, args.seed)
-    s = relevances(params, tok, texts, chat)
+    s, key = relevances(params, tok, texts, chat)
     pooled = {k: v[np.isfinite(v)] for k, v in s.items()}
     d = derive(pooled["input"], pooled["hidden"])
     print(f"model {args.model}: {len(texts)} WikiText-2 prompts of {args.tokens} context tokens (seed {args.seed}), "
@@ -137,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hidden states, derived (α, β) = ({d['alpha']}, {d['beta']}): discard {np.mean(h <= d['alpha']):.3f}, "
           f"refine {np.mean((h > d['alpha']) & (h < d['beta'])):.3f}, retain {np.mean(h >= d['beta']):.3f}")
     print(f"hidden states, paper's (α, β): discard {np.mean(h <= PAPER[0]):.3f}, retain {np.mean(h >= PAPER[1]):.3f}")
+    print(f"bser.HIDDEN_THRESHOLDS entry: {key}: ({d['alpha']}, {d['beta']})")
     print(json.dumps({"model": args.model, **d}))
     return 0
 

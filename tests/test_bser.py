@@ -19,6 +19,9 @@ from sparsekv_jax.policies.base import Prompt, Setup
 from sparsekv_jax.policies.bser import embedding_stats, probe_queries, question_start
 from sparsekv_jax.policies.common import budget_tokens
 
+# the tiny random model has no calibrated hidden-state thresholds: SmolLM2's, with a warning (tested below)
+pytestmark = pytest.mark.filterwarnings("ignore:BSER. no hidden-state thresholds:UserWarning")
+
 CFG = ModelConfig(family="llama", vocab_size=61, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
                   head_dim=8, intermediate_size=48, max_position_embeddings=256, eos_token_ids=(0,))
 
@@ -309,26 +312,62 @@ def np_tiers(cosines, alpha, beta):
     return [0 if c <= alpha else 2 if c >= beta else 1 for c in cosines]
 
 
-@pytest.mark.parametrize("embedding, gates", [("hidden", (0.853, 0.942)), ("input", (0.3, 0.7))])
-def test_default_thresholds_gate_hand_made_cosines(embedding, gates):
-    """The defaults are hidden states with their re-derived (α, β) = (0.853, 0.942)
-    (scripts/bser_thresholds.py, documented in THRESHOLDS) and, for token embeddings, the paper's
-    (0.3, 0.7). Blocks with exactly known cosines around both pairs are discarded, refined and
-    retained as the gates by hand say."""
+QWEN = (0.601, 0.877)
+
+
+@pytest.mark.parametrize("embedding, model_gates, gates", [("hidden", None, (0.853, 0.942)),
+                                                           ("input", None, (0.3, 0.7)), ("hidden", QWEN, QWEN),
+                                                           ("input", QWEN, (0.3, 0.7))])
+def test_default_thresholds_gate_hand_made_cosines(embedding, model_gates, gates):
+    """Default (α, β): hidden states with SmolLM2's re-derived (0.853, 0.942) (a model not in the
+    table) or the bound model's (Qwen2.5-Coder-1.5B's here); token embeddings the paper's (0.3, 0.7)
+    on any model. Blocks with exactly known cosines on both sides of each pair are discarded,
+    refined and retained as the gates by hand say."""
     assert BSER().embedding == "hidden" and BSER().gates == (0.853, 0.942)
-    T, bs, qs = 128, 8, 112
-    cosines = [0.1, 0.29, 0.31, 0.5, 0.69, 0.71, 0.84, 0.86, 0.9, 0.935, 0.95, 0.99, 0.6]
+    T, bs, qs = 128, 4, 112
+    cosines = [0.1, 0.29, 0.31, 0.5, 0.59, 0.61, 0.69, 0.71, 0.84, 0.86, 0.87, 0.88, 0.9, 0.935, 0.95, 0.99]
     a = np.ones(T)
     E, a2 = _blocks_with_cosines(cosines, bs, a, qs, T)
-    policy = _bound(block_size=bs, sinks=0, window=4, embedding=embedding)
+    policy = _bound(block_size=bs, sinks=0, window=4, embedding=embedding).replace(model_gates=model_gates)
     assert policy.gates == gates
     prompt = _prompt([T, T], [qs, qs], T)
     qpos, valid = probe_queries(prompt, policy.tail, policy.max_question, T)
     sel = policy.select(_obs(policy, a2, E, qpos, valid, None), prompt)
-    np.testing.assert_allclose(np.asarray(sel["s"])[0, :13], cosines, atol=1e-5)
+    n = len(cosines)
+    np.testing.assert_allclose(np.asarray(sel["s"])[0, :n], cosines, atol=1e-5)
     want = np_tiers(cosines, *gates)
     assert 0 in want and 1 in want and 2 in want
-    np.testing.assert_array_equal(np.asarray(sel["tier"])[:, :13], [want, want])
+    np.testing.assert_array_equal(np.asarray(sel["tier"])[:, :n], [want, want])
+
+
+@pytest.mark.parametrize("key, gates", [(("llama", 30, 576, 9, 3, 49152), (0.853, 0.942)),  # SmolLM2-135M
+                                        (("qwen2", 28, 1536, 12, 2, 151936), QWEN),  # Qwen2.5-Coder-1.5B
+                                        (("gemma3", 3, 640, 4, 1, 262144), (0.706, 0.951))])  # Gemma 3 270M
+def test_hidden_thresholds_follow_the_bound_model(key, gates):
+    """`bind` picks the model's calibrated hidden-state pair (docs/BSER.md's table); token embeddings
+    keep (0.3, 0.7); a given alpha or beta wins; a model not in the table gets SmolLM2's pair with
+    a warning naming it (none for token embeddings or given thresholds)."""
+    import types
+    import warnings
+
+    names = ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size")
+    bind = lambda p, cfg: p.bind(Setup(cfg, prompt_len=256))  # noqa: E731
+    cfg = types.SimpleNamespace(**dict(zip(names, key, strict=True)))
+    assert bind(BSER(0.25), cfg).gates == gates
+    assert bind(BSER(0.25, embedding="input"), cfg).gates == (0.3, 0.7)
+    assert bind(BSER(0.25, alpha=0.5), cfg).gates == (0.5, gates[1])
+    assert bind(BSER(0.25, alpha=0.1, beta=0.2), cfg).gates == (0.1, 0.2)
+    other = types.SimpleNamespace(**dict(zip(names, key, strict=True)))
+    other.hidden_size += 64
+    with pytest.warns(UserWarning, match=r"no hidden-state thresholds .*" + str(other.hidden_size)):
+        assert bind(BSER(0.25), other).gates == (0.853, 0.942)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert bind(BSER(0.25, embedding="input"), other).gates == (0.3, 0.7)
+        assert bind(BSER(0.25, alpha=0.1, beta=0.2), other).gates == (0.1, 0.2)
+    qwen = types.SimpleNamespace(**dict(zip(names, ("qwen2", 28, 1536, 12, 2, 151936), strict=True)))
+    with pytest.raises(ValueError, match="alpha=0.9 must be <= beta=0.877"):  # a given α above the model's β
+        bind(BSER(0.25, alpha=0.9), qwen)
 
 
 def test_threshold_derivation_matches_block_shares():

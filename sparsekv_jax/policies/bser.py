@@ -27,9 +27,10 @@ local expansion, as a question-aware compressor after one prefill pass (docs/BSE
   cosines; off by default: with it the paper's thresholds refine the needle blocks). Attention
   sinks are left out of block representations (outlying states and attention mass; kept anyway).
 * **Gating** with ``(alpha, beta)``: discard ``s ≤ α``, retain ``s ≥ β``, refine otherwise. Left
-  unset they are `THRESHOLDS` of ``E``: the paper's (0.3, 0.7) for token embeddings, and for hidden
-  states the values that discard / retain the same shares of blocks as (0.3, 0.7) do with token
-  embeddings on a WikiText-2 calibration set (``scripts/bser_thresholds.py`` derives them). A
+  unset they follow ``E``: the paper's (0.3, 0.7) for token embeddings; for hidden states, per
+  model (`HIDDEN_THRESHOLDS`, set at `bind`), the values that discard / retain the same shares of
+  blocks as (0.3, 0.7) do with token embeddings on a WikiText-2 calibration set
+  (``scripts/bser_thresholds.py`` derives them; SmolLM2's for a model not in the table). A
   refined block keeps a share ρ (``expansion`` = 0.5, the paper's local expansion factor) of its
   context tokens: its anchors in ``ā`` order, each with every token within ``radius`` (2) of it
   inside the block, until ``round(ρ · n)`` tokens (``fill``; i.e. the top ``round(ρ · n)`` by the
@@ -63,6 +64,7 @@ elsewhere): ``num_layers × B × T × (block_size + 2) × 4`` bytes during the p
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -83,13 +85,26 @@ from sparsekv_jax.policies.common import (
 
 QUERY_CHUNK = 16  # question queries per softmax slab: [B, Hq, 16, T] fp32 at a time
 
-# (α, β) per ``E`` when not given. "input": the paper's. "hidden": `python scripts/bser_thresholds.py`
-# (SmolLM2-135M fp32, 8 WikiText-2 prompts of 2,048 context tokens, seed 0; no eval data): the paper's
-# (0.3, 0.7) on token embeddings discard 1 and retain 85 of the 264 blocks (0.4%, 32.2%); the
-# hidden-state cosines at the same shares are 0.853 (the lowest seen) and 0.942. Median s: 0.658 with
-# token embeddings, 0.936 with hidden states, where (0.3, 0.7) retain every block. Other models' cosines
-# sit elsewhere: docs/BSER.md ("Thresholds for E = hidden states") gives theirs, to pass as alpha/beta.
+# (α, β) when not given. Token embeddings ("input"): the paper's (0.3, 0.7), on every model. Hidden
+# states ("hidden"): per model, because their cosine scale differs by model (median block s on the
+# calibration prompts: SmolLM2 0.936, Qwen2.5-Coder-1.5B 0.832, Gemma 3 270M 0.991), each from
+# `python scripts/bser_thresholds.py --model M`: the hidden-state cosines at which as many calibration
+# blocks are discarded / retained as (0.3, 0.7) discard / retain with token embeddings (WikiText-2
+# prompts, no eval data; docs/BSER.md, "Thresholds for E = hidden states"). Keyed by `config_key` of
+# the config `bind` sees (Gemma 3: its global layers).
+HIDDEN_THRESHOLDS: dict[tuple, tuple[float, float]] = {
+    ("llama", 30, 576, 9, 3, 49152): (0.853, 0.942),  # SmolLM2-135M-Instruct: 8 prompts of 2,048 tokens
+    ("qwen2", 28, 1536, 12, 2, 151936): (0.601, 0.877),  # Qwen2.5-Coder-1.5B-Instruct: 4 prompts of 1,024 tokens
+    ("gemma3", 3, 640, 4, 1, 262144): (0.706, 0.951),  # Gemma 3 270M, 3 global layers: 8 prompts of 2,048 tokens
+}
+# A model not in the table (or an unbound policy) gets SmolLM2's, with a warning at `bind`.
 THRESHOLDS = {"input": (0.3, 0.7), "hidden": (0.853, 0.942)}
+
+
+def config_key(config: Any) -> tuple:
+    """The key of `HIDDEN_THRESHOLDS`: family, layers (as the policy sees them), width, heads, KV heads, vocabulary."""
+    return (config.family, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+            config.vocab_size)
 
 
 def question_start(prompt: Prompt, tail: int, min_question: int = 1) -> jax.Array:
@@ -190,9 +205,8 @@ class BSER(Policy):
 
     Args:
       budget: ``None`` = threshold mode (the paper's); a fraction or token count = budget mode.
-      alpha, beta: gating thresholds on the cosine relevance; ``None`` = `THRESHOLDS` of
-        ``embedding`` (token embeddings: the paper's 0.3, 0.7; hidden states: re-derived for their
-        cosine scale, see `THRESHOLDS`).
+      alpha, beta: gating thresholds on the cosine relevance; ``None``: token embeddings the
+        paper's 0.3, 0.7; hidden states re-derived for their cosine scale per model (`HIDDEN_THRESHOLDS`).
       block_size: tokens per block (paper 128; 64 for SmolLM2-sized models).
       probe_layers: the top ``L`` layers probed (paper: 4; all layers of a shallower model).
       expansion: ρ, the share of a refined block kept at most (paper: 0.5).
@@ -211,6 +225,7 @@ class BSER(Policy):
       min_question: a shorter question reaches back into the context to this many tokens.
       gate: ``"cond"`` (probe only in probed layers) or ``"mask"`` (computed everywhere, masked).
       num_layers: the model's layers, set by `bind`.
+      model_gates: the model's hidden-state ``(α, β)`` from `HIDDEN_THRESHOLDS`, set by `bind`.
     """
 
     budget: float | int | None = struct.field(pytree_node=False, default=None)
@@ -235,6 +250,7 @@ class BSER(Policy):
     refine_order: str = struct.field(pytree_node=False, default="salience")
     stage1: str = struct.field(pytree_node=False, default="blocks")
     num_layers: int = struct.field(pytree_node=False, default=0)
+    model_gates: tuple[float, float] | None = struct.field(pytree_node=False, default=None)
 
     stages = ("compress",)
     needs_whole_prefill = True
@@ -278,8 +294,10 @@ class BSER(Policy):
 
     @property
     def gates(self) -> tuple[float, float]:
-        """``(α, β)``: the fields where given, else `THRESHOLDS` for ``embedding``."""
-        alpha, beta = THRESHOLDS[self.embedding]
+        """``(α, β)``: the fields where given; else (0.3, 0.7) for token embeddings, and for hidden
+        states the bound model's `HIDDEN_THRESHOLDS` (SmolLM2's before `bind` or for another model)."""
+        model = self.embedding == "hidden" and self.model_gates is not None
+        alpha, beta = self.model_gates if model else THRESHOLDS[self.embedding]
         return (alpha if self.alpha is None else self.alpha, beta if self.beta is None else self.beta)
 
     @property
@@ -303,7 +321,12 @@ class BSER(Policy):
 
     def bind(self, setup: Setup) -> BSER:
         check_sinks_window(self.cap, self.sinks, self.window, setup.prompt_len)
-        return self.replace(num_layers=setup.config.num_layers)
+        gates = HIDDEN_THRESHOLDS.get(config_key(setup.config))
+        if gates is None and self.embedding == "hidden" and (self.alpha is None or self.beta is None):
+            warnings.warn(f"BSER: no hidden-state thresholds calibrated for the model {config_key(setup.config)}; "
+                          f"using SmolLM2's (α, β) = {THRESHOLDS['hidden']}. Derive this model's with "
+                          "scripts/bser_thresholds.py and pass alpha=, beta=", stacklevel=2)
+        return self.replace(num_layers=setup.config.num_layers, model_gates=gates)
 
     def compressed_capacity(self, prompt_len: int, max_new_tokens: int, suffix_tokens: int = 0) -> int | None:
         kept = budget_tokens(self.cap, prompt_len)
