@@ -19,6 +19,9 @@ from sparsekv_jax.policies.base import Prompt, Setup
 from sparsekv_jax.policies.bser import embedding_stats, probe_queries, question_start
 from sparsekv_jax.policies.common import budget_tokens
 
+# the tiny random model has no calibrated hidden-state thresholds: SmolLM2's, with a warning (tested below)
+pytestmark = pytest.mark.filterwarnings("ignore:BSER. no hidden-state thresholds:UserWarning")
+
 CFG = ModelConfig(family="llama", vocab_size=61, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
                   head_dim=8, intermediate_size=48, max_position_embeddings=256, eos_token_ids=(0,))
 
@@ -99,8 +102,8 @@ def np_order(policy, a, s, lengths, qs, T):
             blk = t // bs
             tok = [j for j in range(blk * bs, min(blk * bs + bs, T)) if policy.sinks <= j < qs[b]]
             tier, rank = 0, (s[b, blk], a[b, t])
-            if ctx and s[b, blk] > policy.alpha:
-                if s[b, blk] >= policy.beta:
+            if ctx and s[b, blk] > policy.gates[0]:
+                if s[b, blk] >= policy.gates[1]:
                     tier = 2
                 elif t in np_refined(a[b], tok, policy):
                     tier = 1
@@ -154,16 +157,19 @@ def test_observe_and_relevance_match_brute_force(salience, embedding, centred):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
-def test_mask_gate_observes_the_same():
+@pytest.mark.parametrize("embedding, e_layer", [("input", 0), ("hidden", 2)])
+def test_mask_gate_observes_the_same(embedding, e_layer):
+    """Top layer probed; E's statistics in layer 0 (token embeddings) or in the probed layer's input
+    (hidden states); the other layers observe nothing, with either gate."""
     rng = seeded_rng()
     q, k = rng.normal(size=(2, 32, 4, 8)).astype(np.float32), rng.normal(size=(2, 32, 2, 8)).astype(np.float32)
     h = rng.normal(size=(2, 32, 32)).astype(np.float32)
     prompt = _prompt([32, 30], [20, 25], 32)
-    both = jax.jit(lambda i: [_bound(block_size=8, probe_layers=1, gate=g).observe(q, k, None, h, i, prompt)
-                              for g in ("cond", "mask")])
-    for i in range(3):  # 0: E's layer only, 1: neither, 2: probed only
+    both = jax.jit(lambda i: [_bound(block_size=8, probe_layers=1, gate=g, embedding=embedding).observe(
+        q, k, None, h, i, prompt) for g in ("cond", "mask")])
+    for i in range(3):
         a, b = both(jnp.int32(i))
-        assert bool(np.asarray(a["attn"]).any()) == (i == 2) and bool(np.asarray(a["gram"]).any()) == (i == 0)
+        assert bool(np.asarray(a["attn"]).any()) == (i == 2) and bool(np.asarray(a["gram"]).any()) == (i == e_layer)
         jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6), a, b)
 
 
@@ -269,7 +275,7 @@ def test_refined_tokens_compete_by_salience_across_blocks():
     E, a2 = _blocks_with_cosines([0.6, 0.6, 0.9, 0.35, 0.5, 0.5, 0.5], bs, a, qs, T)
     for order, value_kept in (("salience", True), ("block", False)):
         # forced: 2 sinks + 8 question tokens (the window inside them); block 2: 8; then 4 = ρ·8
-        policy = _bound(budget=22, block_size=bs, radius=1, sinks=2, window=4, refine_order=order)
+        policy = _bound(budget=22, block_size=bs, radius=1, sinks=2, window=4, refine_order=order, alpha=0.3, beta=0.7)
         prompt = _prompt([T, T], [qs, qs], T)
         qpos, valid = probe_queries(prompt, policy.tail, policy.max_question, T)
         sel = policy.select(_obs(policy, a2, E, qpos, valid, None), prompt)
@@ -289,7 +295,7 @@ def test_refinement_keeps_its_share_past_clustered_anchors():
     E, a2 = _blocks_with_cosines([0.5, 0.5, 0.5], bs, a, qs, T)
     prompt = _prompt([T, T], [qs, qs], T)
     for fill, value_kept in ((True, True), (False, False)):
-        policy = _bound(block_size=bs, radius=1, sinks=2, window=4, max_kept=1.0, fill=fill)
+        policy = _bound(block_size=bs, radius=1, sinks=2, window=4, max_kept=1.0, fill=fill, alpha=0.3, beta=0.7)
         qpos, valid = probe_queries(prompt, policy.tail, policy.max_question, T)
         sel = policy.select(_obs(policy, a2, E, qpos, valid, None), prompt)
         assert (np.asarray(sel["tier"])[:, 1] == 1).all()
@@ -298,6 +304,137 @@ def test_refinement_keeps_its_share_past_clustered_anchors():
         assert set(range(19, 23)) <= block
         assert ({23, 24, 25} <= block) == value_kept, (fill, sorted(block))
         assert len(block) == (8 if fill else 5)
+
+
+# -- default thresholds, their derivation, and the "w/o Stage I" ablation ---------------------
+def np_tiers(cosines, alpha, beta):
+    """The gates by hand: 0 discard (s <= α), 2 retain (s >= β), 1 refine."""
+    return [0 if c <= alpha else 2 if c >= beta else 1 for c in cosines]
+
+
+QWEN = (0.601, 0.877)
+
+
+@pytest.mark.parametrize("embedding, model_gates, gates", [("hidden", None, (0.853, 0.942)),
+                                                           ("input", None, (0.3, 0.7)), ("hidden", QWEN, QWEN),
+                                                           ("input", QWEN, (0.3, 0.7))])
+def test_default_thresholds_gate_hand_made_cosines(embedding, model_gates, gates):
+    """Default (α, β): hidden states with SmolLM2's re-derived (0.853, 0.942) (a model not in the
+    table) or the bound model's (Qwen2.5-Coder-1.5B's here); token embeddings the paper's (0.3, 0.7)
+    on any model. Blocks with exactly known cosines on both sides of each pair are discarded,
+    refined and retained as the gates by hand say."""
+    assert BSER().embedding == "hidden" and BSER().gates == (0.853, 0.942)
+    T, bs, qs = 128, 4, 112
+    cosines = [0.1, 0.29, 0.31, 0.5, 0.59, 0.61, 0.69, 0.71, 0.84, 0.86, 0.87, 0.88, 0.9, 0.935, 0.95, 0.99]
+    a = np.ones(T)
+    E, a2 = _blocks_with_cosines(cosines, bs, a, qs, T)
+    policy = _bound(block_size=bs, sinks=0, window=4, embedding=embedding).replace(model_gates=model_gates)
+    assert policy.gates == gates
+    prompt = _prompt([T, T], [qs, qs], T)
+    qpos, valid = probe_queries(prompt, policy.tail, policy.max_question, T)
+    sel = policy.select(_obs(policy, a2, E, qpos, valid, None), prompt)
+    n = len(cosines)
+    np.testing.assert_allclose(np.asarray(sel["s"])[0, :n], cosines, atol=1e-5)
+    want = np_tiers(cosines, *gates)
+    assert 0 in want and 1 in want and 2 in want
+    np.testing.assert_array_equal(np.asarray(sel["tier"])[:, :n], [want, want])
+
+
+@pytest.mark.parametrize("key, gates", [(("llama", 30, 576, 9, 3, 49152), (0.853, 0.942)),  # SmolLM2-135M
+                                        (("qwen2", 28, 1536, 12, 2, 151936), QWEN),  # Qwen2.5-Coder-1.5B
+                                        (("gemma3", 3, 640, 4, 1, 262144), (0.706, 0.951))])  # Gemma 3 270M
+def test_hidden_thresholds_follow_the_bound_model(key, gates):
+    """`bind` picks the model's calibrated hidden-state pair (docs/BSER.md's table); token embeddings
+    keep (0.3, 0.7); a given alpha or beta wins; a model not in the table gets SmolLM2's pair with
+    a warning naming it (none for token embeddings or given thresholds)."""
+    import types
+    import warnings
+
+    names = ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size")
+    bind = lambda p, cfg: p.bind(Setup(cfg, prompt_len=256))  # noqa: E731
+    cfg = types.SimpleNamespace(**dict(zip(names, key, strict=True)))
+    assert bind(BSER(0.25), cfg).gates == gates
+    assert bind(BSER(0.25, embedding="input"), cfg).gates == (0.3, 0.7)
+    assert bind(BSER(0.25, alpha=0.5), cfg).gates == (0.5, gates[1])
+    assert bind(BSER(0.25, alpha=0.1, beta=0.2), cfg).gates == (0.1, 0.2)
+    other = types.SimpleNamespace(**dict(zip(names, key, strict=True)))
+    other.hidden_size += 64
+    with pytest.warns(UserWarning, match=r"no hidden-state thresholds .*" + str(other.hidden_size)):
+        assert bind(BSER(0.25), other).gates == (0.853, 0.942)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert bind(BSER(0.25, embedding="input"), other).gates == (0.3, 0.7)
+        assert bind(BSER(0.25, alpha=0.1, beta=0.2), other).gates == (0.1, 0.2)
+    qwen = types.SimpleNamespace(**dict(zip(names, ("qwen2", 28, 1536, 12, 2, 151936), strict=True)))
+    with pytest.raises(ValueError, match="alpha=0.9 must be <= beta=0.877"):  # a given α above the model's β
+        bind(BSER(0.25, alpha=0.9), qwen)
+
+
+def test_threshold_derivation_matches_block_shares():
+    """scripts/bser_thresholds.derive: the hidden-state (α, β) discard and retain as many blocks as
+    (0.3, 0.7) do on token embeddings; checked on a monotone map of the embedding cosines (where
+    the right thresholds are the map of 0.3 and 0.7) and on unrelated draws (by count)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bser_thresholds.py"
+    spec = importlib.util.spec_from_file_location("bser_thresholds", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rng = seeded_rng()
+    s_in = rng.uniform(0.0, 1.0, 2000)
+    f = lambda x: 0.85 + 0.1 * x  # noqa: E731
+    d = mod.derive(s_in, f(s_in))
+    assert np.isclose(d["p_alpha"], np.mean(s_in <= 0.3)) and np.isclose(d["p_beta"], np.mean(s_in < 0.7))
+    assert abs(d["alpha"] - f(0.3)) < 2e-3 and abs(d["beta"] - f(0.7)) < 2e-3, d
+    s_hid = rng.normal(0.93, 0.02, 2000)
+    d = mod.derive(s_in, s_hid)
+    for got, want in ((np.sum(s_hid <= d["alpha"]), np.sum(s_in <= 0.3)),
+                      (np.sum(s_hid >= d["beta"]), np.sum(s_in >= 0.7))):
+        assert abs(int(got) - int(want)) <= 50, (got, want)  # 3-decimal rounding moves some of 2000
+    d = mod.derive(np.full(50, 0.5), s_hid[:50])  # nothing under 0.3 or over 0.7: nothing discarded or retained
+    assert d["alpha"] < s_hid[:50].min() and d["beta"] > s_hid[:50].max()
+
+
+@pytest.mark.parametrize("embedding", ["hidden", "input"])
+def test_without_stage1_gates_each_token(embedding):
+    """stage1="tokens" (the paper's "w/o Stage I"): relevance per token (s_t = cos(E_t, ē), ā
+    weights nothing in a one-token block) from observe on random queries, keys and hidden states;
+    threshold mode keeps the forced tokens and every context token with s > α; budget mode orders
+    the slots as the numpy brute force with one-token blocks (retained by s then ā, refined by ā,
+    the rest by s then ā)."""
+    rng = seeded_rng()
+    B, T, Hq, Hkv, D, H = 2, 64, 4, 2, 8, 32
+    base = _bound(stage1="tokens", block_size=16, probe_layers=2, embedding=embedding, max_question=16, sinks=2,
+                  window=4, radius=1, max_kept=1.0)
+    lengths, qs = np.array([64, 57]), np.array([50, 41])
+    q = rng.normal(size=(CFG.num_layers, B, T, Hq, D)).astype(np.float32)
+    k = rng.normal(size=(CFG.num_layers, B, T, Hkv, D)).astype(np.float32)
+    hid = (rng.normal(size=(CFG.num_layers, B, T, H)) + 0.3).astype(np.float32)
+    prompt = _prompt(lengths, qs, T)
+    observe = jax.jit(lambda q, k, h, i: base.observe(q, k, None, h, i, prompt))
+    obs = jax.tree.map(lambda *x: jnp.stack(x), *[observe(q[i], k[i], hid[i], jnp.int32(i)) for i in range(3)])
+    assert obs["gram"].shape == (3, B, T, 1, 1)
+    a = np.mean([np_question_attention(q[i], k[i], lengths, qs, 16) for i in (1, 2)], axis=0)
+    E = hid[base.embedding_layer]
+    want_s = np_relevance(a, E, lengths, qs, 16, 1, 2, "attention", False, embedding == "hidden")
+    s = np.asarray(base.select(obs, prompt)["s"])
+    np.testing.assert_allclose(s, want_s, rtol=2e-4, atol=2e-5)
+    lo, hi = np.quantile(s[np.isfinite(s)], [0.3, 0.7])
+    policy = base.replace(alpha=float(lo), beta=float(hi))
+    sel = policy.select(obs, prompt)
+    for b in range(B):
+        forced = set(range(2)) | set(range(lengths[b] - 4, lengths[b])) | set(range(qs[b], lengths[b]))
+        want = forced | {t for t in range(2, qs[b]) if want_s[b, t] > lo}
+        order = np.argsort(-np.asarray(sel["scores"][b, : lengths[b]]), kind="stable")
+        assert int(sel["gated"][b]) == len(want) and set(order[: int(sel["keep"][b])].tolist()) == want
+    budget = policy.replace(budget=0.4)
+    sel = budget.select(obs, prompt)
+    orders = np_order(budget.replace(block_size=1), a, s, lengths, qs, T)
+    for b in range(B):
+        assert int(sel["keep"][b]) == budget_tokens(0.4, int(lengths[b]))
+        order = np.argsort(-np.asarray(sel["scores"][b, : lengths[b]]), kind="stable")
+        np.testing.assert_array_equal(order, orders[b])
 
 
 # -- planted blocks -----------------------------------------------------------------------------
@@ -332,10 +469,16 @@ def _select_planted(policy, q, k, E):
     return policy.select(obs, prompt), obs, prompt
 
 
-def test_planted_relevant_block_is_retained_and_irrelevant_block_discarded():
+@pytest.mark.parametrize("embedding", ["hidden", "input"])
+def test_planted_relevant_block_is_retained_and_irrelevant_block_discarded(embedding):
+    """Both ``E`` at their default thresholds (``"input"``: the paper's (0.3, 0.7) on layer 0's
+    input, the old default; ``"hidden"``: layer 1's input, the top 2 of 3 layers probed)."""
     q, k, E = _planted(attend_quarter=False)
-    policy = _bound(block_size=8, sinks=2, window=4)
+    policy = _bound(block_size=8, sinks=2, window=4, probe_layers=2, embedding=embedding)
+    assert policy.embedding_layer == {"hidden": 1, "input": 0}[embedding]
+    assert policy.gates == {"hidden": (0.853, 0.942), "input": (0.3, 0.7)}[embedding]
     sel, obs, prompt = _select_planted(policy, q, k, E)
+    assert np.asarray(obs["gram"][policy.embedding_layer]).any() and not np.asarray(obs["gram"][2]).any()
     tier = np.asarray(sel["tier"])
     assert (tier[:, 2] == 2).all() and (tier[:, 4] == 0).all(), np.asarray(sel["s"])
     # through compress: the planted block's entries are in the smaller cache, the irrelevant ones not
@@ -354,10 +497,11 @@ def test_planted_relevant_block_is_retained_and_irrelevant_block_discarded():
 
 def test_attention_weighting_lifts_a_block_whose_attended_tokens_match():
     """Stage II matters: in block 2 only the two attended tokens have the question's embedding;
-    attention-weighted the block is retained, mean-pooled it is not."""
+    attention-weighted the block is retained, mean-pooled it is not (token embeddings, the paper's β)."""
     q, k, E = _planted(attend_quarter=True)
-    s_att = np.asarray(_select_planted(_bound(block_size=8, sinks=2, window=4), q, k, E)[0]["s"])
-    s_mean = np.asarray(_select_planted(_bound(block_size=8, sinks=2, window=4, salience="mean"), q, k, E)[0]["s"])
+    kw = dict(block_size=8, sinks=2, window=4, embedding="input")
+    s_att = np.asarray(_select_planted(_bound(**kw), q, k, E)[0]["s"])
+    s_mean = np.asarray(_select_planted(_bound(**kw, salience="mean"), q, k, E)[0]["s"])
     assert (s_att[:, 2] >= 0.7).all() and (s_mean[:, 2] < 0.7).all() and (s_att[:, 2] > s_mean[:, 2] + 0.1).all()
 
 
@@ -379,9 +523,10 @@ def test_infinite_thresholds_keep_everything_identical_logits(model):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
-def test_budget_mode_through_generate_keeps_question_sinks_window(model):
+@pytest.mark.parametrize("stage1", ["blocks", "tokens"])
+def test_budget_mode_through_generate_keeps_question_sinks_window(model, stage1):
     params, tokens, lengths, qs = model
-    policy = parse_policy("bser(0.3, block_size=16, window=8)")
+    policy = parse_policy(f"bser(0.3, block_size=16, window=8, stage1={stage1!r})")
     out = generate(params, policy, tokens, lengths=lengths, question_start=qs, max_new_tokens=3, stop_tokens=())
     stored = np.asarray(out.stats["kv_stored_fraction"])
     for b in range(2):
@@ -393,7 +538,8 @@ def test_budget_mode_through_generate_keeps_question_sinks_window(model):
 
 
 def test_bad_settings_are_refused():
-    for kw in (dict(alpha=0.8, beta=0.2), dict(salience="max"), dict(embedding="keys"), dict(refine="all"),
+    for kw in (dict(alpha=0.8, beta=0.2), dict(alpha=0.95), dict(stage1="words"),
+               dict(salience="max"), dict(embedding="keys"), dict(refine="all"),
                dict(budget=1.5), dict(expansion=0.0), dict(block_size=0), dict(radius=-1), dict(max_kept=0.0),
                dict(budget=16, sinks=8, window=16)):
         with pytest.raises(ValueError):

@@ -17,12 +17,20 @@ local expansion, as a question-aware compressor after one prefill pass (docs/BSE
   softmax of log-attention; ``"softmax"`` = the softmax of ``ā`` itself, as Eq. 4 is written —
   attention probabilities are ≪ 1, so that is uniform to 3 decimals (= mean pooling, measured);
   ``"mean"`` = uniform (the "without Stage II" ablation). ``R = Σ w·E`` (Eq. 5) and relevance
-  ``s = cos(R, mean E of Q)``. ``E`` (``embedding``): ``"input"`` (default) = the token
-  embeddings (the input of layer 0); ``"hidden"`` = the hidden states entering the first probed
-  layer, scaled to unit RMS. ``centred`` subtracts the context's mean ``E`` first (spreads the
+  ``s = cos(R, mean E of Q)``. ``E`` (``embedding``): ``"hidden"`` (default) = the hidden states
+  entering the first probed layer, scaled to unit RMS; ``"input"`` = the token embeddings (the
+  input of layer 0; the default until issue #36: in the full-size ablation, docs/BSER.md, hidden
+  states kept 85.7% of full on RULER 4k at 25% against 71.6%). ``stage1="tokens"`` is the paper's
+  "w/o Stage I" ablation: every context token is its own block (``s`` per token, ``w`` = 1, gated
+  and ordered token by token; Stage III has nothing to expand in a one-token block, so a refined
+  token is kept). ``centred`` subtracts the context's mean ``E`` first (spreads the
   cosines; off by default: with it the paper's thresholds refine the needle blocks). Attention
   sinks are left out of block representations (outlying states and attention mass; kept anyway).
-* **Gating** with ``(alpha, beta)``: discard ``s ≤ α``, retain ``s ≥ β``, refine otherwise. A
+* **Gating** with ``(alpha, beta)``: discard ``s ≤ α``, retain ``s ≥ β``, refine otherwise. Left
+  unset they follow ``E``: the paper's (0.3, 0.7) for token embeddings; for hidden states, per
+  model (`HIDDEN_THRESHOLDS`, set at `bind`), the values that discard / retain the same shares of
+  blocks as (0.3, 0.7) do with token embeddings on a WikiText-2 calibration set
+  (``scripts/bser_thresholds.py`` derives them; SmolLM2's for a model not in the table). A
   refined block keeps a share ρ (``expansion`` = 0.5, the paper's local expansion factor) of its
   context tokens: its anchors in ``ā`` order, each with every token within ``radius`` (2) of it
   inside the block, until ``round(ρ · n)`` tokens (``fill``; i.e. the top ``round(ρ · n)`` by the
@@ -56,6 +64,7 @@ elsewhere): ``num_layers × B × T × (block_size + 2) × 4`` bytes during the p
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -75,6 +84,27 @@ from sparsekv_jax.policies.common import (
 )
 
 QUERY_CHUNK = 16  # question queries per softmax slab: [B, Hq, 16, T] fp32 at a time
+
+# (α, β) when not given. Token embeddings ("input"): the paper's (0.3, 0.7), on every model. Hidden
+# states ("hidden"): per model, because their cosine scale differs by model (median block s on the
+# calibration prompts: SmolLM2 0.936, Qwen2.5-Coder-1.5B 0.832, Gemma 3 270M 0.991), each from
+# `python scripts/bser_thresholds.py --model M`: the hidden-state cosines at which as many calibration
+# blocks are discarded / retained as (0.3, 0.7) discard / retain with token embeddings (WikiText-2
+# prompts, no eval data; docs/BSER.md, "Thresholds for E = hidden states"). Keyed by `config_key` of
+# the config `bind` sees (Gemma 3: its global layers).
+HIDDEN_THRESHOLDS: dict[tuple, tuple[float, float]] = {
+    ("llama", 30, 576, 9, 3, 49152): (0.853, 0.942),  # SmolLM2-135M-Instruct: 8 prompts of 2,048 tokens
+    ("qwen2", 28, 1536, 12, 2, 151936): (0.601, 0.877),  # Qwen2.5-Coder-1.5B-Instruct: 4 prompts of 1,024 tokens
+    ("gemma3", 3, 640, 4, 1, 262144): (0.706, 0.951),  # Gemma 3 270M, 3 global layers: 8 prompts of 2,048 tokens
+}
+# A model not in the table (or an unbound policy) gets SmolLM2's, with a warning at `bind`.
+THRESHOLDS = {"input": (0.3, 0.7), "hidden": (0.853, 0.942)}
+
+
+def config_key(config: Any) -> tuple:
+    """The key of `HIDDEN_THRESHOLDS`: family, layers (as the policy sees them), width, heads, KV heads, vocabulary."""
+    return (config.family, config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
+            config.vocab_size)
 
 
 def question_start(prompt: Prompt, tail: int, min_question: int = 1) -> jax.Array:
@@ -175,17 +205,19 @@ class BSER(Policy):
 
     Args:
       budget: ``None`` = threshold mode (the paper's); a fraction or token count = budget mode.
-      alpha, beta: gating thresholds on the cosine relevance (paper: 0.3, 0.7).
+      alpha, beta: gating thresholds on the cosine relevance; ``None``: token embeddings the
+        paper's 0.3, 0.7; hidden states re-derived for their cosine scale per model (`HIDDEN_THRESHOLDS`).
       block_size: tokens per block (paper 128; 64 for SmolLM2-sized models).
       probe_layers: the top ``L`` layers probed (paper: 4; all layers of a shallower model).
       expansion: ρ, the share of a refined block kept at most (paper: 0.5).
       radius: neighbourhood radius around anchors, inside the block.
-      embedding: ``E``: ``"input"`` (token embeddings) or ``"hidden"`` (entering the first probed layer).
+      embedding: ``E``: ``"hidden"`` (entering the first probed layer, the default) or ``"input"`` (token embeddings).
       salience: ``"attention"`` (ā renormalised per block), ``"softmax"`` (Eq. 4 on ā) or ``"mean"``.
       centred: centre ``E`` on the context's mean before the cosine.
       refine: ``"expand"`` (Stage III), ``"drop"`` or ``"keep"`` (ablations).
       fill: a refined block keeps ρ of its tokens (anchors added until then); False: a fixed count.
       refine_order: refined tokens across blocks by ``"salience"`` (their Stage III ā) or ``"block"`` s.
+      stage1: ``"blocks"`` (Stage I) or ``"tokens"``: each token its own block (the "w/o Stage I" ablation).
       max_kept: threshold mode: the cache holds at most this share of the prompt.
       sinks, window: first / last prompt tokens always kept (inside the budget).
       tail: stand-in question length when no split is given (fallback).
@@ -193,16 +225,17 @@ class BSER(Policy):
       min_question: a shorter question reaches back into the context to this many tokens.
       gate: ``"cond"`` (probe only in probed layers) or ``"mask"`` (computed everywhere, masked).
       num_layers: the model's layers, set by `bind`.
+      model_gates: the model's hidden-state ``(α, β)`` from `HIDDEN_THRESHOLDS`, set by `bind`.
     """
 
     budget: float | int | None = struct.field(pytree_node=False, default=None)
-    alpha: float = struct.field(pytree_node=False, default=0.3)
-    beta: float = struct.field(pytree_node=False, default=0.7)
+    alpha: float | None = struct.field(pytree_node=False, default=None)
+    beta: float | None = struct.field(pytree_node=False, default=None)
     block_size: int = struct.field(pytree_node=False, default=64)
     probe_layers: int = struct.field(pytree_node=False, default=4)
     expansion: float = struct.field(pytree_node=False, default=0.5)
     radius: int = struct.field(pytree_node=False, default=2)
-    embedding: str = struct.field(pytree_node=False, default="input")
+    embedding: str = struct.field(pytree_node=False, default="hidden")
     salience: str = struct.field(pytree_node=False, default="attention")
     refine: str = struct.field(pytree_node=False, default="expand")
     max_kept: float = struct.field(pytree_node=False, default=0.5)
@@ -215,7 +248,9 @@ class BSER(Policy):
     centred: bool = struct.field(pytree_node=False, default=False)
     fill: bool = struct.field(pytree_node=False, default=True)
     refine_order: str = struct.field(pytree_node=False, default="salience")
+    stage1: str = struct.field(pytree_node=False, default="blocks")
     num_layers: int = struct.field(pytree_node=False, default=0)
+    model_gates: tuple[float, float] | None = struct.field(pytree_node=False, default=None)
 
     stages = ("compress",)
     needs_whole_prefill = True
@@ -227,11 +262,12 @@ class BSER(Policy):
             check_budget(self.budget)
         for name, options in (("embedding", ("input", "hidden")), ("salience", ("softmax", "attention", "mean")),
                               ("refine", ("expand", "drop", "keep")), ("gate", ("cond", "mask")),
-                              ("refine_order", ("salience", "block"))):
+                              ("refine_order", ("salience", "block")),
+                              ("stage1", ("blocks", "tokens"))):
             if getattr(self, name) not in options:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {options}")
-        if not self.alpha <= self.beta:
-            raise ValueError(f"alpha={self.alpha} must be <= beta={self.beta}")
+        if not self.gates[0] <= self.gates[1]:
+            raise ValueError(f"alpha={self.gates[0]} must be <= beta={self.gates[1]}")
         for name in ("block_size", "probe_layers", "tail", "max_question", "min_question"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -249,7 +285,7 @@ class BSER(Policy):
 
     @property
     def name(self) -> str:
-        return f"BSER({self.budget})" if self.budget is not None else f"BSER(α={self.alpha}, β={self.beta})"
+        return f"BSER({self.budget})" if self.budget is not None else f"BSER(α={self.gates[0]}, β={self.gates[1]})"
 
     @property
     def cap(self) -> float | int:
@@ -257,8 +293,22 @@ class BSER(Policy):
         return self.max_kept if self.budget is None else self.budget
 
     @property
+    def gates(self) -> tuple[float, float]:
+        """``(α, β)``: the fields where given; else (0.3, 0.7) for token embeddings, and for hidden
+        states the bound model's `HIDDEN_THRESHOLDS` (SmolLM2's before `bind` or for another model)."""
+        model = self.embedding == "hidden" and self.model_gates is not None
+        alpha, beta = self.model_gates if model else THRESHOLDS[self.embedding]
+        return (alpha if self.alpha is None else self.alpha, beta if self.beta is None else self.beta)
+
+    @property
+    def gate_block(self) -> int:
+        """Tokens per gated block: ``block_size``, or 1 with ``stage1="tokens"`` (each token its own block)."""
+        return 1 if self.stage1 == "tokens" else self.block_size
+
+    @property
     def anchors(self) -> int:
-        return max(1, min(self.block_size, round(self.expansion * self.block_size / (2 * self.radius + 1))))
+        bs = self.gate_block
+        return max(1, min(bs, round(self.expansion * bs / (2 * self.radius + 1))))
 
     @property
     def probed(self) -> int:
@@ -271,7 +321,12 @@ class BSER(Policy):
 
     def bind(self, setup: Setup) -> BSER:
         check_sinks_window(self.cap, self.sinks, self.window, setup.prompt_len)
-        return self.replace(num_layers=setup.config.num_layers)
+        gates = HIDDEN_THRESHOLDS.get(config_key(setup.config))
+        if gates is None and self.embedding == "hidden" and (self.alpha is None or self.beta is None):
+            warnings.warn(f"BSER: no hidden-state thresholds calibrated for the model {config_key(setup.config)}; "
+                          f"using SmolLM2's (α, β) = {THRESHOLDS['hidden']}. Derive this model's with "
+                          "scripts/bser_thresholds.py and pass alpha=, beta=", stacklevel=2)
+        return self.replace(num_layers=setup.config.num_layers, model_gates=gates)
 
     def compressed_capacity(self, prompt_len: int, max_new_tokens: int, suffix_tokens: int = 0) -> int | None:
         kept = budget_tokens(self.cap, prompt_len)
@@ -297,7 +352,7 @@ class BSER(Policy):
 
         attn = gated(layer_index >= first, lambda: question_attention(q, k, qpos, valid))
         stats = gated(layer_index == self.embedding_layer,
-                      lambda: embedding_stats(hidden, qpos, valid, self.block_size, self.embedding == "hidden",
+                      lambda: embedding_stats(hidden, qpos, valid, self.gate_block, self.embedding == "hidden",
                                               context if self.centred else None))
         return {"attn": attn, **stats}
 
@@ -310,7 +365,7 @@ class BSER(Policy):
         e = self.embedding_layer
         dot, gram, qnorm = observations["dot"][e], observations["gram"][e], observations["qnorm"][e]
         B, T = attn.shape
-        nb, bs = gram.shape[1], self.block_size
+        nb, bs = gram.shape[1], self.gate_block
         pos = jnp.arange(nb * bs)
         lengths, qs = prompt.lengths, question_start(prompt, self.tail, self.min_question)
         context = (pos < qs[:, None]) & (pos >= self.sinks)
@@ -328,8 +383,9 @@ class BSER(Policy):
         has = m.any(-1)
         s = jnp.where(has, (w * d).sum(-1) / jnp.maximum(norm, 1e-30), -jnp.inf)
 
-        discard = s <= self.alpha
-        retain = ~discard & (s >= self.beta)
+        alpha, beta = self.gates
+        discard = s <= alpha
+        retain = ~discard & (s >= beta)
         refine = has & ~discard & ~retain
         a_ctx = jnp.where(m, a, -jnp.inf)
         token_rank = _rank(a_ctx)
