@@ -91,6 +91,18 @@ case "$STAGE" in
       > "$RUNS/longbench_sc.log" 2>&1 &
     ev 0.2 stem agnostic 16k stem --suite ruler --no-fullkv > "$RUNS/stem16k.log" 2>&1 &
     ;;
+  5)  # issue 36: CHESS with the first-page rebuild, both trigger readings and without regeneration (thresholds
+      # shipped as calibration/qwen2.5-coder-1.5b.json, or stage 4's); BSER's hidden-state default against the
+      # token embeddings and the paper's "w/o Stage I", question-aware; Stem at 32k
+    CAL=qwen2.5-coder-1.5b
+    [ -f sparsekv_jax/policies/calibration/$CAL.json ] || CAL="$RUNS/calibration/$MODEL.json"
+    C="chess('moderate', calibration='$CAL')"
+    ev 0.2 chess_8k agnostic 8k "$C, chess('moderate', calibration='$CAL', trigger_on='either'), \
+      chess('moderate', calibration='$CAL', regenerate=False)" --suite ruler --no-fullkv > "$RUNS/chess8k.log" 2>&1 &
+    ev 0.2 aware_8k aware 8k "bser(0.25, embedding='input'), bser(0.25, stage1='tokens'), bser, \
+      bser(embedding='input')" --suite ruler --no-fullkv > "$RUNS/bser8k.log" 2>&1 &
+    ev 0.25 stem agnostic 32k stem --suite ruler --no-fullkv > "$RUNS/stem32k.log" 2>&1 &
+    ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
 wait

@@ -1,14 +1,19 @@
-"""Rewrite `sparsekv eval` records made before SemantiCache's ``protect`` field (2026-11-27) so they
-say which rule made them.
+"""Rewrite `sparsekv eval` records made before two default changes of 2026-11-27 (issue 36) so each
+says what made it.
 
-Until then ``SemantiCache(b)`` meant the digit-sentence rule (``keep_numbers=True,
-number_words=True, number_sentences=64``); now it is the paper's algorithm and the rule is
-``protect="digit_sentences"``. A record's policy text, ``policy_key`` and ``key`` are rewritten to
-the new spelling (``keep_numbers=False`` → no protection, ``number_words=False`` → ``"digits"``,
-``number_sentences=0`` → ``"digit_words"``), so its rows are reported under the rule's name and
-a resumed run does not take them for the paper's. Other records are copied unchanged.
+* **SemantiCache.** Until then ``SemantiCache(b)`` meant the digit-sentence rule (``keep_numbers=True,
+  number_words=True, number_sentences=64``); now it is the paper's algorithm and the rule is
+  ``protect="digit_sentences"`` (``keep_numbers=False`` → no protection, ``number_words=False`` →
+  ``"digits"``, ``number_sentences=0`` → ``"digit_words"``).
+* **BSER.** Until then ``BSER(b)`` probed with the token embeddings (``embedding="input"``, (α, β) =
+  (0.3, 0.7)); now the default is the hidden states with per-model thresholds. Old rows become
+  ``bser(b, embedding='input')`` (whose thresholds are still (0.3, 0.7)).
 
-    python scripts/migrate_semanticache_records.py docs/results/qwen2.5-coder-1.5b_h200*/*/results.jsonl.gz
+A record's policy text, ``policy_key`` and ``key`` are rewritten to the new spelling, so its rows
+are reported under what made them and a resumed run does not take them for the new default.
+Other records are copied unchanged; running it twice changes nothing.
+
+    python scripts/migrate_records.py docs/results/qwen2.5-coder-1.5b_h200*/*/results.jsonl.gz
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ def protect_of(fields: dict) -> str | None:
 
 def migrate(record: dict) -> bool:
     """Rewrite one record in place; ``True`` when it changed."""
-    if not record.get("policy_key", "").startswith('["SemantiCache"'):
+    key = record.get("policy_key", "")
+    if key.startswith('["BSER"'):
+        return migrate_bser(record)
+    if not key.startswith('["SemantiCache"'):
         return False  # another policy (or transformers' rows, keyed by name)
     name, fields = json.loads(record["policy_key"])
     if "keep_numbers" not in fields:
@@ -47,6 +55,22 @@ def migrate(record: dict) -> bool:
     if protect is not None:
         text = f"{text[:-1]}, protect={protect!r})"
     record["policy"] = text
+    return True
+
+
+def migrate_bser(record: dict) -> bool:
+    name, fields = json.loads(record["policy_key"])
+    if "stage1" in fields:
+        return False
+    old_key = record["policy_key"]
+    if fields["embedding"] == "input" and (fields["alpha"], fields["beta"]) == (0.3, 0.7):
+        fields["alpha"] = fields["beta"] = None  # "input" resolves to (0.3, 0.7) at bind
+    fields.update(model_gates=None, stage1="blocks")
+    record["policy_key"] = json.dumps([name, dict(sorted(fields.items()))])
+    record["key"] = record["key"].replace(json.dumps(old_key)[1:-1], json.dumps(record["policy_key"])[1:-1])
+    if fields["embedding"] == "input" and "embedding" not in record["policy"]:
+        text = record["policy"]
+        record["policy"] = f"{text[:-1]}, embedding='input')" if text.endswith(")") else f"{text}(embedding='input')"
     return True
 
 
