@@ -107,3 +107,45 @@ def test_run_paper_script_refuses_an_unknown_model():
     res = subprocess.run(["bash", str(REPO / "sae_training" / "run_paper.sh"), "llama-70b"], capture_output=True,
                          text=True, timeout=60)
     assert res.returncode == 2 and "paper_llama-70b.yaml" in res.stderr and "gemma3-270m" in res.stderr
+
+
+def test_compare_script_scores_every_set_on_the_same_held_out_keys():
+    """`sae_training/compare.py`'s `compare`: every set is scored on the same held-out rows; a layer's
+    numbers do not depend on the set it is stacked in; key FVU and L0 equal a numpy TopK(ReLU) reference
+    on the model's pre-RoPE keys (`projections`, tested against transformers)."""
+    import importlib.util
+
+    import numpy as np
+
+    from sparsekv_jax.sae.data import load_corpus, sequential_rows, tokenize
+    from sparsekv_jax.sae.keys import projections
+    from sparsekv_jax.sae.model import init_sae
+
+    spec = importlib.util.spec_from_file_location("compare", REPO / "sae_training" / "compare.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    seed = int(seeded_rng().integers(1 << 30))
+    mcfg = ModelConfig(family="llama", vocab_size=250, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                       head_dim=16, intermediate_size=32, max_position_embeddings=512)
+    params = random_params(mcfg, jax.random.key(seed), jnp.float32, 0.3)
+    stack = init_sae(jax.random.key(seed + 1), 16, 64, 4, stack=(2,))
+    both = {0: stack.layer(0), 2: stack.layer(1)}
+    rows = mod.compare(params, CharTokenizer(), {"both": both, "one": {2: stack.layer(1)}}, ["kjv"], seq_len=36,
+                       max_rows=3)
+    assert [(r["saes"], r["layer"], r["rows"]) for r in rows] == [("both", 0, 3), ("both", 2, 3), ("one", 2, 3)]
+    for key, value in rows[2].items():  # layer 2 alone = layer 2 stacked with layer 0 (float rounding aside)
+        if isinstance(value, float):
+            assert rows[1][key] == pytest.approx(value, rel=1e-6), key
+        elif key != "saes":
+            assert rows[1][key] == value, key
+    tokens = sequential_rows(tokenize(CharTokenizer(), load_corpus("kjv").heldout), 36)[:3]
+    keys = np.asarray(projections(params, jnp.asarray(tokens), (2,))[0][0, :, 4:]).reshape(-1, 16)
+    sae = jax.tree.map(np.asarray, stack.layer(1))
+    pre = np.maximum((keys - sae.b_dec) @ sae.w_enc + sae.b_enc, 0)
+    top = np.argsort(-pre, axis=1)[:, :4]
+    z = np.zeros_like(pre)
+    np.put_along_axis(z, top, np.take_along_axis(pre, top, 1), 1)
+    fvu = np.sum((keys - (z @ sae.w_dec + sae.b_dec)) ** 2) / np.sum((keys - keys.mean(0)) ** 2)
+    np.testing.assert_allclose(rows[2]["fvu"], fvu, rtol=1e-4)
+    assert rows[2]["l0"] == np.mean(np.sum(z > 0, axis=1))
+    assert rows[2]["dead_fraction"] == 1 - np.mean(np.isin(np.arange(64), top[z[np.arange(len(z))[:, None], top] > 0]))
