@@ -1,7 +1,7 @@
 """Compare SAE sets on the same held-out keys and queries (issue 37's "Show": new SAEs against the shipped).
 
-    python sae_training/compare.py --model smollm2 --saes shipped:smollm2 runs/paper_smollm2/paper_smollm2.safetensors
-    python sae_training/compare.py --model gemma3-270m --saes runs/paper_gemma3-270m/paper_gemma3-270m.safetensors \\
+    python sae_training/compare.py --model smollm2 --saes shipped:smollm2 out/paper_smollm2/paper_smollm2.safetensors
+    python sae_training/compare.py --model gemma3-270m --saes out/paper_gemma3-270m/paper_gemma3-270m.safetensors \\
         --corpus kjv,wikitext2 --seq-len 4100 --max-rows 16 --dtype bfloat16 --attention cudnn --out compare.json
 
 For each corpus of ``--corpus`` (default ``kjv,wikitext2``: the training text's held-out books and
