@@ -277,3 +277,105 @@ def test_context_stage_scans_for_the_runs_backend(model, monkeypatch):
     assert seen == [run.backend] and run.backend == mine.resolve(params) != Backend().resolve(params)
     assert run.context_info["kept_tokens"].tolist() == [48, 48]
     assert pol.stage("context").backend is None and run.policy.stage("context").backend == run.backend
+
+
+# ---- Gemma 3: local (sliding-window) and global layers with their own RoPE bases (issue 37) ----------------
+
+
+class GemmaWords(WordTokenizer):
+    def __len__(self) -> int:
+        return 211  # the tiny transformers Gemma 3's vocabulary (conftest.TINY)
+
+
+@pytest.fixture(scope="module")
+def gemma(hf_tiny_dir):
+    """(params, transformers model, SAEs on every layer) of the tiny Gemma 3: 7 layers, window 8, layer 5
+    global (RoPE base 1e6), the others local (1e4)."""
+    import torch
+    import transformers as tf
+
+    from sparsekv_jax.models.loading import load_hf_dir
+
+    path = hf_tiny_dir("gemma3")
+    params, cfg = load_hf_dir(path, dtype=jnp.float32)
+    assert cfg.local_layer_ids() == (0, 1, 2, 3, 4, 6) and cfg.sliding_window == 8
+    model = tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    seed = int(seeded_rng().integers(1 << 30))
+    saes = init_sae(jax.random.key(seed), cfg.head_dim, WIDTH, K, stack=(cfg.num_layers,))
+    return params, model, saes
+
+
+def _hf_projections(model, tokens):
+    """transformers' pre-RoPE keys and queries (k_proj/q_proj + k/q-norm on the layer's input), every layer."""
+    import torch
+
+    cfg = model.config
+    B, T = tokens.shape
+    keys, queries = [], []
+    with torch.no_grad():
+        hidden = model(torch.as_tensor(tokens), output_hidden_states=True).hidden_states
+        for i, layer in enumerate(model.model.layers):
+            attn, h = layer.self_attn, layer.input_layernorm(hidden[i])
+            keys.append(attn.k_norm(attn.k_proj(h).view(B, T, cfg.num_key_value_heads, cfg.head_dim)).numpy())
+            queries.append(attn.q_norm(attn.q_proj(h).view(B, T, cfg.num_attention_heads, cfg.head_dim)).numpy())
+    return np.stack(keys), np.stack(queries)
+
+
+@pytest.mark.parametrize("scan", [ScanConfig(chunk=64), ScanConfig(chunk=16, sinks=4, window=48)])
+def test_gemma_scan_keys_and_queries_equal_transformers_at_every_layer(gemma, scan):
+    """A context of 40 tokens (5x the window), scanned in one chunk or in chunks of 16 with a carry
+    that covers it: every layer's keys of every chunk equal the full forward's, local layers included, and
+    the question's feature weights are those of transformers' queries."""
+    from sparsekv_jax.retrieval.scan import _init_carry, scan_step
+
+    params, model, saes = gemma
+    rng = seeded_rng()
+    B, T, ctx_len, q_len = 2, 48, 40, 8
+    tok = rng.integers(2, 211, (B, T))
+    ref_k, ref_q = _hf_projections(model, tok)
+    layers = tuple(range(params.config.num_layers))
+    scan = scan.resolve(params)
+    C = scan.chunk
+    padded = np.zeros((B, -(-ctx_len // C) * C), np.int64)
+    padded[:, :ctx_len] = tok[:, :ctx_len]
+    carry, limit, got = _init_carry(params, B, scan.carried), jnp.full((B,), ctx_len, jnp.int32), []
+    for c in range(padded.shape[1] // C):
+        pos = jnp.broadcast_to(jnp.arange(c * C, (c + 1) * C, dtype=jnp.int32), (B, C))
+        carry, _, _, keys = scan_step(params, saes, carry, jnp.asarray(padded[:, c * C:(c + 1) * C]), pos, limit,
+                                      layers=layers, scan=scan, return_keys=True)
+        got.append(np.asarray(keys))
+    got = np.concatenate(got, axis=2)[:, :, :ctx_len]
+    np.testing.assert_allclose(got, ref_k[:, :, :ctx_len], rtol=1e-4, atol=1e-4)
+    if not scan.carried:
+        return
+    qpos = jnp.broadcast_to(jnp.arange(ctx_len, T, dtype=jnp.int32), (B, q_len))
+    weights = scan_step(params, saes, carry, jnp.asarray(tok[:, ctx_len:]), qpos, jnp.full((B,), T, jnp.int32),
+                        layers=layers, scan=scan, queries=True)
+    for li in layers:
+        for b in range(B):
+            ids, acts = map(np.asarray, token_features(saes.layer(li), jnp.asarray(ref_q[li, b, ctx_len:]), K))
+            dense = np.zeros(WIDTH)
+            np.add.at(dense, ids.ravel(), acts.ravel())
+            np.testing.assert_allclose(np.asarray(weights[li, b]), dense, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("cls", [S3Pure, S3Hybrid])
+def test_s3_generates_on_gemma_with_saes_on_its_global_layer(gemma, cls):
+    """Batch 2 through `generate` on the tiny Gemma 3 (local layers keep rings): the context stage keeps
+    the budget, and the tokens equal full attention's on the prompt it rewrote; SAEs on a local layer are
+    refused, naming it."""
+    params, _, saes = gemma
+    rng = seeded_rng()
+    tok = _tokens(rng, T=90) % 211
+    tok[tok < 2] = 2
+    lengths, qs = np.array([90, 77]), np.array([70, 60])
+    glob = jax.tree.map(lambda a: a[5:6], saes)
+    pol = cls(weights=glob, layers=(5,), chunk=32, budget=24, kernel=8).with_tokenizer(GemmaWords())
+    out = generate(params, pol, tok, lengths=lengths, question_start=qs, max_new_tokens=3, stop_tokens=())
+    assert out.stats["context"]["kept_tokens"].tolist() == [24, 24]
+    res = pol.context(params, tok, lengths, qs)
+    want = generate(params, Dense(), res.tokens, lengths=res.lengths, max_new_tokens=3, stop_tokens=())
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(want.tokens))
+    local = cls(weights=jax.tree.map(lambda a: a[:2], saes), layers=(4, 5), budget=24).with_tokenizer(GemmaWords())
+    with pytest.raises(ValueError, match=r"layers \[4\].*global layers \[5\]"):
+        local.context(params, tok, lengths, qs)

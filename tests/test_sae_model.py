@@ -187,8 +187,10 @@ def test_merge_heads_sums_over_heads_then_keeps_top_k():
 
 # --- pre-RoPE projections against transformers -------------------------------------------------
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "gemma3"])
 def test_projections_are_pre_rope_k_and_q_of_the_layers(family, hf_tiny_dir):
+    """Gemma 3 (7 layers, window 8 < 40 tokens): layer 5 is global (RoPE base 1e6), 2 and 6 local (1e4);
+    its queries are compared before the query_pre_attn_scalar scaling, as q_proj + q_norm give them."""
     import torch
     import transformers as tf
 
@@ -199,7 +201,7 @@ def test_projections_are_pre_rope_k_and_q_of_the_layers(family, hf_tiny_dir):
     params, cfg = load_hf_dir(path, dtype=jnp.float32)
     rng = seeded_rng()
     tokens = rng.integers(0, cfg.vocab_size, (2, 40))  # past Mistral's window of 24
-    layers = (2, 0)
+    layers = (5, 2, 6) if family == "gemma3" else (2, 0)
     keys, queries = projections(params, jnp.asarray(tokens), layers, queries=True)
     model = tf.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     with torch.no_grad():
@@ -209,7 +211,7 @@ def test_projections_are_pre_rope_k_and_q_of_the_layers(family, hf_tiny_dir):
             h = model.model.layers[layer].input_layernorm(hidden[layer])
             k = attn.k_proj(h).view(2, 40, cfg.num_kv_heads, cfg.head_dim)
             q = attn.q_proj(h).view(2, 40, cfg.num_heads, cfg.head_dim)
-            if family == "qwen3":
+            if family in ("qwen3", "gemma3"):
                 k, q = attn.k_norm(k), attn.q_norm(q)
             np.testing.assert_allclose(np.asarray(keys[slot]), k.numpy(), rtol=1e-4, atol=1e-4)
             np.testing.assert_allclose(np.asarray(queries[slot]), q.numpy(), rtol=1e-4, atol=1e-4)

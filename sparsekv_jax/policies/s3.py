@@ -14,6 +14,8 @@ Choices the paper leaves open (defaults; docs/S3.md measures them):
 * **What a scan chunk attends to**: only itself (``sinks = window = 0``: the paper's
   "chunk-independent" prefill, one causal attention per chunk, the cheapest scan); a carried sink +
   window is an option (``sinks=``, ``window=``). Positions stay absolute (RoPE is relative).
+* **Models with local and global layers** (Gemma 3): the scan runs every layer with its own window
+  and RoPE base, and the SAEs sit on the global layers only (a local layer's keys see 512 tokens).
 * **The question's features**: its pre-RoPE *queries* at the target layers, encoded by the key
   SAEs (the shared codebook), activations summed over the question's tokens.
 * **Frequent-feature exclusion**: features active at more than ``stop_df`` = 50% of a row's context
@@ -101,6 +103,11 @@ class S3Pure(ContextRetrieval):
             if missing:
                 raise ValueError(f"{self.name}: SAEs {self.saes!r} have layers {sorted(found)}, not {missing}")
             layers, stack = stack_saes({i: found[i] for i in want})
+        mcfg = params.config
+        local = sorted(set(layers) & set(mcfg.local_layer_ids()))
+        if local:  # Gemma 3: a local layer's keys only ever see its window
+            raise ValueError(f"{self.name}: layers {local} of the {mcfg.family} model are sliding-window (local) "
+                             f"layers; S3's SAEs go on its global layers {list(mcfg.global_layer_ids())}")
         if stack.d_in != params.config.head_dim:
             raise ValueError(f"{self.name}: SAEs {self.saes!r} encode {stack.d_in}-dim keys but the model's head_dim "
                              f"is {params.config.head_dim}; pass SAEs trained for this model (saes=path or weights=)")
@@ -110,9 +117,6 @@ class S3Pure(ContextRetrieval):
         """The streaming scan of every row (`sparsekv_jax.retrieval.scan.scan_context`)."""
         from sparsekv_jax.retrieval.scan import ScanConfig, scan_context
 
-        if params.config.per_layer_attention:  # the scan runs every layer with one window and one RoPE base
-            raise ValueError(f"{self.name}: the {params.config.family} model has per-layer windows or RoPE bases "
-                             "(local and global layers), which the S3 scan does not support")
         layers, stack = self.stacked_saes(params)
         cfg = ScanConfig(chunk=self.chunk, sinks=self.sinks, window=self.window, features=self.features)
         return scan_context(params, stack, layers, tokens, ctx, ctx, ql, cfg, backend=self.backend)

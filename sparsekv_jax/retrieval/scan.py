@@ -18,6 +18,12 @@ positions and the ``window`` positions before the chunk (StreamingLLM's sink + r
 exact for a context shorter than ``sinks + window + chunk``); docs/S3.md measures both against
 full-context keys (the paper's Table 9).
 
+Models whose layers differ (Gemma 3: sliding-window local layers at one RoPE base, full-attention
+global layers at another) run each layer as the model does: its own RoPE table (rotating and
+un-rotating), its own window (`sparsekv_jax.sae.keys.layer_attention`: a `lax.cond` between the two
+static windows; in a carried scan the local layers' window also bounds what they see of the carry).
+S³'s SAEs sit on the global layers (`sparsekv_jax.policies.s3` refuses local ones).
+
 The question is scanned last, as its own chunk (attending to the same carry): its pre-RoPE
 *queries* at the target layers are encoded by the same SAEs into a dense ``[n, B, W]`` weight per
 feature (activations summed over the question's tokens).
@@ -37,11 +43,11 @@ import numpy as np
 from sparsekv_jax.attention import PREFILL_BLOCK, cached_attention, dense_causal_attention
 from sparsekv_jax.backend import Backend, resolved
 from sparsekv_jax.models.params import Params
-from sparsekv_jax.models.rope import inverse_frequencies
-from sparsekv_jax.models.transformer import embed, mlp, qkv_projection
+from sparsekv_jax.models.transformer import _decoder_layer as decoder_layer
+from sparsekv_jax.models.transformer import embed
 from sparsekv_jax.retrieval.features import FEATURE_METHODS, stacked_token_features
 from sparsekv_jax.retrieval.index import SegmentedIndex, chunk_postings
-from sparsekv_jax.sae.keys import check_layers, unrotate
+from sparsekv_jax.sae.keys import check_layers, layer_attention, layer_inverse_frequency, pre_rope_queries, unrotate
 from sparsekv_jax.sae.model import TopKSAE
 
 QUESTION_MULTIPLE = 64  # question chunks are padded to a multiple of this (fewer compiles)
@@ -141,33 +147,38 @@ def scan_step(params: Params, saes: TopKSAE, carry: dict[str, jax.Array], tokens
     cfg = params.config
     B, C = tokens.shape
     n, last = len(layers), max(layers)
-    inv = inverse_frequencies(cfg)
     slot_of = jnp.full((cfg.num_layers,), -1, jnp.int32).at[jnp.asarray(layers)].set(jnp.arange(n, dtype=jnp.int32))
     heads = cfg.num_heads if queries else cfg.num_kv_heads
     store0 = jnp.zeros((n, B, C, heads, cfg.head_dim), jnp.float32)
-    sliding = cfg.sliding_window
     kv_pos = jnp.concatenate([carry["pos"], positions], 1)  # [B, M + C]
     kv_pos = jnp.broadcast_to(kv_pos[:, None], (B, cfg.num_kv_heads, kv_pos.shape[-1]))
     first = positions[:, 0] == 0
     used = jnp.clip(limit - positions[:, 0], 0, C)  # indexed tokens of this chunk, per row
 
     def run(x, store, ck, cv, lw, idx):
-        q, k, v = qkv_projection(params, lw, x, positions)
-        if scan.carried:
-            t = partial(jnp.swapaxes, axis1=1, axis2=2)
-            out = t(cached_attention(t(q), t(jnp.concatenate([ck, k], 1)), t(jnp.concatenate([cv, v], 1)),
-                                     positions, kv_pos, jnp.ones((B, 1, 1, 1), bool), sliding_window=sliding))
-            ck, cv = _roll(ck, k, first, used, scan.sinks), _roll(cv, v, first, used, scan.sinks)
-        else:
-            short = scan.attention == "blocked" and C <= PREFILL_BLOCK  # a question chunk: one block or less
-            out = dense_causal_attention(q, k, v, sliding_window=sliding,
-                                         implementation="xla" if short else scan.attention)
-        kept = unrotate(q if queries else k, positions, inv)
-        slot = slot_of[idx]
-        i = jnp.maximum(slot, 0)
-        store = jax.lax.dynamic_update_index_in_dim(store, jnp.where(slot >= 0, kept, store[i]), i, 0)
-        x = x + out.reshape(B, C, -1) @ lw.wo
-        return x + mlp(params, lw, x), store, ck, cv
+        inv = layer_inverse_frequency(cfg, idx)  # the layer's RoPE table (Gemma 3: local or global base)
+
+        def attention(q, k, v, hidden):
+            nonlocal store, ck, cv
+            if scan.carried:
+                t = partial(jnp.swapaxes, axis1=1, axis2=2)
+                keys, values = t(jnp.concatenate([ck, k], 1)), t(jnp.concatenate([cv, v], 1))
+                out = t(layer_attention(cfg, idx, lambda w: cached_attention(
+                    t(q), keys, values, positions, kv_pos, jnp.ones((B, 1, 1, 1), bool), sliding_window=w)))
+                ck, cv = _roll(ck, k, first, used, scan.sinks), _roll(cv, v, first, used, scan.sinks)
+            else:
+                short = scan.attention == "blocked" and C <= PREFILL_BLOCK  # a question chunk: one block or less
+                out = layer_attention(cfg, idx, lambda w: dense_causal_attention(
+                    q, k, v, sliding_window=w, implementation="xla" if short else scan.attention))
+            kept = pre_rope_queries(cfg, q, positions, inv) if queries else unrotate(k, positions, inv)
+            slot = slot_of[idx]
+            i = jnp.maximum(slot, 0)
+            store = jax.lax.dynamic_update_index_in_dim(store, jnp.where(slot >= 0, kept, store[i]), i, 0)
+            return out, None
+
+        # the model's own decoder layer (Gemma 3's sandwich norms included) around that attention
+        x, _ = decoder_layer(params, lw, x, positions, idx, inv, attention, False, None)
+        return x, store, ck, cv
 
     def skip(x, store, ck, cv, lw, idx):  # past the deepest target layer: nothing to compute
         return x, store, ck, cv

@@ -32,7 +32,7 @@ HELP = {
     "name": "stem of the exported NAME.safetensors / NAME.json",
     "model": "'smollm2' (embedded), a HF model directory or a .gguf file",
     "layers": "target layers, comma-separated (one SAE each)",
-    "corpus": "'wikitext2', 'ruler-essays', .txt files / folders; comma-separated",
+    "corpus": "'kjv' (the training text), 'wikitext2' (its test split), .txt files / folders; comma-separated",
     "steps": "optimizer steps (the schedule's length)",
     "max_minutes": "fit the run into this many minutes: fewer steps if they do not fit",
     "batch_size": "key vectors per layer per step (tokens x KV heads)",

