@@ -78,7 +78,7 @@ def test_chunked_prefill_only_for_policies_that_need_no_whole_prompt(params):
     rng = seeded_rng()
     tokens = rng.integers(1, CFG.vocab_size, (2, 48))
     lengths = np.array([48, 35])
-    for policy, culprit in ((SnapKV(0.5), "SnapKV"), (H2O(0.5), "H2O"), (Stem(block_size=16), "Stem"),
+    for policy, culprit in ((SnapKV(0.5), "SnapKV"), (H2O(0.5), "H2O"), (Stem(block_size=16), r"Stem\(block_size=16\)"),
                             (Pipeline(compress=SnapKV(0.5), decode=Quest(0.5)), "SnapKV")):
         with pytest.raises(ValueError, match=f"prefill_chunk=16: {culprit} need.*one prefill pass"):
             generate(params, policy, tokens, lengths=lengths, max_new_tokens=4, prefill_chunk=16)
