@@ -27,6 +27,7 @@ from sparsekv_jax.cache import (
     page_scales,
     quantize,
     write_chunk,
+    write_tokens,
 )
 from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig
@@ -252,6 +253,56 @@ def test_append_into_a_partly_filled_page_rescales_it(rng, kv_dtype):
                                rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_write_tokens_rescales_every_page_it_touches(rng, kv_dtype):
+    """`write_tokens` (`extend`: a question read after compression) writes a run of tokens from
+    each row's length across page boundaries: each touched page's scale is max(old, what its new
+    tokens need) and its earlier entries are re-quantised with it, as a numpy simulation says;
+    the pages' key maxima come from the entries as they were and the new keys as given."""
+    B, H, D, ps, T = 2, 2, 16, 8, 11
+    cfg = ModelConfig(family="llama", vocab_size=61, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=H,
+                      head_dim=D, intermediate_size=48, max_position_embeddings=512)
+    kv = layer_view(init_cache(cfg, B, 40, page_size=ps, dtype=jnp.float32, kv_dtype=kv_dtype).layers, 0)
+    lengths = np.array([5, 16])  # row 0 starts mid-page 0 (touches pages 0-2), row 1 at page 2's start
+    k0, v0 = (rng.standard_normal((B, H, 16, D)).astype(np.float32) for _ in range(2))
+    kv = write_chunk(kv, jnp.asarray(k0), jnp.asarray(v0), 0, jnp.broadcast_to(jnp.arange(16), (B, 16)),
+                     jnp.asarray(lengths))
+    k1, v1 = (rng.standard_normal((B, T, H, D)).astype(np.float32) * 3 for _ in range(2))
+    written = np.arange(T)[None, :] < np.array([[T], [T - 2]])  # row 1's last two are padding
+    slots = lengths[:, None] + np.arange(T)
+    new_length = lengths + written.sum(1)
+    pos = np.where(written, slots, -1)
+    kv = kv.replace(positions=kv.positions.at[jnp.arange(B)[:, None], :, jnp.asarray(slots)].set(
+        jnp.asarray(pos)[:, :, None]))
+    before = kv
+    kv = write_tokens(kv, jnp.asarray(k1), jnp.asarray(v1), jnp.asarray(slots), jnp.asarray(written),
+                      jnp.asarray(new_length))
+    qmax = QMAX[kv_dtype]
+    for b in range(B):
+        for h in range(H):
+            for name, new, per_channel in (("k", k1, True), ("v", v1, False)):
+                codes = np.asarray(getattr(before, name), np.float64)[b, h]
+                old_s = np.asarray(getattr(before, name + "_scale"), np.float64)[b, h]
+                got = np.asarray(getattr(kv, name), np.float64)[b, h]
+                got_s = np.asarray(getattr(kv, name + "_scale"), np.float64)[b, h]
+                red = (lambda a: np.abs(a).max(0)) if per_channel else (lambda a: np.abs(a).max())
+                for page in range(slots[b, 0] // ps, (slots[b, written[b]][-1]) // ps + 1):
+                    mine = [t for t in range(T) if written[b, t] and slots[b, t] // ps == page]
+                    need = _np_scale(red(np.stack([new[b, t, h] for t in mine])), qmax)
+                    scale = np.maximum(old_s[page], need)
+                    np.testing.assert_array_equal(got_s[page], scale)
+                    want = codes[page * ps:(page + 1) * ps] * (old_s[page] if per_channel else old_s[page])
+                    for t in mine:
+                        want[slots[b, t] - page * ps] = new[b, t, h]
+                    want = _np_quant(want, scale, kv_dtype)
+                    np.testing.assert_array_equal(got[page * ps:(page + 1) * ps] * scale, want)
+        # row 0's page 0: the prompt's 5 keys (dequantised) and 3 new ones
+        keys = np.asarray(before.k, np.float64)[b, :, :ps] * np.asarray(before.k_scale, np.float64)[b, :, 0][:, None]
+        if b == 0:
+            keys[:, 5:8] = np.swapaxes(k1[0, :3], 0, 1)
+            np.testing.assert_allclose(np.asarray(kv.page_max)[0, :, 0], keys.max(1), rtol=0, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     params = random_params(TINY, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, 0.3)
@@ -334,6 +385,27 @@ def test_compaction_and_pages_on_a_quantized_cache(tiny):
     for name in ("page_min", "page_max"):
         np.testing.assert_array_equal(np.asarray(getattr(q.cache.layers, name)),
                                       np.asarray(getattr(f.cache.layers, name)), err_msg=name)
+
+
+def test_question_read_after_compression_on_a_quantized_cache(tiny):
+    """The question-agnostic path (`extend` writes the suffix into a compressed int8 cache through
+    `write_tokens`): a covering SnapKV equals full attention on the same int8 cache exactly, and
+    both stay near the float cache's logits."""
+    params, tokens = tiny
+    lengths = np.array([40, 29])
+    suffix = seeded_rng().integers(1, TINY.vocab_size, (2, 7))
+    suffix_lengths = np.array([7, 4])
+    kw = dict(lengths=lengths, suffix=suffix, suffix_lengths=suffix_lengths)
+    backend = Backend(kv_dtype="int8")
+    dense = generate(params, Dense(), tokens, max_new_tokens=4, stop_tokens=(), backend=backend, **kw)
+    assert np.asarray(dense.cache.length).tolist() == [40 + 7 + 3, 29 + 4 + 3]
+    forced = np.asarray(dense.tokens)
+    want = np.asarray(teacher_force(params, Dense(), tokens, forced, backend=backend, **kw)[0])
+    got = np.asarray(teacher_force(params, parse_policy("snapkv(budget=1.0, window=4)"), tokens, forced,
+                                   backend=backend, **kw)[0])
+    np.testing.assert_array_equal(got, want)
+    exact = np.asarray(teacher_force(params, Dense(), tokens, forced, **kw)[0])
+    assert 0 < rel_err(want, exact) < 0.15
 
 
 def test_unknown_kv_dtype_is_refused_before_jit(tiny):
