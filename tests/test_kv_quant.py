@@ -8,6 +8,11 @@ replayable with ``pytest --seed N``).
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -434,3 +439,57 @@ def test_info_counts_codes_and_scales(capsys):
     assert cli.main(["info", "--model", "llama3.1-8b", "--context", "1000", "--batch", "3", "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert plain["kv_cache_bytes"] == 2 * L * H * D * 2 * 1000 * 3 and plain["kv_scale_bytes"] == 0
+
+
+_MESH_CHILD = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from sparsekv_jax.backend import Backend
+    from sparsekv_jax.generate import generate, teacher_force
+    from sparsekv_jax.models.config import ModelConfig
+    from sparsekv_jax.models.params import random_params
+    from sparsekv_jax.policies import parse_policy
+    from sparsekv_jax.sharding import make_mesh
+    seed = int(sys.argv[1])
+    cfg = ModelConfig(family="llama", vocab_size=61, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, intermediate_size=48, max_position_embeddings=512, eos_token_ids=(0,))
+    params = random_params(cfg, jax.random.key(seed), jnp.float32, 0.3)
+    rng = np.random.default_rng(seed)
+    tokens, lengths = rng.integers(1, 61, (2, 40)), np.array([40, 29])
+    out = {}
+    for policy in ("fullkv", "quest(budget=16)"):
+        for name, mesh in (("one", None), ("mesh", make_mesh(data=1, model=2))):
+            backend = Backend(decode_attention="pallas", kv_dtype="int8")
+            res = generate(params, parse_policy(policy), tokens, lengths=lengths, max_new_tokens=4, stop_tokens=(),
+                           backend=backend, mesh=mesh)
+            spec = str(res.cache.layers.k_scale.sharding.spec) if mesh is not None else ""
+            logits = teacher_force(params, parse_policy(policy), tokens, np.asarray(res.tokens), lengths=lengths,
+                                   backend=backend, mesh=mesh)[0]
+            out[policy + "/" + name] = {"tokens": np.asarray(res.tokens).tolist(), "spec": spec,
+                                        "logits": np.asarray(logits).tolist(),
+                                        "k": np.asarray(res.cache.layers.k).tolist()}
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_int8_cache_on_a_device_mesh_equals_one_device():
+    """On 2 forced CPU devices (KV heads split over ``model``), the int8 cache's scales are split as
+    the cache and the Pallas decode kernel runs per device with its shard of codes and scales: the
+    same tokens, codes and logits as on one device, for full attention and Quest (a child process:
+    the device count is fixed before JAX starts)."""
+    seed = int(seeded_rng().integers(1 << 30))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0 "
+                                      "--xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes=true",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", _MESH_CHILD, str(seed)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.split("RESULT", 1)[1])
+    for policy in ("fullkv", "quest(budget=16)"):
+        one, mesh = res[policy + "/one"], res[policy + "/mesh"]
+        assert "model" in mesh["spec"], mesh["spec"]
+        assert mesh["tokens"] == one["tokens"], policy
+        # codes equal, up to a rounding tie the two programs' float keys may break differently
+        codes = np.asarray(mesh["k"]), np.asarray(one["k"])
+        assert np.abs(codes[0] - codes[1]).max() <= 1 and (codes[0] == codes[1]).mean() > 0.99, policy
+        np.testing.assert_allclose(np.asarray(mesh["logits"]), np.asarray(one["logits"]), rtol=1e-5, atol=1e-5)
