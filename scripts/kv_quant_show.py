@@ -113,7 +113,10 @@ def run_check(seed: int, interpret: bool = False) -> list[dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------------- kernel
 
-def run_kernel(contexts: list[int], batch: int, rhos: list[float], trials: int, out: str | None) -> list[dict]:
+def run_kernel(contexts: list[int], batch: int, rhos: list[float], trials: int, out: str | None,
+               tune: dict[str, Any] | None = None) -> list[dict]:
+    """The kernel timings; ``tune`` (block_k, num_warps, num_stages) is passed to every quantised call
+    (the bf16 kernel keeps its tuned defaults)."""
     from sparsekv_jax.bench.kernels import L2_BYTES, decode_baselines, per_call_time
 
     Hq, Hkv, D = 32, 8, 128
@@ -139,22 +142,24 @@ def run_kernel(contexts: list[int], batch: int, rhos: list[float], trials: int, 
                 n = 8
                 qs = [jax.random.normal(jax.random.fold_in(key, 100 + i), (batch, Hq, D), jnp.bfloat16)
                       for i in range(2 * n)]
+                kw = {} if kv_dtype == "bfloat16" else dict(tune or {})
                 if rho is None:
-                    def call(q, k, v, ks, vs, lengths=lengths):
-                        return decode_attention(q, k, v, lengths, page_size=ps, k_scale=ks, v_scale=vs)
+                    def call(q, k, v, ks, vs, lengths=lengths, kw=kw):
+                        return decode_attention(q, k, v, lengths, page_size=ps, k_scale=ks, v_scale=vs, **kw)
                     per_call, frac = [(q,) for q in qs], 1.0
                 else:
                     count = max(1, round(rho * P))
 
-                    def call(q, ids, k, v, ks, vs, lengths=lengths):
-                        return decode_attention(q, k, v, lengths, page_size=ps, page_ids=ids, k_scale=ks, v_scale=vs)
+                    def call(q, ids, k, v, ks, vs, lengths=lengths, kw=kw):
+                        return decode_attention(q, k, v, lengths, page_size=ps, page_ids=ids, k_scale=ks, v_scale=vs,
+                                                **kw)
                     per_call = [(q, jnp.argsort(jax.random.uniform(jax.random.fold_in(key, 500 + i), (batch, Hkv, P)),
                                                 axis=-1)[..., :count].astype(jnp.int32)) for i, q in enumerate(qs)]
                     frac = count / P
                 t = per_call_time(call, per_call, kvs, n=n, trials=trials)
                 times[(kv_dtype, rho)] = t
                 read = (code_bytes + scale_bytes) * frac
-                row = {**base, "mode": "dense" if rho is None else f"rho={rho:g}", "kv_dtype": kv_dtype,
+                row = {**base, "mode": "dense" if rho is None else f"rho={rho:g}", "kv_dtype": kv_dtype, **kw,
                        "time_us": t * 1e6, "bytes_read": read, "tb_s": read / t / 1e12}
                 if kv_dtype != "bfloat16" and ("bfloat16", rho) in times:
                     row["speedup_vs_bf16_kernel"] = times[("bfloat16", rho)] / t
@@ -303,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--batch", type=int, default=8)
     k.add_argument("--rhos", default="0.1")
     k.add_argument("--trials", type=int, default=7)
+    k.add_argument("--block-k", type=int, default=None, help="quantised calls: slots per tile (kernel default 128)")
+    k.add_argument("--num-warps", type=int, default=None, help="quantised calls: Triton warps (default 8)")
+    k.add_argument("--num-stages", type=int, default=None, help="quantised calls: pipeline stages (default 3)")
     e = sub.add_parser("e2e")
     e.add_argument("--model", default="llama3.1-8b", choices=("llama3.1-8b", "smollm2"))
     e.add_argument("--contexts", default="32k,128k")
@@ -329,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(rows) - len(bad)}/{len(rows)} checks passed", file=sys.stderr)
         return 1 if bad else 0
     if a.what == "kernel":
-        run_kernel(_tokens(a.contexts), a.batch, [float(x) for x in a.rhos.split(",") if x], a.trials, a.out)
+        tune = {name: getattr(a, name) for name in ("block_k", "num_warps", "num_stages") if getattr(a, name)}
+        run_kernel(_tokens(a.contexts), a.batch, [float(x) for x in a.rhos.split(",") if x], a.trials, a.out, tune)
     elif a.what == "e2e":
         run_e2e(a.model, _tokens(a.contexts), [int(x) for x in a.batches.split(",")], a.policies, a.decode_steps,
                 a.iters, a.out)
