@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsekv_jax.backend import Backend, resolved
-from sparsekv_jax.cache import layer_view
+from sparsekv_jax.cache import dequantize_kv, layer_view
 from sparsekv_jax.pallas import dispatch
 
 __all__ = ["Backend", "blocked_causal_attention", "cached_attention", "decode", "dense_causal_attention", "prefill"]
@@ -249,7 +249,8 @@ def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size
     ``return_probs`` the attention probabilities ``[B, Hq, S]`` (H2O's running eviction: the
     Pallas kernel returns them with the output, so it needs no second pass over the keys).
     ``backend.decode_attention`` picks the kernel or the jnp path; a sliding window takes the jnp
-    path (the kernel has no window).
+    path (the kernel has no window). A quantised cache (``kv.k_scale`` set) is dequantised in the
+    kernel's registers, or by the jnp path to ``q``'s dtype (one layer at a time).
     """
     backend = resolved(backend)
     B, Hkv, S, _ = kv.k.shape[-4:]
@@ -263,7 +264,8 @@ def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size
     if backend.decode_attention == "pallas" and sliding_window is None:
         ids, counts = (None, None) if selection is None else selection
         res = dispatch.decode_attention(backend, q, kv.k, kv.v, length, page_size=page_size, page_ids=ids,
-                                        page_counts=counts, bias=kv.bias, layer=layer, return_probs=return_probs)
+                                        page_counts=counts, bias=kv.bias, layer=layer, return_probs=return_probs,
+                                        k_scale=kv.k_scale, v_scale=kv.v_scale)
         if return_probs:
             return res[0], read.astype(jnp.float32), res[1]
         return res, read.astype(jnp.float32)
@@ -273,7 +275,8 @@ def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size
         pm = page_mask(selection[0], selection[1], n_pages)  # [B, Hkv, P]
         valid = valid & jnp.repeat(pm, page_size, axis=-1)
     valid = jnp.broadcast_to(valid, (B, Hkv, S))[:, :, None, :]
-    res = cached_attention(q[:, :, None], kv.k, kv.v, q_position[:, None], kv.positions, valid, bias=kv.bias,
+    k, v = dequantize_kv(kv, q.dtype)
+    res = cached_attention(q[:, :, None], k, v, q_position[:, None], kv.positions, valid, bias=kv.bias,
                            sliding_window=sliding_window, return_weights=return_probs)
     if return_probs:
         out, probs = res

@@ -182,6 +182,15 @@ class Backend:
         same run (experiments/diary/BENCHMARKS_DIARY.md, "CPU prefill on oneDNN's dots"). The decode loop keeps
         XLA's dots (oneDNN made its matrix-vector products 2x slower), so `generate` compiles
         prefill and decode as two programs when this is oneDNN.
+      kv_dtype: the storage of the paged KV cache the engine allocates (`sparsekv_jax.cache.init_cache`):
+        ``None`` (default) the model's dtype; ``"bfloat16"``/``"float16"``/``"float32"``; ``"int8"`` or
+        ``"float8_e4m3fn"`` quantised codes with power-of-two scales per page (keys per page and
+        channel, values per page and KV head; `sparsekv_jax.cache`'s docstring says how writes re-scale
+        a page and who dequantises). Unlike the other fields this one changes the numbers, not only
+        how they are computed: it lives here because every entry point takes a `Backend` (generate,
+        `Session`, eval, the benchmarks), a value fixed at trace time, so another dtype compiles
+        another program. The cache itself says what it holds (its leaves' dtypes and scales), so no
+        reader of a cache consults this field.
       platform: the JAX platform the choices are made for (``"gpu"``, ``"cpu"``, ...); ``None`` =
         JAX's default backend, fixed by `resolve`. Every ``"auto"`` of the package reads it (`gpu`).
     """
@@ -199,8 +208,14 @@ class Backend:
     local_cache: str = "ring"
     prefill_dots: str = "auto"
     platform: str | None = None
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
+        from sparsekv_jax.cache import KV_DTYPES
+
+        if self.kv_dtype is not None and (not isinstance(self.kv_dtype, str) or self.kv_dtype not in KV_DTYPES):
+            raise ValueError(f"Backend kv_dtype={self.kv_dtype!r}: expected one of {KV_DTYPES} or None (the model's "
+                             "dtype)")
         if self.platform is not None and not isinstance(self.platform, str):
             raise ValueError(f"Backend platform={self.platform!r}: expected a JAX platform name ('gpu', 'cpu', ...) "
                              "or None")

@@ -10,6 +10,11 @@ from pathlib import Path
 from typing import Any
 
 SHAPE_PRESETS = ("smollm2", "llama3.1-8b")
+# --kv-dtype: the KV cache's storage (`Backend.kv_dtype`, sparsekv_jax.cache.KV_DTYPES), bytes per element
+KV_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "int8": 1, "float8_e4m3fn": 1}
+QUANTIZED_KV = ("int8", "float8_e4m3fn")
+KV_DTYPE_HELP = ("KV cache storage: the model's dtype (default), or int8 / float8_e4m3fn codes with power-of-two "
+                 "scales per page (keys per page and channel, values per page and KV head)")
 
 
 def _config_for(model: str):
@@ -84,14 +89,15 @@ def _mesh(text: str | None, prog: str, distributed: bool = False):
 DISTRIBUTED_HELP = ("several hosts: run the same command on each (one process per host); "
                     "jax.distributed.initialize() finds the others through the cluster manager (SLURM, Open MPI, "
                     "Kubernetes, Cloud TPU) and --mesh spans every host's devices (docs/SHARDING.md)")
-def _backend(prog: str):
+def _backend(prog: str, kv_dtype: str | None = None):
     """The `Backend` of a command's runs: `Backend.from_env`, so ``$SPARSEKV_DECODE_MATMUL``
-    (``auto``/``xla``/``pallas``) picks the decode matmuls for the whole command. The library itself
-    never reads the environment; the command line (``sparsekv generate``/``eval``, ``bench e2e``) does."""
+    (``auto``/``xla``/``pallas``) picks the decode matmuls for the whole command; ``kv_dtype`` is
+    ``--kv-dtype`` (the KV cache's storage). The library itself never reads the environment; the
+    command line (``sparsekv generate``/``eval``, ``bench e2e``) does."""
     from sparsekv_jax.backend import Backend
 
     try:
-        return Backend.from_env()
+        return Backend.from_env(kv_dtype=kv_dtype)
     except ValueError as e:
         raise SystemExit(f"{prog}: error: {e}") from None
 
@@ -116,7 +122,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise SystemExit(f"sparsekv: error: bad --policy: {e}") from None
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    backend = _backend("sparsekv")
+    backend = _backend("sparsekv", args.kv_dtype)
     mesh = _mesh(args.mesh, "sparsekv", args.distributed)
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
     try:
@@ -165,15 +171,24 @@ def cmd_info(args: argparse.Namespace) -> int:
             raise
         return _model_failed("sparsekv info", args.model, e)
     elem = {"bfloat16": 2, "float32": 4}[args.dtype]
-    per_token = cfg.kv_bytes_per_token(elem)
+    kv_dtype = args.kv_dtype or args.dtype
+    per_token = cfg.kv_bytes_per_token(KV_ITEMSIZE[kv_dtype])
+    # a quantised cache (int8, float8_e4m3fn) also holds bf16 scales for each page and KV head of
+    # each layer: the keys' one per channel (head_dim), the values' one (sparsekv_jax.cache)
+    pages = -(-args.context // args.page_size)
+    scale_bytes = (args.batch * cfg.num_layers * cfg.num_kv_heads * pages * (cfg.head_dim + 1) * 2
+                   if kv_dtype in QUANTIZED_KV else 0)
     info = {
         "config": asdict(cfg),
         "parameters": cfg.num_params(),
         "weight_bytes": cfg.num_params() * elem,
+        "kv_dtype": kv_dtype,
         "kv_bytes_per_token": per_token,
+        "kv_scale_bytes": scale_bytes,
+        "page_size": args.page_size,
         "context": args.context,
         "batch": args.batch,
-        "kv_cache_bytes": per_token * args.context * args.batch,
+        "kv_cache_bytes": per_token * args.context * args.batch + scale_bytes,
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -184,7 +199,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"{key:<25}{getattr(cfg, key)}")
     print(f"{'rope_scaling':<25}{cfg.rope_scaling}")
     print(f"{'parameters':<25}{cfg.num_params():,} ({_fmt_bytes(cfg.num_params() * elem)} in {args.dtype})")
-    print(f"{'KV bytes per token':<25}{per_token:,} ({_fmt_bytes(per_token)})")
+    print(f"{'KV bytes per token':<25}{per_token:,} ({_fmt_bytes(per_token)}) in {kv_dtype}")
+    if scale_bytes:
+        print(f"{'KV scales':<25}{_fmt_bytes(scale_bytes)} (bf16, per page of {args.page_size} and KV head: "
+              f"keys per channel, values one)")
     print(f"{'KV cache':<25}{_fmt_bytes(info['kv_cache_bytes'])} for context {args.context:,} x batch {args.batch}")
     return 0
 
@@ -207,7 +225,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return 2
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[args.dtype]
-    backend = _backend("sparsekv eval")
+    backend = _backend("sparsekv eval", args.kv_dtype)
     mesh = _mesh(args.mesh, "sparsekv eval", args.distributed)
     model = _load_model("sparsekv eval", args, dtype)
     if isinstance(model, int):
@@ -385,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")
+    g.add_argument("--kv-dtype", choices=tuple(KV_ITEMSIZE), default=None, help=KV_DTYPE_HELP)
     g.add_argument("--mesh", default=None, metavar="data=D,model=M", help=MESH_HELP)
     g.add_argument("--distributed", action="store_true", help=DISTRIBUTED_HELP)
     g.add_argument("-q", "--quiet", action="store_true", help="no progress bars or timing line")
@@ -401,6 +420,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--context", type=int, default=8192, metavar="T", help="context length in tokens")
     i.add_argument("--batch", type=int, default=1, metavar="B", help="batch size")
     i.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="storage dtype")
+    i.add_argument("--kv-dtype", choices=tuple(KV_ITEMSIZE), default=None,
+                   help="KV cache storage (default: --dtype); int8 / float8_e4m3fn add their scales")
+    i.add_argument("--page-size", type=int, default=16, metavar="N",
+                   help="KV cache page size (the scales of a quantised cache are per page; default 16)")
     i.add_argument("--json", action="store_true", help="print JSON")
     i.add_argument("--debug", action="store_true", help="show the traceback of a model that fails to load")
     i.set_defaults(func=cmd_info)
@@ -439,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--fidelity", action="store_true",
                    help="also measure KL, top-1 agreement and attention-output error against full attention")
     e.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")
+    e.add_argument("--kv-dtype", choices=tuple(KV_ITEMSIZE), default=None,
+                   help=KV_DTYPE_HELP + "; results of another --kv-dtype belong in another --out (records are keyed "
+                        "by policy, not by cache dtype)")
     e.add_argument("--mesh", default=None, metavar="data=D,model=M",
                    help=MESH_HELP + "; batches are filled up to a multiple of D rows")
     e.add_argument("--distributed", action="store_true", help=DISTRIBUTED_HELP)
@@ -502,7 +528,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    for name in ("max_new_tokens", "context", "batch", "n", "batch_size", "pad_multiple", "prefill_chunk"):
+    for name in ("max_new_tokens", "context", "batch", "n", "batch_size", "pad_multiple", "prefill_chunk", "page_size"):
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     return args.func(args)

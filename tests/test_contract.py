@@ -4,7 +4,10 @@ Iterates the spec registry (`sparsekv_jax.policies.spec.REGISTRY`), so a new pol
 soon as it is registered: stats are fractions in [0, 1]; a compressor stores no more than its
 budget and its cache is really smaller; the policy's `covering()` instance (a budget covering the
 prompt) gives logits *identical* to full attention. The same for every compress × decode
-`Pipeline` pair.
+`Pipeline` pair. The matrix runs again on an int8 KV cache (`Backend(kv_dtype="int8")`, issue #39),
+where the covering instance must give the logits of full attention on the same int8 cache; the
+policies that read the cache's K/V arrays themselves (`engine.run.READS_RAW_KV`) are refused there,
+before jit, and the test checks that they are.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import numpy as np
 import pytest
 from conftest import seeded_rng
 
+from sparsekv_jax.backend import Backend
+from sparsekv_jax.engine.run import READS_RAW_KV
 from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig, gemma3_config
 from sparsekv_jax.models.params import random_params
@@ -48,13 +53,13 @@ PAIRS = {f"{c}+{d}": Pipeline(compress=POLICIES[c], decode=POLICIES[d])
          for c, d in itertools.product(COMPRESS, DECODE) if POLICIES[c] is not POLICIES[d]}
 
 
-def _setup(cfg: ModelConfig, tokenizer):
+def _setup(cfg: ModelConfig, tokenizer, backend: Backend | None = None):
     params = random_params(cfg, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, 0.3)
     tokens = seeded_rng().integers(1, cfg.vocab_size, (2, T))
-    dense = generate(params, Dense(), tokens, lengths=LENGTHS, max_new_tokens=NEW, stop_tokens=())
+    dense = generate(params, Dense(), tokens, lengths=LENGTHS, max_new_tokens=NEW, stop_tokens=(), backend=backend)
     forced = np.asarray(dense.tokens)
-    dense_logits = np.asarray(teacher_force(params, Dense(), tokens, forced, lengths=LENGTHS)[0])
-    return params, tokenizer, tokens, dense, forced, dense_logits
+    dense_logits = np.asarray(teacher_force(params, Dense(), tokens, forced, lengths=LENGTHS, backend=backend)[0])
+    return params, tokenizer, tokens, dense, forced, dense_logits, backend
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +68,9 @@ def setup(smol):
 
 
 def _check_run(policy: Policy, setup) -> None:
-    params, tokenizer, tokens, dense, _, _ = setup
+    params, tokenizer, tokens, dense, _, _, backend = setup
     policy = policy.with_tokenizer(tokenizer)
-    out = generate(params, policy, tokens, lengths=LENGTHS, max_new_tokens=NEW, stop_tokens=())
+    out = generate(params, policy, tokens, lengths=LENGTHS, max_new_tokens=NEW, stop_tokens=(), backend=backend)
     assert np.asarray(out.num_generated).tolist() == [NEW, NEW]
     # the cache holds the page summaries the policy declares and no other (one it reads undeclared
     # is None: the run above fails)
@@ -85,8 +90,8 @@ def _check_run(policy: Policy, setup) -> None:
 
 
 def _check_covering(policy: Policy, setup) -> None:
-    params, tokenizer, tokens, _, forced, dense_logits = setup
-    got = teacher_force(params, policy.with_tokenizer(tokenizer), tokens, forced, lengths=LENGTHS)[0]
+    params, tokenizer, tokens, _, forced, dense_logits, backend = setup
+    got = teacher_force(params, policy.with_tokenizer(tokenizer), tokens, forced, lengths=LENGTHS, backend=backend)[0]
     np.testing.assert_array_equal(np.asarray(got), dense_logits)
 
 
@@ -101,6 +106,39 @@ def test_compress_decode_pair_keeps_the_contract(pair, setup):
     _check_run(PAIRS[pair], setup)
     compress, decode = PAIRS[pair].stage("compress"), PAIRS[pair].stage("decode")
     _check_covering(Pipeline(compress=type(compress).covering(), decode=type(decode).covering()), setup)
+
+
+@pytest.fixture(scope="module")
+def int8_setup(smol):
+    return _setup(CFG, smol[2], Backend(kv_dtype="int8"))
+
+
+def _reads_raw_kv(policy: Policy) -> bool:
+    return any(type(policy.stage(s)).__name__ in READS_RAW_KV for s in ("compress", "decode"))
+
+
+def _check_int8(policy: Policy, covering: Policy, setup) -> None:
+    """The contract on an int8 cache (covering: equal to full attention on the same int8 cache), or,
+    for a policy that reads raw K/V, the refusal naming it."""
+    if _reads_raw_kv(policy):
+        with pytest.raises(ValueError, match="kv_dtype='int8'.*read"):
+            _check_run(policy, setup)
+        return
+    assert setup[3].cache.layers.k.dtype == jnp.int8 and setup[3].cache.layers.quantized
+    _check_run(policy, setup)
+    _check_covering(covering, setup)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_registered_policy_keeps_the_contract_on_an_int8_cache(name, int8_setup):
+    _check_int8(POLICIES[name], type(POLICIES[name]).covering(), int8_setup)
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_compress_decode_pair_keeps_the_contract_on_an_int8_cache(pair, int8_setup):
+    compress, decode = PAIRS[pair].stage("compress"), PAIRS[pair].stage("decode")
+    _check_int8(PAIRS[pair], Pipeline(compress=type(compress).covering(), decode=type(decode).covering()),
+                int8_setup)
 
 
 def test_registry_covers_every_stage():

@@ -11,7 +11,15 @@ from flax import struct
 
 from sparsekv_jax import attention, local_layers, sharding
 from sparsekv_jax.backend import Backend
-from sparsekv_jax.cache import KVCache, init_cache, pages_for, summarize_pages, write_chunk
+from sparsekv_jax.cache import (
+    KVCache,
+    dequantize_kv,
+    init_cache,
+    pages_for,
+    summarize_pages,
+    write_chunk,
+    write_tokens,
+)
 from sparsekv_jax.engine.run import Run
 from sparsekv_jax.models.params import Params
 from sparsekv_jax.models.transformer import LayerStack, attention_window, last_token_logits
@@ -70,7 +78,7 @@ def empty_cache(params: Params, run: Run, rewind: int | None = None,
     summaries = run.policy.page_summaries if summaries is None else summaries
     ring = local_layers.ring_slots(params.config, run.backend, rewind)
     cache = init_cache(params.config, run.tokens.shape[0], run.capacity, page_size=run.page_size, dtype=params.dtype,
-                       ring=ring, summaries=summaries)
+                       ring=ring, summaries=summaries, kv_dtype=run.backend.kv_dtype)
     return sharding.constrain_cache(cache, run.backend.mesh)
 
 
@@ -168,7 +176,7 @@ def _one_pass(params, pattern_stage, observing, tokens, lengths, cache, question
     def attend(q, k, v, kv, idx, hidden):
         pattern = pattern_stage.prefill_pattern(q, k, v, idx, prompt)
         out = attention.prefill(q, k, v, pattern, sliding_window=window(idx), backend=backend)
-        kv = write_chunk(kv, transpose_heads(k), transpose_heads(v), 0, positions)
+        kv = write_chunk(kv, transpose_heads(k), transpose_heads(v), 0, positions, lengths)
         fraction = jnp.float32(1.0) if pattern is None else attention.block_fraction(pattern, T)
         seen = [p.observe(q, k, v, hidden, idx, prompt) for p in observing]
         return out, kv, (seen, fraction)
@@ -186,6 +194,9 @@ def _chunked(params, observing, tokens, lengths, cache, chunk, question_start, b
     B, T = tokens.shape
     window = window_of(params.config, cache)
     n_chunks, S = pages_for(T, chunk), cache.capacity
+    if cache.layers.quantized and chunk % cache.page_size:
+        raise ValueError(f"prefill_chunk={chunk} with a quantised cache (kv_dtype={cache.layers.k.dtype.name}) must be "
+                         f"a multiple of page_size={cache.page_size}: chunks are written in whole pages")
     if n_chunks * chunk > S:
         raise ValueError(f"chunked prefill needs capacity {n_chunks * chunk} (prompt {T} rounded up "
                          f"to chunk={chunk}), cache holds {S}")
@@ -200,8 +211,9 @@ def _chunked(params, observing, tokens, lengths, cache, chunk, question_start, b
         prompt = Prompt(tokens=chunk_tokens, lengths=lengths, question_start=question_start, offset=start)
 
         def attend(q, k, v, kv, idx, hidden):
-            kv = write_chunk(kv, transpose_heads(k), transpose_heads(v), start, positions)
-            out = attention.cached_attention(transpose_heads(q), kv.k, kv.v, positions, kv.positions, slot_ok,
+            kv = write_chunk(kv, transpose_heads(k), transpose_heads(v), start, positions, lengths)
+            keys, values = dequantize_kv(kv, q.dtype)
+            out = attention.cached_attention(transpose_heads(q), keys, values, positions, kv.positions, slot_ok,
                                              bias=None, sliding_window=window(idx))
             seen = [p.observe(q, k, v, hidden, idx, prompt) for p in observing]
             return transpose_heads(out), kv, seen
@@ -236,11 +248,15 @@ def extend(params: Params, cache: KVCache, tokens: jax.Array, lengths: jax.Array
     window, local = window_of(params.config, cache), cache.local
 
     def attend(q, k, v, kv, idx, hidden):
-        kv = kv.replace(k=kv.k.at[rows, :, slots].set(k.astype(kv.k.dtype), mode="drop"),
-                        v=kv.v.at[rows, :, slots].set(v.astype(kv.v.dtype), mode="drop"),
-                        positions=kv.positions.at[rows, :, slots].set(written[:, :, None], mode="drop"),
+        kv = kv.replace(positions=kv.positions.at[rows, :, slots].set(written[:, :, None], mode="drop"),
                         bias=kv.bias.at[rows, :, slots].set(0.0, mode="drop"))
-        out = attention.cached_attention(transpose_heads(q), kv.k, kv.v, positions, kv.positions, slot_ok,
+        if kv.quantized:  # the touched pages re-scaled, their key summaries from the keys as computed
+            kv = write_tokens(kv, k, v, slots, offs[None, :] < lengths[:, None], new_length)
+        else:
+            kv = kv.replace(k=kv.k.at[rows, :, slots].set(k.astype(kv.k.dtype), mode="drop"),
+                            v=kv.v.at[rows, :, slots].set(v.astype(kv.v.dtype), mode="drop"))
+        keys, values = dequantize_kv(kv, q.dtype)
+        out = attention.cached_attention(transpose_heads(q), keys, values, positions, kv.positions, slot_ok,
                                          bias=kv.bias, sliding_window=window(idx))
         return transpose_heads(out), kv, None
 

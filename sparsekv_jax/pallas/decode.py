@@ -39,6 +39,14 @@ Design (why it looks like this):
   out-of-bound updates, whereas a clamped, duplicated index could overwrite a real store.
   With ``return_probs=False`` the kernel and the call are exactly the plain ones.
 
+* **Quantised caches** (int8 / float8_e4m3fn codes with power-of-two scales, `sparsekv_jax.cache`):
+  the codes are loaded as they are stored (half or a quarter of the bf16 bytes) and dequantised
+  in registers: a key tile is multiplied by its pages' per-channel scales (``k_scale`` ``[P, D]``,
+  a gather of one row per lane, the rows of a page shared) and cast to the query's dtype before
+  the dot; a value's per-page scale (``v_scale`` ``[P]``) is folded into the probabilities
+  (``p * v_scale[page]``) before the second dot, so the values need only a cast. The running
+  softmax sums use the unscaled ``p``.
+
 Backend: Pallas' Triton lowering with explicit compiler params; ``interpret=True`` runs
 the same kernel on CPU for tests. A Mosaic GPU version can replace `_decode_call` behind
 the same signature.
@@ -48,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -88,7 +97,8 @@ def decode_plan(num_listed_pages: int, page_size: int, batch: int, kv_heads: int
 
 
 def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool, page_size: int, ppb: int,
-                   pages_per_split: int, qk_scale: float, f32_dot: bool, block_h: int, store_logits: bool) -> None:
+                   pages_per_split: int, qk_scale: float, f32_dot: bool, block_h: int, store_logits: bool,
+                   quantized: bool = False) -> None:
     """One program = one (row b, kv head h, split s): online softmax over its chunk.
 
     With ``store_logits`` it also writes each valid slot's scaled logit (log2 units, bias
@@ -107,6 +117,7 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
         cnt_ref, ids_ref = next(it), next(it)
     if has_bias:
         bias_ref = next(it)
+    ks_ref, vs_ref = (next(it), next(it)) if quantized else (None, None)
     o_ref, m_ref, l_ref = next(it), next(it), next(it)
     logit_ref = next(it) if store_logits else None
 
@@ -148,8 +159,17 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
         # discharges all-array gathers, and Triton sees the column iota as contiguous.
         rows = slot[:, None]
         at = (layer, rows, cols) if stacked else (rows, cols)
-        kt = plgpu.load(k_ref.at[at], mask=valid[:, None], other=0.0)
-        vt = plgpu.load(v_ref.at[at], mask=valid[:, None], other=0.0)
+        other = 0 if quantized else 0.0
+        kt = plgpu.load(k_ref.at[at], mask=valid[:, None], other=other)
+        vt = plgpu.load(v_ref.at[at], mask=valid[:, None], other=other)
+        if quantized:  # dequantise in registers: keys by their pages' channel scales, values' scale into p
+            pg = slot // page_size
+            at_s = (layer, pg[:, None], cols) if stacked else (pg[:, None], cols)
+            ks = plgpu.load(ks_ref.at[at_s], mask=valid[:, None], other=0.0).astype(jnp.float32)
+            kt = (kt.astype(jnp.float32) * ks).astype(q.dtype)
+            at_v = (layer[0], pg) if stacked else (pg,)
+            v_scale = plgpu.load(vs_ref.at[at_v], mask=valid, other=0.0).astype(jnp.float32)
+            vt = vt.astype(q.dtype)
         logits = plgpu.dot(q, kt, trans_b=True, precision=precision) * qk_scale  # [block_h, block_k], log2 units
         if bias_ref is not None:
             at = (layer[0], slot) if stacked else (slot,)
@@ -169,7 +189,8 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
         alpha = jnp.exp2(m_prev - m_next)
         p = jnp.exp2(logits - m_next[:, None])
         l_next = l_prev * alpha + p.sum(axis=-1)
-        pv = plgpu.dot(p.astype(vt.dtype), vt, precision=precision)
+        pw = p * v_scale[None, :] if quantized else p
+        pv = plgpu.dot(pw.astype(vt.dtype), vt, precision=precision)
         return acc * alpha[:, None] + pv, m_next, l_next
 
     init = (jnp.zeros((block_h, head_dim), jnp.float32),
@@ -185,7 +206,8 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
     "page_size", "scale", "interpret", "block_k", "num_splits", "num_warps", "num_stages", "return_probs"))
 def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
                  page_ids: jax.Array | None, page_counts: jax.Array | None, bias: jax.Array | None,
-                 layer: jax.Array | None, *, page_size: int, scale: float, interpret: bool, block_k: int,
+                 layer: jax.Array | None, k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, *,
+                 page_size: int, scale: float, interpret: bool, block_k: int,
                  num_splits: int | None, num_warps: int, num_stages: int,
                  return_probs: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     B, Hq, D = q.shape
@@ -220,12 +242,22 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
         args.append(bias.astype(jnp.float32))
         in_specs.append(pl.BlockSpec((L, None, None, S), lambda b, h, s: (0, b, h, 0)) if stacked
                         else pl.BlockSpec((None, None, S), lambda b, h, s: (b, h, 0)))
+    quantized = k_scale is not None
+    if quantized:
+        P = S // page_size
+        args += [k_scale, v_scale]
+        if stacked:
+            in_specs += [pl.BlockSpec((L, None, None, P, D), lambda b, h, s: (0, b, h, 0, 0)),
+                         pl.BlockSpec((L, None, None, P), lambda b, h, s: (0, b, h, 0))]
+        else:
+            in_specs += [pl.BlockSpec((None, None, P, D), lambda b, h, s: (b, h, 0, 0)),
+                         pl.BlockSpec((None, None, P), lambda b, h, s: (b, h, 0))]
 
-    num_stages = fit_stages(num_stages, 2 * ppb * page_size * D * q.dtype.itemsize)
+    num_stages = fit_stages(num_stages, 2 * ppb * page_size * D * k.dtype.itemsize)
     kernel = functools.partial(
         _decode_kernel, dense=dense, has_bias=bias is not None, stacked=stacked, page_size=page_size, ppb=ppb,
         pages_per_split=pps, qk_scale=scale * LOG2E, f32_dot=q.dtype == jnp.float32, block_h=block_h,
-        store_logits=return_probs)
+        store_logits=return_probs, quantized=quantized)
     out_specs = [
         pl.BlockSpec((None, None, None, block_h, D), lambda b, h, s: (b, h, s, 0, 0)),
         pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0)),
@@ -277,7 +309,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                      bias: jax.Array | None = None, layer: int | jax.Array | None = None,
                      scale: float | None = None, interpret: bool = False,
                      block_k: int = 128, num_splits: int | None = None, num_warps: int = 8,
-                     num_stages: int = 3, return_probs: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                     num_stages: int = 3, return_probs: bool = False, k_scale: jax.Array | None = None,
+                     v_scale: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """GQA decode attention over a per-(row, kv head) subset of cache pages.
 
     Args:
@@ -305,6 +338,10 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         shared memory (float32).
       return_probs: also return the step's attention probabilities (for policies that
         accumulate them, e.g. H2O).
+      k_scale, v_scale: a quantised cache (``k``/``v`` int8 or float8_e4m3fn codes): the keys'
+        scales per page and channel ``[B, Hkv, P, D]`` and the values' per page ``[B, Hkv, P]``
+        (``[L, ...]`` with ``layer``), any float dtype; a key is ``k * k_scale[page]``
+        (`sparsekv_jax.cache`). Dequantised in registers to q's dtype.
 
     Returns:
       ``[B, Hq, D]`` in q's dtype; with ``return_probs`` the pair ``(out, probs)``, ``probs``
@@ -316,24 +353,49 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
       ValueError: on bad shapes/dtypes, and (for concrete arrays) ids out of range, counts
         beyond the list, duplicate ids, lengths out of range.
     """
+    k_like, v_like = _check_quantized(q, k, v, k_scale, v_scale, page_size)
     if layer is not None:
         _check_stacked(k, v, bias, layer)
-        k1, v1 = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k, v))
+        k1, v1 = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k_like, v_like))
         b1 = None if bias is None else jax.ShapeDtypeStruct(bias.shape[1:], bias.dtype)
         check_decode_args(q, k1, v1, lengths, page_size=page_size, page_ids=page_ids, page_counts=page_counts,
                           bias=b1)
         layer = jnp.asarray(layer, jnp.int32)
     else:
-        check_decode_args(q, k, v, lengths, page_size=page_size, page_ids=page_ids,
+        check_decode_args(q, k_like, v_like, lengths, page_size=page_size, page_ids=page_ids,
                           page_counts=page_counts, bias=bias)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if not scale > 0:
         raise ValueError(f"scale={scale} must be positive")
-    return _decode_call(q, k, v, lengths, page_ids, page_counts, bias, layer, page_size=page_size,
+    return _decode_call(q, k, v, lengths, page_ids, page_counts, bias, layer, k_scale, v_scale, page_size=page_size,
                         scale=float(scale), interpret=interpret, block_k=block_k,
                         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
                         return_probs=bool(return_probs))
+
+
+def _check_quantized(q: jax.Array, k: jax.Array, v: jax.Array, k_scale: jax.Array | None, v_scale: jax.Array | None,
+                     page_size: int) -> tuple[Any, Any]:
+    """Checks of a quantised cache's codes and scales (``ValueError``); returns what the shared
+    checks should see as ``k``/``v`` (codes stand in as q's dtype)."""
+    if k_scale is None and v_scale is None:
+        return k, v
+    if k_scale is None or v_scale is None:
+        raise ValueError("k_scale and v_scale come together (a quantised cache has both)")
+    for name, x in (("k", k), ("v", v)):
+        if jnp.dtype(x.dtype).name not in ("int8", "float8_e4m3fn"):
+            raise ValueError(f"with k_scale/v_scale, {name} must hold int8 or float8_e4m3fn codes, got {x.dtype}")
+    if k.dtype != v.dtype:
+        raise ValueError(f"k and v codes must share a dtype, got {k.dtype} and {v.dtype}")
+    if not isinstance(page_size, int) or page_size <= 0 or k.shape[-2] % page_size:
+        raise ValueError(f"page_size={page_size} must divide the cache length {k.shape[-2]}")
+    pages = (*k.shape[:-2], k.shape[-2] // page_size)
+    if tuple(k_scale.shape) != (*pages, k.shape[-1]):
+        raise ValueError(f"k_scale must be {[*pages, k.shape[-1]]} (a scale per page and channel), "
+                         f"got {list(k_scale.shape)}")
+    if tuple(v_scale.shape) != pages:
+        raise ValueError(f"v_scale must be {list(pages)} (a scale per page), got {list(v_scale.shape)}")
+    return (jax.ShapeDtypeStruct(k.shape, q.dtype), jax.ShapeDtypeStruct(v.shape, q.dtype))
 
 
 def _check_stacked(k: jax.Array, v: jax.Array, bias: jax.Array | None, layer: int | jax.Array) -> None:
@@ -369,9 +431,13 @@ def selected_slot_mask(lengths: jax.Array, S: int, Hkv: int, *, page_size: int,
 def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
                                page_size: int, page_ids: jax.Array | None = None,
                                page_counts: jax.Array | None = None, bias: jax.Array | None = None,
-                               scale: float | None = None,
-                               return_probs: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                               scale: float | None = None, return_probs: bool = False,
+                               k_scale: jax.Array | None = None,
+                               v_scale: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """jnp reference: masked softmax over the selected slots, in float32 (HIGHEST precision).
+
+    A quantised cache (``k_scale``/``v_scale``, as `decode_attention`) is dequantised first, to
+    q's dtype as the kernel does (exact: the scales are powers of two).
 
     Unselected and out-of-length slots get weight exactly 0 (and their V is zeroed, so
     garbage there cannot turn into NaN); rows with nothing selected return zeros. With
@@ -383,6 +449,11 @@ def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, lengths
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     mask = selected_slot_mask(lengths, S, Hkv, page_size=page_size, page_ids=page_ids,
                               page_counts=page_counts)
+    if k_scale is not None:
+        ks = jnp.repeat(k_scale.astype(jnp.float32), page_size, axis=-2)
+        vs = jnp.repeat(v_scale.astype(jnp.float32), page_size, axis=-1)[..., None]
+        k = (k.astype(jnp.float32) * ks).astype(q.dtype)
+        v = (v.astype(jnp.float32) * vs).astype(q.dtype)
     qf = q.astype(jnp.float32).reshape(B, Hkv, G, D)
     kf = jnp.where(mask[..., None], k.astype(jnp.float32), 0.0)
     vf = jnp.where(mask[..., None], v.astype(jnp.float32), 0.0)

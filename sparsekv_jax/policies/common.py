@@ -9,7 +9,17 @@ import math
 import jax
 import jax.numpy as jnp
 
-from sparsekv_jax.cache import KVCache, LayerKV, empty_summaries, pages_for, summarize_pages
+from sparsekv_jax.cache import (
+    SCALE_DTYPE,
+    KVCache,
+    LayerKV,
+    dequantize,
+    empty_summaries,
+    page_scales,
+    pages_for,
+    quantize,
+    summarize_pages,
+)
 
 KEEP = 1e30  # score that forces an entry to be kept (finite: sorts above everything else)
 
@@ -116,6 +126,11 @@ def write_entries(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Arr
     head leaves empty below it are *holes* (position ``-1``, bias ``-inf``, zero K/V) that no
     attention path reads. ``next_position`` is kept: decoding continues after the original prompt.
     The page summaries the cache holds are recomputed (the others stay ``None``).
+
+    A quantised cache (`sparsekv_jax.cache`, ``kv_dtype``) gets the entries quantised into its new
+    pages, scales from each page's live entries, and its key summaries from ``k`` as given (before
+    quantisation). Entries that come from a quantised cache are exact multiples of their old
+    scale, so they move to a new page losslessly unless that page needs a larger scale.
     """
     L, B, H, K, D = k.shape
     new_S = pages_for(capacity, cache.page_size) * cache.page_size
@@ -133,13 +148,27 @@ def write_entries(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Arr
         return jnp.pad(x, widths, constant_values=fill)
 
     zero = jnp.zeros((), k.dtype)
+    old = cache.layers
+    quantized = old.quantized
+    keys = pad(jnp.where(live[..., None], k, zero), 0)
+    values = pad(jnp.where(live[..., None], v, zero), 0)
+    n_pages = new_S // cache.page_size
+    scales = {}
+    if quantized:  # summaries in the model's dtype (the min/max the cache holds), K/V as codes
+        summary_dtype = next((x.dtype for x in (old.page_min, old.page_max) if x is not None), jnp.float32)
+        ks, vs = page_scales(keys, values, pad(live, False), cache.page_size, old.k.dtype)
+        scales = {"k_scale": ks.astype(SCALE_DTYPE), "v_scale": vs.astype(SCALE_DTYPE)}
+        stored_k = quantize(keys, jnp.repeat(ks, cache.page_size, axis=-2), old.k.dtype)
+        stored_v = quantize(values, jnp.repeat(vs, cache.page_size, axis=-1)[..., None], old.v.dtype)
+    else:
+        summary_dtype = old.k.dtype
+        stored_k, stored_v = keys.astype(old.k.dtype), values.astype(old.v.dtype)
     layers = LayerKV(
-        k=pad(jnp.where(live[..., None], k, zero).astype(cache.layers.k.dtype), 0),
-        v=pad(jnp.where(live[..., None], v, zero).astype(cache.layers.v.dtype), 0),
+        k=stored_k, v=stored_v,
         positions=pad(jnp.where(live, positions, -1).astype(jnp.int32), -1),
         bias=pad(jnp.where(live, bias, jnp.where(hole, -jnp.inf, 0.0)).astype(jnp.float32), 0.0),
-        **empty_summaries(cache.layers.summaries, (L, B, H, new_S // cache.page_size, D), cache.layers.k.dtype))
-    layers = summarize_pages(layers, length, cache.page_size)
+        **empty_summaries(old.summaries, (L, B, H, n_pages, D), summary_dtype), **scales)
+    layers = summarize_pages(layers, length, cache.page_size, keys=keys if quantized else None)
     # the local layers' ring buffers (if any) are the policy's to leave alone
     return KVCache(layers=layers, length=length, next_position=cache.next_position, local=cache.local,
                    page_size=cache.page_size)
@@ -158,11 +187,16 @@ def compact(cache: KVCache, scores: jax.Array, keep: jax.Array, capacity: int) -
     idx = jnp.minimum(slots, S - 1)
     old = cache.layers
 
-    def take(x: jax.Array) -> jax.Array:
-        return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 4)), axis=3)
+    def take(x: jax.Array, at: jax.Array = idx) -> jax.Array:
+        return jnp.take_along_axis(x, at.reshape(at.shape + (1,) * (x.ndim - 4)), axis=3)
 
     counts = jnp.minimum(keep, cache.length)
-    return write_entries(cache, take(old.k), take(old.v), take(old.positions), take(old.bias), counts, capacity)
+    k, v = take(old.k), take(old.v)
+    if old.quantized:  # the kept entries dequantised (exactly, in bf16) with their pages' scales
+        page = idx // cache.page_size
+        k = dequantize(k, take(old.k_scale, page), jnp.bfloat16)
+        v = dequantize(v, take(old.v_scale, page)[..., None], jnp.bfloat16)
+    return write_entries(cache, k, v, take(old.positions), take(old.bias), counts, capacity)
 
 
 def top_pages(page_scores: jax.Array, used_pages: jax.Array, k: int,

@@ -1,0 +1,495 @@
+"""Quantised KV caches (issue #39): int8 / float8_e4m3fn codes with power-of-two scales per page
+(keys per page and channel, values per page and KV head), against numpy references.
+
+Every random input is drawn from the run's seed (`seeded_rng`, the ``rng`` fixture; printed, and
+replayable with ``pytest --seed N``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import seeded_rng
+
+from sparsekv_jax import cli
+from sparsekv_jax.backend import Backend
+from sparsekv_jax.cache import (
+    SCALE_DTYPE,
+    append_token,
+    dequantize,
+    init_cache,
+    layer_view,
+    page_scales,
+    quantize,
+    write_chunk,
+    write_tokens,
+)
+from sparsekv_jax.generate import generate, teacher_force
+from sparsekv_jax.models.config import ModelConfig
+from sparsekv_jax.models.params import random_params
+from sparsekv_jax.pallas.decode import decode_attention, decode_attention_reference
+from sparsekv_jax.pallas.testing import random_page_lists, rel_err
+from sparsekv_jax.policies import Dense, parse_policy
+
+QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
+NP_CODE = {"int8": np.int8, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
+KV_DTYPES = ("int8", "float8_e4m3fn")
+
+
+def _np_scale(amax: np.ndarray, qmax: float) -> np.ndarray:
+    """The smallest power of two s with amax / s <= qmax (0 for amax 0), in float64."""
+    with np.errstate(divide="ignore"):
+        s = 2.0 ** np.ceil(np.log2(amax.astype(np.float64) / qmax))
+    return np.where(amax > 0, s, 0.0)
+
+
+def _np_quant(x: np.ndarray, s: np.ndarray, kv_dtype: str) -> np.ndarray:
+    """Dequantised ``x`` under scale ``s`` (numpy; fp8 through ml_dtypes' own cast)."""
+    q = np.clip(np.where(s > 0, x / np.where(s > 0, s, 1.0), 0.0), -QMAX[kv_dtype], QMAX[kv_dtype])
+    q = np.round(q) if kv_dtype == "int8" else q.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return q * s
+
+
+def _outliers(rng: np.random.Generator, shape: tuple[int, ...], D: int) -> np.ndarray:
+    """Normal draws with a few channels 30x larger (KIVI's key outliers)."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    x[..., rng.choice(D, 2, replace=False)] *= 30.0
+    return x
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_round_trip_matches_numpy_and_error_bounds(rng, kv_dtype):
+    B, H, P, ps, D = 2, 3, 5, 8, 16
+    S = P * ps
+    k = _outliers(rng, (B, H, S, D), D)
+    v = rng.standard_normal((B, H, S, D)).astype(np.float32) * rng.uniform(0.1, 5, (B, H, 1, 1)).astype(np.float32)
+    lengths = np.array([S - 5, 13])
+    valid = np.broadcast_to(np.arange(S)[None, None] < lengths[:, None, None], (B, H, S))
+    ks, vs = page_scales(jnp.asarray(k), jnp.asarray(v), jnp.asarray(valid), ps, jnp.dtype(kv_dtype))
+    assert ks.shape == (B, H, P, D) and vs.shape == (B, H, P) and ks.dtype == vs.dtype == SCALE_DTYPE
+    # numpy: per page and channel for keys, per page for values, over the live slots only
+    live = valid[..., None]
+    ka = np.where(live, np.abs(k), 0).reshape(B, H, P, ps, D).max(3)
+    va = np.where(live, np.abs(v), 0).reshape(B, H, P, ps * D).max(3)
+    ks_np, vs_np = _np_scale(ka, QMAX[kv_dtype]), _np_scale(va, QMAX[kv_dtype])
+    np.testing.assert_array_equal(np.asarray(ks, np.float64), ks_np)
+    np.testing.assert_array_equal(np.asarray(vs, np.float64), vs_np)
+    assert (ks_np[1, :, 2:] == 0).all() and (vs_np[1, :, 2:] == 0).all()  # row 1's pages past slot 13: empty
+    assert (ks_np[0] > 0).all()
+    k_slot, v_slot = np.repeat(ks_np, ps, axis=2), np.repeat(vs_np, ps, axis=2)[..., None]
+    kq = quantize(jnp.asarray(k), jnp.asarray(k_slot, jnp.float32), jnp.dtype(kv_dtype))
+    vq = quantize(jnp.asarray(v), jnp.asarray(v_slot, jnp.float32), jnp.dtype(kv_dtype))
+    assert kq.dtype == jnp.dtype(kv_dtype)
+    k_hat = np.asarray(dequantize(kq, jnp.asarray(k_slot, jnp.float32)), np.float64)
+    v_hat = np.asarray(dequantize(vq, jnp.asarray(v_slot, jnp.float32)), np.float64)
+    np.testing.assert_array_equal(np.where(live, k_hat, 0), np.where(live, _np_quant(k, k_slot, kv_dtype), 0))
+    np.testing.assert_array_equal(np.where(live, v_hat, 0), np.where(live, _np_quant(v, v_slot, kv_dtype), 0))
+    for x, x_hat, s in ((k, k_hat, k_slot), (v, v_hat, v_slot)):
+        err = np.abs(np.where(live, x - x_hat, 0))
+        if kv_dtype == "int8":  # half a step of the page's (channel's) scale
+            assert (err <= s / 2 + 1e-12).all()
+        else:  # half an fp8 ulp: 2^-4 relative, or half the smallest subnormal (2^-10 of the scale)
+            assert (err <= np.abs(x) * 2.0 ** -4 + s * 2.0 ** -10 + 1e-12).all()
+    # per-channel key scales: a channel's step follows its own largest entry (< 2 amax / qmax), not the
+    # outlier channels' (30x larger)
+    assert (ks_np <= 2 * ka / QMAX[kv_dtype] + 1e-30).all()
+    # and every bf16 value of the dequantised codes is exact (powers of two, codes fit bf16)
+    np.testing.assert_array_equal(np.asarray(dequantize(kq, jnp.asarray(k_slot, jnp.float32), jnp.bfloat16),
+                                             np.float64), k_hat)
+
+
+def _quantized_inputs(rng, kv_dtype, B, Hq, Hkv, D, P, ps, q_dtype):
+    """q, codes, scales and lengths of a random quantised cache; slots past the length hold
+    junk codes (NaN for fp8) and pages wholly past it NaN scales."""
+    S = P * ps
+    lengths = np.asarray([S - int(rng.integers(1, ps)), int(rng.integers(1, S))] + [S] * (B - 2), np.int32)
+    k = _outliers(rng, (B, Hkv, S, D), D)
+    v = rng.standard_normal((B, Hkv, S, D)).astype(np.float32)
+    valid = np.broadcast_to(np.arange(S)[None, None] < lengths[:, None, None], (B, Hkv, S))
+    dt = jnp.dtype(kv_dtype)
+    ks, vs = page_scales(jnp.asarray(k), jnp.asarray(v), jnp.asarray(valid), ps, dt)
+    kq = np.asarray(quantize(jnp.asarray(k), jnp.repeat(ks, ps, axis=-2), dt))
+    vq = np.asarray(quantize(jnp.asarray(v), jnp.repeat(vs, ps, axis=-1)[..., None], dt))
+    junk = np.asarray(127 if kv_dtype == "int8" else np.nan).astype(NP_CODE[kv_dtype])
+    kq = np.where(valid[..., None], kq, junk)
+    vq = np.where(valid[..., None], vq, junk)
+    used = np.arange(P)[None, None] < -(-lengths[:, None, None] // ps)
+    ks = np.where(used[..., None], np.asarray(ks, np.float32), np.nan)
+    vs = np.where(used, np.asarray(vs, np.float32), np.nan)
+    q = rng.standard_normal((B, Hq, D)).astype(np.float32)
+    return (jnp.asarray(q, q_dtype), jnp.asarray(kq), jnp.asarray(vq), jnp.asarray(ks, SCALE_DTYPE),
+            jnp.asarray(vs, SCALE_DTYPE), jnp.asarray(lengths))
+
+
+def _np_dequant(codes, scales, ps, axis_channels: bool) -> np.ndarray:
+    c = np.asarray(codes).astype(np.float64)
+    s = np.repeat(np.asarray(scales, np.float64), ps, axis=2)
+    return c * (s if axis_channels else s[..., None])
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("sparse,stacked,q_dtype", [(False, False, jnp.float32), (True, True, jnp.bfloat16)])
+def test_pallas_kernel_on_quantized_cache_matches_reference(rng, kv_dtype, sparse, stacked, q_dtype):
+    B, Hq, Hkv, D, P, ps = 3, 8, 2, 32, 6, 16
+    q, kq, vq, ks, vs, lengths = _quantized_inputs(rng, kv_dtype, B, Hq, Hkv, D, P, ps, q_dtype)
+    kw = {}
+    if sparse:
+        ids, counts = random_page_lists(rng, np.asarray(lengths), Hkv, P, ps, list_len=P - 2)
+        counts[1, 0] = 0  # an empty selection
+        kw = dict(page_ids=jnp.asarray(ids), page_counts=jnp.asarray(counts))
+        # pages not selected: NaN scales too, so a read of one shows
+        sel = np.zeros((B, Hkv, P), bool)
+        for b in range(B):
+            for h in range(Hkv):
+                sel[b, h, ids[b, h, :counts[b, h]]] = True
+        ks = jnp.where(jnp.asarray(sel)[..., None], ks, jnp.nan).astype(SCALE_DTYPE)
+        vs = jnp.where(jnp.asarray(sel), vs, jnp.nan).astype(SCALE_DTYPE)
+    args = (kq, vq, ks, vs)
+    if stacked:  # layer 1 of a 2-layer stack; layer 0 all NaN scales
+        args = tuple(jnp.stack([jnp.full_like(x, jnp.nan) if x.dtype == SCALE_DTYPE else x, x]) for x in args)
+    out = decode_attention(q, args[0], args[1], lengths, page_size=ps, interpret=True, block_k=32,
+                           k_scale=args[2], v_scale=args[3], layer=1 if stacked else None, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert np.isfinite(np.asarray(out, np.float32)).all(), "NaN in the kernel's output: a masked slot was read"
+    ref = decode_attention_reference(q, kq, vq, lengths, page_size=ps, k_scale=ks, v_scale=vs, **kw)
+    tol = 1e-5 if q_dtype == jnp.float32 else 2e-2
+    assert rel_err(np.asarray(out, np.float32), np.asarray(ref, np.float32)) <= tol
+    # the same attention over numpy's dequantised cache (junk slots zeroed; the reference masks them)
+    valid = (np.arange(P * ps)[None, None] < np.asarray(lengths)[:, None, None])[..., None]
+    k_np = np.where(valid, np.nan_to_num(_np_dequant(kq, ks, ps, True)), 0.0)
+    v_np = np.where(valid, np.nan_to_num(_np_dequant(vq, vs, ps, False)), 0.0)
+    want = decode_attention_reference(q.astype(jnp.float32), jnp.asarray(k_np, jnp.float32),
+                                      jnp.asarray(v_np, jnp.float32), lengths, page_size=ps, **kw)
+    assert rel_err(np.asarray(out, np.float32), np.asarray(want)) <= tol
+
+
+def test_kernel_refuses_mismatched_scales():
+    q = jnp.zeros((1, 2, 16), jnp.float32)
+    k = jnp.zeros((1, 1, 32, 16), jnp.int8)
+    with pytest.raises(ValueError, match="k_scale must be"):
+        decode_attention(q, k, k, jnp.array([3]), page_size=16, interpret=True,
+                         k_scale=jnp.zeros((1, 1, 2, 8)), v_scale=jnp.zeros((1, 1, 2)))
+    with pytest.raises(ValueError, match="int8 or float8_e4m3fn codes"):
+        decode_attention(q, k.astype(jnp.float32), k.astype(jnp.float32), jnp.array([3]), page_size=16,
+                         interpret=True, k_scale=jnp.zeros((1, 1, 2, 16)), v_scale=jnp.zeros((1, 1, 2)))
+
+
+TINY = ModelConfig(family="llama", vocab_size=61, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=16, intermediate_size=48, max_position_embeddings=512, eos_token_ids=(0,))
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_append_into_a_partly_filled_page_rescales_it(rng, kv_dtype):
+    """A prompt leaves row 0's last page partly filled; appends (the third 40x larger than the
+    rest) re-scale that page: its scale is max(old, new token's), its earlier entries re-quantised
+    with it. Checked against a numpy simulation of that rule, and the error against the true
+    values stays below one step of the page's final scale."""
+    B, H, D, ps = 2, 2, 16, 8
+    cfg = ModelConfig(family="llama", vocab_size=61, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=H,
+                      head_dim=D, intermediate_size=48, max_position_embeddings=512)
+    cache = init_cache(cfg, B, 32, page_size=ps, dtype=jnp.float32, kv_dtype=kv_dtype)
+    lengths = np.array([5, 8])  # row 0: 5 of page 0; row 1: page 0 full, appends open page 1
+    T = 8
+    k0 = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    v0 = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    kv = write_chunk(layer_view(cache.layers, 0), jnp.asarray(k0), jnp.asarray(v0), 0,
+                     jnp.broadcast_to(jnp.arange(T), (B, T)), jnp.asarray(lengths))
+    n_new = 4
+    k_new = rng.standard_normal((n_new, B, H, D)).astype(np.float32)
+    v_new = rng.standard_normal((n_new, B, H, D)).astype(np.float32)
+    k_new[2] *= 40.0
+    v_new[2] *= 40.0
+    length = lengths.copy()
+    for i in range(n_new):
+        if i == 2:
+            before = kv  # row 0's page 0 before its last write (the outlier, slot 7)
+        kv = append_token(kv, jnp.asarray(k_new[i]), jnp.asarray(v_new[i]), jnp.asarray(length),
+                          jnp.asarray(length), jnp.asarray(length + 1), ps)
+        length = length + 1
+    # numpy simulation of the documented rule, from the true values
+    qmax = QMAX[kv_dtype]
+    for b in range(B):
+        for h in range(H):
+            for name, x0, xs, per_channel in (("k", k0, k_new, True), ("v", v0, v_new, False)):
+                page = lengths[b] // ps  # the page the appends start in
+                slots = list(range(page * ps, page * ps + ps))
+                vals = {s: x0[b, h, s] for s in slots if s < lengths[b]}
+                scale, deq = None, {}
+                red = (lambda a: np.abs(a).max(0)) if per_channel else (lambda a: np.abs(a).max())
+                if vals:
+                    scale = _np_scale(red(np.stack(list(vals.values()))), qmax)
+                    deq = {s: _np_quant(x, scale, kv_dtype) for s, x in vals.items()}
+                for i in range(n_new):
+                    s = lengths[b] + i
+                    if s >= page * ps + ps:
+                        break
+                    need = _np_scale(red(xs[i, b, h][None]), qmax)
+                    new_scale = need if scale is None else np.maximum(scale, need)
+                    deq = {t: _np_quant(d, new_scale, kv_dtype) for t, d in deq.items()}
+                    deq[s] = _np_quant(xs[i, b, h], new_scale, kv_dtype)
+                    vals[s] = xs[i, b, h]
+                    scale = new_scale
+                stored = np.asarray(getattr(kv, name), np.float64)[b, h]
+                sc = np.asarray(getattr(kv, name + "_scale"), np.float64)[b, h, page]
+                np.testing.assert_array_equal(sc, scale)
+                got = stored[sorted(deq)] * (sc if per_channel else sc)
+                np.testing.assert_array_equal(got, np.stack([deq[t] for t in sorted(deq)]))
+                if kv_dtype == "int8":
+                    err = np.abs(got - np.stack([vals[t] for t in sorted(deq)]))
+                    assert (err < scale).all(), (name, b, h)
+    # the summaries of row 0's page 0, last written by the outlier (slot 7): from its earlier entries
+    # dequantised (with the scale they had) and the new key as given
+    keys = np.asarray(before.k, np.float64)[0, :, :ps] * np.asarray(before.k_scale, np.float64)[0, :, 0][:, None]
+    keys[:, 7] = k_new[2, 0]
+    b, page, live = 0, 0, np.ones(ps, bool)
+    np.testing.assert_allclose(np.asarray(kv.page_max)[b, :, page], np.where(live[:, None], keys, -np.inf).max(1),
+                               rtol=0, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(kv.page_sum)[b, :, page], np.where(live[:, None], keys, 0).sum(1),
+                               rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_write_tokens_rescales_every_page_it_touches(rng, kv_dtype):
+    """`write_tokens` (`extend`: a question read after compression) writes a run of tokens from
+    each row's length across page boundaries: each touched page's scale is max(old, what its new
+    tokens need) and its earlier entries are re-quantised with it, as a numpy simulation says;
+    the pages' key maxima come from the entries as they were and the new keys as given."""
+    B, H, D, ps, T = 2, 2, 16, 8, 11
+    cfg = ModelConfig(family="llama", vocab_size=61, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=H,
+                      head_dim=D, intermediate_size=48, max_position_embeddings=512)
+    kv = layer_view(init_cache(cfg, B, 40, page_size=ps, dtype=jnp.float32, kv_dtype=kv_dtype).layers, 0)
+    lengths = np.array([5, 16])  # row 0 starts mid-page 0 (touches pages 0-2), row 1 at page 2's start
+    k0, v0 = (rng.standard_normal((B, H, 16, D)).astype(np.float32) for _ in range(2))
+    kv = write_chunk(kv, jnp.asarray(k0), jnp.asarray(v0), 0, jnp.broadcast_to(jnp.arange(16), (B, 16)),
+                     jnp.asarray(lengths))
+    k1, v1 = (rng.standard_normal((B, T, H, D)).astype(np.float32) * 3 for _ in range(2))
+    written = np.arange(T)[None, :] < np.array([[T], [T - 2]])  # row 1's last two are padding
+    slots = lengths[:, None] + np.arange(T)
+    new_length = lengths + written.sum(1)
+    pos = np.where(written, slots, -1)
+    kv = kv.replace(positions=kv.positions.at[jnp.arange(B)[:, None], :, jnp.asarray(slots)].set(
+        jnp.asarray(pos)[:, :, None]))
+    before = kv
+    kv = write_tokens(kv, jnp.asarray(k1), jnp.asarray(v1), jnp.asarray(slots), jnp.asarray(written),
+                      jnp.asarray(new_length))
+    qmax = QMAX[kv_dtype]
+    for b in range(B):
+        for h in range(H):
+            for name, new, per_channel in (("k", k1, True), ("v", v1, False)):
+                codes = np.asarray(getattr(before, name), np.float64)[b, h]
+                old_s = np.asarray(getattr(before, name + "_scale"), np.float64)[b, h]
+                got = np.asarray(getattr(kv, name), np.float64)[b, h]
+                got_s = np.asarray(getattr(kv, name + "_scale"), np.float64)[b, h]
+                red = (lambda a: np.abs(a).max(0)) if per_channel else (lambda a: np.abs(a).max())
+                for page in range(slots[b, 0] // ps, (slots[b, written[b]][-1]) // ps + 1):
+                    mine = [t for t in range(T) if written[b, t] and slots[b, t] // ps == page]
+                    need = _np_scale(red(np.stack([new[b, t, h] for t in mine])), qmax)
+                    scale = np.maximum(old_s[page], need)
+                    np.testing.assert_array_equal(got_s[page], scale)
+                    want = codes[page * ps:(page + 1) * ps] * (old_s[page] if per_channel else old_s[page])
+                    for t in mine:
+                        want[slots[b, t] - page * ps] = new[b, t, h]
+                    want = _np_quant(want, scale, kv_dtype)
+                    np.testing.assert_array_equal(got[page * ps:(page + 1) * ps] * scale, want)
+        # row 0's page 0: the prompt's 5 keys (dequantised) and 3 new ones
+        keys = np.asarray(before.k, np.float64)[b, :, :ps] * np.asarray(before.k_scale, np.float64)[b, :, 0][:, None]
+        if b == 0:
+            keys[:, 5:8] = np.swapaxes(k1[0, :3], 0, 1)
+            np.testing.assert_allclose(np.asarray(kv.page_max)[0, :, 0], keys.max(1), rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    params = random_params(TINY, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, 0.3)
+    tokens = seeded_rng().integers(1, TINY.vocab_size, (2, 40))
+    return params, tokens
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8"])
+def test_batch_of_two_ragged_rows_equals_each_row_alone(tiny, kv_dtype):
+    """Scales come from each row's live slots only: row 1 (29 tokens, padded to 40 in the batch)
+    gets the same cache codes and the same logits alone, through the jnp path and the kernel."""
+    params, tokens = tiny
+    lengths = np.array([40, 29])
+    for backend in (Backend(kv_dtype=kv_dtype), Backend(decode_attention="pallas", kv_dtype=kv_dtype)):
+        out = generate(params, Dense(), tokens, lengths=lengths, max_new_tokens=4, stop_tokens=(), backend=backend)
+        forced = np.asarray(out.tokens)
+        both = np.asarray(teacher_force(params, Dense(), tokens, forced, lengths=lengths, backend=backend)[0])
+        for b in range(2):
+            alone = np.asarray(teacher_force(params, Dense(), tokens[b:b + 1, :lengths[b]], forced[b:b + 1],
+                                             backend=backend)[0])
+            np.testing.assert_allclose(both[b], alone[0], rtol=1e-4, atol=1e-4)
+        solo = generate(params, Dense(), tokens[1:, :29], max_new_tokens=4, stop_tokens=(), backend=backend)
+        n = 29 + 3  # the prompt and the appended tokens (the last one sampled is not written)
+        pages = -(-n // 16)
+        ks_batch = np.asarray(out.cache.layers.k_scale, np.float64)[:, 1, :, :pages]
+        np.testing.assert_array_equal(ks_batch, np.asarray(solo.cache.layers.k_scale, np.float64)[:, 0, :, :pages])
+        # codes equal up to a rounding tie the two programs' float keys may break differently
+        step = np.repeat(ks_batch, 16, axis=2)[:, :, :n]
+        codes = [np.asarray(c.cache.layers.k, np.float64)[:, r, :, :n] for c, r in ((out, 1), (solo, 0))]
+        assert (np.abs(codes[0] - codes[1]) * step <= step + 1e-12).all()
+        assert (codes[0] == codes[1]).mean() > 0.99
+
+
+def test_quantized_cache_changes_logits_little_and_counts_its_bytes(tiny):
+    """int8 / fp8 teacher-forced logits stay close to the float cache's; cache_bytes is the codes,
+    the scales and the rest of the cache, byte for byte."""
+    params, tokens = tiny
+    lengths = np.array([40, 29])
+    ref = generate(params, Dense(), tokens, lengths=lengths, max_new_tokens=4, stop_tokens=())
+    forced = np.asarray(ref.tokens)
+    ref_logits = np.asarray(teacher_force(params, Dense(), tokens, forced, lengths=lengths)[0])
+    L, B, H, D = TINY.num_layers, 2, TINY.num_kv_heads, TINY.head_dim
+    errs = {}
+    # (this random model's logits move ~1-3% with a bf16 cache, 3-6% with int8, 9-19% with fp8: seeds 0-2)
+    for kv_dtype, tol in (("int8", 0.15), ("float8_e4m3fn", 0.4)):
+        backend = Backend(kv_dtype=kv_dtype)
+        out = generate(params, Dense(), tokens, lengths=lengths, max_new_tokens=4, stop_tokens=(), backend=backend)
+        got = np.asarray(teacher_force(params, Dense(), tokens, forced, lengths=lengths, backend=backend)[0])
+        errs[kv_dtype] = rel_err(got, ref_logits)
+        assert 0 < errs[kv_dtype] < tol, (kv_dtype, errs)
+        S = out.cache.capacity
+        P = S // 16
+        codes = 2 * L * B * H * S * D * 1
+        scales = L * B * H * P * D * 2 + L * B * H * P * 2
+        rest = L * B * H * S * (4 + 4) + 2 * B * 4  # positions, bias; length, next_position (Dense: no summaries)
+        assert out.stats["cache_bytes"] == codes + scales + rest
+        assert out.cache.kv_nbytes() == codes + scales
+        assert ref.stats["cache_bytes"] == 2 * L * B * H * S * D * 4 + rest
+    assert errs["int8"] < errs["float8_e4m3fn"]  # 7 bits and a sign per page against fp8's 3-bit significand
+
+
+def test_compaction_and_pages_on_a_quantized_cache(tiny):
+    """SnapKV's compaction and Quest's selection compose with int8: a budget covering the prompt
+    gives exactly the logits of full attention on the same int8 cache (entries moved by
+    compaction keep their values), and Quest's summaries are the float cache's (from the keys
+    before quantisation), so it picks the same pages."""
+    params, tokens = tiny
+    lengths = np.array([40, 29])
+    backend = Backend(kv_dtype="int8")
+    dense = generate(params, Dense(), tokens, lengths=lengths, max_new_tokens=4, stop_tokens=(), backend=backend)
+    forced = np.asarray(dense.tokens)
+    want = np.asarray(teacher_force(params, Dense(), tokens, forced, lengths=lengths, backend=backend)[0])
+    for spec in ("snapkv(budget=1.0, window=4)", "quest(budget=1.0)"):
+        got = np.asarray(teacher_force(params, parse_policy(spec), tokens, forced, lengths=lengths,
+                                       backend=backend)[0])
+        np.testing.assert_array_equal(got, want, err_msg=spec)
+    quest = parse_policy("quest(budget=16)")
+    f = generate(params, quest, tokens, lengths=lengths, max_new_tokens=1, stop_tokens=())
+    q = generate(params, quest, tokens, lengths=lengths, max_new_tokens=1, stop_tokens=(), backend=backend)
+    for name in ("page_min", "page_max"):
+        np.testing.assert_array_equal(np.asarray(getattr(q.cache.layers, name)),
+                                      np.asarray(getattr(f.cache.layers, name)), err_msg=name)
+
+
+def test_question_read_after_compression_on_a_quantized_cache(tiny):
+    """The question-agnostic path (`extend` writes the suffix into a compressed int8 cache through
+    `write_tokens`): a covering SnapKV equals full attention on the same int8 cache exactly, and
+    both stay near the float cache's logits."""
+    params, tokens = tiny
+    lengths = np.array([40, 29])
+    suffix = seeded_rng().integers(1, TINY.vocab_size, (2, 7))
+    suffix_lengths = np.array([7, 4])
+    kw = dict(lengths=lengths, suffix=suffix, suffix_lengths=suffix_lengths)
+    backend = Backend(kv_dtype="int8")
+    dense = generate(params, Dense(), tokens, max_new_tokens=4, stop_tokens=(), backend=backend, **kw)
+    assert np.asarray(dense.cache.length).tolist() == [40 + 7 + 3, 29 + 4 + 3]
+    forced = np.asarray(dense.tokens)
+    want = np.asarray(teacher_force(params, Dense(), tokens, forced, backend=backend, **kw)[0])
+    got = np.asarray(teacher_force(params, parse_policy("snapkv(budget=1.0, window=4)"), tokens, forced,
+                                   backend=backend, **kw)[0])
+    np.testing.assert_array_equal(got, want)
+    exact = np.asarray(teacher_force(params, Dense(), tokens, forced, **kw)[0])
+    assert 0 < rel_err(want, exact) < 0.15
+
+
+def test_unknown_kv_dtype_is_refused_before_jit(tiny):
+    with pytest.raises(ValueError, match="'int4'"):
+        Backend(kv_dtype="int4")
+    with pytest.raises(ValueError, match="'fp8'"):
+        init_cache(TINY, 1, 16, kv_dtype="fp8")
+    params, tokens = tiny
+    with pytest.raises(ValueError, match="kv_dtype='int8'.*CHESS"):
+        generate(params, parse_policy("chess"), tokens, max_new_tokens=2, backend=Backend(kv_dtype="int8"))
+    with pytest.raises(ValueError, match="prefill_chunk=12 with a quantised cache"):
+        generate(params, Dense(), tokens, max_new_tokens=2, prefill_chunk=12, backend=Backend(kv_dtype="int8"))
+    with pytest.raises(SystemExit):
+        cli.main(["info", "--kv-dtype", "int4"])
+
+
+def test_info_counts_codes_and_scales(capsys):
+    assert cli.main(["info", "--model", "llama3.1-8b", "--context", "1000", "--batch", "3", "--kv-dtype", "int8",
+                     "--page-size", "16", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    L, H, D = 32, 8, 128
+    pages = 63  # ceil(1000 / 16)
+    assert info["kv_bytes_per_token"] == 2 * L * H * D
+    assert info["kv_scale_bytes"] == 3 * L * H * pages * (D + 1) * 2
+    assert info["kv_cache_bytes"] == 2 * L * H * D * 1000 * 3 + 3 * L * H * pages * (D + 1) * 2
+    assert cli.main(["info", "--model", "llama3.1-8b", "--context", "1000", "--batch", "3", "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["kv_cache_bytes"] == 2 * L * H * D * 2 * 1000 * 3 and plain["kv_scale_bytes"] == 0
+
+
+_MESH_CHILD = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from sparsekv_jax.backend import Backend
+    from sparsekv_jax.generate import generate, teacher_force
+    from sparsekv_jax.models.config import ModelConfig
+    from sparsekv_jax.models.params import random_params
+    from sparsekv_jax.policies import parse_policy
+    from sparsekv_jax.sharding import make_mesh
+    seed = int(sys.argv[1])
+    cfg = ModelConfig(family="llama", vocab_size=61, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, intermediate_size=48, max_position_embeddings=512, eos_token_ids=(0,))
+    params = random_params(cfg, jax.random.key(seed), jnp.float32, 0.3)
+    rng = np.random.default_rng(seed)
+    tokens, lengths = rng.integers(1, 61, (2, 40)), np.array([40, 29])
+    out = {}
+    for policy in ("fullkv", "quest(budget=16)"):
+        for name, mesh in (("one", None), ("mesh", make_mesh(data=1, model=2))):
+            backend = Backend(decode_attention="pallas", kv_dtype="int8")
+            res = generate(params, parse_policy(policy), tokens, lengths=lengths, max_new_tokens=4, stop_tokens=(),
+                           backend=backend, mesh=mesh)
+            spec = str(res.cache.layers.k_scale.sharding.spec) if mesh is not None else ""
+            logits = teacher_force(params, parse_policy(policy), tokens, np.asarray(res.tokens), lengths=lengths,
+                                   backend=backend, mesh=mesh)[0]
+            out[policy + "/" + name] = {"tokens": np.asarray(res.tokens).tolist(), "spec": spec,
+                                        "logits": np.asarray(logits).tolist(),
+                                        "k": np.asarray(res.cache.layers.k).tolist()}
+    print("RESULT" + json.dumps(out))
+""")
+
+
+def test_int8_cache_on_a_device_mesh_equals_one_device():
+    """On 2 forced CPU devices (KV heads split over ``model``), the int8 cache's scales are split as
+    the cache and the Pallas decode kernel runs per device with its shard of codes and scales: the
+    same tokens, codes and logits as on one device, for full attention and Quest (a child process:
+    the device count is fixed before JAX starts)."""
+    seed = int(seeded_rng().integers(1 << 30))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_backend_optimization_level=0 "
+                                      "--xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes=true",
+           "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-c", _MESH_CHILD, str(seed)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.split("RESULT", 1)[1])
+    for policy in ("fullkv", "quest(budget=16)"):
+        one, mesh = res[policy + "/one"], res[policy + "/mesh"]
+        assert "model" in mesh["spec"], mesh["spec"]
+        assert mesh["tokens"] == one["tokens"], policy
+        # codes equal, up to a rounding tie the two programs' float keys may break differently
+        codes = np.asarray(mesh["k"]), np.asarray(one["k"])
+        assert np.abs(codes[0] - codes[1]).max() <= 1 and (codes[0] == codes[1]).mean() > 0.99, policy
+        np.testing.assert_allclose(np.asarray(mesh["logits"]), np.asarray(one["logits"]), rtol=1e-5, atol=1e-5)
