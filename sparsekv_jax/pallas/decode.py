@@ -159,17 +159,19 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
         # discharges all-array gathers, and Triton sees the column iota as contiguous.
         rows = slot[:, None]
         at = (layer, rows, cols) if stacked else (rows, cols)
-        other = 0 if quantized else 0.0
+        # quantised codes load without a fill (Triton cannot cast a scalar fill to float8) and are
+        # zeroed after the cast: a masked lane may hold anything, a NaN code included
+        other = None if quantized else 0.0
         kt = plgpu.load(k_ref.at[at], mask=valid[:, None], other=other)
         vt = plgpu.load(v_ref.at[at], mask=valid[:, None], other=other)
         if quantized:  # dequantise in registers: keys by their pages' channel scales, values' scale into p
             pg = slot // page_size
             at_s = (layer, pg[:, None], cols) if stacked else (pg[:, None], cols)
             ks = plgpu.load(ks_ref.at[at_s], mask=valid[:, None], other=0.0).astype(jnp.float32)
-            kt = (kt.astype(jnp.float32) * ks).astype(q.dtype)
+            kt = jnp.where(valid[:, None], kt.astype(jnp.float32) * ks, 0.0).astype(q.dtype)
             at_v = (layer[0], pg) if stacked else (pg,)
             v_scale = plgpu.load(vs_ref.at[at_v], mask=valid, other=0.0).astype(jnp.float32)
-            vt = vt.astype(q.dtype)
+            vt = jnp.where(valid[:, None], vt.astype(jnp.float32), 0.0).astype(q.dtype)
         logits = plgpu.dot(q, kt, trans_b=True, precision=precision) * qk_scale  # [block_h, block_k], log2 units
         if bias_ref is not None:
             at = (layer[0], slot) if stacked else (slot,)
@@ -253,7 +255,10 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
             in_specs += [pl.BlockSpec((None, None, P, D), lambda b, h, s: (b, h, 0, 0)),
                          pl.BlockSpec((None, None, P), lambda b, h, s: (b, h, 0))]
 
-    num_stages = fit_stages(num_stages, 2 * ppb * page_size * D * k.dtype.itemsize)
+    # a quantised tile is dequantised to q's dtype before the dots: Triton stages that copy in shared
+    # memory too (an int8 cache with fp32 queries asked 270 KB of an H200's 227 KB at 3 stages)
+    staged = k.dtype.itemsize + (q.dtype.itemsize if quantized else 0)
+    num_stages = fit_stages(num_stages, 2 * ppb * page_size * D * staged)
     kernel = functools.partial(
         _decode_kernel, dense=dense, has_bias=bias is not None, stacked=stacked, page_size=page_size, ppb=ppb,
         pages_per_split=pps, qk_scale=scale * LOG2E, f32_dot=q.dtype == jnp.float32, block_h=block_h,
