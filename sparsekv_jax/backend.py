@@ -42,6 +42,10 @@ _MATMULS = ("auto", "xla", "pallas")
 _DENSE = ("auto", "xla", "cudnn", "blocked")
 _LOCAL = ("ring", "full")
 _DOTS = ("auto", "xla", "onednn")
+# storage dtypes of K/V a cache takes (`Backend.kv_dtype`, `cache.init_cache(kv_dtype=...)`; None: the
+# model's dtype); the last two are quantised (sparsekv_jax/cache.py's docstring). Defined here, the
+# lower layer, so the Backend checks it without importing the cache.
+KV_DTYPES = ("bfloat16", "float16", "float32", "int8", "float8_e4m3fn")
 # XLA:CPU hands the program's dots (matmuls and batched matmuls) to oneDNN (x86 only)
 _ONEDNN_DOTS = {"xla_cpu_use_onednn": True, "xla_cpu_experimental_onednn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
 _WEIGHT_NAMES = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
@@ -211,8 +215,6 @@ class Backend:
     kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        from sparsekv_jax.cache import KV_DTYPES
-
         if self.kv_dtype is not None and (not isinstance(self.kv_dtype, str) or self.kv_dtype not in KV_DTYPES):
             raise ValueError(f"Backend kv_dtype={self.kv_dtype!r}: expected one of {KV_DTYPES} or None (the model's "
                              "dtype)")

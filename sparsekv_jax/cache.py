@@ -66,13 +66,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from sparsekv_jax.backend import KV_DTYPES
 from sparsekv_jax.models.config import ModelConfig
 
 # the page summaries a cache may hold (module docstring); a policy declares the ones it reads
 SUMMARIES = ("page_sum", "page_min", "page_max", "page_max_bias")
-# storage dtypes of K/V a cache takes (`init_cache(kv_dtype=...)`; None: the model's dtype); the last
-# two are quantised (module docstring)
-KV_DTYPES = ("bfloat16", "float16", "float32", "int8", "float8_e4m3fn")
 _QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}  # largest code magnitude
 SCALE_DTYPE = jnp.bfloat16  # scales are powers of two: exact in bf16
 
