@@ -492,4 +492,6 @@ def test_int8_cache_on_a_device_mesh_equals_one_device():
         # codes equal, up to a rounding tie the two programs' float keys may break differently
         codes = np.asarray(mesh["k"]), np.asarray(one["k"])
         assert np.abs(codes[0] - codes[1]).max() <= 1 and (codes[0] == codes[1]).mean() > 0.99, policy
-        np.testing.assert_allclose(np.asarray(mesh["logits"]), np.asarray(one["logits"]), rtol=1e-5, atol=1e-5)
+        # a code one step off moves a logit by about that step's share of q·k (3e-4 seen in CI, seed
+        # 1297525533's draw); a shard reading another shard's scales would move them by O(1)
+        np.testing.assert_allclose(np.asarray(mesh["logits"]), np.asarray(one["logits"]), rtol=1e-3, atol=1e-3)
