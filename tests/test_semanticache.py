@@ -349,9 +349,14 @@ SENTENCES, WORDS, DIGITS = (dict(protect=p) for p in ("digit_sentences", "digit_
 def test_chunking_gsc_and_merging_equal_the_numpy_reference(pol, delim_rate, number_rate, kept):
     """``kept``: the class kept unmerged (3 = sentences holding a digit, 2 = words holding a digit,
     1 = digits, 4 = rare tokens, 0 = nothing) that some row of the draw must take, as the reference
-    decides it."""
-    sizes, levels, protection = compare(pol, int(seeded_rng().integers(1 << 30)), delim_rate=delim_rate,
-                                        number_rate=number_rate)
+    decides it. Rare tokens fit a row's share only in some draws (ids occurring once may be more than
+    it holds; then the reference too protects nothing): up to four draws, until one row keeps them."""
+    rng = seeded_rng()
+    for _ in range(4 if pol.protect == "rare_tokens" else 1):
+        sizes, levels, protection = compare(pol, int(rng.integers(1 << 30)), delim_rate=delim_rate,
+                                            number_rate=number_rate)
+        if kept is None or kept in protection:
+            break
     assert min(sizes) < 40  # clusters did merge
     if delim_rate > 0.3:
         assert max(levels) > 0  # the fallback was taken
