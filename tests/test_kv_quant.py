@@ -458,12 +458,15 @@ _MESH_CHILD = textwrap.dedent("""
     tokens, lengths = rng.integers(1, 61, (2, 40)), np.array([40, 29])
     out = {}
     for policy in ("fullkv", "quest(budget=16)"):
-        for name, mesh in (("one", None), ("mesh", make_mesh(data=1, model=2))):
-            backend = Backend(decode_attention="pallas", kv_dtype="int8")
+        runs = (("one", None, "int8"), ("mesh", make_mesh(data=1, model=2), "int8"), ("float", None, None))
+        forced = None
+        for name, mesh, kv_dtype in runs:
+            backend = Backend(decode_attention="pallas", kv_dtype=kv_dtype)
             res = generate(params, parse_policy(policy), tokens, lengths=lengths, max_new_tokens=4, stop_tokens=(),
                            backend=backend, mesh=mesh)
-            spec = str(res.cache.layers.k_scale.sharding.spec) if mesh is not None else ""
-            logits = teacher_force(params, parse_policy(policy), tokens, np.asarray(res.tokens), lengths=lengths,
+            forced = np.asarray(res.tokens) if forced is None else forced  # every run scores one's tokens
+            spec = str(res.cache.layers.k_scale.sharding.spec) if mesh is not None and kv_dtype else ""
+            logits = teacher_force(params, parse_policy(policy), tokens, forced, lengths=lengths,
                                    backend=backend, mesh=mesh)[0]
             out[policy + "/" + name] = {"tokens": np.asarray(res.tokens).tolist(), "spec": spec,
                                         "logits": np.asarray(logits).tolist(),
@@ -486,12 +489,23 @@ def test_int8_cache_on_a_device_mesh_equals_one_device():
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.split("RESULT", 1)[1])
     for policy in ("fullkv", "quest(budget=16)"):
-        one, mesh = res[policy + "/one"], res[policy + "/mesh"]
+        one, mesh, exact = (res[policy + "/" + name] for name in ("one", "mesh", "float"))
         assert "model" in mesh["spec"], mesh["spec"]
-        assert mesh["tokens"] == one["tokens"], policy
         # codes equal, up to a rounding tie the two programs' float keys may break differently
         codes = np.asarray(mesh["k"]), np.asarray(one["k"])
         assert np.abs(codes[0] - codes[1]).max() <= 1 and (codes[0] == codes[1]).mean() > 0.99, policy
-        # a code one step off moves a logit by about that step's share of q·k (3e-4 seen in CI, seed
-        # 1297525533's draw); a shard reading another shard's scales would move them by O(1)
-        np.testing.assert_allclose(np.asarray(mesh["logits"]), np.asarray(one["logits"]), rtol=1e-3, atol=1e-3)
+        # Both programs quantise the same keys; a tie broken the other way errs by half a step either
+        # way, so the mesh is as far from the unquantised cache's logits as one device is (a shard
+        # reading another shard's scales would err by O(1)). A fixed tolerance on mesh - one failed CI
+        # (6.6e-3 at seed 1215500086): one flipped code moves a logit by a step's share of q.k.
+        ref, one_l, mesh_l = (np.asarray(r["logits"]) for r in (exact, one, mesh))
+        noise = np.abs(one_l - ref).max()
+        assert noise > 0, policy  # the int8 cache quantised something
+        assert np.abs(mesh_l - ref).max() <= 2 * noise + 1e-4, (policy, np.abs(mesh_l - ref).max(), noise)
+        # and closer to one device than either is to it: a flipped code is one error among thousands
+        typical = np.median(np.abs(one_l - ref))
+        assert np.median(np.abs(mesh_l - one_l)) <= 0.25 * typical, (policy, np.median(np.abs(mesh_l - one_l)), typical)
+        # generated tokens agree up to a step whose top-two margin is within the quantisation noise
+        top2 = np.sort(one_l, axis=-1)[..., -2:]
+        clear = np.cumprod(top2[..., 1] - top2[..., 0] > 4 * noise, axis=1).astype(bool)
+        assert (np.asarray(mesh["tokens"]) == np.asarray(one["tokens"]))[clear].all(), policy
