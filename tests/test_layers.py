@@ -170,3 +170,28 @@ def test_no_mesh_branch_imports_sharding(module):
     """The per-device wrappers are `pallas.dispatch`'s: no caller imports `sharding` to run a kernel."""
     path = ROOT / Path(*module.split(".")).with_suffix(".py")
     assert "sparsekv_jax.sharding" not in {m for m, _ in imports_of(path)}
+
+
+
+def private_imports(source: str, module: str) -> list[tuple[int, str, str]]:
+    """``(line, module, name)`` of every ``from sparsekv_jax.X import _name`` in ``source`` (the text of
+    ``module``) where X is in another package than ``module``'s own: a package's private names are
+    its own business."""
+    own = module.rsplit(".", 1)[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("sparsekv_jax"):
+            if node.module.rsplit(".", 1)[0] == own or node.module == own:
+                continue
+            found += [(node.lineno, node.module, a.name) for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_module_imports_another_packages_private_names():
+    """Issue #41: no ``from sparsekv_jax… import _private`` outside its own package."""
+    found = {module_name(p): hits for p in _modules() if (hits := private_imports(p.read_text(), module_name(p)))}
+    assert found == {}, found
+    # the checker sees one, and lets a package's own private imports pass
+    probe = "from sparsekv_jax.models.transformer import _norm\nfrom sparsekv_jax.retrieval.scan import _x, y\n"
+    assert private_imports(probe, "sparsekv_jax.retrieval.probe") == [(1, "sparsekv_jax.models.transformer", "_norm")]

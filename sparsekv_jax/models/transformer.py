@@ -203,7 +203,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, layer_cache
                 out, (kv, state), extras = attend(q, k, v, (kv, state), idx, x)
             return out, extras
 
-        x, extras = _decoder_layer(params, lw, x, positions, idx, inv_freq, attention, weights_by_index, interpret,
+        x, extras = decoder_layer(params, lw, x, positions, idx, inv_freq, attention, weights_by_index, interpret,
                                    mesh)
         return (x, state), (kv, extras)
 
@@ -220,10 +220,12 @@ def _rope_tables(cfg: ModelConfig) -> jax.Array | None:
     return jnp.asarray(layer_inverse_frequencies(cfg), jnp.float32) if cfg.per_layer_attention else None
 
 
-def _decoder_layer(params: Params, lw: LayerParams, x: jax.Array, positions: jax.Array, idx: jax.Array,
-                   inv_freq: jax.Array | None, attention: Callable, weights_by_index: bool, interpret: bool | None,
-                   mesh: Any = None):
-    """One decoder layer around ``attention(q, k, v, x) -> (out [B, T, Hq, D], extras)``."""
+def decoder_layer(params: Params, lw: LayerParams, x: jax.Array, positions: jax.Array, idx: jax.Array,
+                  inv_freq: jax.Array | None, attention: Callable, weights_by_index: bool, interpret: bool | None,
+                  mesh: Any = None):
+    """One decoder layer around ``attention(q, k, v, x) -> (out [B, T, Hq, D], extras)``: the block
+    every forward pass here runs, and the one S3's retrieval scan runs layer by layer (so its keys
+    and queries are the model's own, per-layer windows and norms included)."""
     cfg = params.config
     mm = stacked_matmul(params, idx, interpret, mesh) if weights_by_index else slice_matmul(lw)
     q, k, v = qkv_projection(params, lw, x, positions, mm, inv_freq)
@@ -291,7 +293,7 @@ def forward_interleaved(params: Params, tokens: jax.Array, positions: jax.Array,
                 out, ring, extras = attend_local(q, kk, vv, ring, j, h)
                 return out, extras
 
-            x, extras = _decoder_layer(params, layer_view_of(params.layers, idx), x, positions, idx, local_freq,
+            x, extras = decoder_layer(params, layer_view_of(params.layers, idx), x, positions, idx, local_freq,
                                        attention, weights_by_index, interpret, mesh)
             return x, (ring, extras)
 
@@ -312,7 +314,7 @@ def forward_interleaved(params: Params, tokens: jax.Array, positions: jax.Array,
                 out, (kv, state), extras = attend_global(q, kk, vv, (kv, state), g, h)
             return out, extras
 
-        x, global_extras = _decoder_layer(params, layer_view_of(params.layers, idx), x, positions, idx,
+        x, global_extras = decoder_layer(params, layer_view_of(params.layers, idx), x, positions, idx,
                                           global_freq, attention, weights_by_index, interpret, mesh)
         return (x, state), (kv, rings, global_extras, local_extras)
 

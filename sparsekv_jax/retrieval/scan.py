@@ -43,8 +43,7 @@ import numpy as np
 from sparsekv_jax.attention import PREFILL_BLOCK, cached_attention, dense_causal_attention
 from sparsekv_jax.backend import Backend, resolved
 from sparsekv_jax.models.params import Params
-from sparsekv_jax.models.transformer import _decoder_layer as decoder_layer
-from sparsekv_jax.models.transformer import embed
+from sparsekv_jax.models.transformer import decoder_layer, embed
 from sparsekv_jax.retrieval.features import FEATURE_METHODS, stacked_token_features
 from sparsekv_jax.retrieval.index import SegmentedIndex, chunk_postings
 from sparsekv_jax.sae.keys import check_layers, layer_attention, layer_inverse_frequency, pre_rope_queries, unrotate
