@@ -130,24 +130,29 @@ def _prompt(lengths, qs, T):
                   question_start=None if qs is None else jnp.asarray(qs, jnp.int32))
 
 
+def _random_observation(policy, lengths, qs, hidden_shift, rng):
+    """``(obs, q, k, hid, prompt)``: ``policy.observe`` run layer by layer (as the engine's layer loop
+    does) on random queries, keys and hidden states of a batch-2, 64-token prompt, stacked by layer."""
+    B, T, Hq, Hkv, D, H = len(lengths), 64, 4, 2, 8, 32
+    q = rng.normal(size=(CFG.num_layers, B, T, Hq, D)).astype(np.float32)
+    k = rng.normal(size=(CFG.num_layers, B, T, Hkv, D)).astype(np.float32)
+    hid = (rng.normal(size=(CFG.num_layers, B, T, H)) + hidden_shift).astype(np.float32)
+    prompt = _prompt(lengths, qs, T)
+    observe = jax.jit(lambda q, k, h, i: policy.observe(q, k, None, h, i, prompt))
+    obs = [observe(q[i], k[i], hid[i], jnp.int32(i)) for i in range(CFG.num_layers)]
+    return jax.tree.map(lambda *x: jnp.stack(x), *obs), q, k, hid, prompt
+
+
 # -- Stage II -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("salience, embedding, centred", [("attention", "input", True), ("softmax", "hidden", False),
                                                           ("mean", "hidden", True)])
 def test_observe_and_relevance_match_brute_force(salience, embedding, centred):
     """observe (per layer, inside a layer loop) + select's s against Eqs. 3-5 computed in numpy from
     the raw queries, keys and hidden states; non-probed layers contribute nothing."""
-    rng = seeded_rng()
-    B, T, Hq, Hkv, D, H = 2, 64, 4, 2, 8, 32
     policy = _bound(block_size=8, probe_layers=2, salience=salience, embedding=embedding, centred=centred,
                     max_question=16, sinks=2)
     lengths, qs = np.array([64, 50]), np.array([52, 31])
-    q = rng.normal(size=(CFG.num_layers, B, T, Hq, D)).astype(np.float32)
-    k = rng.normal(size=(CFG.num_layers, B, T, Hkv, D)).astype(np.float32)
-    hid = (rng.normal(size=(CFG.num_layers, B, T, H)) + 0.5).astype(np.float32)
-    prompt = _prompt(lengths, qs, T)
-    observe = jax.jit(lambda q, k, h, i: policy.observe(q, k, None, h, i, prompt))
-    obs = [observe(q[i], k[i], hid[i], jnp.int32(i)) for i in range(CFG.num_layers)]
-    obs = jax.tree.map(lambda *x: jnp.stack(x), *obs)
+    obs, q, k, hid, prompt = _random_observation(policy, lengths, qs, 0.5, seeded_rng())
     assert not np.asarray(obs["attn"][0]).any(), "layer 0 is not probed"
     a = np.mean([np_question_attention(q[i], k[i], lengths, qs, 16) for i in (1, 2)], axis=0)
     np.testing.assert_allclose(np.asarray(obs["attn"]).sum(0) / 2, a, rtol=1e-4, atol=1e-7)
@@ -403,17 +408,11 @@ def test_without_stage1_gates_each_token(embedding):
     threshold mode keeps the forced tokens and every context token with s > α; budget mode orders
     the slots as the numpy brute force with one-token blocks (retained by s then ā, refined by ā,
     the rest by s then ā)."""
-    rng = seeded_rng()
-    B, T, Hq, Hkv, D, H = 2, 64, 4, 2, 8, 32
     base = _bound(stage1="tokens", block_size=16, probe_layers=2, embedding=embedding, max_question=16, sinks=2,
                   window=4, radius=1, max_kept=1.0)
     lengths, qs = np.array([64, 57]), np.array([50, 41])
-    q = rng.normal(size=(CFG.num_layers, B, T, Hq, D)).astype(np.float32)
-    k = rng.normal(size=(CFG.num_layers, B, T, Hkv, D)).astype(np.float32)
-    hid = (rng.normal(size=(CFG.num_layers, B, T, H)) + 0.3).astype(np.float32)
-    prompt = _prompt(lengths, qs, T)
-    observe = jax.jit(lambda q, k, h, i: base.observe(q, k, None, h, i, prompt))
-    obs = jax.tree.map(lambda *x: jnp.stack(x), *[observe(q[i], k[i], hid[i], jnp.int32(i)) for i in range(3)])
+    obs, q, k, hid, prompt = _random_observation(base, lengths, qs, 0.3, seeded_rng())
+    B, T = 2, 64
     assert obs["gram"].shape == (3, B, T, 1, 1)
     a = np.mean([np_question_attention(q[i], k[i], lengths, qs, 16) for i in (1, 2)], axis=0)
     E = hid[base.embedding_layer]
