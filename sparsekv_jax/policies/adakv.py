@@ -224,9 +224,14 @@ class AdaKV(BudgetAllocation):
         values, _ = head_order(scores, length)  # [L, B, H, S] best first
         own = jnp.minimum(jnp.maximum(self.floor_tokens(keep), floor), keep)  # [B] each head's floor
         key = jnp.where(jnp.arange(S) < own[:, None, None], jnp.inf, values).reshape(L, B, H * S)
-        # a joint stable sort of the heads' sorted lists: each head's chosen entries are a prefix of
-        # its own order, so counting them per head is the selection
-        order = jnp.argsort(key, axis=-1, descending=True, stable=True)
-        chosen = jnp.broadcast_to(jnp.arange(H * S) < (H * keep)[:, None], (L, B, H * S))
-        picked = jnp.put_along_axis(jnp.zeros((L, B, H * S), bool), order, chosen, axis=-1, inplace=False)
+        # the layer's H·n best keys (ties: the lower head, then the lower slot, as a stable sort of the
+        # heads' lists would take them), found by the threshold rather than by scattering a joint
+        # argsort: XLA partitions the sort over (layer, row) but gathers a scatter's operands whole
+        total = (H * keep)[None, :, None]  # [1, B, 1]
+        threshold = jnp.take_along_axis(jnp.sort(key, axis=-1, descending=True),
+                                        jnp.broadcast_to(total - 1, (L, B, 1)), axis=-1)
+        above = key > threshold
+        ties = key == threshold
+        picked = above | (ties & (jnp.cumsum(ties, axis=-1) <= total - above.sum(-1, keepdims=True)))
+        # each head's picks are a prefix of its own order (its keys are sorted), so counting is selecting
         return picked.reshape(L, B, H, S).sum(-1, dtype=jnp.int32)
