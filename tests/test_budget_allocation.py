@@ -286,7 +286,8 @@ def test_spec_names_and_defaults():
     pyr = parse_policy("PyramidKV(snapkv(0.1, window=16), beta=10)")
     assert pyr == PyramidKV(SnapKV(0.1, window=16), beta=10) and pyr.budget == 0.1
     assert ada.stages == ("compress",) and ada.needs_observations and ada.needs_whole_prefill
-    assert parse_policy("adakv(streamingllm(0.2))").needs_observations is False
+    recency = parse_policy("adakv(streamingllm(0.2))")  # observes nothing, but is declared one-pass
+    assert recency.needs_observations is False and recency.needs_whole_prefill is True
 
 
 @pytest.mark.parametrize("spec, match", [

@@ -106,6 +106,10 @@ class BudgetAllocation(Policy):
     inner: ScoredCompression = struct.field(default_factory=SnapKV)
 
     stages = ("compress",)
+    # declared, not the inner's: compares scores across heads or layers, so the inner observes the
+    # whole prompt (StreamingLLM, the one scored compressor that would chunk, gives nothing to
+    # allocate by: its scores do not depend on the head or the layer)
+    needs_whole_prefill = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner, ScoredCompression):
@@ -126,10 +130,6 @@ class BudgetAllocation(Policy):
     def budget(self) -> float | int:
         """The inner's budget: the mean kept per (layer, KV head)."""
         return self.inner.budget
-
-    @property
-    def needs_whole_prefill(self) -> bool:  # type: ignore[override]
-        return self.inner.needs_whole_prefill
 
     @property
     def needs_observations(self) -> bool:  # type: ignore[override]
