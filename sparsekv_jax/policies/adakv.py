@@ -72,11 +72,13 @@ def keep_counts(cache: KVCache, slots: jax.Array, counts: jax.Array, capacity: i
     """A new cache of ``capacity`` tokens holding each (layer, row, head)'s first ``counts`` slots of
     ``slots`` (`head_order`'s, best first), in slot order (RoPE positions ascending).
 
-    ``counts`` ``[L, B, H]``, at most ``min(S, capacity)``. As `common.compact` (which takes one
-    count per row), written by `common.write_entries`: heads keeping fewer leave holes.
+    ``counts`` ``[L, B, H]`` (more than ``min(S, capacity)`` keep that many: size ``capacity`` with
+    `compressed_capacity`). As `common.compact` (which takes one count per row), written by
+    `common.write_entries`: heads keeping fewer leave holes.
     """
     L, B, H, S = slots.shape
     k_static = min(S, capacity)
+    counts = jnp.minimum(counts, k_static)
     top = slots[..., :k_static]
     chosen = jnp.arange(k_static) < counts[..., None]
     idx = jnp.minimum(jnp.sort(jnp.where(chosen, top, S), axis=-1), S - 1)
