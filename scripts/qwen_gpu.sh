@@ -93,7 +93,8 @@ case "$STAGE" in
     ;;
   5)  # issue 36: CHESS with the first-page rebuild, both trigger readings and without regeneration (thresholds
       # shipped as calibration/qwen2.5-coder-1.5b.json, or stage 4's); BSER's hidden-state default against the
-      # token embeddings and the paper's "w/o Stage I", question-aware; Stem at 32k
+      # token embeddings and the paper's "w/o Stage I", question-aware; Stem at 32k; issue 38: AdaKV and
+      # PyramidKV over SnapKV at 25% and 10% (uniform SnapKV at both: stages 1 and 2's agnostic_8k rows)
     CAL=qwen2.5-coder-1.5b
     [ -f sparsekv_jax/policies/calibration/$CAL.json ] || CAL="$RUNS/calibration/$MODEL.json"
     C="chess('moderate', calibration='$CAL')"
@@ -102,6 +103,8 @@ case "$STAGE" in
     ev 0.2 aware_8k aware 8k "bser(0.25, embedding='input'), bser(0.25, stage1='tokens'), bser, \
       bser(embedding='input')" --suite ruler --no-fullkv > "$RUNS/bser8k.log" 2>&1 &
     ev 0.25 stem agnostic 32k stem --suite ruler --no-fullkv > "$RUNS/stem32k.log" 2>&1 &
+    ev 0.2 alloc_8k agnostic 8k "adakv(snapkv(0.25)), pyramidkv(snapkv(0.25)), adakv(snapkv(0.1)), \
+      pyramidkv(snapkv(0.1))" --suite ruler --no-fullkv > "$RUNS/alloc8k.log" 2>&1 &
     ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
