@@ -1,5 +1,6 @@
 """Stem prefill: Eq. 3 budgets, valid block lists, the OAM metric against a brute-force reference,
-exactness when the budget covers everything, the Pallas path, bad settings, the ablation script."""
+the tiled routing against the whole-metric one (lists, ties, memory), exactness when the budget
+covers everything, the Pallas path, bad settings, the ablation script."""
 
 from __future__ import annotations
 
@@ -243,6 +244,98 @@ def test_covering_lists_equal_dense_attention_and_short_rows_stay_exact(tiny):
     assert not np.allclose(both[0], sparse_first[0], atol=1e-4), "the long row is really sparse"
 
 
+def _pattern(pol: Stem, q, k, v, lengths) -> tuple[np.ndarray, np.ndarray]:
+    B, T = q.shape[:2]
+    fn = jax.jit(lambda q, k, v, ln: pol.prefill_pattern(q, k, v, jnp.int32(0), Prompt(jnp.zeros((B, T), jnp.int32),
+                                                                                        ln))[:2])
+    ids, counts = fn(q, k, v, jnp.asarray(lengths, jnp.int32))
+    return np.asarray(ids), np.asarray(counts)
+
+
+@pytest.mark.parametrize("hq, hkv, gqa, beta, lo, hi", [
+    (6, 2, "max", 0.2, 150, 260), (8, 2, "mean", 0.2, 300, 420), (4, 4, "max", 0.0, 200, 330)])
+def test_tiled_routing_lists_equal_the_full_metrics(rng, hq, hkv, gqa, beta, lo, hi):
+    """The default routing (a lax.map over query-block tiles keeping only the lists) gives the lists of
+    the whole-metric reference (select_blocks over block_metric), ids in the same order, at any tile."""
+    T = int(rng.integers(lo, hi))
+    lengths = [T, int(rng.integers(20, T - 16))]  # ragged: the second row ends blocks before the width
+    q, k, v = _qkv(rng, 2, T, hq, hkv)
+    full = Stem(block_size=16, stride=4, k_start_ratio=0.3, min_blocks=4, sink_blocks=2, local_blocks=2, gqa=gqa,
+                beta=beta, routing="full")
+    ref_ids, ref_counts = _pattern(full, q, k, v, lengths)
+    n = -(-T // 16)
+    assert ref_ids.shape == (2, hkv, n, full.list_width(T)) and (ref_counts < np.arange(n) + 1).any()
+    for tile in (None, 1, 3):  # None: one step here (the default budget covers all n query blocks)
+        ids, counts = _pattern(full.replace(routing="tiled", route_tile=tile), q, k, v, lengths)
+        np.testing.assert_array_equal(ids, ref_ids, err_msg=f"T={T} lengths={lengths} tile={tile}")
+        np.testing.assert_array_equal(counts, ref_counts)
+
+
+def test_tiled_routing_breaks_ties_by_the_lower_block(rng):
+    """q = 0 makes every causal tile's logit 0 and unit-norm values make every magnitude 0, so all
+    earlier key blocks tie: both paths list forced blocks, then the free ones, then future ones, each
+    in increasing order (the tie rule of `top_k`), whatever the row's length."""
+    B, T, hq, hkv, D = 2, 150, 6, 2, 16
+    q = jnp.zeros((B, T, hq, D), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, T, hkv, D)), jnp.float32)
+    v = rng.normal(size=(B, T, hkv, D))
+    v = jnp.asarray(v / np.linalg.norm(v, axis=-1, keepdims=True), jnp.float32)
+    lengths = [T, int(rng.integers(20, 100))]
+    pol = Stem(block_size=16, stride=4, k_start_ratio=0.3, min_blocks=3, sink_blocks=2, local_blocks=2, beta=0.2)
+    n, width = -(-T // 16), pol.list_width(T)
+    expected = np.zeros((n, width), np.int32)
+    for i in range(n):
+        forced = [j for j in range(i + 1) if j < 2 or j > i - 2]
+        free = [j for j in range(i + 1) if j not in forced]
+        expected[i] = (forced + free + list(range(i + 1, n)))[:width]
+    for routed in (pol.replace(routing="full"), pol, pol.replace(route_tile=2)):
+        ids, _ = _pattern(routed, q, k, v, lengths)
+        np.testing.assert_array_equal(ids, np.broadcast_to(expected, ids.shape), err_msg=routed.name)
+
+
+def _largest_intermediate(jaxpr) -> int:
+    """Bytes of the largest value any equation of ``jaxpr`` (or of a jaxpr inside one: a lax.map's
+    body) produces."""
+    best = 0
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            best = max(best, math.prod(var.aval.shape) * var.aval.dtype.itemsize)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    best = max(best, _largest_intermediate(inner))
+    return best
+
+
+def test_tiled_routing_memory_is_linear_in_the_strided_length():
+    """At 1k and 2k tokens (stride 4: 256 and 512 strided rows), the reference holds the whole
+    [T/stride]^2 fp32 strided scores; the tiled routing at 2 query blocks a step holds no value larger
+    than q itself, one step's scores [B, Hq, 2 * t, T/stride] or the lists, and XLA's temporaries grow
+    2x, not 4x, when T doubles."""
+    B, hq, hkv, D, tile = 1, 2, 1, 8, 2
+    pol = Stem(block_size=16, stride=4, min_blocks=4, k_start_ratio=0.2)
+    sizes = {}
+    for T in (1024, 2048):
+        q = jax.ShapeDtypeStruct((B, T, hq, D), jnp.float32)
+        k = jax.ShapeDtypeStruct((B, T, hkv, D), jnp.float32)
+        ln = jax.ShapeDtypeStruct((B,), jnp.int32)
+        m, n, width = T // 4, T // 16, pol.list_width(T)
+        for routed in (pol.replace(routing="full"), pol.replace(route_tile=tile)):
+            def fn(q, k, v, ln, routed=routed, T=T):
+                return routed.prefill_pattern(q, k, v, jnp.int32(0), Prompt(jnp.zeros((B, T), jnp.int32), ln))[:2]
+            largest = _largest_intermediate(jax.make_jaxpr(fn)(q, k, k, ln).jaxpr)
+            temp = jax.jit(fn).lower(q, k, k, ln).compile().memory_analysis().temp_size_in_bytes
+            sizes[routed.routing, T] = largest, temp
+        squared = B * hq * m * m * 4
+        assert sizes["full", T][0] >= squared, sizes
+        bound = max(B * T * hq * D * 4, B * hq * tile * 4 * m * 4, B * hkv * n * width * 4)
+        assert sizes["tiled", T][0] <= bound < squared // 4, (sizes, bound, squared)
+        assert sizes["tiled", T][1] < sizes["full", T][1] / 3, sizes
+    assert sizes["full", 2048][1] > 3.5 * sizes["full", 1024][1], sizes
+    assert sizes["tiled", 2048][1] < 2.5 * sizes["tiled", 1024][1], sizes
+
+
 def test_pallas_kernel_interpret_matches_jnp():
     rng = seeded_rng()
     T = 72  # not a multiple of the block: the kernel pads KV, the lists stay valid
@@ -264,6 +357,7 @@ def test_pallas_kernel_interpret_matches_jnp():
     (lambda: Stem(local_blocks=0), "local_blocks=0"), (lambda: Stem(min_blocks=2.5), "min_blocks=2.5"),
     (lambda: Stem(schedule="linear"), "schedule='linear'"), (lambda: Stem(stride=3), "stride=3"),
     (lambda: Stem(block_size=16, stride=32), "stride=32"), (lambda: Stem(gqa="sum"), "gqa='sum'"),
+    (lambda: Stem(routing="fast"), "routing='fast'"), (lambda: Stem(route_tile=0), "route_tile=0"),
     (lambda: parse_policy("stem(colour=1)"), "colour"),
 ])
 def test_bad_settings_raise(make, match):
