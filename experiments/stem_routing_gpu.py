@@ -5,18 +5,21 @@ weights, batch 1, default `Stem` (blocks of 64, stride 8):
 
 1. routing alone, one layer: ``Stem(routing="full")`` (the ``[nQ, nK]`` metric, one top-k) against
    ``Stem()`` (`stem_routing.routed_blocks`, a `lax.map` over tiles of query blocks keeping only the
-   lists) at the default tile and each ``--tiles``; the share of lists the GPU gives identically
-   (ids in order) and as the same sets (first ``count`` ids) is printed first;
-2. end to end: `engine.prefill` of dense (`FullKV`, cuDNN), Stem with the full routing and Stem with
-   the tiled routing, compiled ahead.
+   lists) and ``Stem(routing="kernel")`` (the same loop, each tile's metric from the Pallas kernel
+   `sparsekv_jax.pallas.stem_route`, first run on a GPU here: a variant that does not compile is
+   reported and left out), each at the default tile and each ``--tiles``; the share of lists the GPU
+   gives identically to the full routing (ids in order) and as the same sets (first ``count`` ids) is
+   printed first;
+2. end to end: `engine.prefill` of dense (`FullKV`, cuDNN) and Stem with the full, the tiled and the
+   kernel routing (``--e2e`` picks among them), compiled ahead.
 
 Every variant of a length is timed interleaved (one call of each per round, the order rotated), the
 median of ``--iters`` rounds after a warm-up, and the whole repeated ``--repeats`` times. Each
 command must end within the device's 10 minutes: run the lengths one at a time, e.g.
 
     python experiments/stem_routing_gpu.py --lengths 32k --out $OUT
-    python experiments/stem_routing_gpu.py --lengths 128k --iters 9 --repeats 2 --out $OUT
-    python experiments/stem_routing_gpu.py --lengths 128k --skip-e2e --tiles 4,8,32 --out $OUT
+    python experiments/stem_routing_gpu.py --lengths 128k --skip-e2e --out $OUT
+    python experiments/stem_routing_gpu.py --lengths 128k --skip-routing --repeats 1 --out $OUT   # twice
 
 Prints a table per length; writes ``stem_routing_gpu_<length>.json`` under ``--out``.
 """
@@ -45,6 +48,8 @@ from sparsekv_jax.models.config import llama31_8b_config  # noqa: E402
 from sparsekv_jax.policies import FullKV, Stem, parse_policy  # noqa: E402
 from sparsekv_jax.policies.base import Prompt, Setup  # noqa: E402
 
+E2E = ("dense", "full", "tiled", "kernel")  # the end-to-end variants (Stem's routing, or dense)
+
 
 def interleaved(fns: dict, args: tuple, iters: int) -> dict[str, float]:
     """Median seconds of each of ``fns`` (called on ``args``) over ``iters`` rounds, one call of each per
@@ -62,7 +67,22 @@ def interleaved(fns: dict, args: tuple, iters: int) -> dict[str, float]:
 def routing_variants(stem: Stem, tiles: list[int]) -> dict[str, Stem]:
     out = {"full": stem.replace(routing="full"), "tiled (default tile)": stem.replace(routing="tiled")}
     out.update({f"tiled, tile {t}": stem.replace(routing="tiled", route_tile=t) for t in tiles})
+    out["kernel (default tile)"] = stem.replace(routing="kernel")
+    out.update({f"kernel, tile {t}": stem.replace(routing="kernel", route_tile=t) for t in tiles})
     return out
+
+
+def compile_all(make: dict, args: tuple) -> tuple[dict, dict]:
+    """``({name: compiled}, {name: error})``: a variant that fails to compile (the Pallas kernel has not
+    run on a GPU before this script) is reported and left out."""
+    fns, errors = {}, {}
+    for name, fn in make.items():
+        try:
+            fns[name] = fn.lower(*args).compile()
+        except Exception as e:  # noqa: BLE001 - report the variant and go on
+            errors[name] = f"{type(e).__name__}: {str(e)[:2000]}"
+            print(f"{name}: does not compile: {errors[name][:300]}", flush=True)
+    return fns, errors
 
 
 def routing_fn(pol: Stem, T: int):
@@ -93,21 +113,25 @@ def routing_point(stem: Stem, T: int, tiles: list[int], iters: int, repeats: int
     v = jax.random.normal(keys[2], (1, T, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
     lengths = jnp.full((1,), T, jnp.int32)
     pols = routing_variants(stem, tiles)
-    fns = {name: routing_fn(p, T).lower(q, k, v, lengths).compile() for name, p in pols.items()}
+    fns, errors = compile_all({name: routing_fn(p, T) for name, p in pols.items()}, (q, k, v, lengths))
     temp = {name: int(f.memory_analysis().temp_size_in_bytes) for name, f in fns.items()}
     ref = fns["full"](q, k, v, lengths)
     agree = {name: same_lists(ref, f(q, k, v, lengths)) for name, f in fns.items() if name != "full"}
     print(f"{T}: lists against the full routing: {json.dumps(agree)}", flush=True)
     runs = [interleaved(fns, (q, k, v, lengths), iters) for _ in range(repeats)]
-    return {"agreement": agree, "temp_bytes": temp, "ms": [{n: s * 1e3 for n, s in r.items()} for r in runs]}
+    return {"agreement": agree, "temp_bytes": temp, "errors": errors,
+            "ms": [{n: s * 1e3 for n, s in r.items()} for r in runs]}
 
 
-def e2e_point(stem: Stem, T: int, iters: int, repeats: int, cfg, params, backend: Backend) -> dict:
+def e2e_point(stem: Stem, T: int, iters: int, repeats: int, cfg, params, backend: Backend,
+              variants: tuple[str, ...] = E2E) -> dict:
     tokens = jax.random.randint(jax.random.key(1), (1, T), 0, cfg.vocab_size)
     lengths = jnp.full((1,), T, jnp.int32)
     pols = {"dense": FullKV(), "stem, full routing": stem.replace(routing="full"),
-            "stem, tiled routing": stem.replace(routing="tiled")}
-    fns, fraction = {}, {}
+            "stem, tiled routing": stem.replace(routing="tiled"),
+            "stem, kernel routing": stem.replace(routing="kernel")}
+    pols = {name: pol for name, pol in pols.items() if name.split(", ")[-1].split()[0] in variants}
+    make = {}
     for name, pol in pols.items():
         pol = pol.bind(Setup(cfg, prompt_len=T, backend=backend))
 
@@ -116,14 +140,16 @@ def e2e_point(stem: Stem, T: int, iters: int, repeats: int, cfg, params, backend
             logits, cache, _, frac = prefill(params, pol, tokens, lengths, cache, backend=backend)
             return logits, cache.length, frac
 
-        fns[name] = jax.jit(run).lower(params, tokens).compile()
-        fraction[name] = float(fns[name](params, tokens)[2])
+        make[name] = jax.jit(run)
+    fns, errors = compile_all(make, (params, tokens))
+    fraction = {name: float(fn(params, tokens)[2]) for name, fn in fns.items()}
     runs = [interleaved(fns, (params, tokens), iters) for _ in range(repeats)]
-    return {"prefill_block_fraction": fraction, "ms": [{n: s * 1e3 for n, s in r.items()} for r in runs]}
+    return {"prefill_block_fraction": fraction, "errors": errors,
+            "ms": [{n: s * 1e3 for n, s in r.items()} for r in runs]}
 
 
 def table(T: int, result: dict) -> str:
-    lines = [f"### {T // 1024}k tokens", "", "| variant | ms (each repeat) | vs first row |", "|---|---|---|"]
+    lines = [f"### {T} tokens", "", "| variant | ms (each repeat) | vs first row |", "|---|---|---|"]
     for part in ("routing", "e2e"):
         if part not in result:
             continue
@@ -139,10 +165,11 @@ def table(T: int, result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="32k,128k", help="prompt lengths (e.g. 32k,128k)")
-    p.add_argument("--tiles", default="8,32", help="route_tile values timed beside the default (query blocks a step)")
+    p.add_argument("--tiles", default="4,8,32", help="route_tile values timed beside the default (query blocks a step)")
     p.add_argument("--iters", type=int, default=9, help="interleaved rounds per repeat (median)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--stem", default="stem", help="the Stem policy spec (routing and route_tile are set per variant)")
+    p.add_argument("--e2e", default=",".join(E2E), help="end-to-end variants: " + ", ".join(E2E))
     p.add_argument("--skip-routing", action="store_true")
     p.add_argument("--skip-e2e", action="store_true")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
@@ -152,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tiles = [int(t) for t in filter(None, args.tiles.split(","))]
+    variants = tuple(v.strip() for v in args.e2e.split(",") if v.strip())
+    if not set(variants) <= set(E2E):
+        p.error(f"--e2e={args.e2e!r}: pick among {', '.join(E2E)}")
     stem = parse_policy(args.stem)
     if not isinstance(stem, Stem):
         p.error(f"--stem={args.stem!r} is not a Stem policy")
@@ -164,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             if params is None:
                 params = random_weights(cfg, None, jnp.bfloat16)
                 backend = Backend().resolve(params)
-            result["e2e"] = e2e_point(stem, T, args.iters, args.repeats, cfg, params, backend)
+            result["e2e"] = e2e_point(stem, T, args.iters, args.repeats, cfg, params, backend, variants)
         (out / f"stem_routing_gpu_{T // 1024}k.json").write_text(json.dumps(result, indent=1))
         print(table(T, result), flush=True)
     return 0

@@ -1,6 +1,7 @@
 """Stem prefill: Eq. 3 budgets, valid block lists, the OAM metric against a brute-force reference,
-the tiled routing against the whole-metric one (lists, ties, memory), exactness when the budget
-covers everything, the Pallas path, bad settings, the ablation script."""
+the tiled routing against the whole-metric one (lists, ties, memory) and its Pallas kernel against
+its reference, exactness when the budget covers everything, the Pallas path, bad settings, the
+ablation script."""
 
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ from sparsekv_jax.cache import init_cache
 from sparsekv_jax.generate import generate, prefill
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
+from sparsekv_jax.pallas.stem_route import stem_tile_metric_kernel
 from sparsekv_jax.pallas.validation import check_index_lists
 from sparsekv_jax.policies import Dense, Pipeline, Quest, Stem, parse_policies, parse_policy
 from sparsekv_jax.policies.base import Prompt
 from sparsekv_jax.policies.stem import select_blocks
+from sparsekv_jax.policies.stem_routing import strided, tile_metric, value_magnitude
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -334,6 +337,51 @@ def test_tiled_routing_memory_is_linear_in_the_strided_length():
         assert sizes["tiled", T][1] < sizes["full", T][1] / 3, sizes
     assert sizes["full", 2048][1] > 3.5 * sizes["full", 1024][1], sizes
     assert sizes["tiled", 2048][1] < 2.5 * sizes["tiled", 1024][1], sizes
+
+
+@pytest.mark.parametrize("gqa", ["max", "mean"])
+def test_route_kernel_interpret_matches_tile_metric(rng, gqa):
+    """The Pallas routing kernel (interpreted) gives its jnp reference's metric on every causal block of a
+    tile of query blocks: ragged batch 2, GQA 6/2 (the group padded to 4 heads in the kernel), the
+    value-norm bonus on, key chunks and feature chunks smaller than the prompt."""
+    B, hq, hkv, D, bs, S = 2, 6, 2, 16, 16, 4
+    T = int(rng.integers(150, 230))
+    lengths = jnp.asarray([T, int(rng.integers(20, T - 32))])
+    q, k, v = _qkv(rng, B, T, hq, hkv, D)
+    qs, ks, rows_in = strided(q, k, lengths, bs, S)
+    bonus = 0.2 * jnp.maximum(value_magnitude(v, lengths, bs), 0.0)
+    n = qs.shape[0]
+    qi = jnp.asarray(np.sort(rng.choice(n, 4, replace=False)), jnp.int32)
+    kw = dict(gqa=gqa, scale=1.0 / (S * math.sqrt(D)))
+    ref = np.asarray(tile_metric(qs[qi], qi, rows_in[qi], ks, bonus, **kw))
+    got = np.asarray(stem_tile_metric_kernel(qs[qi], qi, rows_in[qi], ks, bonus, chunk=16, feature_chunk=32,
+                                             interpret=True, **kw))
+    assert got.shape == ref.shape == (B, hkv, 4, n)
+    causal = np.arange(n)[None, :] <= np.asarray(qi)[:, None]
+    np.testing.assert_allclose(got[:, :, causal], ref[:, :, causal], rtol=1e-5, atol=1e-4)
+    assert np.ptp(ref[:, :, causal]) > 1.0  # the metric varies: a constant would pass any kernel
+
+
+def test_kernel_routing_lists_match_the_full_metrics_up_to_near_ties(rng):
+    """Stem(routing="kernel") through prefill_pattern: the counts of the reference, and every list the
+    same set of blocks unless the blocks swapped lie within 1e-4 of each other in the reference metric."""
+    T, hq, hkv = int(rng.integers(200, 300)), 8, 2
+    lengths = np.array([T, int(rng.integers(20, T - 16))], np.int32)
+    q, k, v = _qkv(rng, 2, T, hq, hkv)
+    full = Stem(block_size=16, stride=4, k_start_ratio=0.3, min_blocks=4, sink_blocks=2, local_blocks=2,
+                routing="full", route_tile=3)
+    ref_ids, ref_counts = _pattern(full, q, k, v, lengths)
+    ids, counts = _pattern(full.replace(routing="kernel"), q, k, v, lengths)
+    np.testing.assert_array_equal(counts, ref_counts)
+    metric = np.asarray(full.block_metric(q, k, v, jnp.asarray(lengths)))
+    same = 0
+    for b, h, i in np.ndindex(*counts.shape):
+        want, have = set(ref_ids[b, h, i, :counts[b, h, i]]), set(ids[b, h, i, :counts[b, h, i]])
+        same += want == have
+        if want != have:
+            swapped = metric[b, h, i, sorted(want ^ have)]
+            assert np.ptp(swapped) < 1e-4, (b, h, i, sorted(want), sorted(have))
+    assert same >= 0.95 * counts.size
 
 
 def test_pallas_kernel_interpret_matches_jnp():

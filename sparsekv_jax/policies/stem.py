@@ -143,8 +143,11 @@ class Stem(Policy):
       stride: anti-diagonal stride of the routing estimate (XAttention: 8); divides block_size.
       gqa: how the query heads of a GQA group combine their routing: ``"max"`` or ``"mean"``.
       routing: ``"tiled"`` (one tile of query blocks at a time, only the lists kept:
-        `stem_routing.routed_blocks`) or ``"full"`` (the whole ``[nQ, nK]`` metric, then one top-k:
-        the reference). Same lists; ``"full"`` is kept for comparison and timing.
+        `stem_routing.routed_blocks`), ``"full"`` (the whole ``[nQ, nK]`` metric, then one top-k:
+        the reference; same lists as ``"tiled"``, kept for comparison and timing) or ``"kernel"``
+        (``"tiled"`` with each tile's metric from the Pallas kernel `sparsekv_jax.pallas.stem_route`,
+        interpreted off a GPU: equal up to rounding, so a list cut at a near-tie may differ; not yet
+        checked on a GPU, hence not the default).
       route_tile: query blocks per step of the tiled routing; ``None`` = as many as keep a step's
         strided scores within `stem_routing.TILE_ELEMENTS` (256 MiB of fp32). Memory and speed only.
     """
@@ -196,8 +199,8 @@ class Stem(Policy):
             raise ValueError(f"stride={self.stride!r} must be a power of two <= block_size={self.block_size}")
         if self.gqa not in ("mean", "max"):
             raise ValueError(f"gqa={self.gqa!r} must be 'mean' or 'max'")
-        if self.routing not in ("tiled", "full"):
-            raise ValueError(f"routing={self.routing!r} must be 'tiled' or 'full'")
+        if self.routing not in ("tiled", "full", "kernel"):
+            raise ValueError(f"routing={self.routing!r} must be 'tiled', 'full' or 'kernel'")
         if self.route_tile is not None and not (isinstance(self.route_tile, int) and not isinstance(
                 self.route_tile, bool) and self.route_tile >= 1):
             raise ValueError(f"route_tile={self.route_tile!r} must be an integer >= 1 or None (automatic)")
@@ -264,6 +267,6 @@ class Stem(Policy):
                                   self.sink_blocks, self.local_blocks, width), self.block_size
         ids = routed_blocks(q, k, v, lengths, block_size=self.block_size, stride=self.stride, beta=self.beta,
                             gqa=self.gqa, sink_blocks=self.sink_blocks, local_blocks=self.local_blocks, width=width,
-                            tile=self.route_tile)
+                            tile=self.route_tile, method="pallas" if self.routing == "kernel" else "jnp")
         counts = block_counts(budget, lengths, self.block_size, self.sink_blocks, self.local_blocks, width, Hkv)
         return ids, counts, self.block_size

@@ -23,6 +23,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from sparsekv_jax.backend import Backend
+from sparsekv_jax.pallas import dispatch
 from sparsekv_jax.policies.common import KEEP, top_k
 
 TILE_ELEMENTS = 1 << 26  # strided tile scores per lax.map step (256 MiB of float32)
@@ -141,7 +143,7 @@ def route_tile(T: int, Hq: int, block_size: int, stride: int, batch: int) -> int
 
 def routed_blocks(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, block_size: int, stride: int,
                   beta: float, gqa: str, sink_blocks: int, local_blocks: int, width: int,
-                  tile: int | None = None) -> jax.Array:
+                  tile: int | None = None, method: str = "jnp", backend: Backend | None = None) -> jax.Array:
     """Stem's block lists, one tile of query blocks at a time: ``block_ids [B, Hkv, nQ, width]`` int32.
 
     Equal to ``select_blocks(metric)[0]`` for the OAM ``metric`` (`Stem.block_metric`): per query
@@ -149,26 +151,67 @@ def routed_blocks(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, 
     ``beta * max(0, value_magnitude)`` when ``beta > 0``, `_block_scores`, top-``width`` -- but the
     `lax.map` keeps only each query block's list. ``tile``: query blocks per step (default
     `route_tile`); the step's strided scores ``[B, Hq, tile * block_size / stride, T / stride]`` fp32
-    are the largest buffer. Counts come from `block_counts`.
+    are the largest buffer. Counts come from `block_counts`. ``method``: ``"jnp"`` (exact: the lists of
+    the whole-metric path) or ``"pallas"`` (the metric of each tile from the kernel of
+    `sparsekv_jax.pallas.stem_route`, interpreted where ``backend`` says so; equal up to rounding).
     """
     B, T, Hq, D = q.shape
     if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
         raise ValueError(f"tile={tile!r} must be a positive number of query blocks")
     if gqa not in ("max", "mean"):
         raise ValueError(f"gqa={gqa!r} must be 'max' or 'mean'")
+    if method not in ("jnp", "pallas"):
+        raise ValueError(f"method={method!r} must be 'jnp' or 'pallas'")
     qs, ks, rows_in = _strided(q, k, lengths, block_size, stride)
     n = qs.shape[0]
     scale = 1.0 / (stride * math.sqrt(D))
     bonus = None if beta == 0 else beta * jnp.maximum(value_magnitude(v, lengths, block_size), 0.0)  # [B, Hkv, nK]
 
-    def one_block(args: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
-        qb, i, inside = args
-        routing = _block_log_mass(qb, i, inside, ks, scale)  # [B, Hkv, G, nK]
-        metric = routing.mean(2) if gqa == "mean" else routing.max(2)
-        if bonus is not None:
-            metric = metric + bonus
-        return top_k(_block_scores(metric, i, sink_blocks, local_blocks), width)[1]  # [B, Hkv, width]
-
     tile = route_tile(T, Hq, block_size, stride, B) if tile is None else min(tile, n)
-    ids = jax.lax.map(one_block, (qs, jnp.arange(n), rows_in), batch_size=tile)  # [nQ, B, Hkv, width]
-    return ids.transpose(1, 2, 0, 3).astype(jnp.int32)
+    if method == "jnp":
+        def one_block(args: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+            metric = _block_metric(*args, ks, bonus, gqa, scale)  # [B, Hkv, nK]
+            return top_k(_block_scores(metric, args[1], sink_blocks, local_blocks), width)[1]  # [B, Hkv, width]
+
+        ids = jax.lax.map(one_block, (qs, jnp.arange(n), rows_in), batch_size=tile)  # [nQ, B, Hkv, width]
+        return ids.transpose(1, 2, 0, 3).astype(jnp.int32)
+
+    # the kernel (`sparsekv_jax.pallas.stem_route`) scores whole tiles: pad the query blocks to whole tiles
+    steps = -(-n // tile)
+    pad = steps * tile - n
+    qs = jnp.pad(qs, ((0, pad),) + ((0, 0),) * 5).reshape(steps, tile, *qs.shape[1:])
+    rows_in = jnp.pad(rows_in, ((0, pad), (0, 0), (0, 0))).reshape(steps, tile, *rows_in.shape[1:])
+    qi = jnp.minimum(jnp.arange(steps * tile), n - 1).reshape(steps, tile)
+    bonus = jnp.zeros((B, ks.shape[1], n), jnp.float32) if bonus is None else bonus
+
+    def one_tile(args: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+        qb, qi_t, inside = args
+        metric = dispatch.stem_tile_metric(backend, qb, qi_t, inside, ks, bonus, gqa=gqa, scale=scale)
+        return top_k(_block_scores(metric, qi_t[:, None], sink_blocks, local_blocks), width)[1]  # [B, Hkv, tile, w]
+
+    ids = jax.lax.map(one_tile, (qs, qi, rows_in))  # [steps, B, Hkv, tile, width]
+    ids = ids.transpose(1, 2, 0, 3, 4).reshape(B, ks.shape[1], steps * tile, width)[:, :, :n]
+    return ids.astype(jnp.int32)
+
+
+def _block_metric(qb: jax.Array, i: jax.Array, inside: jax.Array, ks: jax.Array, bonus: jax.Array | None, gqa: str,
+                  scale: float) -> jax.Array:
+    """OAM metric ``[B, Hkv, nK]`` of query block ``i``: `_block_log_mass`, the GQA combine, the bonus."""
+    routing = _block_log_mass(qb, i, inside, ks, scale)  # [B, Hkv, G, nK]
+    metric = routing.mean(2) if gqa == "mean" else routing.max(2)
+    return metric if bonus is None else metric + bonus
+
+
+def tile_metric(qb: jax.Array, qi: jax.Array, inside: jax.Array, ks: jax.Array, bonus: jax.Array, *, gqa: str,
+                scale: float) -> jax.Array:
+    """The OAM metric ``[B, Hkv, tile, nK]`` fp32 of a tile of query blocks: the jnp reference of
+    `sparsekv_jax.pallas.stem_route.stem_tile_metric_kernel` (same arguments: ``qb [tile, B, Hkv, G, t,
+    S*D]``, ``qi [tile]``, ``inside [tile, B, t]``, ``ks [B, Hkv, m, S*D]``, ``bonus [B, Hkv, nK]``)."""
+    return jax.vmap(lambda q, i, ins: _block_metric(q, i, ins, ks, bonus, gqa, scale), out_axes=2)(qb, qi, inside)
+
+
+def strided(q: jax.Array, k: jax.Array, lengths: jax.Array, block_size: int,
+            stride: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The anti-diagonal reshapes of ``q`` and ``k`` (`_strided`): ``(qs [nQ, B, Hkv, G, t, S*D], ks [B, Hkv,
+    m, S*D], rows_in [nQ, B, t])``, the inputs of `tile_metric` and its kernel."""
+    return _strided(q, k, lengths, block_size, stride)
