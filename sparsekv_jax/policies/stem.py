@@ -149,7 +149,8 @@ class Stem(Policy):
         interpreted off a GPU: equal up to rounding, so a list cut at a near-tie may differ; not yet
         checked on a GPU, hence not the default).
       route_tile: query blocks per step of the tiled routing; ``None`` = as many as keep a step's
-        strided scores within `stem_routing.TILE_ELEMENTS` (256 MiB of fp32). Memory and speed only.
+        largest buffer within `stem_routing.TILE_ELEMENTS` (256 MiB of fp32; `route_tile`). Memory
+        and speed only.
     """
 
     block_size: int = struct.field(pytree_node=False, default=64)

@@ -11,7 +11,11 @@ Two paths that give the same block lists (the same ties):
 * ``select_blocks(block_metric)`` (``Stem(routing="full")``, the reference): the whole
   ``[B, Hq, nQ, nK]`` routing and ``[B, Hkv, nQ, nK]`` metric, then one top-k over them.
 
-Both run the same per-query-block arithmetic (`_block_log_mass`, `_block_scores`), so the tiled
+``Stem(routing="kernel")`` runs `routed_blocks`'s loop with each tile's metric from the Pallas
+kernel of `sparsekv_jax.pallas.stem_route` (its jnp reference: `tile_metric`), which never writes the
+strided scores at all; equal up to rounding, and not yet run on a GPU, so not the default.
+
+The two jnp paths run the same per-query-block arithmetic (`_block_log_mass`, `_block_scores`), so the tiled
 lists equal the reference's bit for bit wherever XLA computes a query block's scores the same way
 at either tile width (tests/test_stem.py checks it on CPU).
 """
@@ -133,11 +137,14 @@ def select_blocks(metric: jax.Array, budget: jax.Array, lengths: jax.Array, bloc
     return ids.astype(jnp.int32), counts
 
 
-def route_tile(T: int, Hq: int, block_size: int, stride: int, batch: int) -> int:
-    """Query blocks per `lax.map` step: as many as keep one step's strided scores within
-    `TILE_ELEMENTS` (at least 1, at most all)."""
+def route_tile(T: int, Hq: int, Hkv: int, block_size: int, stride: int, batch: int, method: str = "jnp") -> int:
+    """Query blocks per `lax.map` step: as many as keep one step's largest buffer within
+    `TILE_ELEMENTS` (at least 1, at most all). That buffer is the strided scores
+    ``[B, Hq, tile * t, m]`` on the jnp path, and the metric ``[B, Hkv, tile, nK]`` on the kernel's
+    (its scores never leave the chip), so the kernel takes tiles ``Hq t^2`` times larger."""
     n = -(-T // block_size)
-    per_block = batch * Hq * (block_size // stride) * (n * block_size // stride)
+    t = block_size // stride
+    per_block = batch * (Hq * t * n * t if method == "jnp" else Hkv * n)
     return max(1, min(n, TILE_ELEMENTS // per_block))
 
 
@@ -150,10 +157,11 @@ def routed_blocks(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, 
     block, `_block_log_mass` per query head, the GQA combine (``gqa``: ``"max"`` or ``"mean"``), plus
     ``beta * max(0, value_magnitude)`` when ``beta > 0``, `_block_scores`, top-``width`` -- but the
     `lax.map` keeps only each query block's list. ``tile``: query blocks per step (default
-    `route_tile`); the step's strided scores ``[B, Hq, tile * block_size / stride, T / stride]`` fp32
-    are the largest buffer. Counts come from `block_counts`. ``method``: ``"jnp"`` (exact: the lists of
-    the whole-metric path) or ``"pallas"`` (the metric of each tile from the kernel of
-    `sparsekv_jax.pallas.stem_route`, interpreted where ``backend`` says so; equal up to rounding).
+    `route_tile`); on the jnp path the step's strided scores ``[B, Hq, tile * block_size / stride,
+    T / stride]`` fp32 are the largest buffer. Counts come from `block_counts`. ``method``: ``"jnp"``
+    (exact: the lists of the whole-metric path) or ``"pallas"`` (the metric of each tile from the
+    kernel of `sparsekv_jax.pallas.stem_route`, interpreted where ``backend`` says so; equal up to
+    rounding).
     """
     B, T, Hq, D = q.shape
     if tile is not None and (isinstance(tile, bool) or not isinstance(tile, int) or tile < 1):
@@ -167,7 +175,7 @@ def routed_blocks(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, 
     scale = 1.0 / (stride * math.sqrt(D))
     bonus = None if beta == 0 else beta * jnp.maximum(value_magnitude(v, lengths, block_size), 0.0)  # [B, Hkv, nK]
 
-    tile = route_tile(T, Hq, block_size, stride, B) if tile is None else min(tile, n)
+    tile = route_tile(T, Hq, k.shape[2], block_size, stride, B, method) if tile is None else min(tile, n)
     if method == "jnp":
         def one_block(args: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
             metric = _block_metric(*args, ks, bonus, gqa, scale)  # [B, Hkv, nK]
