@@ -39,7 +39,8 @@ def _route_kernel(qi_ref, q_ref, k_ref, w_ref, bonus_ref, o_ref, *, t: int, grou
     rows, features = q_ref.shape
     g_pad = rows // t
     kb = chunk // t  # key blocks per chunk
-    a = i * t + lax.rem(jnp.arange(rows, dtype=jnp.int32), t)  # strided query row of each row
+    row_in_block = lax.rem(jnp.arange(rows, dtype=jnp.int32), t)
+    a = i * t + row_in_block  # strided query row of each row
     n_chunks = lax.div((i + 1) * t + chunk - 1, chunk)  # chunks holding a causal key row
 
     def scores(c):
@@ -58,9 +59,14 @@ def _route_kernel(qi_ref, q_ref, k_ref, w_ref, bonus_ref, o_ref, *, t: int, grou
         return m_new, z * jnp.exp(m - m_new) + jnp.exp(s - m_new[:, None]).sum(1)
 
     m, z = lax.fori_loop(0, n_chunks, stats, (jnp.full((rows,), M_INIT, jnp.float32), jnp.zeros((rows,), jnp.float32)))
-    weight = jnp.broadcast_to(w_ref[...][None, :], (g_pad, t)).reshape(rows)  # 1/rows inside, 0 outside
+    weight = w_ref[row_in_block]  # 1 / (rows inside) for a row inside, 0 outside
     head_ok = jnp.arange(g_pad) < groups
-    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+    def zeros(c, _):  # key blocks no causal chunk reaches (masked by the selection)
+        o_ref[pl.ds(c * kb, kb)] = jnp.zeros((kb,), o_ref.dtype)
+        return 0
+
+    lax.fori_loop(n_chunks, o_ref.shape[0] // kb, zeros, 0)
 
     def mass(c, _):
         p = jnp.exp(scores(c) - m[:, None]) * (weight / z)[:, None]  # [rows, chunk]
