@@ -119,7 +119,7 @@ def stem_tile_metric_kernel(qb: jax.Array, qi: jax.Array, inside: jax.Array, ks:
         functools.partial(_route_kernel, t=t, groups=G, chunk=chunk, feature_chunk=feature_chunk, scale=scale,
                           gqa=gqa),
         grid=(B * Hkv, tile),
-        in_specs=[pl.BlockSpec((tile,), lambda g, j: (0,)),
+        in_specs=[pl.BlockSpec((next_pow2(tile),), lambda g, j: (0,)),
                   pl.BlockSpec((None, None, g_pad * t, F), lambda g, j: (g, j, 0, 0)),
                   pl.BlockSpec((None, n_pad * t, F), lambda g, j: (g, 0, 0)),
                   pl.BlockSpec((None, None, t), lambda g, j: (g // Hkv, j, 0)),
@@ -129,5 +129,5 @@ def stem_tile_metric_kernel(qb: jax.Array, qi: jax.Array, inside: jax.Array, ks:
         compiler_params=triton_params(num_warps, num_stages),
         interpret=interpret,
         name="sparsekv_stem_route",
-    )(qi.astype(jnp.int32), qb, ks, weight, bonus)
+    )(jnp.pad(qi.astype(jnp.int32), (0, next_pow2(tile) - tile)), qb, ks, weight, bonus)
     return out.reshape(B, Hkv, tile, n_pad)[..., :n]
