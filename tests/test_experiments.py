@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
 RECORD = ROOT / "docs" / "results" / "ruler4k"  # a committed `sparsekv eval` record
-GPU_ONLY = ("gemma3_speed", "gsc_gpu", "page_rope_gpu", "sae_decode_gpu", "topk_gpu")
+GPU_ONLY = ("gemma3_speed", "gsc_gpu", "page_rope_gpu", "sae_decode_gpu", "stem_routing_gpu", "topk_gpu")
 RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "readme_plot")
 TESTED_ELSEWHERE = {"stem_ablation": "tests/test_stem.py::test_ablation_script_core (toy model, CPU)"}
 

@@ -1,5 +1,7 @@
 """Stem prefill: Eq. 3 budgets, valid block lists, the OAM metric against a brute-force reference,
-exactness when the budget covers everything, the Pallas path, bad settings, the ablation script."""
+the tiled routing against the whole-metric one (lists, ties, memory) and its Pallas kernel against
+its reference, exactness when the budget covers everything, the Pallas path, bad settings, the
+ablation script."""
 
 from __future__ import annotations
 
@@ -20,10 +22,12 @@ from sparsekv_jax.cache import init_cache
 from sparsekv_jax.generate import generate, prefill
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
+from sparsekv_jax.pallas.stem_route import stem_tile_metric_kernel
 from sparsekv_jax.pallas.validation import check_index_lists
 from sparsekv_jax.policies import Dense, Pipeline, Quest, Stem, parse_policies, parse_policy
 from sparsekv_jax.policies.base import Prompt
 from sparsekv_jax.policies.stem import select_blocks
+from sparsekv_jax.policies.stem_routing import strided, tile_metric, value_magnitude
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -243,6 +247,143 @@ def test_covering_lists_equal_dense_attention_and_short_rows_stay_exact(tiny):
     assert not np.allclose(both[0], sparse_first[0], atol=1e-4), "the long row is really sparse"
 
 
+def _pattern(pol: Stem, q, k, v, lengths) -> tuple[np.ndarray, np.ndarray]:
+    B, T = q.shape[:2]
+    fn = jax.jit(lambda q, k, v, ln: pol.prefill_pattern(q, k, v, jnp.int32(0), Prompt(jnp.zeros((B, T), jnp.int32),
+                                                                                        ln))[:2])
+    ids, counts = fn(q, k, v, jnp.asarray(lengths, jnp.int32))
+    return np.asarray(ids), np.asarray(counts)
+
+
+@pytest.mark.parametrize("hq, hkv, gqa, beta, lo, hi", [
+    (6, 2, "max", 0.2, 150, 260), (8, 2, "mean", 0.2, 300, 420), (4, 4, "max", 0.0, 200, 330)])
+def test_tiled_routing_lists_equal_the_full_metrics(rng, hq, hkv, gqa, beta, lo, hi):
+    """The default routing (a lax.map over query-block tiles keeping only the lists) gives the lists of
+    the whole-metric reference (select_blocks over block_metric), ids in the same order, at any tile."""
+    T = int(rng.integers(lo, hi))
+    lengths = [T, int(rng.integers(20, T - 16))]  # ragged: the second row ends blocks before the width
+    q, k, v = _qkv(rng, 2, T, hq, hkv)
+    full = Stem(block_size=16, stride=4, k_start_ratio=0.3, min_blocks=4, sink_blocks=2, local_blocks=2, gqa=gqa,
+                beta=beta, routing="full")
+    ref_ids, ref_counts = _pattern(full, q, k, v, lengths)
+    n = -(-T // 16)
+    assert ref_ids.shape == (2, hkv, n, full.list_width(T)) and (ref_counts < np.arange(n) + 1).any()
+    for tile in (None, 1, 3):  # None: one step here (the default budget covers all n query blocks)
+        ids, counts = _pattern(full.replace(routing="tiled", route_tile=tile), q, k, v, lengths)
+        np.testing.assert_array_equal(ids, ref_ids, err_msg=f"T={T} lengths={lengths} tile={tile}")
+        np.testing.assert_array_equal(counts, ref_counts)
+
+
+def test_tiled_routing_breaks_ties_by_the_lower_block(rng):
+    """q = 0 makes every causal tile's logit 0 and unit-norm values make every magnitude 0, so all
+    earlier key blocks tie: both paths list forced blocks, then the free ones, then future ones, each
+    in increasing order (the tie rule of `top_k`), whatever the row's length."""
+    B, T, hq, hkv, D = 2, 150, 6, 2, 16
+    q = jnp.zeros((B, T, hq, D), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, T, hkv, D)), jnp.float32)
+    v = rng.normal(size=(B, T, hkv, D))
+    v = jnp.asarray(v / np.linalg.norm(v, axis=-1, keepdims=True), jnp.float32)
+    lengths = [T, int(rng.integers(20, 100))]
+    pol = Stem(block_size=16, stride=4, k_start_ratio=0.3, min_blocks=3, sink_blocks=2, local_blocks=2, beta=0.2)
+    n, width = -(-T // 16), pol.list_width(T)
+    expected = np.zeros((n, width), np.int32)
+    for i in range(n):
+        forced = [j for j in range(i + 1) if j < 2 or j > i - 2]
+        free = [j for j in range(i + 1) if j not in forced]
+        expected[i] = (forced + free + list(range(i + 1, n)))[:width]
+    for routed in (pol.replace(routing="full"), pol, pol.replace(route_tile=2)):
+        ids, _ = _pattern(routed, q, k, v, lengths)
+        np.testing.assert_array_equal(ids, np.broadcast_to(expected, ids.shape), err_msg=routed.name)
+
+
+def _largest_intermediate(jaxpr) -> int:
+    """Bytes of the largest value any equation of ``jaxpr`` (or of a jaxpr inside one: a lax.map's
+    body) produces."""
+    best = 0
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            best = max(best, math.prod(var.aval.shape) * var.aval.dtype.itemsize)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else [param]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    best = max(best, _largest_intermediate(inner))
+    return best
+
+
+def test_tiled_routing_memory_is_linear_in_the_strided_length():
+    """At 1k and 2k tokens (stride 4: 256 and 512 strided rows), the reference holds the whole
+    [T/stride]^2 fp32 strided scores; the tiled routing at 2 query blocks a step holds no value larger
+    than q itself, one step's scores [B, Hq, 2 * t, T/stride] or the lists, and XLA's temporaries grow
+    2x, not 4x, when T doubles."""
+    B, hq, hkv, D, tile = 1, 2, 1, 8, 2
+    pol = Stem(block_size=16, stride=4, min_blocks=4, k_start_ratio=0.2)
+    sizes = {}
+    for T in (1024, 2048):
+        q = jax.ShapeDtypeStruct((B, T, hq, D), jnp.float32)
+        k = jax.ShapeDtypeStruct((B, T, hkv, D), jnp.float32)
+        ln = jax.ShapeDtypeStruct((B,), jnp.int32)
+        m, n, width = T // 4, T // 16, pol.list_width(T)
+        for routed in (pol.replace(routing="full"), pol.replace(route_tile=tile)):
+            def fn(q, k, v, ln, routed=routed, T=T):
+                return routed.prefill_pattern(q, k, v, jnp.int32(0), Prompt(jnp.zeros((B, T), jnp.int32), ln))[:2]
+            largest = _largest_intermediate(jax.make_jaxpr(fn)(q, k, k, ln).jaxpr)
+            temp = jax.jit(fn).lower(q, k, k, ln).compile().memory_analysis().temp_size_in_bytes
+            sizes[routed.routing, T] = largest, temp
+        squared = B * hq * m * m * 4
+        assert sizes["full", T][0] >= squared, sizes
+        bound = max(B * T * hq * D * 4, B * hq * tile * 4 * m * 4, B * hkv * n * width * 4)
+        assert sizes["tiled", T][0] <= bound < squared // 4, (sizes, bound, squared)
+        assert sizes["tiled", T][1] < sizes["full", T][1] / 3, sizes
+    assert sizes["full", 2048][1] > 3.5 * sizes["full", 1024][1], sizes
+    assert sizes["tiled", 2048][1] < 2.5 * sizes["tiled", 1024][1], sizes
+
+
+@pytest.mark.parametrize("gqa", ["max", "mean"])
+def test_route_kernel_interpret_matches_tile_metric(rng, gqa):
+    """The Pallas routing kernel (interpreted) gives its jnp reference's metric on every causal block of a
+    tile of query blocks: ragged batch 2, GQA 6/2 (the group padded to 4 heads in the kernel), the
+    value-norm bonus on, key chunks and feature chunks smaller than the prompt."""
+    B, hq, hkv, D, bs, S = 2, 6, 2, 16, 16, 4
+    T = int(rng.integers(150, 230))
+    lengths = jnp.asarray([T, int(rng.integers(20, T - 32))])
+    q, k, v = _qkv(rng, B, T, hq, hkv, D)
+    qs, ks, rows_in = strided(q, k, lengths, bs, S)
+    bonus = 0.2 * jnp.maximum(value_magnitude(v, lengths, bs), 0.0)
+    n = qs.shape[0]
+    qi = jnp.asarray(np.sort(rng.choice(n, 4, replace=False)), jnp.int32)
+    kw = dict(gqa=gqa, scale=1.0 / (S * math.sqrt(D)))
+    ref = np.asarray(tile_metric(qs[qi], qi, rows_in[qi], ks, bonus, **kw))
+    got = np.asarray(stem_tile_metric_kernel(qs[qi], qi, rows_in[qi], ks, bonus, chunk=16, feature_chunk=32,
+                                             interpret=True, **kw))
+    assert got.shape == ref.shape == (B, hkv, 4, n)
+    causal = np.arange(n)[None, :] <= np.asarray(qi)[:, None]
+    np.testing.assert_allclose(got[:, :, causal], ref[:, :, causal], rtol=1e-5, atol=1e-4)
+    assert np.ptp(ref[:, :, causal]) > 1.0  # the metric varies: a constant would pass any kernel
+
+
+def test_kernel_routing_lists_match_the_full_metrics_up_to_near_ties(rng):
+    """Stem(routing="kernel") through prefill_pattern: the counts of the reference, and every list the
+    same set of blocks unless the blocks swapped lie within 1e-4 of each other in the reference metric."""
+    T, hq, hkv = int(rng.integers(200, 300)), 8, 2
+    lengths = np.array([T, int(rng.integers(20, T - 16))], np.int32)
+    q, k, v = _qkv(rng, 2, T, hq, hkv)
+    full = Stem(block_size=16, stride=4, k_start_ratio=0.3, min_blocks=4, sink_blocks=2, local_blocks=2,
+                routing="full", route_tile=3)
+    ref_ids, ref_counts = _pattern(full, q, k, v, lengths)
+    ids, counts = _pattern(full.replace(routing="kernel"), q, k, v, lengths)
+    np.testing.assert_array_equal(counts, ref_counts)
+    metric = np.asarray(full.block_metric(q, k, v, jnp.asarray(lengths)))
+    same = 0
+    for b, h, i in np.ndindex(*counts.shape):
+        want, have = set(ref_ids[b, h, i, :counts[b, h, i]]), set(ids[b, h, i, :counts[b, h, i]])
+        same += want == have
+        if want != have:
+            swapped = metric[b, h, i, sorted(want ^ have)]
+            assert np.ptp(swapped) < 1e-4, (b, h, i, sorted(want), sorted(have))
+    assert same >= 0.95 * counts.size
+
+
 def test_pallas_kernel_interpret_matches_jnp():
     rng = seeded_rng()
     T = 72  # not a multiple of the block: the kernel pads KV, the lists stay valid
@@ -264,6 +405,7 @@ def test_pallas_kernel_interpret_matches_jnp():
     (lambda: Stem(local_blocks=0), "local_blocks=0"), (lambda: Stem(min_blocks=2.5), "min_blocks=2.5"),
     (lambda: Stem(schedule="linear"), "schedule='linear'"), (lambda: Stem(stride=3), "stride=3"),
     (lambda: Stem(block_size=16, stride=32), "stride=32"), (lambda: Stem(gqa="sum"), "gqa='sum'"),
+    (lambda: Stem(routing="fast"), "routing='fast'"), (lambda: Stem(route_tile=0), "route_tile=0"),
     (lambda: parse_policy("stem(colour=1)"), "colour"),
 ])
 def test_bad_settings_raise(make, match):

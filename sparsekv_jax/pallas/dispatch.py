@@ -29,11 +29,12 @@ from sparsekv_jax.pallas import matmul as _matmul
 from sparsekv_jax.pallas import page_rope as _page_rope
 from sparsekv_jax.pallas import prefill as _prefill
 from sparsekv_jax.pallas import sae_decode as _sae
+from sparsekv_jax.pallas import stem_route as _stem_route
 from sparsekv_jax.pallas import topk as _topk
 
 __all__ = ["decode_attention", "gather_decode", "gather_dot", "gsc_method", "layer_matmul", "per_device",
-           "prefill_attention", "rope_page_sums", "rope_page_sums_method", "sae_gather_method", "threshold_top_k",
-           "threshold_top_k_method", "weight_spec"]
+           "prefill_attention", "rope_page_sums", "rope_page_sums_method", "sae_gather_method", "stem_tile_metric",
+           "threshold_top_k", "threshold_top_k_method", "weight_spec"]
 
 # The dimension of each weight split over ``model`` (None: replicated); layer weights carry [L] first.
 # `sparsekv_jax.sharding.param_specs` places the weights by it and `layer_matmul` multiplies by it.
@@ -224,3 +225,11 @@ def gather_dot(backend: Backend | None, method: str, table: jax.Array, ids: jax.
     if method == "pallas":
         return _sae.gather_dot(table, ids, vec, interpret=_interpret(backend))
     return _sae.gather_dot_reference(table, ids, vec)
+
+
+def stem_tile_metric(backend: Backend | None, qb: jax.Array, qi: jax.Array, inside: jax.Array, ks: jax.Array,
+                     bonus: jax.Array, *, gqa: str, scale: float) -> jax.Array:
+    """Stem's routing metric of a tile of query blocks on the Pallas kernel (`sparsekv_jax.pallas.stem_route`),
+    interpreted where ``backend`` says so; its jnp reference is `policies.stem_routing.tile_metric`."""
+    return _stem_route.stem_tile_metric_kernel(qb, qi, inside, ks, bonus, gqa=gqa, scale=scale,
+                                               interpret=_interpret(backend))

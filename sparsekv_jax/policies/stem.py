@@ -57,8 +57,10 @@ numbers: SmolLM2-135M, RULER question-agnostic (`sparsekv eval`, seed 0), bf16, 
   ``prefill_pattern`` returns ``None``: the dense (cuDNN) path, exactly `FullKV`'s prefill.
 
 The list width ``K`` comes from the padded width ``T = q.shape[1]``, static inside the trace, so
-Stem needs no ``bind``. The anti-diagonal matmul runs over chunks of query blocks
-(`lax.map`), so its ``[T/stride]^2`` tile scores are never materialised at once for long prompts.
+Stem needs no ``bind``. The routing (`sparsekv_jax.policies.stem_routing`) runs Algorithm 1's loop
+over query blocks as a `lax.map` over tiles of them: each step scores its blocks and keeps only their
+lists, so neither the ``[T/stride]^2`` strided scores nor the ``[nQ, nK]`` block metric is ever
+written whole (``routing="full"``, the reference, builds the metric, then one top-k).
 """
 
 from __future__ import annotations
@@ -74,12 +76,17 @@ import numpy as np
 from flax import struct
 
 from sparsekv_jax.policies.base import Policy, Prompt
-from sparsekv_jax.policies.common import KEEP, top_k
+from sparsekv_jax.policies.stem_routing import (  # noqa: F401 (select_blocks re-exported)
+    antidiagonal_routing,
+    block_counts,
+    routed_blocks,
+    select_blocks,
+    value_magnitude,
+)
 
 LONG_CONTEXT = 16384  # tokens: above this the automatic k_start ratio drops from 0.2 to 0.1 (paper 3.1)
 PAPER_MIN_TOKENS = 54 * 128  # the paper's minimum budget: 54 blocks of 128 (3.1), the default floor in tokens
 _EPS = 1e-9  # ceil(x - eps): float64 rounding never adds a block (exact decimal settings are >= 1e-8 apart)
-_TILE_ELEMENTS = 1 << 26  # anti-diagonal tile scores per lax.map step (256 MiB of float32)
 
 
 def _is_number(x: Any) -> bool:
@@ -118,77 +125,6 @@ def budget_table(n_blocks: int, block_size: int, *, k_start_ratio: float | None,
     return table
 
 
-def antidiagonal_routing(q: jax.Array, k: jax.Array, lengths: jax.Array, block_size: int, stride: int) -> jax.Array:
-    """Log attention mass of each key block for each query block (XAttention's estimate): ``[B, Hq, nQ, nK]`` fp32.
-
-    ``q`` ``[B, T, Hq, D]``, ``k`` ``[B, T, Hkv, D]``; ``T`` is zero-padded to whole blocks. Row
-    ``a`` of the query reshape holds queries ``a*S + S-1 .. a*S`` (reversed), row ``b`` of the key
-    reshape keys ``b*S .. b*S + S-1``, each concatenated along features, so their dot product is
-    the anti-diagonal sum of tile ``(a, b)``; divided by ``S sqrt(D)`` it is the tile's mean logit.
-    Each strided query row takes a softmax over its causal tiles (``b <= a``), the probabilities
-    are summed per key block and averaged over the query block's rows that hold a query of the
-    row (right padding is left out), and the log is taken: ``log P(block J | query block I)``.
-    """
-    B, T, Hq, D = q.shape
-    Hkv = k.shape[2]
-    n = -(-T // block_size)
-    pad = ((0, 0), (0, n * block_size - T), (0, 0), (0, 0))
-    q, k = jnp.pad(q, pad), jnp.pad(k, pad)
-    t, m = block_size // stride, n * block_size // stride  # tiles per block side, per sequence side
-    qs = q.reshape(B, n, t, stride, Hkv, Hq // Hkv, D)[:, :, :, ::-1]
-    qs = qs.transpose(1, 0, 4, 5, 2, 3, 6).reshape(n, B, Hkv, Hq // Hkv, t, stride * D)
-    ks = k.reshape(B, m, stride, Hkv, D).transpose(0, 3, 1, 2, 4).reshape(B, Hkv, m, stride * D)
-    scale = 1.0 / (stride * math.sqrt(D))
-    rows_in = (jnp.arange(m) * stride < lengths[:, None]).reshape(B, n, t).transpose(1, 0, 2)  # [nQ, B, t]
-
-    def one_block(args: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
-        qb, i, inside = args  # [B, Hkv, G, t, S*D], query block index, [B, t]
-        s = jnp.einsum("bhgrf,bhnf->bhgrn", qb, ks, preferred_element_type=jnp.float32) * scale
-        causal = jnp.arange(m)[None, :] <= (i * t + jnp.arange(t))[:, None]
-        p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)  # every row has tile 0: no NaN
-        p = jnp.where(inside[:, None, None, :, None], p, 0.0)
-        mass = p.reshape(B, Hkv, -1, t, n, t).sum((3, 5)) / jnp.maximum(inside.sum(-1), 1)[:, None, None, None]
-        return jnp.log(mass + 1e-30)  # [B, Hkv, G, nK]; finite for causal blocks
-
-    per_block = B * Hq * t * m
-    routing = jax.lax.map(one_block, (qs, jnp.arange(n), rows_in),
-                          batch_size=max(1, min(n, _TILE_ELEMENTS // per_block)))  # [nQ, B, Hkv, G, nK]
-    return routing.transpose(1, 2, 3, 0, 4).reshape(B, Hq, n, n)
-
-
-def value_magnitude(v: jax.Array, lengths: jax.Array, block_size: int) -> jax.Array:
-    """Max over each key block's tokens (those inside the row) of ``log ||v||``: ``[B, Hkv, nK]`` fp32
-    (``-inf`` for blocks with no token of the row)."""
-    B, T, Hkv, _ = v.shape
-    n = -(-T // block_size)
-    log_norm = 0.5 * jnp.log(jnp.sum(jnp.square(v.astype(jnp.float32)), -1))  # [B, T, Hkv]
-    inside = (jnp.arange(T)[None, :] < lengths[:, None])[..., None]
-    log_norm = jnp.where(inside, log_norm, -jnp.inf)
-    log_norm = jnp.pad(log_norm, ((0, 0), (0, n * block_size - T), (0, 0)), constant_values=-jnp.inf)
-    return log_norm.reshape(B, n, block_size, Hkv).max(2).transpose(0, 2, 1)
-
-
-def select_blocks(metric: jax.Array, budget: jax.Array, lengths: jax.Array, block_size: int, sink_blocks: int,
-                  local_blocks: int, width: int) -> tuple[jax.Array, jax.Array]:
-    """Block lists from a ``[B, Hkv, nQ, nK]`` metric and ``[B, nQ]`` budgets ``k(i)``.
-
-    Forced (sink and local) blocks rank first, then causal blocks by metric, future blocks never.
-    Returns ``(block_ids [B, Hkv, nQ, width], block_counts [B, Hkv, nQ])`` int32.
-    """
-    B, Hkv, n, _ = metric.shape
-    qi = jnp.arange(n)[:, None]
-    kj = jnp.arange(n)[None, :]
-    causal = kj <= qi
-    forced = causal & ((kj < sink_blocks) | (kj > qi - local_blocks))
-    scores = jnp.where(forced, KEEP, jnp.where(causal, jnp.maximum(metric, -KEEP), -jnp.inf))
-    _, ids = top_k(scores, width)
-    n_forced = jnp.minimum(jnp.arange(n) + 1, sink_blocks + local_blocks)  # [nQ]
-    counts = jnp.minimum(jnp.maximum(budget, n_forced), jnp.arange(n) + 1)
-    inside = jnp.arange(n)[None, :] < (-(-lengths // block_size))[:, None]  # [B, nQ]
-    counts = jnp.minimum(jnp.where(inside, counts, n_forced), width)
-    return ids.astype(jnp.int32), jnp.broadcast_to(counts[:, None], (B, Hkv, n)).astype(jnp.int32)
-
-
 @struct.dataclass
 class Stem(Policy):
     """Stem block-sparse prefill (dense decode).
@@ -206,6 +142,15 @@ class Stem(Policy):
       schedule: ``"decay"`` (TPD, Eq. 3) or ``"uniform"`` (``k_uni = (1 + mu) / 2 * k_start``).
       stride: anti-diagonal stride of the routing estimate (XAttention: 8); divides block_size.
       gqa: how the query heads of a GQA group combine their routing: ``"max"`` or ``"mean"``.
+      routing: ``"tiled"`` (one tile of query blocks at a time, only the lists kept:
+        `stem_routing.routed_blocks`), ``"full"`` (the whole ``[nQ, nK]`` metric, then one top-k:
+        the reference; same lists as ``"tiled"``, kept for comparison and timing) or ``"kernel"``
+        (``"tiled"`` with each tile's metric from the Pallas kernel `sparsekv_jax.pallas.stem_route`,
+        interpreted off a GPU: equal up to rounding, so a list cut at a near-tie may differ; not yet
+        checked on a GPU, hence not the default).
+      route_tile: query blocks per step of the tiled routing; ``None`` = as many as keep a step's
+        largest buffer within `stem_routing.TILE_ELEMENTS` (256 MiB of fp32; `route_tile`). Memory
+        and speed only.
     """
 
     block_size: int = struct.field(pytree_node=False, default=64)
@@ -218,6 +163,8 @@ class Stem(Policy):
     schedule: str = struct.field(pytree_node=False, default="decay")
     stride: int = struct.field(pytree_node=False, default=8)
     gqa: str = struct.field(pytree_node=False, default="max")
+    routing: str = struct.field(pytree_node=False, default="tiled")
+    route_tile: int | None = struct.field(pytree_node=False, default=None)
 
     stages = ("prefill",)
     needs_whole_prefill = True
@@ -253,6 +200,11 @@ class Stem(Policy):
             raise ValueError(f"stride={self.stride!r} must be a power of two <= block_size={self.block_size}")
         if self.gqa not in ("mean", "max"):
             raise ValueError(f"gqa={self.gqa!r} must be 'mean' or 'max'")
+        if self.routing not in ("tiled", "full", "kernel"):
+            raise ValueError(f"routing={self.routing!r} must be 'tiled', 'full' or 'kernel'")
+        if self.route_tile is not None and not (isinstance(self.route_tile, int) and not isinstance(
+                self.route_tile, bool) and self.route_tile >= 1):
+            raise ValueError(f"route_tile={self.route_tile!r} must be an integer >= 1 or None (automatic)")
 
     @classmethod
     def covering(cls) -> Stem:
@@ -310,6 +262,12 @@ class Stem(Policy):
             return None
         n = -(-T // self.block_size)
         budget = self.schedule_for(lengths, n)
-        ids, counts = select_blocks(self.block_metric(q, k, v, lengths), budget, lengths, self.block_size,
-                                    self.sink_blocks, self.local_blocks, self.list_width(T))
+        width, Hkv = self.list_width(T), k.shape[2]
+        if self.routing == "full":
+            return *select_blocks(self.block_metric(q, k, v, lengths), budget, lengths, self.block_size,
+                                  self.sink_blocks, self.local_blocks, width), self.block_size
+        ids = routed_blocks(q, k, v, lengths, block_size=self.block_size, stride=self.stride, beta=self.beta,
+                            gqa=self.gqa, sink_blocks=self.sink_blocks, local_blocks=self.local_blocks, width=width,
+                            tile=self.route_tile, method="pallas" if self.routing == "kernel" else "jnp")
+        counts = block_counts(budget, lengths, self.block_size, self.sink_blocks, self.local_blocks, width, Hkv)
         return ids, counts, self.block_size
