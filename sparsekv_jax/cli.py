@@ -463,8 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure KL, top-1 agreement and attention-output error against full attention")
     e.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")
     e.add_argument("--kv-dtype", choices=tuple(KV_ITEMSIZE), default=None,
-                   help=KV_DTYPE_HELP + "; results of another --kv-dtype belong in another --out (records are keyed "
-                        "by policy, not by cache dtype)")
+                   help=KV_DTYPE_HELP + "; records are keyed by policy and cache dtype (labels end in [kv=DTYPE]), "
+                        "so runs at several --kv-dtype share an --out; --fidelity compares with full attention on the "
+                        "same cache")
     e.add_argument("--mesh", default=None, metavar="data=D,model=M",
                    help=MESH_HELP + "; batches are filled up to a multiple of D rows")
     e.add_argument("--distributed", action="store_true", help=DISTRIBUTED_HELP)

@@ -582,3 +582,31 @@ def test_new_options_named_and_checked():
     for bad, match in ((dict(trigger_on="all"), "trigger_on='all'"), (dict(regenerate="no"), "regenerate='no'")):
         with pytest.raises(ValueError, match=match):
             CHESS(**bad)
+
+
+@pytest.mark.parametrize("extra", [dict(trigger="interval", interval=1),
+                                   dict(entropy_threshold=0.0, varentropy_threshold=0.0, max_backtracks=1)],
+                         ids=["interval", "uncertainty"])
+def test_a_stopped_row_keeps_its_state_while_the_batch_runs_on(params, extra):
+    """Batch of 2 where row 0 hits its stop token early: from then on its CHESS state stays put
+    (the decode loop holds a stopped row's shared state), so its counters (rebuilds, pages taken
+    back) equal those of row 0 run alone, which stops there. Before, the stopped row kept going
+    through `decode_update`: its pages kept completing and its rebuilds kept counting while row 1
+    ran on (the interval trigger: one rebuild per page of 16 steps)."""
+    rng = seeded_rng()
+    tokens = rng.integers(1, CFG.vocab_size, (2, 120))
+    pol = CHESS.aggressive(page_size=16, chunk_pages=2, grid_chunks=2, **extra)
+    free = np.asarray(_gen(params, pol, tokens, None, n=64).tokens)
+    # row 0's stop: a token it generates between steps 8 and 20 that row 1 never does (nor row 0 before)
+    stop = next((int(t) for j, t in enumerate(free[0]) if 8 <= j <= 20 and t not in free[0, :j] and t not in free[1]),
+                None)
+    if stop is None:
+        pytest.fail(f"no stop token for row 0 in this draw: {free.tolist()}")
+    both = generate(params, pol, tokens, max_new_tokens=64, stop_tokens=(stop,), page_size=16)
+    alone = generate(params, pol, tokens[:1], max_new_tokens=64, stop_tokens=(stop,), page_size=16)
+    n0 = int(alone.num_generated[0])
+    assert int(both.num_generated[0]) == n0 < 22 and int(both.num_generated[1]) == 64  # row 1 runs on 40+ steps
+    np.testing.assert_array_equal(np.asarray(both.tokens[0]), np.asarray(alone.tokens[0]))
+    for key in ("reselections", "backtracks", "changed_backtracks"):
+        assert int(both.stats[key][0]) == int(alone.stats[key][0]), (key, both.stats[key], alone.stats[key])
+    assert int(both.stats["reselections"][1]) > int(both.stats["reselections"][0])  # row 1's counters did run on

@@ -5,9 +5,8 @@ soon as it is registered: stats are fractions in [0, 1]; a compressor stores no 
 budget and its cache is really smaller; the policy's `covering()` instance (a budget covering the
 prompt) gives logits *identical* to full attention. The same for every compress × decode
 `Pipeline` pair. The matrix runs again on an int8 KV cache (`Backend(kv_dtype="int8")`, issue #39),
-where the covering instance must give the logits of full attention on the same int8 cache; the
-policies that read the cache's K/V arrays themselves (`engine.run.READS_RAW_KV`) are refused there,
-before jit, and the test checks that they are.
+every policy and pair included (CHESS and SemantiCache read the cache's K/V themselves, dequantised),
+where the covering instance must give the logits of full attention on the same int8 cache.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import pytest
 from conftest import seeded_rng
 
 from sparsekv_jax.backend import Backend
-from sparsekv_jax.engine.run import READS_RAW_KV
 from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig, gemma3_config
 from sparsekv_jax.models.params import random_params
@@ -113,17 +111,9 @@ def int8_setup(smol):
     return _setup(CFG, smol[2], Backend(kv_dtype="int8"))
 
 
-def _reads_raw_kv(policy: Policy) -> bool:
-    return any(type(policy.stage(s)).__name__ in READS_RAW_KV for s in ("compress", "decode"))
-
-
 def _check_int8(policy: Policy, covering: Policy, setup) -> None:
-    """The contract on an int8 cache (covering: equal to full attention on the same int8 cache), or,
-    for a policy that reads raw K/V, the refusal naming it."""
-    if _reads_raw_kv(policy):
-        with pytest.raises(ValueError, match="kv_dtype='int8'.*read"):
-            _check_run(policy, setup)
-        return
+    """The contract on an int8 cache: the run's checks, and the covering instance equal to full
+    attention on the same int8 cache."""
     assert setup[3].cache.layers.k.dtype == jnp.int8 and setup[3].cache.layers.quantized
     _check_run(policy, setup)
     _check_covering(covering, setup)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from sparsekv_jax.backend import Backend
 from sparsekv_jax.eval import fidelity as fid
 from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig
@@ -125,3 +126,35 @@ def test_fidelity_wrapper_matches_reference_then_compare(params, prompts):
     direct = fid.fidelity(params, policy, tokens[:2], lengths=lengths[:2], max_new_tokens=4, stop_tokens=())
     ref = fid.reference(params, tokens[:2], lengths=lengths[:2], max_new_tokens=4, stop_tokens=())
     assert direct == fid.compare(params, policy, ref)
+
+
+def test_fidelity_runs_on_the_given_backend(params, prompts):
+    """``backend=Backend(kv_dtype="int8")``: the reference is full attention's greedy answer and
+    logits on the int8 cache, and a policy is compared on the same int8 cache: its KL and top-1
+    agreement equal numpy's on the two teacher-forced int8 runs (not the float cache's, which
+    differ), and full attention against itself is exactly zero."""
+    tokens, lengths, _, _ = prompts
+    int8 = Backend(kv_dtype="int8")
+    policy = StreamingLLM(budget=16, sinks=4)
+    ref = fid.reference(params, tokens, lengths=lengths, max_new_tokens=NEW, stop_tokens=(), backend=int8)
+    assert ref.inputs["backend"] is int8
+    out = generate(params, Dense(), tokens, lengths=lengths, max_new_tokens=NEW, stop_tokens=(), backend=int8)
+    forced = np.asarray(out.tokens)
+    np.testing.assert_array_equal(np.asarray(ref.forced), forced)  # the int8 run's answer (no stop: no padding)
+    full, _ = teacher_force(params, Dense(), tokens, forced, lengths=lengths, backend=int8)
+    np.testing.assert_array_equal(np.asarray(ref.logits), np.asarray(full))
+    pol, _ = teacher_force(params, policy, tokens, forced, lengths=lengths, backend=int8)
+    kl = np_kl(np.asarray(full), np.asarray(pol))
+    agree = (np.asarray(full).argmax(-1) == np.asarray(pol).argmax(-1)).mean(-1)
+    rows = fid.compare(params, policy, ref)
+    np.testing.assert_allclose([r["kl_mean"] for r in rows], kl.mean(-1), rtol=2e-3, atol=1e-6)
+    np.testing.assert_allclose([r["top1_agreement"] for r in rows], agree)
+    # the float cache's KL along the same answer is another number: the backend was not ignored
+    full_f, _ = teacher_force(params, Dense(), tokens, forced, lengths=lengths)
+    pol_f, _ = teacher_force(params, policy, tokens, forced, lengths=lengths)
+    assert np.abs(np_kl(np.asarray(full_f), np.asarray(pol_f)).mean(-1) - kl.mean(-1)).max() > 1e-5
+    assert all(r["kl_mean"] == 0.0 and r["top1_agreement"] == 1.0 for r in fid.compare(params, Dense(), ref))
+    assert fid.fidelity(params, policy, tokens, lengths=lengths, max_new_tokens=NEW, stop_tokens=(),
+                        backend=int8) == rows
+    with pytest.raises(ValueError, match="backend must be a sparsekv_jax.Backend, got str"):
+        fid.reference(params, tokens, backend="int8")

@@ -297,6 +297,54 @@ def test_a_results_file_cut_short_is_repaired_on_resume(tiny, tmp_path):
     assert json.loads((out / "summary.json").read_text())["rows"][0]["n"] == row["n"]
 
 
+def test_runs_at_two_cache_dtypes_share_an_out_dir_and_fidelity_uses_the_backend(tiny, tmp_path, monkeypatch):
+    """A run in the model's dtype and one with ``backend=Backend(kv_dtype="int8")`` write to one
+    ``out_dir``: the int8 run computes its own records (keys end with the cache dtype, labels with
+    ``[kv=int8]``, ``kv_dtype`` recorded) instead of resuming the other's, its fidelity reference
+    runs on its backend (tests/test_eval_fidelity.py checks the values), each summary holds its own
+    dtype's rows, and a rerun of either resumes everything. Keys of a run without a cache dtype
+    keep their old form (8 parts), so results written before still resume."""
+    from sparsekv_jax.backend import Backend
+    from sparsekv_jax.eval import fidelity as fid
+
+    data = _ruler_file(tmp_path / "data")
+    out = tmp_path / "run"
+    kw = dict(suite=str(data), policies="fullkv, streamingllm(budget=16, sinks=4)", n=2, batch_size=2, out_dir=out,
+              question="aware", progress=False, pad_multiple=256)
+    seen: list[Any] = []
+    reference = fid.reference
+    monkeypatch.setattr(fid, "reference", lambda *a, **k: seen.append(k.get("backend")) or reference(*a, **k))
+    int8 = Backend(kv_dtype="int8")
+    runs = ((None, False), (int8, True))  # (backend, fidelity): the model's dtype, then int8 with fidelity
+    plain, quant = (runner.run_eval(tiny, backend=backend, fidelity=f, **kw) for backend, f in runs)
+    assert seen == [int8]  # the int8 run's reference, on its backend
+    recs = _lines(out / "results.jsonl")
+    assert len(recs) == 8 and len({r["key"] for r in recs}) == 8
+    by = {(r["kv_dtype"], r["policy_key"], r["index"]): r for r in recs}
+    for r in recs:
+        key = json.loads(r["key"])
+        if r["kv_dtype"] is None:
+            assert len(key) == 8 and not r["policy"].endswith("]") and "fidelity" not in r
+        else:
+            plain_rec = by[None, r["policy_key"], r["index"]]
+            assert r["kv_dtype"] == "int8" and key[8] == "int8" and key[:8] == json.loads(plain_rec["key"])
+            assert r["policy"] == plain_rec["policy"] + " [kv=int8]" and r["fidelity"] is not None
+    assert quant["kv_dtype"] == "int8" and plain["kv_dtype"] is None
+    assert all(row["policy"].endswith(" [kv=int8]") for row in quant["rows"]) and len(quant["rows"]) == 2
+    assert not any(row["policy"].endswith("]") for row in plain["rows"]) and len(plain["rows"]) == 2
+
+    import sparsekv_jax.generate as gen
+
+    def boom(*a, **k):
+        raise AssertionError("a finished sample was recomputed")
+
+    monkeypatch.setattr(gen, "generate", boom)
+    monkeypatch.setattr(gen, "teacher_force", boom)
+    for (backend, f), summary in zip(runs, (plain, quant), strict=True):
+        assert runner.run_eval(tiny, backend=backend, fidelity=f, **kw)["rows"] == summary["rows"]
+    assert len(_lines(out / "results.jsonl")) == 8
+
+
 def test_shared_context_questions_read_one_compressed_context(tiny, tmp_path):
     """``ruler-shared``: a context's four one-key questions run on the same context tokens; question-
     agnostic compression (it never sees the question) keeps the same entries for all four."""

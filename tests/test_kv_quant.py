@@ -20,6 +20,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import seeded_rng
+from test_semanticache import CFG as SC_CFG
+from test_semanticache import masked as sc_masked
+from test_semanticache import planted as sc_planted
+from test_semanticache import ref_compress as sc_ref_compress
 
 from sparsekv_jax import cli
 from sparsekv_jax.backend import Backend
@@ -37,9 +41,12 @@ from sparsekv_jax.cache import (
 from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
+from sparsekv_jax.models.rope import inverse_frequencies
 from sparsekv_jax.pallas.decode import decode_attention, decode_attention_reference
 from sparsekv_jax.pallas.testing import random_page_lists, rel_err
-from sparsekv_jax.policies import Dense, parse_policy
+from sparsekv_jax.policies import CHESS, Dense, SemantiCache, parse_policy
+from sparsekv_jax.policies.base import Prompt, Setup
+from sparsekv_jax.policies.common import write_entries
 
 QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 NP_CODE = {"int8": np.int8, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
@@ -419,8 +426,6 @@ def test_unknown_kv_dtype_is_refused_before_jit(tiny):
     with pytest.raises(ValueError, match="'fp8'"):
         init_cache(TINY, 1, 16, kv_dtype="fp8")
     params, tokens = tiny
-    with pytest.raises(ValueError, match="kv_dtype='int8'.*CHESS"):
-        generate(params, parse_policy("chess"), tokens, max_new_tokens=2, backend=Backend(kv_dtype="int8"))
     with pytest.raises(ValueError, match="prefill_chunk=12 with a quantised cache"):
         generate(params, Dense(), tokens, max_new_tokens=2, prefill_chunk=12, backend=Backend(kv_dtype="int8"))
     with pytest.raises(SystemExit):
@@ -509,3 +514,138 @@ def test_int8_cache_on_a_device_mesh_equals_one_device():
         top2 = np.sort(one_l, axis=-1)[..., -2:]
         clear = np.cumprod(top2[..., 1] - top2[..., 0] > 4 * noise, axis=1).astype(bool)
         assert (np.asarray(mesh["tokens"]) == np.asarray(one["tokens"]))[clear].all(), policy
+
+
+# -- policies that read the cache's K/V themselves: CHESS's page vectors, SemantiCache's clustering ----
+
+def _np_rotate(x: np.ndarray, pos: np.ndarray, inv_freq: np.ndarray) -> np.ndarray:
+    """numpy RoPE (rotate-half layout) of ``x`` ``[..., D]`` by ``pos`` ``[...]`` (negative: back), float64."""
+    ang = np.asarray(pos, np.float64)[..., None] * inv_freq
+    x1, x2 = np.split(np.asarray(x, np.float64), 2, axis=-1)
+    return np.concatenate([x1 * np.cos(ang) - x2 * np.sin(ang), x2 * np.cos(ang) + x1 * np.sin(ang)], axis=-1)
+
+
+def _np_chess_scores(page_keys: np.ndarray, end: np.ndarray, ps: int, window: int,
+                     extra: np.ndarray | None = None) -> list[np.ndarray]:
+    """Per row, CHESS's centred scores of its pages in use: page vectors = the sum of ``page_keys``
+    ``[L, B, H, S, D]`` over the page's slots before ``end[b]`` (plus ``extra`` ``[L, B, H, D]`` for the
+    page holding slot ``end[b] - 1``) over those slots' count, flattened over layers and heads;
+    anchor = the last ``window`` pages' mean less the mean page vector; score = vector · anchor."""
+    out = []
+    for b, n in enumerate(end):
+        pages = -(-int(n) // ps)
+        sums = [page_keys[:, b, :, p * ps:min((p + 1) * ps, n)].sum(2) for p in range(pages)]
+        if extra is not None:
+            sums[-1] = sums[-1] + extra[:, b]
+        vec = np.stack([x.ravel() / (min((p + 1) * ps, n) - p * ps) for p, x in enumerate(sums)])
+        out.append(vec @ (vec[max(0, pages - window):].mean(0) - vec.mean(0)))
+    return out
+
+
+@pytest.mark.parametrize("keys,consecutive,impl", [("pre_rope", True, "jnp"), ("pre_rope", True, "pallas"),
+                                                   ("pre_rope", False, "jnp"), ("post_rope", True, "jnp")],
+                         ids=["pre_rope-pages", "pre_rope-pages-pallas", "pre_rope-tokens", "post_rope"])
+def test_chess_scores_on_an_int8_cache_are_those_of_its_dequantised_keys(rng, keys, consecutive, impl):
+    """CHESS reads an int8 cache's keys as their values. Pre-RoPE: the page scores equal numpy's on
+    the dequantised keys rotated back by their positions (by page sums and a rotation per page,
+    jnp or the interpreted Pallas kernel, or key by key where positions have gaps). Post-RoPE: the
+    cache's page sums (of the keys before quantisation, written with them) less the keys of the
+    edge page taken back past the anchor's end, dequantised. Keys taken back (``end < length``)
+    count in neither. The codes read as values would score otherwise (the check is not vacuous)."""
+    L, H, D, B, S, cps, ps = TINY.num_layers, TINY.num_kv_heads, TINY.head_dim, 2, 192, 16, 32
+    end = rng.integers(70, S - 24, B)  # the anchor's end: a page being taken back for regeneration
+    end = end + (end % cps == 0)  # inside a cache page, so the page holding end - 1 holds keys taken back
+    lengths = end + rng.integers(1, 20, B)
+    inv_freq = inverse_frequencies(TINY)
+    content = _outliers(rng, (L, B, H, S, D), D) + 0.5  # a common component, two outlier channels
+    if consecutive:
+        pos = rng.integers(0, 300, (B, H, 1)) + np.arange(S)
+    else:
+        pos = np.cumsum(rng.integers(1, 4, (B, H, S)), axis=-1) - 1
+    pos = np.broadcast_to(pos, (L, B, H, S))
+    k = _np_rotate(content, pos, inv_freq).astype(np.float32)
+    pol = CHESS(page_size=ps, keys=keys).bind(Setup(TINY, backend=Backend(page_sums=impl).resolve()))
+    cache = init_cache(TINY, B, S, page_size=cps, dtype=jnp.float32, kv_dtype="int8", summaries=pol.page_summaries)
+    cache = write_entries(cache, jnp.asarray(k), jnp.asarray(k), jnp.asarray(pos, jnp.int32),
+                          jnp.zeros((L, B, H, S)), jnp.asarray(lengths, jnp.int32), S)
+    assert cache.layers.k.dtype == jnp.int8 and np.asarray(cache.length).tolist() == lengths.tolist()
+    got, used = (np.asarray(x, np.float64) for x in jax.jit(pol._page_scores)(cache, jnp.asarray(end, jnp.int32)))
+    codes = np.asarray(cache.layers.k, np.float64)
+    k_hat = _np_dequant(codes.reshape(L * B, H, S, D), np.asarray(cache.layers.k_scale).reshape(L * B, H, -1, D),
+                        cps, True).reshape(L, B, H, S, D)
+    if keys == "pre_rope":
+        want = _np_chess_scores(_np_rotate(k_hat, -pos, inv_freq), end, ps, pol.window_pages)
+        wrong = _np_chess_scores(_np_rotate(codes, -pos, inv_freq), end, ps, pol.window_pages)
+    else:
+        # the edge cache page's sum holds its keys below the length; those past the anchor's end leave it
+        # as the cache holds them (dequantised)
+        slot = np.arange(S)[None]
+        stale = ((slot >= end[:, None]) & (slot < lengths[:, None])
+                 & (slot // cps == ((end - 1) // cps)[:, None]))[None, :, None, :, None]
+        want = _np_chess_scores(k, end, ps, pol.window_pages, np.where(stale, k - k_hat, 0).sum(3))
+        wrong = _np_chess_scores(k, end, ps, pol.window_pages, np.where(stale, k - codes, 0).sum(3))
+    for b in range(B):
+        pages = len(want[b])
+        np.testing.assert_array_equal(used[b], np.arange(used.shape[1]) < pages)
+        scale = np.abs(want[b]).max()
+        np.testing.assert_allclose(got[b, :pages], want[b], rtol=1e-4, atol=1e-3 * scale)
+        assert np.abs(wrong[b] / np.abs(wrong[b]).max() - want[b] / scale).max() > 0.05
+
+
+@pytest.mark.parametrize("settings", [dict(budget=1.0, tau=0.6, chunk_size=8, window=4),
+                                      dict(budget=0.3, chunk_size=8, sinks=2, window=2, search_steps=5)],
+                         ids=["threshold", "budget"])
+def test_semanticache_on_an_int8_cache_merges_its_dequantised_entries(rng, settings):
+    """SemantiCache on an int8 cache = dequantise → compute → quantise, each step in numpy: the
+    cache's codes times their scales, then tests/test_semanticache.py's numpy reference of chunking,
+    GSC and merging (`ref_compress`) on those values, then the merged entries quantised into the
+    new pages (power-of-two scales from each page's live entries). `compress` writes those scales,
+    those codes (up to one step where a float32 and a float64 mean round apart), positions and
+    log-size biases. (On the codes read as values, this fails: clusters and means are the codes'.)"""
+    lengths, T = np.array([48, 40, 29]), 48
+    pol = sc_masked(SemantiCache(**settings)).bind(Setup(SC_CFG, prompt_len=T))
+    L, B, H, D = SC_CFG.num_layers, len(lengths), SC_CFG.num_kv_heads, SC_CFG.head_dim
+    for _ in range(6):  # redraw when a cosine lies within rounding of a threshold
+        _, keys, values, positions, tokens = sc_planted(int(rng.integers(1 << 30)), lengths, T, 0.15)
+        cache = init_cache(SC_CFG, B, T + 8, page_size=8, dtype=jnp.float32, kv_dtype="int8", summaries=())
+        cache = write_entries(cache, jnp.asarray(keys), jnp.asarray(values), jnp.asarray(positions, jnp.int32),
+                              jnp.zeros((L, B, H, T)), jnp.asarray(lengths, jnp.int32), T + 8)
+        cache = cache.replace(next_position=cache.length)
+        lay = jax.tree.map(np.asarray, cache.layers)
+        live = (np.arange(T) < lengths[:, None])[None, :, None, :, None]
+        k_hat = np.where(live, _np_dequant(lay.k.reshape(L * B, H, -1, D), lay.k_scale.reshape(L * B, H, -1, D), 8,
+                                           True).reshape(L, B, H, -1, D)[:, :, :, :T], keys)
+        v_hat = np.where(live, _np_dequant(lay.v.reshape(L * B, H, -1, D), lay.v_scale.reshape(L * B, H, -1), 8,
+                                           False).reshape(L, B, H, -1, D)[:, :, :, :T], values)
+        margins: list[float] = []
+        ref, _ = sc_ref_compress(k_hat, v_hat, positions, tokens, lengths, pol, margins, [])
+        if min(margins, default=1.0) > 2e-6:
+            break
+    else:
+        pytest.fail("no draw without near-ties")
+    prompt = Prompt(tokens=jnp.asarray(tokens, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32))
+    got = jax.jit(lambda c, p: pol.compress(c, None, pol.compressed_capacity(T, 4), p))(cache, prompt)
+    out = jax.tree.map(np.asarray, got.layers)
+    assert out.k.dtype == np.int8
+    S, ps = got.capacity, got.page_size
+    # the reference's entries, quantised page by page
+    want_k, want_v = np.zeros((L, B, H, S, D)), np.zeros((L, B, H, S, D))
+    n = np.zeros((L, B, H), int)
+    for (l, b, h), entries in ref.items():
+        n[l, b, h] = len(entries)
+        want_k[l, b, h, :len(entries)] = np.stack([e[2] for e in entries])
+        want_v[l, b, h, :len(entries)] = np.stack([e[3] for e in entries])
+        np.testing.assert_array_equal(out.positions[l, b, h, :len(entries)], [e[0] for e in entries])
+        np.testing.assert_allclose(out.bias[l, b, h, :len(entries)], [e[1] for e in entries], rtol=1e-6, atol=1e-6)
+    assert n.min() < 40 and (out.bias > 0).any(), "clusters did merge"
+    alive = np.arange(S) < n[..., None]  # [L, B, H, S]
+    ks = _np_scale(np.where(alive[..., None], np.abs(want_k), 0).reshape(L, B, H, S // ps, ps, D).max(4), 127.0)
+    vs = _np_scale(np.where(alive[..., None], np.abs(want_v), 0).reshape(L, B, H, S // ps, ps * D).max(4), 127.0)
+    np.testing.assert_array_equal(np.asarray(out.k_scale, np.float64), ks)
+    np.testing.assert_array_equal(np.asarray(out.v_scale, np.float64), vs)
+    for got_codes, want_x, step in ((out.k, want_k, np.repeat(ks, ps, axis=3)),
+                                    (out.v, want_v, np.repeat(vs, ps, axis=3)[..., None])):
+        got_x = got_codes.astype(np.float64) * step
+        want_q = np.where(alive[..., None], _np_quant(want_x, step, "int8"), 0.0)
+        assert (np.abs(got_x - want_q) <= step + 1e-12).all()
+        assert (got_x == want_q).mean() > 0.99

@@ -151,10 +151,29 @@ def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array
     return StepOut(logits, cache, state, pages.mean(0), outs if collect_attention else None)
 
 
+def hold_stopped_rows(before: Any, after: Any, active: jax.Array) -> Any:
+    """The decode stage's shared state ``after`` a step with each stopped row's (``~active`` ``[B]``)
+    as it was ``before`` it: a row that stopped decodes no more, so its counters, selection and
+    triggers (CHESS's pages, rebuilds, backtracks) stay where its last token left them, as they
+    would had it run alone. Shared-state leaves are per row, ``[B, ...]`` (`Policy.decode_init`);
+    ``ValueError`` at trace time for one that is not."""
+    B = active.shape[0]
+
+    def hold(old: jax.Array, new: jax.Array) -> jax.Array:
+        if new.ndim == 0 or new.shape[0] != B:
+            raise ValueError(f"decode shared state leaf of shape {tuple(new.shape)}: shared-state leaves must be "
+                             f"per row, [B={B}, ...], so a stopped row's can be held")
+        return jnp.where(active.reshape((B,) + (1,) * (new.ndim - 1)), new, old)
+
+    return jax.tree.map(hold, before, after)
+
+
 def decode_loop(params: Params, policy: Policy, ready: Ready, key: jax.Array, decoding: Decoding,
                 backend: Backend | None = None) -> Decoded:
     """Sample the first token from ``ready.logits`` then decode until every row stopped.
 
+    A stopped row's token is still fed through the model while other rows run (static shapes),
+    but the decode stage's shared state keeps that row as it was (`hold_stopped_rows`).
     Each row keeps its own output count, so a policy may take back a row's last tokens
     (the `Policy.decode_rewind` hook of any decode policy): they are dropped from the output and the cache
     and generated again; the loop then runs up to ``policy.max_rewind_tokens`` extra steps.
@@ -176,10 +195,11 @@ def decode_loop(params: Params, policy: Policy, ready: Ready, key: jax.Array, de
 
     def body(carry):
         step, cache, n, done, out, key, state, read, steps = carry
-        logits, cache, state, pages = decode_step(params, policy, cache, out[rows, n - 1], state, backend=backend)
+        active = ~done
+        logits, cache, after, pages = decode_step(params, policy, cache, out[rows, n - 1], state, backend=backend)
+        state = (after[0], hold_stopped_rows(state[1], after[1], active))
         key, sub = jax.random.split(key)
         nxt = sample(logits, sub, decoding.sampling)
-        active = ~done
         out = out.at[rows, jnp.where(active, n, n_new)].set(nxt, mode="drop")
         read, steps, n = read + jnp.where(active, pages, 0.0), steps + active, n + active
         stopped = active & jnp.isin(nxt, stops)

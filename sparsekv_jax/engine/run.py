@@ -18,7 +18,7 @@ from flax import struct
 
 from sparsekv_jax import local_layers, sharding
 from sparsekv_jax.backend import Backend
-from sparsekv_jax.cache import is_quantized, pages_for
+from sparsekv_jax.cache import pages_for
 from sparsekv_jax.models.params import Params
 from sparsekv_jax.pallas.validation import is_concrete
 from sparsekv_jax.policies.base import Dense, Policy, Setup
@@ -308,7 +308,6 @@ def _open(params: Params, policy: Any, tokens: Any, lengths: Any, question_start
         raise ValueError(f"backend must be a sparsekv_jax.Backend, got {type(opts.backend).__name__}")
     params, backend = place_params(params, tokens, opts)
     backend = (Backend() if backend is None else backend).resolve(params)
-    _check_kv_dtype(policy, backend)
     if not hasattr(tokens, "shape"):
         tokens = np.asarray(tokens)
     suffix, suffix_lengths = validate_suffix(params, suffix, suffix_lengths, tokens.shape[0] if tokens.ndim == 2 else 1)
@@ -331,24 +330,6 @@ def _open(params: Params, policy: Any, tokens: Any, lengths: Any, question_start
               page_size=opts.page_size, prefill_chunk=opts.prefill_chunk, question_tokens=room, decoding=decoding,
               backend=backend, context_info=HostNotes(info), policy_classes=node_classes(bound))
     return params, sharding.place_rows(run)
-
-
-# Policies whose own code reads the cache's K/V arrays directly (not through `attention` or the page
-# summaries): on a quantised cache they would read codes without their scales. CHESS's pre-RoPE page
-# rebuild and its edge correction read ``cache.layers.k``; SemantiCache's clustering reads
-# ``layers.k``/``layers.v``. Each needs `sparsekv_jax.cache.dequantize_kv` at those reads.
-READS_RAW_KV = ("CHESS", "SemantiCache")
-
-
-def _check_kv_dtype(policy: Policy, backend: Backend) -> None:
-    """``ValueError`` for a quantised ``backend.kv_dtype`` with a policy that reads raw K/V (`READS_RAW_KV`)."""
-    if backend.kv_dtype is None or not is_quantized(backend.kv_dtype):
-        return
-    stages = {type(policy.stage(s)).__name__ for s in ("context", "prefill", "compress", "decode")}
-    bad = sorted(stages & set(READS_RAW_KV))
-    if bad:
-        raise ValueError(f"kv_dtype={backend.kv_dtype!r}: {', '.join(bad)} read(s) the cache's K/V arrays directly and "
-                         "would see quantised codes without their scales; not supported yet (use kv_dtype=None)")
 
 
 def _prompt(params: Params, policy: Policy, tokens: Any, lengths: Any, question_start: Any, extra: int,

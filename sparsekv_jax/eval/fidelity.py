@@ -17,6 +17,12 @@ drifted from full attention, per sample, even when the answer did not change:
 Everything is batched: prompts are right-padded ``[B, T]`` with ``lengths`` as for `generate`.
 Compute the reference once with :func:`reference` and compare any number of policies with
 :func:`compare`; :func:`fidelity` does both.
+
+The reference and every policy compared with it run on one `sparsekv_jax.Backend` (``backend=``,
+e.g. ``Backend(kv_dtype="int8")``, as ``sparsekv eval --kv-dtype`` passes): fidelity is to full
+attention *on the same cache*, so a quantised run measures what the policy loses on top of the
+quantisation. To measure a quantised cache against the model-dtype one, compare with the
+reference's ``inputs["backend"]`` replaced (scripts/kv_quant_show.py ``fidelity``).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparsekv_jax.backend import Backend
 from sparsekv_jax.generate import PAD_TOKEN, generate, teacher_force
 from sparsekv_jax.models.params import Params
 from sparsekv_jax.policies.base import Dense, Policy
@@ -61,7 +68,7 @@ class Reference:
       attn: ``[N - 1, L, B, Hq, D]`` full-attention outputs of each decode step, or ``None``
         when ``N == 1``.
       inputs: the keyword arguments (``tokens``, ``lengths``, ``question_start``, ``suffix``,
-        ``suffix_lengths``, ``page_size``) the policy runs are given.
+        ``suffix_lengths``, ``page_size``, ``mesh``, ``backend``) the policy runs are given.
     """
 
     forced: jax.Array
@@ -73,18 +80,23 @@ class Reference:
 
 def reference(params: Params, tokens: Any, *, lengths: Any = None, question_start: Any = None, suffix: Any = None,
               suffix_lengths: Any = None, max_new_tokens: int = 32, stop_tokens: tuple[int, ...] | None = None,
-              page_size: int = 16, forced: Any = None, steps: Any = None, mesh: Any = None) -> Reference:
+              page_size: int = 16, forced: Any = None, steps: Any = None, mesh: Any = None,
+              backend: Backend | None = None) -> Reference:
     """Full attention's greedy answer to each prompt and its teacher-forced logits/attention outputs.
 
     ``forced`` ``[B, N]`` (with ``steps`` ``[B]`` valid tokens per row) gives the answer instead
-    of generating it (e.g. the greedy tokens of an earlier full-attention `generate` call).
-    ``question_start`` (where each row's question begins in ``tokens``, question-aware prompts) is
-    handed on to the policies :func:`compare` runs, as is ``mesh`` (`generate`'s device mesh).
+    of generating it (e.g. the greedy tokens of an earlier full-attention `generate` call, on the
+    same ``backend``). ``question_start`` (where each row's question begins in ``tokens``,
+    question-aware prompts) is handed on to the policies :func:`compare` runs, as are ``mesh``
+    (`generate`'s device mesh) and ``backend`` (`generate`'s `Backend`, its ``kv_dtype`` included;
+    default the platform's): full attention and the policies run on the same cache.
     """
+    if backend is not None and not isinstance(backend, Backend):
+        raise ValueError(f"backend must be a sparsekv_jax.Backend, got {type(backend).__name__}")
     if forced is None:
         out = generate(params, Dense(), tokens, lengths=lengths, question_start=question_start,
                        max_new_tokens=max_new_tokens, stop_tokens=stop_tokens, page_size=page_size, suffix=suffix,
-                       suffix_lengths=suffix_lengths, mesh=mesh)
+                       suffix_lengths=suffix_lengths, mesh=mesh, backend=backend)
         forced, steps = np.asarray(out.tokens), np.asarray(out.num_generated)
     forced = np.asarray(forced)
     steps = np.asarray(forced.shape[1] if steps is None else steps).reshape(-1)
@@ -93,7 +105,7 @@ def reference(params: Params, tokens: Any, *, lengths: Any = None, question_star
     n = max(1, int(steps.max()))
     forced = np.where(forced[:, :n] == PAD_TOKEN, 0, forced[:, :n]).astype(np.int32)
     inputs = {"tokens": tokens, "lengths": lengths, "question_start": question_start, "suffix": suffix,
-              "suffix_lengths": suffix_lengths, "page_size": page_size, "mesh": mesh}
+              "suffix_lengths": suffix_lengths, "page_size": page_size, "mesh": mesh, "backend": backend}
     logits, attn = teacher_force(params, Dense(), forced=forced, collect_attention=n > 1, **inputs)
     return Reference(forced=jnp.asarray(forced), steps=steps, logits=logits, attn=attn, inputs=inputs)
 
@@ -124,7 +136,8 @@ def _metrics(ref_logits: jax.Array, logits: jax.Array, steps: jax.Array, ref_att
 
 
 def compare(params: Params, policy: Policy, ref: Reference) -> list[dict[str, Any]]:
-    """Fidelity metrics of ``policy`` against the full-attention ``ref``, one dict per row.
+    """Fidelity metrics of ``policy`` against the full-attention ``ref``, one dict per row
+    (``policy`` runs on ``ref.inputs``: the reference's prompt, mesh and backend).
 
     Keys: ``kl_first``, ``kl_mean``, ``kl_max``, ``top1_agreement``, ``steps`` (answer tokens
     compared), ``layer_rel_error`` (list over layers, or ``None``) and ``layer_rel_error_mean``.
@@ -161,9 +174,11 @@ def identical(ref: Reference, num_layers: int) -> list[dict[str, Any]]:
 
 def fidelity(params: Params, policy: Policy, tokens: Any, *, lengths: Any = None, question_start: Any = None,
              suffix: Any = None, suffix_lengths: Any = None, max_new_tokens: int = 32,
-             stop_tokens: tuple[int, ...] | None = None, page_size: int = 16) -> list[dict[str, Any]]:
-    """:func:`reference` then :func:`compare`: fidelity of ``policy`` on each prompt of the batch."""
+             stop_tokens: tuple[int, ...] | None = None, page_size: int = 16, mesh: Any = None,
+             backend: Backend | None = None) -> list[dict[str, Any]]:
+    """:func:`reference` then :func:`compare`: fidelity of ``policy`` on each prompt of the batch
+    (both on ``backend`` and ``mesh``)."""
     ref = reference(params, tokens, lengths=lengths, question_start=question_start, suffix=suffix,
                     suffix_lengths=suffix_lengths, max_new_tokens=max_new_tokens, stop_tokens=stop_tokens,
-                    page_size=page_size)
+                    page_size=page_size, mesh=mesh, backend=backend)
     return compare(params, policy, ref)

@@ -11,14 +11,18 @@ each a small function that knows no particular policy (only the protocol of
    decoded and timed.
 3. **record** (:func:`make_record`): the JSON line of one row: the score, every entry of
    `generate`'s ``stats`` (the policy's ``decode_stats`` whatever their keys, the context stage's
-   ``stats["context"]``), timing and, with ``fidelity``, the distance to full attention
-   (:mod:`sparsekv_jax.eval.fidelity`).
+   ``stats["context"]``), timing and, with ``fidelity``, the distance to full attention on the
+   same cache (:mod:`sparsekv_jax.eval.fidelity`, on the run's ``backend``, its ``kv_dtype`` included).
 
 ``out_dir`` receives:
 
 * ``results.jsonl``: one JSON line per finished (task, length, policy, sample), appended as soon
   as its batch finishes. A rerun with the same ``out_dir`` skips every line whose ``key`` (model,
-  suite, question mode, seed, task, length, ``policy.spec_key()``, sample index) is already there.
+  suite, question mode, seed, task, length, ``policy.spec_key()``, sample index; and the cache dtype
+  when a ``backend`` sets ``kv_dtype``) is already there. Records carry ``kv_dtype`` (``None``, or
+  absent in older records: the model's dtype) and, with one set, a policy label ending in
+  ``[kv=<dtype>]``, so runs at several cache dtypes share one ``out_dir`` and their summaries keep
+  them apart.
   Before appending, a line cut short by an interrupted run is moved to ``results.jsonl.damaged``
   (:func:`repair_results`), so every line of the file reads and the summary counts only those.
   (Lines written before keys used ``spec_key`` held ``repr(policy)``: such a run is recomputed.)
@@ -149,11 +153,20 @@ class Plan:
     groups: list[Group]
     items: list[list[Item]]  # per group, in group order
     max_positions: int
+    kv_dtype: str | None = None  # the KV cache's storage (`Backend.kv_dtype`); None: the model's dtype
 
     def key(self, item: Item, spec: PolicySpec) -> str:
-        """The resume key of ``item`` under ``spec`` (its line's ``key`` in results.jsonl)."""
-        return json.dumps([self.model, self.suite, self.question, self.seed, item.group.task, item.group.length,
-                           spec.key, item.sample.index])
+        """The resume key of ``item`` under ``spec`` (its line's ``key`` in results.jsonl); with a
+        ``kv_dtype``, the cache dtype ends it, so runs at several cache dtypes share one ``out_dir``
+        (a key without one is a run in the model's dtype, as every key written before)."""
+        key = [self.model, self.suite, self.question, self.seed, item.group.task, item.group.length, spec.key,
+               item.sample.index]
+        return json.dumps(key if self.kv_dtype is None else [*key, self.kv_dtype])
+
+    def label(self, spec: PolicySpec) -> str:
+        """The policy's label in records and summaries: ``spec.label``, with ``[kv=<kv_dtype>]`` after it
+        when a ``kv_dtype`` is set (a table then tells the cache dtypes of one policy apart)."""
+        return spec.label if self.kv_dtype is None else f"{spec.label} [kv={self.kv_dtype}]"
 
     def keys(self) -> list[str]:
         return [self.key(it, s) for items in self.items for it in items for s in self.specs]
@@ -226,8 +239,9 @@ def shared_contexts(items: list[Item]) -> list[list[Item]] | None:
 
 
 def plan_eval(groups: list[Group], specs: list[PolicySpec], tokenizer: Any, max_positions: int, *, model: str,
-              suite: str, question: str, seed: int) -> Plan:
+              suite: str, question: str, seed: int, kv_dtype: str | None = None) -> Plan:
     """Tokenize every sample of ``groups`` (context and question apart) and check it fits the model.
+    ``kv_dtype`` (the run's `Backend.kv_dtype`) goes into every key and label (`Plan.key`, `Plan.label`).
 
     Raises ``ValueError`` naming the sample whose prompt plus answer exceeds ``max_positions``.
     """
@@ -245,7 +259,7 @@ def plan_eval(groups: list[Group], specs: list[PolicySpec], tokenizer: Any, max_
             items.append(it)
         grouped.append(items)
     return Plan(model=model, suite=suite, question=question, seed=seed, specs=list(specs), groups=list(groups),
-                items=grouped, max_positions=max_positions)
+                items=grouped, max_positions=max_positions, kv_dtype=kv_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -412,7 +426,8 @@ def make_record(plan: Plan, spec: PolicySpec, batch: Batch, row: int, run: Batch
         "key": plan.key(it, spec),
         "model": plan.model, "suite": plan.suite, "question": plan.question, "seed": plan.seed,
         "task": it.group.task, "length": it.group.length, "column": report.column_name(it.group.task, it.group.length),
-        "policy": spec.label, "policy_key": spec.key, "family": spec.family, "budget": spec.budget,
+        "policy": plan.label(spec), "policy_key": spec.key, "family": spec.family, "budget": spec.budget,
+        "kv_dtype": plan.kv_dtype,
         "index": it.sample.index, "sample_id": it.sample.sample_id,
         "metric": it.sample.metric, "score": it.sample.score(pred), "prediction": pred,
         "answers": list(it.sample.answers), "depths": list(it.sample.depths),
@@ -528,7 +543,8 @@ def _eval_batch(params: Any, tokenizer: Any, plan: Plan, batch: Batch, done: Map
                                     max_new_tokens=decode_length(batch, spec.policy), stop_tokens=opts.stop_tokens,
                                     page_size=opts.page_size,
                                     forced=None if dense_run is None else dense_run.tokens,
-                                    steps=None if dense_run is None else dense_run.num_generated, mesh=opts.mesh)
+                                    steps=None if dense_run is None else dense_run.num_generated, mesh=opts.mesh,
+                                    backend=opts.backend)
             if is_dense(spec.policy):  # exactly the reference: zeros, nothing to run
                 fids = fid.identical(ref, opts.num_layers)
             else:
@@ -702,8 +718,9 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
                                                else [])}))
     suite_id, groups = build_groups(suite, tasks, length_list, n, seed, tokenizer, cfg.max_position_embeddings,
                                     cache_dir, o.longbench_path)
+    kv_dtype = None if backend is None else backend.kv_dtype
     plan = plan_eval(groups, specs, tokenizer, cfg.max_position_embeddings, model=name, suite=suite_id,
-                     question=question, seed=seed)
+                     question=question, seed=seed, kv_dtype=kv_dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.jsonl"
@@ -733,9 +750,10 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
     bar.close()
 
     records = [done[k] for k in sorted(set(plan.keys())) if k in done]
-    summary = report.summarize(records, policy_order=[s.label for s in specs], column_order=_column_order(groups))
+    summary = report.summarize(records, policy_order=[plan.label(s) for s in specs],
+                               column_order=_column_order(groups))
     summary.update({"model": name, "suite": suite_id, "question": question, "seed": seed, "n": n,
-                    "fidelity": fidelity, "out_dir": str(out)})
+                    "fidelity": fidelity, "kv_dtype": kv_dtype, "out_dir": str(out)})
     report.write_reports(summary, out)
     return summary
 

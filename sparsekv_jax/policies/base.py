@@ -183,7 +183,9 @@ class Policy:
     # -- decode --------------------------------------------------------------------------
     def decode_init(self, cache: KVCache, observations: Any) -> tuple[Any, Any]:
         """``(layer_state, shared_state)`` for the decode loop; ``observations`` are this policy's
-        prefill observations if it ``needs_observations`` (else ``None``)."""
+        prefill observations if it ``needs_observations`` (else ``None``). The leaves of
+        ``shared_state`` are per row, ``[B, ...]``: the decode loop keeps a stopped row's as they
+        were (`sparsekv_jax.engine.decode.hold_stopped_rows`)."""
         return None, None
 
     def decode_write(self, kv: LayerKV, length: jax.Array, layer_state: Any) -> tuple[jax.Array, jax.Array]:

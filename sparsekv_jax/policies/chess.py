@@ -76,6 +76,12 @@ the semantic attributes of the input tokens"; docs/results/chess_needle_ranks_4k
   haystack's instructions page, on 4 of 4 prompts).
   ``(v - mu)·(a - mu) = v·(a - mu) - const``: it moves the anchor, the sums stay, it costs nothing.
 * ``CHESS(keys="post_rope", centred=False)`` is the paper taken literally, kept for comparison.
+
+On a quantised cache (``Backend(kv_dtype="int8" | "float8_e4m3fn")``, `sparsekv_jax.cache`) the keys
+CHESS reads are the codes' values (`sparsekv_jax.cache.dequantize_kv`: exact in bf16): a pre-RoPE
+rebuild dequantises one layer at a time and sums it as above (a one-layer copy, as the jnp path's
+slice of an unquantised layer); the post-RoPE page sums were written from the keys before
+quantisation, and the keys taken back at the edge page are subtracted dequantised.
 """
 
 from __future__ import annotations
@@ -92,7 +98,7 @@ import numpy as np
 from flax import struct
 
 from sparsekv_jax.backend import Backend
-from sparsekv_jax.cache import KVCache, LayerKV, page_counts
+from sparsekv_jax.cache import KVCache, LayerKV, dequantize, dequantize_kv, layer_view, page_counts
 from sparsekv_jax.models.rope import inverse_frequencies
 from sparsekv_jax.pallas import dispatch
 from sparsekv_jax.policies.base import Policy, Selection, Setup
@@ -372,6 +378,8 @@ class CHESS(Policy):
         edge = jnp.maximum(anchor_end - 1, 0) // cps  # [B]
         slots = edge[:, None] * cps + jnp.arange(cps)  # [B, cps]
         keys = jnp.take_along_axis(cache.layers.k, slots[None, :, None, :, None], axis=3)  # [L, B, H, cps, D]
+        if cache.layers.quantized:  # codes: their values with the edge page's scales (one page per row)
+            keys = dequantize(keys, jnp.take_along_axis(cache.layers.k_scale, edge[None, :, None, None, None], axis=3))
         # keys at or past the cache's length were never summed (their slots may hold garbage)
         stale = ((slots >= anchor_end[:, None]) & (slots < cache.length[:, None]))[None, :, None, :, None]
         extra = jnp.where(stale, keys.astype(jnp.float32), 0.0).sum(3)  # [L, B, H, D]
@@ -395,6 +403,7 @@ class CHESS(Policy):
         P, ps = w.shape[1], self.page_size
         inv_freq = jnp.asarray(np.asarray(self.inv_freq), jnp.float32)
         k_all, pos_all = cache.layers.k, cache.layers.positions  # [L, B, H, S, D], [L, B, H, S]
+        quantized = cache.layers.quantized
         pad = P * ps - S
 
         def paged(x):  # [L, B, H, S, ...] → [L, B, H, P, ps, ...] (a copy only when S % ps)
@@ -429,6 +438,10 @@ class CHESS(Policy):
 
         def layer_sums(layer):  # → [B, H, P, D]
             pos = jax.lax.dynamic_index_in_dim(pos_all, layer, keepdims=False)[None]  # [1, B, H, S] (small)
+            # A quantised cache's keys are codes: the layer is dequantised once (`dequantize_kv`; exact in
+            # bf16, the scales being powers of two) and read as a one-layer stack by both paths below
+            keys_of, in_stack = ((k_all, layer) if not quantized else
+                                 (dequantize_kv(layer_view(cache.layers, layer), jnp.bfloat16)[0][None], 0))
             mask = paged(slot_live & (pos >= 0))  # [1, B, H, P, ps]
             pos_paged = paged(pos)
             consecutive = jnp.all(~mask | (pos_paged == pos_paged[..., :1] + jnp.arange(ps)))
@@ -436,18 +449,18 @@ class CHESS(Policy):
 
             def by_pages():
                 # the keys read in place from the stack (a jnp slice of the layer would be a copy)
-                sums = page_sums(k_all, self.inv_freq, layer)[None]  # [1, B, H, P, D]: sum_j R(-j)·k_j
+                sums = page_sums(keys_of, self.inv_freq, in_stack)[None]  # [1, B, H, P, D]: sum_j R(-j)·k_j
                 base = pos_paged[..., 0, None].astype(jnp.float32) * inv_freq  # [1, B, H, P, D/2]
                 s1, s2 = rotate_back(*jnp.split(sums, 2, axis=-1), base)
                 sums = jnp.where(mask.all(-1)[..., None], jnp.concatenate([s1, s2], axis=-1), 0.0)
                 slots = jnp.minimum(edge_slots, S - 1)[:, None, :]  # [B, 1, ps]
-                keys = k_all[layer, jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], slots][None]
+                keys = keys_of[in_stack, jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], slots][None]
                 at = jnp.take_along_axis(pos, slots[None], axis=3)  # [1, B, H, ps]
                 edge_sum = token_sums(keys, at, edge_live & (at >= 0))  # [1, B, H, D]
                 return jnp.where(at_edge[..., None], edge_sum[:, :, :, None], sums)[0]
 
             def by_tokens():
-                k = jax.lax.dynamic_index_in_dim(k_all, layer, keepdims=True)  # [1, B, H, S, D]
+                k = jax.lax.dynamic_index_in_dim(keys_of, in_stack, keepdims=True)  # [1, B, H, S, D]
                 return token_sums(paged(k), pos_paged, mask)[0]
 
             return jax.lax.cond(consecutive & ~jnp.any(partial & ~at_edge), by_pages, by_tokens)

@@ -92,6 +92,11 @@ On SmolLM2 the digits of a needle's number (one token each) are among the most s
 in the prompt (keys and values alike), so without protection any budget that merges prose
 merges a number in it first (docs/SEMANTICACHE.md).
 
+On a quantised cache (``Backend(kv_dtype="int8" | "float8_e4m3fn")``) the clustering reads the
+entries' values (`sparsekv_jax.cache.dequantize_kv`, float32, exact), so similarities and means are
+those of the dequantised cache, and `common.write_entries` quantises the merged entries into the new
+pages (a singleton moves losslessly unless its new page needs a larger scale).
+
 The mechanics (layout, GSC, the threshold search, the merged entries) are `policies/clustering.py`;
 the cache write is `common.write_entries`. This file holds the settings and the order of the steps.
 """
@@ -107,7 +112,7 @@ import numpy as np
 from flax import struct
 
 from sparsekv_jax.backend import Backend
-from sparsekv_jax.cache import KVCache
+from sparsekv_jax.cache import KVCache, LayerKV, dequantize_kv
 from sparsekv_jax.models.rope import inverse_frequencies
 from sparsekv_jax.pallas import dispatch
 from sparsekv_jax.policies import clustering
@@ -376,8 +381,11 @@ class SemantiCache(Policy):
         top = 1.0 if self.tau is None else float(self.tau)
         inv_freq = None if self.keys == "post_rope" else np.asarray(self.inv_freq)
 
-        def layer(xs):
-            k, v, pos = (x[:, :, :T] for x in xs)  # [B, H, T, D], [B, H, T]
+        def layer(kv):
+            # a quantised cache's codes are read as their values (float32, exact): the clusters and the
+            # merged means are those of the dequantised cache, quantised again by `write_entries`
+            k, v = (x[:, :, :T] for x in dequantize_kv(kv, jnp.float32))  # [B, H, T, D]
+            pos = kv.positions[:, :, :T]  # [B, H, T]
             content = k.astype(jnp.float32)
             if inv_freq is not None:
                 content = clustering.rotate(content, -pos, inv_freq)
@@ -403,8 +411,9 @@ class SemantiCache(Policy):
                                               inv_freq), (level, tau))
 
         layers = cache.layers
-        return jax.lax.map(layer, (layers.k, layers.v, layers.positions),
-                           batch_size=min(self.layer_batch, layers.k.shape[0]))
+        kv = LayerKV(k=layers.k, v=layers.v, positions=layers.positions, bias=layers.bias, k_scale=layers.k_scale,
+                     v_scale=layers.v_scale)  # what clustering reads (no page summaries)
+        return jax.lax.map(layer, kv, batch_size=min(self.layer_batch, layers.k.shape[0]))
 
     def compress_with_choices(self, cache: KVCache, observations: Any, capacity: int,
                               prompt: Prompt) -> tuple[KVCache, tuple[jax.Array, jax.Array]]:
