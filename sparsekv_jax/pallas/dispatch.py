@@ -29,11 +29,12 @@ from sparsekv_jax.pallas import matmul as _matmul
 from sparsekv_jax.pallas import page_rope as _page_rope
 from sparsekv_jax.pallas import prefill as _prefill
 from sparsekv_jax.pallas import sae_decode as _sae
+from sparsekv_jax.pallas import sae_encode as _sae_enc
 from sparsekv_jax.pallas import topk as _topk
 
-__all__ = ["decode_attention", "gather_decode", "gather_dot", "gsc_method", "layer_matmul", "per_device",
-           "prefill_attention", "rope_page_sums", "rope_page_sums_method", "sae_gather_method", "threshold_top_k",
-           "threshold_top_k_method", "weight_spec"]
+__all__ = ["decode_attention", "fused_encoder_method", "fused_encoder_top_k", "gather_decode", "gather_dot",
+           "gsc_method", "layer_matmul", "per_device", "prefill_attention", "rope_page_sums",
+           "rope_page_sums_method", "sae_gather_method", "threshold_top_k", "threshold_top_k_method", "weight_spec"]
 
 # The dimension of each weight split over ``model`` (None: replicated); layer weights carry [L] first.
 # `sparsekv_jax.sharding.param_specs` places the weights by it and `layer_matmul` multiplies by it.
@@ -224,3 +225,17 @@ def gather_dot(backend: Backend | None, method: str, table: jax.Array, ids: jax.
     if method == "pallas":
         return _sae.gather_dot(table, ids, vec, interpret=_interpret(backend))
     return _sae.gather_dot_reference(table, ids, vec)
+
+
+# -- the Top-K SAE's encoder, ReLU and top-k fused --------------------------------------------------
+
+def fused_encoder_method(backend: Backend | None, d_in: int, width: int, k: int) -> bool:
+    """Whether an ``"auto"`` SAE selection takes the fused encoder kernel (`sparsekv_jax.pallas.sae_encode`):
+    on a GPU where it applies (on a CPU the kernel only runs interpreted, for tests)."""
+    return resolved(backend).gpu and _sae_enc.fused_encoder_applies(d_in, width, k)
+
+
+def fused_encoder_top_k(backend: Backend | None, x: jax.Array, w: jax.Array, bias: jax.Array, k: int,
+                        keep: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """`sparsekv_jax.pallas.sae_encode.fused_encoder_top_k`, interpreted as ``backend`` says."""
+    return _sae_enc.fused_encoder_top_k(x, w, bias, k, keep=keep, interpret=_interpret(backend))
