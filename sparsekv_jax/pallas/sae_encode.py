@@ -147,7 +147,8 @@ def fused_encoder_candidates(x: jax.Array, w: jax.Array, bias: jax.Array, keep: 
     """Steps 1-2: ``(values [S, N, C], ids [S, N, C], count [S, N])``, ``C`` = the capacity.
 
     A row's first ``min(count, C)`` slots hold its candidates in ascending id order; the rest are
-    unspecified (``poison``: NaN values and id -1 there, written before the kernel runs, for tests).
+    unspecified (``poison``: +inf values, which would win any top-k, and id -1 there, written before the
+    kernel runs, for tests).
     ``count > C`` means the row overflowed. Arguments as in `fused_encoder_top_k`.
     """
     S, N, D = x.shape
@@ -169,7 +170,7 @@ def fused_encoder_candidates(x: jax.Array, w: jax.Array, bias: jax.Array, keep: 
     in_specs = [per_row(D), per_sae(D, W), per_sae(W), per_sae(W)]
     aliases = {}
     if poison:  # the outputs start as garbage (aliased inputs): an unwritten slot that is read shows
-        args += [jnp.full((S, n_pad, cap), jnp.nan, jnp.float32), jnp.full((S, n_pad, cap), -1, jnp.int32),
+        args += [jnp.full((S, n_pad, cap), jnp.inf, jnp.float32), jnp.full((S, n_pad, cap), -1, jnp.int32),
                  jnp.full((S, n_pad, 1), -(1 << 30), jnp.int32)]
         in_specs += [per_row(cap), per_row(cap), per_row(1)]
         aliases = {4: 0, 5: 1, 6: 2}
