@@ -388,14 +388,18 @@ def fused_comparison(name: str, *, rounds: int, chain: int, smoke: bool) -> dict
     sel = {"select_fused": (jax.jit(lambda s, x: select_ids(s, x, k, "fused")), (sae, x)),
            "select_today": (jax.jit(lambda s, x: select_ids(s, x, k, today)), (sae, x))}
     if on_gpu:
-        for bm, warps, stages in ((32, 4, 2), (64, 4, 2), (64, 8, 1), (64, 8, 3), (128, 8, 2)):
-            f = jax.jit(lambda a, b, c, bm=bm, warps=warps, stages=stages: fused_encoder_top_k(
-                a, b, c, k, block_rows=bm, num_warps=warps, num_stages=stages))
+        # (block_rows, num_warps, num_stages, block_w); the defaults are (64, 8, 2, None)
+        for bm, warps, stages, bw in ((32, 4, 2, None), (64, 4, 2, None), (64, 8, 1, None), (64, 8, 3, None),
+                                      (128, 8, 2, None), (64, 8, 1, 256), (32, 8, 1, 256)):
+            tag = f"fused_rows{bm}_warps{warps}_stages{stages}_w{bw or 'default'}"
+            f = jax.jit(lambda a, b, c, bm=bm, warps=warps, stages=stages, bw=bw: fused_encoder_top_k(
+                a, b, c, k, block_rows=bm, num_warps=warps, num_stages=stages, block_w=bw))
             try:
-                jax.block_until_ready(f(xc, w, bias))
-                sel[f"fused_rows{bm}_warps{warps}_stages{stages}"] = (f, (xc, w, bias))
+                _, i_cfg = jax.block_until_ready(f(xc, w, bias))
+                row[f"ids_equal_default_{tag}"] = float(jnp.mean(jnp.all(i_cfg == ids_f[:, :, :], axis=-1)))
+                sel[tag] = (f, (xc, w, bias))
             except Exception as e:  # a tiling Triton cannot compile: report, keep going
-                row[f"error_fused_rows{bm}_warps{warps}_stages{stages}"] = f"{type(e).__name__}: {str(e)[:200]}"
+                row[f"error_{tag}"] = f"{type(e).__name__}: {str(e)[:200]}"
     row["selection_median_s"], _ = interleaved(sel, rounds)
     print(json.dumps({k_: v for k_, v in row.items() if k_ != "raw_s"}), flush=True)
     return row

@@ -23,9 +23,10 @@ program runs over the width twice:
    the k-th largest of those, found by a 31-step bisection on the float bits (as in
    `sparsekv_jax.pallas.topk`) over ``[block_rows, 2·block_w]``: small. At least ``k`` entries of the
    row are ``>= τ``, so the row's k-th value is ``>= τ``;
-2. **candidates.** The dot again (same tiles, same bits); every entry ``> τ`` and the first ``k``
-   entries ``== τ`` (lowest index first) are appended, in ascending latent order, to the row's
-   buffer of ``capacity`` slots (a prefix sum gives each its slot; stores past the end are dropped).
+2. **candidates.** The dot again (same tiles, same bits); every entry ``>= τ`` is appended, in
+   ascending latent order, to the row's buffer of ``capacity`` slots (a prefix sum gives each its
+   slot; stores past the end are dropped), except that a row whose ``τ`` is 0 keeps only its first
+   ``k`` zeros (lowest index first). That is at least ``k`` candidates, and every entry of the top k.
 
 With latents in random order (a learned SAE's order means nothing) a row's top k lands on the classes
 like a random subset, and few rows hold more than ``k`` plus a few candidates. Simulated on Gaussian
@@ -116,15 +117,23 @@ def _kernel(x_ref, w_ref, b_ref, keep_ref, cv_ref, ci_ref, cnt_ref, *, k: int, b
 
     tau = lax.fori_loop(0, 31, bisect, jnp.zeros((bm, 1), jnp.int32))
 
-    # 2. the candidates: every entry > tau, and the first k entries == tau, in latent order
+    # 2. the candidates, in latent order: every entry > tau, and the entries == tau -- all of them where
+    # tau > 0 (few: tau is one of the row's values), the first k where tau == 0 (a row of fewer than k
+    # positive entries in the union: its zeros may be most of the row). The tie rank (a second prefix
+    # sum per tile) runs only in programs holding such a row (Triton lowers no reduce_and: max of a flag).
     col = lax.broadcasted_iota(jnp.int32, (bm, bw), 1)
     row = lax.broadcasted_iota(jnp.int32, (bm, bw), 0)
+    some_row_at_zero = jnp.max((tau == 0).astype(jnp.int32)) > 0
 
     def collect(j, carry):
         count, ties = carry  # [bm, 1]: candidates so far (may pass capacity), entries == tau so far
         bits = tile_bits(j)
         tied = (bits == tau).astype(jnp.int32)
-        sel = (bits > tau) | ((tied == 1) & (ties + jnp.cumsum(tied, axis=-1) <= k))
+
+        def ranked():
+            return (bits > tau) | ((tied == 1) & ((tau > 0) | (ties + jnp.cumsum(tied, axis=-1) <= k)))
+
+        sel = lax.cond(some_row_at_zero, ranked, lambda: bits >= tau)
         seli = sel.astype(jnp.int32)
         slot = count + jnp.cumsum(seli, axis=-1) - 1
         ok = sel & (slot < capacity)
