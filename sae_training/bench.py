@@ -251,9 +251,10 @@ def bench_model(name: str, *, rows: int, seq_len: int, iters: int, smoke: bool) 
     row["best_step"] = best_name
     row["step_over_floor"] = t_step / row[f"floor_{floor_tag}"]["floor_s"]
     row["step_over_peak_floor"] = t_step / row[f"floor_{floor_tag}"]["peak_floor_s"]
-    # the default (threshold top-k, fp32, the decode `auto` picks) against the fp32 floor, per step and chained
+    # the default (on a GPU the fused encoder + top-k, fp32, the decode `auto` picks) against the fp32 floor,
+    # per step and chained (the chained step is `TrainConfig`'s default: `topk="auto"`)
     floor32 = row["floor_float32"]["floor_s"]
-    default = "threshold_fp32" if steps.get("threshold_fp32") else best_name
+    default = next((n for n in ("fused_fp32", "threshold_fp32") if steps.get(n)), best_name)
     row["default_step"] = default
     row["default_over_fp32_floor"] = steps[default] / floor32
     row["chained_over_fp32_floor"] = comp["train_step_chained_donated"] / floor32
