@@ -201,3 +201,22 @@ def test_fused_rejects_what_it_cannot_run(rng):
         fused_encoder_top_k(x, w, b, K, keep=jnp.ones((S, W + 1)), interpret=True)
     with pytest.raises(ValueError, match="keep"):
         select_ids(_sae(rng), x, K, "fused", keep=jnp.ones((W,), bool))
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_encoder_lowers_to_triton_at_the_papers_shape(masked):
+    """The GPU's code path, compiled no further than Triton IR (no GPU here): Pallas lowers the kernel at the
+    paper's width (32,768 x 128 -> 16,384, k 128) for CUDA, with and without AuxK's mask. An operation Triton
+    cannot take fails here, on a CPU; Triton's own compilation (registers, shared memory) is left to the GPU."""
+    from jax import export
+
+    s, n, d, w, k = 1, 32768, 128, 16384, 128
+    args = [jax.ShapeDtypeStruct((s, n, d), jnp.float32), jax.ShapeDtypeStruct((s, d, w), jnp.float32),
+            jax.ShapeDtypeStruct((s, w), jnp.float32)] + ([jax.ShapeDtypeStruct((s, w), jnp.float32)] if masked else [])
+    fn = jax.jit(lambda x, wt, b, *keep: fused_encoder_top_k(x, wt, b, k, keep=keep[0] if keep else None))
+    exported = export.export(fn, platforms=["cuda"],
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)
+    text = exported.mlir_module()
+    # the fused kernel, the top-k of its candidates, and the unfused fallback's top-k
+    assert text.count('name = "sparsekv_sae_fused_encoder"') == 1
+    assert text.count('name = "sparsekv_threshold_top_k"') == 2
