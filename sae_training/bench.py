@@ -391,7 +391,8 @@ def fused_comparison(name: str, *, rounds: int, chain: int, smoke: bool) -> dict
     if on_gpu:
         # (block_rows, num_warps, num_stages, block_w); the defaults are (64, 8, 2, None)
         for bm, warps, stages, bw in ((32, 4, 2, None), (64, 4, 2, None), (64, 8, 1, None), (64, 8, 3, None),
-                                      (128, 8, 2, None), (64, 8, 1, 256), (32, 8, 1, 256)):
+                                      (128, 8, 2, None), (128, 8, 1, None), (128, 16, 1, None), (64, 8, 1, 256),
+                                      (32, 8, 1, 256)):
             tag = f"fused_rows{bm}_warps{warps}_stages{stages}_w{bw or 'default'}"
             f = jax.jit(lambda a, b, c, bm=bm, warps=warps, stages=stages, bw=bw: fused_encoder_top_k(
                 a, b, c, k, block_rows=bm, num_warps=warps, num_stages=stages, block_w=bw))

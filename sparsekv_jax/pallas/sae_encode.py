@@ -29,9 +29,15 @@ program runs over the width twice:
    ``k`` zeros (lowest index first). That is at least ``k`` candidates, and every entry of the top k.
 
 With latents in random order (a learned SAE's order means nothing) a row's top k lands on the classes
-like a random subset, and few rows hold more than ``k`` plus a few candidates. Simulated on Gaussian
-rows (1,000,000 draws in all): at 16,384 latents, k = 128 and ``block_w`` 128, a mean of 146 and at most 174
-of the 256 slots; at 8,192, k = 64, a mean of 66, at most 74 of 128.
+like a random subset, and few rows hold more than ``k`` plus a few candidates. Simulated in numpy on
+2,000 rows of ReLU'd Gaussians per shape: at 16,384 latents, k = 128 and ``block_w`` 128, a mean of 146
+and at most 174 of the 256 slots; at 8,192, k = 64, a mean of 66, at most 74 of 128. (A ``block_w`` of
+64 at k = 128 gave a mean of 430: the tile must be at least k wide.)
+
+Cost, as designed (not yet measured): two TF32 dots of the batch, and every program reads all of ``W``
+twice from L2 (8 MiB at the paper's width; 512 programs of 64 rows read 8 GiB). More rows per program
+read less but hold more registers (``m1``, ``m2``, the dot and the prefix sums are ``[rows, block_w]``
+each). `sae_training/bench.py --fused` sweeps a few tilings.
 
 3. **the exact top k among the candidates**: `sparsekv_jax.pallas.topk.threshold_top_k` on
    ``[N, capacity]`` (a 256-wide row instead of a 16,384-wide one); unused slots count as 0 and come
