@@ -325,8 +325,36 @@ def fused_comparison(name: str, *, rounds: int, chain: int, smoke: bool) -> dict
     state0 = init_train_state(jax.random.key(4), x, cfgs["today"], 1000)
     sae = state0.sae
 
+    _, _, xc, w, bias = _encoder_terms(sae, x)
+
+    def sweep(reference_ids) -> dict:
+        """The kernel's tilings (block_rows, num_warps, num_stages, block_w) that compile here, each checked
+        against ``reference_ids`` (None: not checked); errors go to ``row``. The defaults: (64, 8, 2, None)."""
+        out = {}
+        for bm, warps, stages, bw in ((32, 4, 2, None), (64, 4, 2, None), (64, 8, 1, None), (64, 8, 3, None),
+                                      (128, 8, 2, None), (128, 8, 1, None), (128, 16, 1, None), (64, 8, 1, 256),
+                                      (32, 8, 1, 256)):
+            tag = f"fused_rows{bm}_warps{warps}_stages{stages}_w{bw or 'default'}"
+            f = jax.jit(lambda a, b, c, bm=bm, warps=warps, stages=stages, bw=bw: fused_encoder_top_k(
+                a, b, c, k, block_rows=bm, num_warps=warps, num_stages=stages, block_w=bw))
+            try:
+                _, i_cfg = jax.block_until_ready(f(xc, w, bias))
+                if reference_ids is not None:
+                    row[f"ids_equal_default_{tag}"] = float(jnp.mean(jnp.all(i_cfg == reference_ids, axis=-1)))
+                out[tag] = (f, (xc, w, bias))
+            except Exception as e:  # a tiling Triton cannot compile: report, keep going
+                row[f"error_{tag}"] = f"{type(e).__name__}: {str(e)[:300]}"
+        return out
+
     # checks first (a wrong kernel should not be timed): ids against the unfused selection on this batch
-    ids_f = jax.jit(lambda s, x: select_ids(s, x, k, "fused"))(sae, x)
+    try:
+        ids_f = jax.block_until_ready(jax.jit(lambda s, x: select_ids(s, x, k, "fused"))(sae, x))
+    except Exception as e:  # the default tiling does not compile here: say which do, then stop
+        row["error_default_tiling"] = f"{type(e).__name__}: {str(e)[:1000]}"
+        if on_gpu:
+            row["tilings_that_compile"] = sorted(sweep(None))
+        print(json.dumps(row), flush=True)
+        raise
     ids_t = jax.jit(lambda s, x: select_ids(s, x, k, today))(sae, x)
     ids_t = jnp.sort(ids_t, axis=-1)  # "lax" gives them by value
     act = jax.jit(lambda s, x, i: selected_activations(s, x, i))
@@ -335,7 +363,6 @@ def fused_comparison(name: str, *, rounds: int, chain: int, smoke: bool) -> dict
              "max_rel_selected_mass_deficit": float(jnp.max((mass_t - mass_f) / jnp.maximum(mass_t, 1e-30))),
              "distinct_ids_every_row": bool(jnp.all(jnp.diff(ids_f, axis=-1) > 0))}
     # at full fp32 the kernel must equal the jnp reference (ids), up to genuine near-ties
-    _, _, xc, w, bias = _encoder_terms(sae, x)
     hi = jax.lax.Precision.HIGHEST
     _, i_hi = jax.jit(lambda a, b, c: fused_encoder_top_k(a, b, c, k, precision=hi, interpret=not on_gpu))(xc, w, bias)
     _, i_ref = jax.jit(lambda a, b, c: fused_encoder_top_k_reference(a, b, c, k))(xc, w, bias)
@@ -389,19 +416,7 @@ def fused_comparison(name: str, *, rounds: int, chain: int, smoke: bool) -> dict
     sel = {"select_fused": (jax.jit(lambda s, x: select_ids(s, x, k, "fused")), (sae, x)),
            "select_today": (jax.jit(lambda s, x: select_ids(s, x, k, today)), (sae, x))}
     if on_gpu:
-        # (block_rows, num_warps, num_stages, block_w); the defaults are (64, 8, 2, None)
-        for bm, warps, stages, bw in ((32, 4, 2, None), (64, 4, 2, None), (64, 8, 1, None), (64, 8, 3, None),
-                                      (128, 8, 2, None), (128, 8, 1, None), (128, 16, 1, None), (64, 8, 1, 256),
-                                      (32, 8, 1, 256)):
-            tag = f"fused_rows{bm}_warps{warps}_stages{stages}_w{bw or 'default'}"
-            f = jax.jit(lambda a, b, c, bm=bm, warps=warps, stages=stages, bw=bw: fused_encoder_top_k(
-                a, b, c, k, block_rows=bm, num_warps=warps, num_stages=stages, block_w=bw))
-            try:
-                _, i_cfg = jax.block_until_ready(f(xc, w, bias))
-                row[f"ids_equal_default_{tag}"] = float(jnp.mean(jnp.all(i_cfg == ids_f[:, :, :], axis=-1)))
-                sel[tag] = (f, (xc, w, bias))
-            except Exception as e:  # a tiling Triton cannot compile: report, keep going
-                row[f"error_{tag}"] = f"{type(e).__name__}: {str(e)[:200]}"
+        sel.update(sweep(ids_f))
     row["selection_median_s"], _ = interleaved(sel, rounds)
     print(json.dumps({k_: v for k_, v in row.items() if k_ != "raw_s"}), flush=True)
     return row
