@@ -8,7 +8,8 @@ same class with leading axes on every leaf: `pre_activations`, `encode` and `dec
 whose leading axes are the SAE's stack axes followed by any batch axes.
 
 `encode` never builds the dense latent vector ``z``: it returns the ``k`` active ids and their
-activations. Only the pre-activations are dense (every latent must be scored to find the top k).
+activations. Only the pre-activations are dense (every latent must be scored to find the top k), and
+on a GPU not even they are written: `resolve_select`'s ``"fused"`` scores and selects in one kernel.
 `decode` gathers the ``k`` decoder rows of each input instead of multiplying by ``z``.
 
 Per-token features from per-head vectors: one SAE per layer is shared by a layer's KV heads
