@@ -23,6 +23,12 @@ Training throughput = tokens/s of (forward + the steps that consume its vectors)
 
     python sae_training/bench.py --out $OUT             # GPU: smollm2 and llama3.1-8b shapes
     python sae_training/bench.py --smoke                # any machine, toy sizes, checks it runs
+    python sae_training/bench.py --fused --models llama3.1-8b --iters 15 --out $OUT   # issue 37 item 4 (GPU)
+
+``--fused`` runs only issue 37's comparison (`fused_comparison`): the step with the fused encoder + top-k
+kernel (`sparsekv_jax.pallas.sae_encode`) against today's step (dense pre-activations + the threshold
+top-k) and the fp32 matmul floor, interleaved round by round in one run, per step and chained, after
+checks of the kernel's ids; writes ``sae_fused_bench.json``.
 
 Prints a table last; writes ``sae_bench.json`` under ``--out`` (default ``$OUT`` or ``./out``).
 Timings are medians of ``--iters`` calls after a warm-up, each ``block_until_ready``.
@@ -44,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a clone
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from sparsekv_jax.bench.timing import median_time  # noqa: E402
+from sparsekv_jax.bench.timing import median_time, timed_call  # noqa: E402
 from sparsekv_jax.models import config as mc  # noqa: E402
 from sparsekv_jax.models.params import random_params  # noqa: E402
 from sparsekv_jax.pallas.topk import threshold_top_k  # noqa: E402
@@ -69,6 +75,11 @@ def peak_matmul_rate(dtype, n: int, iters: int) -> float:
 
 def floor_matmuls(L: int, N: int, D: int, W: int, dtype, iters: int) -> dict[str, float]:
     """Seconds of each dense matmul of a Top-K SAE step at its shapes (outputs fp32, like the step)."""
+    return {name: median_time(f, *args, iters=iters) for name, (f, args) in floor_calls(L, N, D, W, dtype).items()}
+
+
+def floor_calls(L: int, N: int, D: int, W: int, dtype) -> dict[str, tuple]:
+    """The five dense matmuls of a Top-K SAE step at its shapes: ``{name: (jitted fn, args)}``."""
     key = jax.random.key(0)
     x = jax.random.normal(key, (L, N, D), dtype)
     w_enc = jax.random.normal(key, (L, D, W), dtype)
@@ -83,7 +94,7 @@ def floor_matmuls(L: int, N: int, D: int, W: int, dtype, iters: int) -> dict[str
         "dec_wgrad": (lambda z, e: jnp.einsum("lnw,lnd->lwd", z, e, preferred_element_type=f32), (z, e)),
         "dec_igrad": (lambda e, w: jnp.einsum("lnd,lwd->lnw", e, w, preferred_element_type=f32), (e, w_dec)),
     }
-    return {name: median_time(jax.jit(f), *args, iters=iters) for name, (f, args) in mm.items()}
+    return {name: (jax.jit(f), args) for name, (f, args) in mm.items()}
 
 
 def bench_model(name: str, *, rows: int, seq_len: int, iters: int, smoke: bool) -> dict:
@@ -118,9 +129,11 @@ def bench_model(name: str, *, rows: int, seq_len: int, iters: int, smoke: bool) 
                 "threshold_fp32_xla_decode": ("threshold", "float32", False, "xla"),
                 "threshold_fp32": ("threshold", "float32", False, "auto"),
                 "threshold_bf16": ("threshold", "bfloat16", False, "auto"),
-                "threshold_fp32_auxk": ("threshold", "float32", True, "auto")}
+                "threshold_fp32_auxk": ("threshold", "float32", True, "auto"),
+                "fused_fp32": ("fused", "float32", False, "auto"),
+                "fused_fp32_auxk": ("fused", "float32", True, "auto")}
     if jax.default_backend() != "gpu":  # the Pallas kernels run interpreted off the GPU: far too slow to time
-        variants = {n: v for n, v in variants.items() if v[0] != "threshold"}
+        variants = {n: v for n, v in variants.items() if v[0] not in ("threshold", "fused")}
         variants["blocked_fp32_auxk"] = ("blocked", "float32", True, "auto")
     steps = {}
     for vname, (method, cdt, dead, dec) in variants.items():
@@ -238,9 +251,10 @@ def bench_model(name: str, *, rows: int, seq_len: int, iters: int, smoke: bool) 
     row["best_step"] = best_name
     row["step_over_floor"] = t_step / row[f"floor_{floor_tag}"]["floor_s"]
     row["step_over_peak_floor"] = t_step / row[f"floor_{floor_tag}"]["peak_floor_s"]
-    # the default (threshold top-k, fp32, the decode `auto` picks) against the fp32 floor, per step and chained
+    # the default (on a GPU the fused encoder + top-k, fp32, the decode `auto` picks) against the fp32 floor,
+    # per step and chained (the chained step is `TrainConfig`'s default: `topk="auto"`)
     floor32 = row["floor_float32"]["floor_s"]
-    default = "threshold_fp32" if steps.get("threshold_fp32") else best_name
+    default = next((n for n in ("fused_fp32", "threshold_fp32") if steps.get(n)), best_name)
     row["default_step"] = default
     row["default_over_fp32_floor"] = steps[default] / floor32
     row["chained_over_fp32_floor"] = comp["train_step_chained_donated"] / floor32
@@ -250,6 +264,178 @@ def bench_model(name: str, *, rows: int, seq_len: int, iters: int, smoke: bool) 
     row["train_tokens_per_s"] = 1 / (sae_s_per_token + t_fwd / (rows * seq_len))
     print(json.dumps(row), flush=True)
     return row
+
+
+def interleaved(calls: dict[str, tuple], rounds: int) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Median seconds of each ``fn(*args)`` of ``calls`` over ``rounds`` rounds; each round calls every one
+    once, in turn (so drifts of the clock or the card hit all alike). One warm-up call each first."""
+    for f, args in calls.values():
+        timed_call(f, *args)
+    times = {n: [] for n in calls}
+    for _ in range(rounds):
+        for n, (f, args) in calls.items():
+            times[n].append(timed_call(f, *args)[1])
+    return {n: statistics.median(t) for n, t in times.items()}, times
+
+
+def _chain(step, state, x, n: int):
+    """A call that runs ``n`` donated steps from the last state (as `sae.run` trains): for `interleaved`."""
+    box = {"state": state}
+
+    def run():
+        s = box["state"]
+        for _ in range(n):
+            s = step(s, x)
+        box["state"] = s
+        return s
+
+    return run
+
+
+def fused_comparison(name: str, *, rounds: int, chain: int, smoke: bool) -> dict:
+    """Issue 37 item 4: the SAE step with the fused encoder + top-k kernel (`topk="fused"`) against today's
+    (dense pre-activations + the threshold top-k kernel) and the step's fp32 matmul floor, interleaved in
+    one run; per step and chained (``chain`` donated steps per timed call). Plus checks (ids against
+    the unfused selection, the kernel's candidate counts, 5-step FVU curves both ways), the selection
+    alone both ways, and a small tiling sweep of the kernel."""
+    from sparsekv_jax.pallas.sae_encode import (  # noqa: PLC0415
+        fused_encoder_candidates,
+        fused_encoder_plan,
+        fused_encoder_top_k,
+        fused_encoder_top_k_reference,
+    )
+    from sparsekv_jax.sae.model import _encoder_terms, select_ids, selected_activations  # noqa: PLC0415
+
+    make_cfg, _, L = MODELS[name]
+    mcfg = make_cfg()
+    D, H = mcfg.head_dim, mcfg.num_kv_heads
+    width, k, batch_tokens = 128 * D, D, 4096
+    if smoke:
+        L, D, H, width, k, batch_tokens = 2, 16, 2, 2048, 16, 256
+    N = batch_tokens * H
+    on_gpu = jax.default_backend() == "gpu"
+    today = "threshold" if on_gpu else "lax"  # off a GPU the kernels run interpreted: toy shapes only
+    row = {"model": name, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "sae_layers_per_step": L,
+           "d_in": D, "width": width, "k": k, "batch_vectors": N, "rounds": rounds, "chain": chain,
+           "today_topk": today, "fused_plan": dict(zip(("block_w", "capacity"), fused_encoder_plan(width, k),
+                                                       strict=True))}
+    x = jax.random.normal(jax.random.key(3), (L, N, D), jnp.float32) * 4 + 1
+    cfgs = {"fused": TrainConfig(width=width, k=k, batch_size=N, topk="fused"),
+            "today": TrainConfig(width=width, k=k, batch_size=N, topk=today)}
+    state0 = init_train_state(jax.random.key(4), x, cfgs["today"], 1000)
+    sae = state0.sae
+
+    _, _, xc, w, bias = _encoder_terms(sae, x)
+
+    def sweep(reference_ids) -> dict:
+        """The kernel's tilings (block_rows, num_warps, num_stages, block_w) that compile here, each checked
+        against ``reference_ids`` (None: not checked); errors go to ``row``. The defaults: (64, 8, 2, None)."""
+        out = {}
+        for bm, warps, stages, bw in ((32, 4, 2, None), (64, 4, 2, None), (64, 8, 1, None), (64, 8, 3, None),
+                                      (128, 8, 2, None), (128, 8, 1, None), (128, 16, 1, None), (64, 8, 1, 256),
+                                      (32, 8, 1, 256)):
+            tag = f"fused_rows{bm}_warps{warps}_stages{stages}_w{bw or 'default'}"
+            f = jax.jit(lambda a, b, c, bm=bm, warps=warps, stages=stages, bw=bw: fused_encoder_top_k(
+                a, b, c, k, block_rows=bm, num_warps=warps, num_stages=stages, block_w=bw))
+            try:
+                _, i_cfg = jax.block_until_ready(f(xc, w, bias))
+                if reference_ids is not None:
+                    row[f"ids_equal_default_{tag}"] = float(jnp.mean(jnp.all(i_cfg == reference_ids, axis=-1)))
+                out[tag] = (f, (xc, w, bias))
+            except Exception as e:  # a tiling Triton cannot compile: report, keep going
+                row[f"error_{tag}"] = f"{type(e).__name__}: {str(e)[:300]}"
+        return out
+
+    # checks first (a wrong kernel should not be timed): ids against the unfused selection on this batch
+    try:
+        ids_f = jax.block_until_ready(jax.jit(lambda s, x: select_ids(s, x, k, "fused"))(sae, x))
+    except Exception as e:  # the default tiling does not compile here: say which do, then stop
+        row["error_default_tiling"] = f"{type(e).__name__}: {str(e)[:1000]}"
+        if on_gpu:
+            row["tilings_that_compile"] = sorted(sweep(None))
+        print(json.dumps(row), flush=True)
+        raise
+    ids_t = jax.jit(lambda s, x: select_ids(s, x, k, today))(sae, x)
+    ids_t = jnp.sort(ids_t, axis=-1)  # "lax" gives them by value
+    act = jax.jit(lambda s, x, i: selected_activations(s, x, i))
+    mass_f, mass_t = act(sae, x, ids_f).sum(-1), act(sae, x, ids_t).sum(-1)
+    check = {"rows_with_equal_ids": float(jnp.mean(jnp.all(ids_f == ids_t, axis=-1))),
+             "max_rel_selected_mass_deficit": float(jnp.max((mass_t - mass_f) / jnp.maximum(mass_t, 1e-30))),
+             "distinct_ids_every_row": bool(jnp.all(jnp.diff(ids_f, axis=-1) > 0))}
+    # at full fp32 the kernel must equal the jnp reference (ids), up to genuine near-ties
+    hi = jax.lax.Precision.HIGHEST
+    _, i_hi = jax.jit(lambda a, b, c: fused_encoder_top_k(a, b, c, k, precision=hi, interpret=not on_gpu))(xc, w, bias)
+    _, i_ref = jax.jit(lambda a, b, c: fused_encoder_top_k_reference(a, b, c, k))(xc, w, bias)
+    check["highest_precision_rows_equal_reference"] = float(jnp.mean(jnp.all(i_hi == i_ref, axis=-1)))
+    dead = jnp.arange(width) % 2 == 0  # AuxK's masked form, half the latents dead
+    for tag, keep, kk in (("main", None, k), ("auxk_half_dead", jnp.broadcast_to(dead, (L, width)), D // 2)):
+        count = jax.jit(lambda a, b, c, m, kk=kk: fused_encoder_candidates(a, b, c, m, k=kk, interpret=not on_gpu)[2])(
+            xc, w, bias, keep)
+        check[f"candidates_{tag}"] = {"k": kk, "capacity": fused_encoder_plan(width, kk)[1],
+                                      "mean": float(count.mean()), "max": int(count.max()),
+                                      "overflow_rows": int(jnp.sum(count > fused_encoder_plan(width, kk)[1]))}
+    fvus = {}
+    for tag, tcfg in cfgs.items():
+        st = init_train_state(jax.random.key(4), x, tcfg, 1000)
+        step = jax.jit(lambda s, x, tcfg=tcfg: train_step(s, x, tcfg))
+        curve = []
+        for i in range(5):
+            st, metrics = step(st, x + 0.01 * i)
+            curve.append(float(metrics["fvu"].mean()))
+        fvus[tag] = curve
+        del st
+    check["fvu_curves"] = fvus
+    check["fvu_max_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(fvus["fused"], fvus["today"], strict=True))
+    row["check"] = check
+    print(json.dumps({"model": name, "check": check}), flush=True)
+
+    # the step both ways, chained both ways and the five fp32 matmuls, interleaved
+    calls = {}
+    for tag, tcfg in cfgs.items():
+        st = init_train_state(jax.random.key(4), x, tcfg, 1000)
+        calls[f"step_{tag}"] = (jax.jit(lambda s, x, tcfg=tcfg: train_step(s, x, tcfg)), (st, x))
+        donated = jax.jit(lambda s, x, tcfg=tcfg: train_step(s, x, tcfg)[0], donate_argnums=0)
+        st2 = init_train_state(jax.random.key(4), x, tcfg, 1000)
+        calls[f"chained_{tag}"] = (_chain(donated, st2, x, chain), ())
+    floor = floor_calls(L, N, D, width, jnp.float32)
+    calls.update({f"floor_{n}": c for n, c in floor.items()})
+    med, raw = interleaved(calls, rounds)
+    for tag in cfgs:
+        med[f"chained_{tag}"] /= chain
+    floor_s = sum(med[f"floor_{n}"] for n in floor)
+    row["median_s"] = med
+    row["raw_s"] = raw
+    row["floor_fp32_s"] = floor_s
+    for tag in cfgs:
+        row[f"{tag}_over_floor"] = med[f"step_{tag}"] / floor_s
+        row[f"{tag}_chained_over_floor"] = med[f"chained_{tag}"] / floor_s
+    del calls, floor
+    jax.clear_caches()
+
+    # the selection alone, both ways, and the kernel's tiling (block_rows, num_warps, num_stages), interleaved
+    sel = {"select_fused": (jax.jit(lambda s, x: select_ids(s, x, k, "fused")), (sae, x)),
+           "select_today": (jax.jit(lambda s, x: select_ids(s, x, k, today)), (sae, x))}
+    if on_gpu:
+        sel.update(sweep(ids_f))
+    row["selection_median_s"], _ = interleaved(sel, rounds)
+    print(json.dumps({k_: v for k_, v in row.items() if k_ != "raw_s"}), flush=True)
+    return row
+
+
+def fused_table(rows: list[dict]) -> str:
+    lines = ["| model | SAE (L x N x D -> W, k) | step ms: fused / today | chained ms: fused / today | fp32 floor ms | "
+             "**fused / floor** (chained) | today / floor (chained) | selection ms: fused / today | ids equal |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        m = r["median_s"]
+        lines.append(
+            f"| {r['model']} | {r['sae_layers_per_step']} x {r['batch_vectors']} x {r['d_in']} -> {r['width']}, "
+            f"{r['k']} | {m['step_fused'] * 1e3:.2f} / {m['step_today'] * 1e3:.2f} | "
+            f"{m['chained_fused'] * 1e3:.2f} / {m['chained_today'] * 1e3:.2f} | {r['floor_fp32_s'] * 1e3:.2f} | "
+            f"**{r['fused_over_floor']:.2f}** ({r['fused_chained_over_floor']:.2f}) | {r['today_over_floor']:.2f} "
+            f"({r['today_chained_over_floor']:.2f}) | {r['selection_median_s']['select_fused'] * 1e3:.2f} / "
+            f"{r['selection_median_s']['select_today'] * 1e3:.2f} | {r['check']['rows_with_equal_ids']:.4f} |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -277,7 +463,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--smoke", action="store_true", help="toy shapes: checks the script end to end on any machine")
     p.add_argument("--out", default=os.environ.get("OUT", "out"))
+    p.add_argument("--fused", action="store_true",
+                   help="only issue 37's comparison: the step with the fused encoder + top-k against today's and "
+                        "the fp32 matmul floor, interleaved (median of max(--iters, 9) rounds); writes "
+                        "sae_fused_bench.json")
+    p.add_argument("--chain", type=int, default=5, help="--fused: donated steps per chained timing call")
     args = p.parse_args(argv)
+    if args.fused:
+        rows = []
+        for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+            if name not in MODELS:
+                p.error(f"unknown model {name!r}; expected {sorted(MODELS)}")
+            rows.append(fused_comparison(name, rounds=2 if args.smoke else max(args.iters, 9),
+                                         chain=1 if args.smoke else args.chain, smoke=args.smoke))
+            jax.clear_caches()
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sae_fused_bench.json").write_text(json.dumps(rows, indent=2) + "\n")
+        print(fused_table(rows))
+        return 0
     rows = []
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         if name not in MODELS:

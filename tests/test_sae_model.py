@@ -35,7 +35,7 @@ def _np_topk_relu(sae, x):
     return order, np.take_along_axis(r, order, -1)
 
 
-@pytest.mark.parametrize("method", ["lax", "blocked", "threshold"])
+@pytest.mark.parametrize("method", ["lax", "blocked", "threshold", "fused"])
 def test_encode_is_topk_of_relu(method):
     rng = seeded_rng()
     d, w, k = 16, 2048, 24

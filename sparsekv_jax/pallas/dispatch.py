@@ -29,12 +29,14 @@ from sparsekv_jax.pallas import matmul as _matmul
 from sparsekv_jax.pallas import page_rope as _page_rope
 from sparsekv_jax.pallas import prefill as _prefill
 from sparsekv_jax.pallas import sae_decode as _sae
+from sparsekv_jax.pallas import sae_encode as _sae_enc
 from sparsekv_jax.pallas import stem_route as _stem_route
 from sparsekv_jax.pallas import topk as _topk
 
-__all__ = ["decode_attention", "gather_decode", "gather_dot", "gsc_method", "layer_matmul", "per_device",
-           "prefill_attention", "rope_page_sums", "rope_page_sums_method", "sae_gather_method", "stem_tile_metric",
-           "threshold_top_k", "threshold_top_k_method", "weight_spec"]
+__all__ = ["decode_attention", "fused_encoder_method", "fused_encoder_top_k", "gather_decode", "gather_dot",
+           "gsc_method", "layer_matmul", "per_device", "prefill_attention", "rope_page_sums",
+           "rope_page_sums_method", "sae_gather_method", "stem_tile_metric", "threshold_top_k",
+           "threshold_top_k_method", "weight_spec"]
 
 # The dimension of each weight split over ``model`` (None: replicated); layer weights carry [L] first.
 # `sparsekv_jax.sharding.param_specs` places the weights by it and `layer_matmul` multiplies by it.
@@ -233,3 +235,17 @@ def stem_tile_metric(backend: Backend | None, qb: jax.Array, qi: jax.Array, insi
     interpreted where ``backend`` says so; its jnp reference is `policies.stem_routing.tile_metric`."""
     return _stem_route.stem_tile_metric_kernel(qb, qi, inside, ks, bonus, gqa=gqa, scale=scale,
                                                interpret=_interpret(backend))
+
+
+# -- the Top-K SAE's encoder, ReLU and top-k fused --------------------------------------------------
+
+def fused_encoder_method(backend: Backend | None, d_in: int, width: int, k: int) -> bool:
+    """Whether an ``"auto"`` SAE selection takes the fused encoder kernel (`sparsekv_jax.pallas.sae_encode`):
+    on a GPU where it applies (on a CPU the kernel only runs interpreted, for tests)."""
+    return resolved(backend).gpu and _sae_enc.fused_encoder_applies(d_in, width, k)
+
+
+def fused_encoder_top_k(backend: Backend | None, x: jax.Array, w: jax.Array, bias: jax.Array, k: int,
+                        keep: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """`sparsekv_jax.pallas.sae_encode.fused_encoder_top_k`, interpreted as ``backend`` says."""
+    return _sae_enc.fused_encoder_top_k(x, w, bias, k, keep=keep, interpret=_interpret(backend))

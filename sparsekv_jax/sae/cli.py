@@ -38,7 +38,7 @@ HELP = {
     "batch_size": "key vectors per layer per step (tokens x KV heads)",
     "width": "latents per SAE",
     "k": "active latents per vector",
-    "topk": "top-k algorithm: auto | lax | blocked | threshold",
+    "topk": "top-k algorithm: auto | lax | blocked | threshold | fused (encoder + top-k in one GPU kernel)",
     "decode": "decoder gather: auto | xla | pallas",
     "cache_dir": "cache of embedded models and fetched data",
     "checkpoint_dir": "where orbax checkpoints go (default OUT/checkpoints)",

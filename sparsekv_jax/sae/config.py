@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 SCHEDULES = ("constant", "wsd", "cosine")
-TOPK_METHODS = ("auto", "lax", "blocked", "threshold")
+TOPK_METHODS = ("auto", "lax", "blocked", "threshold", "fused")
 DECODE_METHODS = ("auto", "xla", "pallas")
 # `RunConfig` fields that may differ from a run's saved config on resume, when named (``--change``):
 # none changes the steps already taken. ``steps`` sets the schedule's length from the checkpoint on
@@ -32,7 +32,9 @@ class TrainConfig:
       aux_coef: AuxK loss weight (1/32 in both references); 0 turns AuxK off.
       dead_after: vectors without firing after which a latent counts as dead.
       b_dec_init: ``"geometric_median"`` or ``"mean"`` of the init sample.
-      topk: top-k algorithm (`sparsekv_jax.sae.topk`).
+      topk: top-k algorithm (`sparsekv_jax.sae.topk`), or ``"fused"``: the encoder matmul, ReLU and top-k in
+        one kernel (`sparsekv_jax.pallas.sae_encode`; what ``"auto"`` takes on a GPU where it applies, with
+        fp32 encoder inputs; `sparsekv_jax.sae.model.resolve_select`).
       compute_dtype: ``"float32"`` or ``"bfloat16"`` inputs of the encoder matmul.
       decode: the decoder's gather (`sparsekv_jax.sae.model.decode`): ``"auto"``, ``"xla"``, ``"pallas"``.
     """

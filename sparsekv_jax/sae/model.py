@@ -8,7 +8,8 @@ same class with leading axes on every leaf: `pre_activations`, `encode` and `dec
 whose leading axes are the SAE's stack axes followed by any batch axes.
 
 `encode` never builds the dense latent vector ``z``: it returns the ``k`` active ids and their
-activations. Only the pre-activations are dense (every latent must be scored to find the top k).
+activations. Only the pre-activations are dense (every latent must be scored to find the top k), and
+on a GPU not even they are written: `resolve_select`'s ``"fused"`` scores and selects in one kernel.
 `decode` gathers the ``k`` decoder rows of each input instead of multiplying by ``z``.
 
 Per-token features from per-head vectors: one SAE per layer is shared by a layer's KV heads
@@ -29,8 +30,11 @@ from flax import struct
 from sparsekv_jax.backend import Backend
 from sparsekv_jax.pallas import dispatch
 from sparsekv_jax.pallas.sae_decode import gather_kernels_apply
-from sparsekv_jax.sae.config import DECODE_METHODS
-from sparsekv_jax.sae.topk import relu_top_k
+from sparsekv_jax.pallas.sae_encode import fused_encoder_applies
+from sparsekv_jax.sae.config import DECODE_METHODS, TOPK_METHODS
+from sparsekv_jax.sae.topk import relu_top_k, resolve_method
+
+_LOWEST = float(jnp.finfo(jnp.float32).min)
 
 
 @struct.dataclass
@@ -186,14 +190,73 @@ def _activations_at_bwd(width, res, g):
 _activations_at.defvjp(_activations_at_fwd, _activations_at_bwd)
 
 
-def encode(sae: TopKSAE, x: jax.Array, *, method: str = "auto",
-           compute_dtype: jnp.dtype | None = None) -> tuple[jax.Array, jax.Array]:
+def resolve_select(method: str, d_in: int, width: int, k: int, compute_dtype: jnp.dtype | None = None,
+                   backend: Backend | None = None) -> str:
+    """The selection an SAE encode takes: ``"fused"`` (the encoder matmul, ReLU and top-k in one kernel,
+    `sparsekv_jax.pallas.sae_encode`: the ``[N, width]`` pre-activations never written) or a top-k method
+    of `sparsekv_jax.sae.topk` over the dense pre-activations.
+
+    ``"auto"`` → ``"fused"`` on a GPU (``backend``'s platform; ``None``: this process's default) where the
+    kernel applies and the encoder runs in fp32 (``compute_dtype`` ``None``/float32), else
+    `sparsekv_jax.sae.topk.resolve_method`'s choice. An explicit ``"fused"`` that cannot run is refused."""
+    if method not in TOPK_METHODS:
+        raise ValueError(f"top-k method {method!r} is not one of {TOPK_METHODS}")
+    fp32 = compute_dtype is None or jnp.dtype(compute_dtype) == jnp.float32
+    if method == "fused":
+        if not fused_encoder_applies(d_in, width, k):
+            raise ValueError(f"the fused SAE encoder needs a power-of-two d_in in [16, 1024] and a width of >= 2 "
+                             f"tiles of max(128, next_pow2(k)) latents (d_in * tile <= 32,768); got d_in={d_in}, "
+                             f"width={width}, k={k}")
+        if not fp32:
+            raise ValueError(f"the fused SAE encoder runs in fp32; got compute_dtype={compute_dtype}")
+        return "fused"
+    if method == "auto" and fp32 and dispatch.fused_encoder_method(backend, d_in, width, k):
+        return "fused"
+    return resolve_method(method, width, k, backend)
+
+
+def select_ids(sae: TopKSAE, x: jax.Array, k: int, method: str = "auto", *, keep: jax.Array | None = None,
+               compute_dtype: jnp.dtype | None = None, backend: Backend | None = None) -> jax.Array:
+    """The ids ``[*stack, *batch, k]`` of the ``k`` largest ``ReLU(W_enc (x − b_dec) + b_enc)`` of each vector
+    (in no particular order: ascending for the kernels), without a gradient.
+
+    ``keep`` ``[*stack, width]`` (bool): only those latents compete, the others count as 0 (AuxK's top-k
+    over the dead latents). ``method`` as in `resolve_select`: ``"fused"`` never writes the dense
+    pre-activations; the others compute them (in ``compute_dtype``) and take their top-k. Ties go to
+    the lower id with the kernels and ``lax``.
+    """
+    S = sae.stack_shape
+    if keep is not None and tuple(keep.shape) != (*S, sae.width):
+        raise ValueError(f"keep has shape {tuple(keep.shape)}, expected {(*S, sae.width)}")
+    if resolve_select(method, sae.d_in, sae.width, k, compute_dtype, backend) == "fused":
+        s, batch, xc, w, bias = _encoder_terms(sae, x)
+        keep2 = None if keep is None else keep.reshape(s, sae.width)
+        _, ids = dispatch.fused_encoder_top_k(backend, xc, w, bias, k, keep2)
+        return ids.reshape(*S, *batch, k)
+    pre = jax.lax.stop_gradient(pre_activations(sae, x, compute_dtype))
+    if keep is not None:
+        s = math.prod(S)
+        pre3 = jnp.where(keep.reshape(s, 1, sae.width), pre.reshape(s, -1, sae.width), _LOWEST)
+        pre = pre3.reshape(pre.shape)
+    return relu_top_k(pre, k, method, ordered=False, backend=backend)[1]
+
+
+def encode(sae: TopKSAE, x: jax.Array, *, method: str = "auto", compute_dtype: jnp.dtype | None = None,
+           backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
     """``(ids, activations)`` ``[*stack, *batch, k]`` of the k active latents of each vector of ``x``.
 
     Exactly ``k`` distinct ids per vector; an activation is 0 only when fewer than ``k``
-    pre-activations are positive. ``method``: top-k algorithm (`sparsekv_jax.sae.topk`).
+    pre-activations are positive. ``method``: `resolve_select` (``"auto"``: the fused encoder kernel on
+    a GPU where it applies, else a top-k of `sparsekv_jax.sae.topk`). With ``"fused"`` the activations
+    are recomputed at the ids in fp32 (`selected_activations`): their gradient (to ``x``, ``W_enc``,
+    ``b_enc``, ``b_dec``) flows through the k selected latents only, like the dense path's.
     """
-    return select(pre_activations(sae, x, compute_dtype), sae.k, method)
+    if resolve_select(method, sae.d_in, sae.width, sae.k, compute_dtype, backend) != "fused":
+        return select(pre_activations(sae, x, compute_dtype), sae.k, method)
+    ids = select_ids(sae, x, sae.k, "fused", backend=backend)
+    acts = selected_activations(sae, x, ids, backend=backend, x_grad=True)
+    acts, ids = jax.lax.sort((-acts, ids), dimension=-1, is_stable=True, num_keys=1)
+    return ids, -acts
 
 
 def decode(sae: TopKSAE, ids: jax.Array, acts: jax.Array, method: str = "auto",
@@ -228,18 +291,20 @@ def resolve_decode(method: str, d_in: int, backend: Backend | None = None) -> st
 
 
 def selected_activations(sae: TopKSAE, x: jax.Array, ids: jax.Array, method: str = "auto",
-                         backend: Backend | None = None) -> jax.Array:
+                         backend: Backend | None = None, x_grad: bool = False) -> jax.Array:
     """``ReLU(W_enc (x − b_dec) + b_enc)`` at the latents ``ids`` only: ``[*stack, *batch, k]``, fp32.
 
     The same values as ``activations_at(pre_activations(sae, x), ids)`` (up to rounding: one dot of
     ``d_in`` per entry instead of a matmul's), without the dense pre-activations in the gradient:
     ``∂W_enc`` is a scatter of the ``N·k`` rows ``∂act · (x − b_dec)`` (`sparsekv_jax.pallas.sae_decode`)
-    instead of a dense ``[N, width]`` gradient and an ``xᵀ · ∂pre`` matmul; ``x`` gets no gradient.
+    instead of a dense ``[N, width]`` gradient and an ``xᵀ · ∂pre`` matmul; ``x`` gets no gradient unless
+    ``x_grad`` (then ``∂x = Σ_j ∂pre_j W_enc[:, id_j]``, the decoder kernel; training data needs none).
     The encoder runs in fp32 here whatever a step's ``compute_dtype`` (which only feeds the selection).
     ``method`` as in `decode` (the same kernels: the dot is the decoder's gradient and vice versa).
     """
     s, _, xc, w, bias = _encoder_terms(sae, x)
-    xc = jax.lax.stop_gradient(xc)  # data: its cotangent (the decoder kernel) is never asked for
+    if not x_grad:
+        xc = jax.lax.stop_gradient(xc)  # data: its cotangent (the decoder kernel) is never asked for
     kk = ids.shape[-1]
     ids3 = ids.reshape(s, -1, kk)
     table = jnp.swapaxes(w, 1, 2)  # [s, W, D]: one row per latent

@@ -49,9 +49,13 @@ def resolve_method(method: str, width: int, k: int, backend: Backend | None = No
     30.7 ms of a 40.3 ms SmolLM2 SAE step at k 64; ``"blocked"`` was 2-3x slower than that on the GPU
     (it stays an explicit choice; it is faster than ``lax`` on a CPU). ``"threshold"`` is the Pallas
     kernel of `sparsekv_jax.pallas.topk` (Triton; on a CPU it runs interpreted, for tests only).
+    ``"fused"`` fuses the encoder with its top-k (`sparsekv_jax.sae.model.resolve_select`); a top-k of
+    values already computed takes ``"auto"``'s choice for it.
     """
     if method not in TOPK_METHODS:
         raise ValueError(f"top-k method {method!r} is not one of {TOPK_METHODS}")
+    if method == "fused":  # a choice for the encoder + top-k (`sae.model.resolve_select`); of given values: auto's
+        method = "auto"
     if method == "auto":
         return "threshold" if dispatch.threshold_top_k_method(backend, width, k) else "lax"
     if method == "blocked" and not blocked_applies(width, k):

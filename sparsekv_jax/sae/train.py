@@ -39,7 +39,9 @@ from sparsekv_jax.sae.model import (
     init_sae,
     pre_activations,
     resolve_decode,
+    resolve_select,
     select,
+    select_ids,
     selected_activations,
 )
 from sparsekv_jax.sae.optim import lr_at, make_optimizer
@@ -112,12 +114,16 @@ def losses(sae: TopKSAE, x: jax.Array, dead: jax.Array, cfg: TrainConfig,
     autodiff the cond cost 1.9 ms of a 10.5 ms SmolLM2 step even when AuxK did not run (H200,
     experiments/diary/BENCHMARKS_DIARY.md)."""
     dtype = jnp.bfloat16 if cfg.compute_dtype == "bfloat16" else None
-    # With the gather kernels (GPU default) the dense pre-activations only select: the selected
-    # activations are recomputed at their ids (`selected_activations`), whose gradient is a sparse
-    # scatter; otherwise they are gathered from the dense ones (`activations_at`).
-    sparse = resolve_decode(cfg.decode, sae.d_in) == "pallas"
-    pre = pre_activations(sae, x, dtype)  # [L, N, W]
-    if sparse:
+    # The fused encoder (GPU default, `resolve_select`) never writes the dense pre-activations: it
+    # gives ids only. With it, or with the gather kernels (GPU default), the selected activations are
+    # recomputed at their ids (`selected_activations`), whose gradient is a sparse scatter; otherwise
+    # they are gathered from the dense pre-activations (`activations_at`).
+    aux_k = cfg.resolved_aux_k(sae.d_in)
+    fused = all(resolve_select(cfg.topk, sae.d_in, sae.width, kk, dtype) == "fused"
+                for kk in ((cfg.k, aux_k) if cfg.aux_coef > 0 else (cfg.k,)))
+    sparse = fused or resolve_decode(cfg.decode, sae.d_in) == "pallas"
+    pre = None if fused else pre_activations(sae, x, dtype)  # [L, N, W]
+    if sparse and not fused:
         pre = jax.lax.stop_gradient(pre)
 
     def activations(pre_or_masked, ids):
@@ -125,17 +131,23 @@ def losses(sae: TopKSAE, x: jax.Array, dead: jax.Array, cfg: TrainConfig,
 
     # ids need no order here (unordered is cheaper for the threshold kernel); the selection itself
     # is piecewise constant, so it is taken without a gradient
-    ids = relu_top_k(jax.lax.stop_gradient(pre), cfg.k, cfg.topk, ordered=False)[1]
+    if fused:
+        ids = select_ids(sae, x, cfg.k, "fused")
+    else:
+        ids = relu_top_k(jax.lax.stop_gradient(pre), cfg.k, cfg.topk, ordered=False)[1]
     acts = activations(pre, ids)
     x_hat = decode(sae, ids, acts, cfg.decode)
     e = x - x_hat
     var = jnp.maximum(_total_variance(x), 1e-12)
     fvu = jnp.sum(jnp.square(e), axis=(1, 2)) / var
-    aux_k = cfg.resolved_aux_k(sae.d_in)
 
     def auxk_loss():
-        masked = jnp.where(dead[:, None, :], pre, _LOWEST)
-        aux_ids = relu_top_k(jax.lax.stop_gradient(masked), aux_k, cfg.topk, ordered=False)[1]
+        if fused:  # the dead latents alone compete (the others count as 0, as the mask below makes them)
+            masked = None
+            aux_ids = select_ids(sae, x, aux_k, "fused", keep=dead)
+        else:
+            masked = jnp.where(dead[:, None, :], pre, _LOWEST)
+            aux_ids = relu_top_k(jax.lax.stop_gradient(masked), aux_k, cfg.topk, ordered=False)[1]
         aux_acts = activations(masked, aux_ids)
         if sparse:  # fewer than aux_k dead: the live latents picked count as 0, as the mask makes them
             aux_acts = aux_acts * jax.vmap(lambda d, i: d[i])(dead, aux_ids).astype(aux_acts.dtype)
