@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from sparsekv_jax.backend import Backend
-from sparsekv_jax.pallas import dispatch
+from sparsekv_jax.pallas import dispatch, sae_encode
 from sparsekv_jax.pallas.sae_encode import (
     fused_encoder_applies,
     fused_encoder_candidates,
@@ -175,8 +175,12 @@ def test_train_step_with_the_fused_selection_equals_the_dense_one(rng, dead_ever
     np.testing.assert_array_equal(np.asarray(sf.steps_since_fired), np.asarray(sd.steps_since_fired))
 
 
-def test_auto_takes_the_fused_kernel_on_a_gpu_where_it_applies():
+def test_auto_takes_the_fused_kernel_on_a_gpu_where_it_applies(monkeypatch):
     gpu, cpu = Backend(platform="gpu"), Backend(platform="cpu")
+    # not before the kernel has compiled and matched on a GPU: auto keeps the threshold kernel
+    assert resolve_select("auto", 128, 16384, 128, backend=gpu) == "threshold"
+    assert resolve_select("fused", 128, 16384, 128, backend=gpu) == "fused"  # on request
+    monkeypatch.setattr(sae_encode, "AUTO_ON_GPU", True)  # once verified there
     assert resolve_select("auto", 128, 16384, 128, backend=gpu) == "fused"  # the paper's width
     assert resolve_select("auto", 64, 8192, 64, backend=gpu) == "fused"  # SmolLM2's
     assert resolve_select("auto", 128, 16384, 128, jnp.bfloat16, backend=gpu) == "threshold"  # fp32 only

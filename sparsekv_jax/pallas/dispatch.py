@@ -241,8 +241,9 @@ def stem_tile_metric(backend: Backend | None, qb: jax.Array, qi: jax.Array, insi
 
 def fused_encoder_method(backend: Backend | None, d_in: int, width: int, k: int) -> bool:
     """Whether an ``"auto"`` SAE selection takes the fused encoder kernel (`sparsekv_jax.pallas.sae_encode`):
-    on a GPU where it applies (on a CPU the kernel only runs interpreted, for tests)."""
-    return resolved(backend).gpu and _sae_enc.fused_encoder_applies(d_in, width, k)
+    on a GPU where it applies, once it is verified there (`sae_encode.AUTO_ON_GPU`; on a CPU the
+    kernel only runs interpreted, for tests)."""
+    return _sae_enc.AUTO_ON_GPU and resolved(backend).gpu and _sae_enc.fused_encoder_applies(d_in, width, k)
 
 
 def fused_encoder_top_k(backend: Backend | None, x: jax.Array, w: jax.Array, bias: jax.Array, k: int,

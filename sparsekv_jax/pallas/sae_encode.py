@@ -86,6 +86,13 @@ def fused_encoder_plan(width: int, k: int, block_w: int | None = None) -> tuple[
     return bw, max(16, next_pow2(2 * k))
 
 
+# Whether ``topk="auto"`` takes this kernel on a GPU. False until the kernel has compiled and matched
+# the unfused selection on one (`python sae_training/bench.py --fused ...`, docs/SAE.md): written on a
+# CPU, checked there interpreted and lowered to Triton IR, never yet compiled by Triton or timed.
+# ``topk="fused"`` runs it on request.
+AUTO_ON_GPU = False
+
+
 def fused_encoder_applies(d_in: int, width: int, k: int, block_w: int | None = None) -> bool:
     """Whether the fused kernel takes SAEs of ``d_in``, ``width`` and ``k`` (power-of-two ``d_in`` 16-1,024
     and tile; the width whole tiles, at least two; ``k <= block_w``; the ``W`` tile within 128 KiB)."""
