@@ -189,7 +189,7 @@ class Backend:
       kv_dtype: the storage of the paged KV cache the engine allocates (`sparsekv_jax.cache.init_cache`):
         ``None`` (default) the model's dtype; ``"bfloat16"``/``"float16"``/``"float32"``; ``"int8"`` or
         ``"float8_e4m3fn"`` quantised codes with power-of-two scales per page (keys per page and
-        channel, values per page and KV head; `sparsekv_jax.cache`'s docstring says how writes re-scale
+        channel, values per page and KV head; `sparsekv_jax.cache_quant`'s docstring says how writes re-scale
         a page and who dequantises). Unlike the other fields this one changes the numbers, not only
         how they are computed: it lives here because every entry point takes a `Backend` (generate,
         `Session`, eval, the benchmarks), a value fixed at trace time, so another dtype compiles

@@ -12,8 +12,6 @@ import dataclasses
 import re
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "sparsekv_jax"
 DESIGN = ROOT / "docs" / "DESIGN.md"
@@ -164,12 +162,14 @@ def test_no_policy_holds_a_mesh_or_copies_of_the_backend():
         assert not names & {"mesh", "page_sums", "interpret"}, (cls.__name__, names)
 
 
-@pytest.mark.parametrize("module", ["sparsekv_jax.policies.chess", "sparsekv_jax.attention",
-                                    "sparsekv_jax.models.transformer"])
-def test_no_mesh_branch_imports_sharding(module):
-    """The per-device wrappers are `pallas.dispatch`'s: no caller imports `sharding` to run a kernel."""
-    path = ROOT / Path(*module.split(".")).with_suffix(".py")
-    assert "sparsekv_jax.sharding" not in {m for m, _ in imports_of(path)}
+def test_no_mesh_branch_imports_sharding():
+    """The per-device wrappers are `pallas.dispatch`'s: no caller imports `sharding` to run a kernel
+    (every policy module, CHESS's page-score module included, the attention and the transformer)."""
+    paths = sorted((PACKAGE / "policies").glob("*.py")) + [PACKAGE / "attention.py",
+                                                           PACKAGE / "models" / "transformer.py"]
+    assert PACKAGE / "policies" / "chess_scores.py" in paths
+    found = [p.relative_to(ROOT) for p in paths if "sparsekv_jax.sharding" in {m for m, _ in imports_of(p)}]
+    assert found == [], found
 
 
 
