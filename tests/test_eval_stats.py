@@ -126,6 +126,23 @@ def test_summary_pairs_by_sample_and_flags_overlaps():
     assert "paired percentile bootstrap" in md and "ratio of the two averages" in md
 
 
+def test_a_table_mixing_cache_dtypes_measures_against_the_model_dtypes_full_attention(rng):
+    """Runs at two cache dtypes share an out dir (records keyed by kv_dtype): full attention on an
+    int8 cache is a row like any other, and the reference is full attention on the model's dtype,
+    whichever comes first in the table."""
+    recs = _records(rng, 4096, "agnostic")
+    for r in [r for r in recs if r["family"] == "fullkv"]:  # int8 full attention: one answer in two lost
+        recs.append(dict(r, policy="fullkv [kv=int8]", kv_dtype="int8", score=r["score"] * (r["index"] % 2),
+                         key=r["key"] + "int8"))
+    s = report.summarize(recs, policy_order=["fullkv [kv=int8]", "fullkv"])
+    rows = {r["policy"]: r for r in s["rows"]}
+    assert rows["snapkv(0.5)"]["ci"]["ratio"][0] == 100.0  # snapkv(0.5) answers as full attention does
+    assert rows["fullkv [kv=int8]"]["kv_dtype"] == "int8" and rows["fullkv"]["kv_dtype"] is None
+    full = np.mean([r["score"] for r in recs if r["policy"] == "fullkv"])
+    int8 = np.mean([r["score"] for r in recs if r["policy"] == "fullkv [kv=int8]"])
+    assert int8 < full and rows["fullkv [kv=int8]"]["kept_pct"] < 100
+
+
 def test_regenerate_tables_and_plots(tmp_path: Path, capsys):
     rng = np.random.default_rng(3)
     a, b = tmp_path / "runs" / "a", tmp_path / "runs" / "b"

@@ -78,6 +78,14 @@ def _is_reference(row: dict[str, Any]) -> bool:
     return row["family"] == "fullkv"
 
 
+def _reference_row(rows: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The full-attention row the others are measured against: the one on the model's own cache
+    dtype where a table mixes cache dtypes (``fullkv [kv=int8]`` is a policy like any other then),
+    else the first full-attention row."""
+    refs = [r for r in rows if _is_reference(r)]
+    return min(refs, key=lambda r: r.get("kv_dtype") is not None) if refs else None
+
+
 def paired_bootstrap(policy: Mapping[str, Sequence[float]], reference: Mapping[str, Sequence[float]] | None = None,
                      *, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED,
                      level: float = 0.95) -> dict[str, Any]:
@@ -289,6 +297,7 @@ def summarize(records: Sequence[dict[str, Any]], policy_order: Sequence[str] | N
         rows.append({
             "policy": label,
             "family": recs[0].get("family", label),
+            "kv_dtype": recs[0].get("kv_dtype"),
             "budget": budget,
             "scores": scores,
             "n": {c: len(per_col[c]) for c in scores},
@@ -300,7 +309,7 @@ def summarize(records: Sequence[dict[str, Any]], policy_order: Sequence[str] | N
             "seconds_per_sample": _mean([r.get("timing", {}).get("seconds_per_sample") for r in recs]),
             "fidelity": ({k: _mean([f.get(k) for f in fid_recs]) for k in FIDELITY_KEYS} if fid_recs else None),
         })
-    ref = next((r for r in rows if _is_reference(r)), None)
+    ref = _reference_row(rows)
     ref_records = None if ref is None else {sample_key(r): r for r in by_policy[ref["policy"]]}
     paired_n = {}
     for row in rows:
@@ -486,7 +495,7 @@ def plot_score_vs_budget(summary: dict[str, Any], path: str | Path) -> Path:
     plt = _plt()
     lengths = summary.get("length_order") or [""]
     rows = summary["rows"]
-    ref = next((r for r in rows if _is_reference(r)), None)
+    ref = _reference_row(rows)
     others = [r for r in rows if not _is_reference(r) and r["budget"] is not None]
     tokens_axis = bool(others) and all(isinstance(r["budget"], int) for r in others)
     fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
