@@ -89,7 +89,8 @@ def fitting_caps(kept_as_is: jax.Array, member: jax.Array, place: jax.Array, kee
     fits the row's budget ``keep`` ``[B]``: ``cap`` where the budget holds it, larger where it
     would not (``width``, i.e. unbounded, where the layout does not fit at all)."""
     caps = jnp.arange(cap, max(cap, width) + 1, dtype=jnp.int32)  # static: at most the chunk size
-    counts = jax.vmap(lambda c: coarsest_counts(kept_as_is, member, place, c))(caps)  # [C, N, B]
+    sizes = chunk_sizes(member, place)  # [N, B, T]
+    counts = kept_as_is.sum(-1) + (-(-sizes[None] // caps[:, None, None, None])).sum(-1)  # [C, N, B]
     fits = counts <= keep[None, None]
     return jnp.where(fits.any(0), caps[jnp.argmax(fits, axis=0)], caps[-1])
 
