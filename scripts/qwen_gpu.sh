@@ -77,18 +77,22 @@ case "$STAGE" in
       > "$RUNS/recheck.log" 2>&1 &
     ;;
   4)  # issue 36 (2026-11-27): SemantiCache as the paper wrote it (now the default) and with the answer-agnostic
-      # rare-token protection, on the value types and LongBench-mini; Stem at 16k (past its 54-block floor);
-      # CHESS's thresholds for this model (the paper's 99th percentiles, `sparsekv calibrate`)
+      # candidates (rare tokens, the observation window's most attended entries, outlier keys, clusters of at
+      # most 8), on the value types and LongBench-mini; Stem at 16k (past its 54-block floor); CHESS's
+      # thresholds for this model (the paper's 99th percentiles, `sparsekv calibrate`). Rows resume: run the
+      # stage again until every log ends in its table.
     mkdir -p "$RUNS/calibration"
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 timeout "$(left)" python -m sparsekv_jax.cli calibrate --model "$MODEL" \
       --dtype bfloat16 --n 32 --length 2k --batch-size 16 --max-new-tokens 256 --quiet \
       --out "$RUNS/calibration/$MODEL.json" > "$RUNS/calibrate.log" 2>&1 &
-    ev 0.2 variants_16k agnostic 16k "semanticache(0.25), semanticache(0.25, protect='rare_tokens')" \
-      --suite ruler-variants --no-fullkv > "$RUNS/variants_sc25.log" 2>&1 &
-    ev 0.2 variants_16k_b agnostic 16k "semanticache(0.5), semanticache(0.5, protect='rare_tokens'), snapkv(0.5)" \
-      --suite ruler-variants --no-fullkv > "$RUNS/variants_sc50.log" 2>&1 &
-    ev 0.2 longbench agnostic 32k "semanticache(0.25), semanticache(0.25, protect='rare_tokens')" --suite longbench \
-      > "$RUNS/longbench_sc.log" 2>&1 &
+    SC25="semanticache(0.25), semanticache(0.25, protect='rare_tokens'), semanticache(0.25, protect='attended'), \
+      semanticache(0.25, protect='outlier_keys'), semanticache(0.25, max_cluster_size=8)"
+    SC50="semanticache(0.5), semanticache(0.5, protect='rare_tokens'), semanticache(0.5, protect='attended'), \
+      semanticache(0.5, protect='outlier_keys'), semanticache(0.5, max_cluster_size=8)"
+    ev 0.2 variants_16k agnostic 16k "$SC25" --suite ruler-variants --no-fullkv > "$RUNS/variants_sc25.log" 2>&1 &
+    ev 0.2 variants_16k_b agnostic 16k "$SC50, snapkv(0.5)" --suite ruler-variants --no-fullkv \
+      > "$RUNS/variants_sc50.log" 2>&1 &
+    ev 0.2 longbench agnostic 32k "$SC25" --suite longbench > "$RUNS/longbench_sc.log" 2>&1 &
     ev 0.2 stem agnostic 16k stem --suite ruler --no-fullkv > "$RUNS/stem16k.log" 2>&1 &
     ;;
   5)  # issue 36: CHESS with the first-page rebuild, both trigger readings and without regeneration (thresholds

@@ -55,6 +55,37 @@ Choices where the paper is silent (docs/SEMANTICACHE.md shows them in ablations)
   row's budget holds (per row the largest count ``c`` such that the tokens occurring at most ``c``
   times fit; `rare_tokens`). A needle's value is new to its haystack, as a name or a figure is new
   to the document around it; a haystack's repeated words are what merging can afford to lose.
+
+  The next two are format-blind too, and chosen per (layer, row, KV head), so they are not anchors
+  (a chunk layout is one per row): a protected slot stays in its chunk with its cosines set below
+  every threshold (`merge_protection.unmergeable`), so GSC makes it a cluster of one (kept bit for
+  bit) and clusters the rest of the chunk around it. How many: ``sentence_share`` of the row's
+  budget, fewer where the coarsest clustering (one cluster per chunk) of the reference layout —
+  budget mode: the last, ``chunk_size`` blocks; threshold mode: the row's — leaves less room; each
+  protected slot adds at most one entry to it, so that layout still fits, and a finer layout that
+  then overflows is not chosen.
+
+  ``protect="attended"``: the slots the observation window attends to most, SnapKV's scores (the
+  last ``window`` prompt queries' softmax over the earlier keys, averaged over the window and the
+  GQA group, max-pooled over 7 slots: SnapKV's paper settings, `policies.snapkv`), highest first
+  (ties: the earlier slot), among every slot outside sinks and window. What the prompt's end asks
+  about is kept whole, whatever its format. It observes the prefill, so it needs the whole prompt
+  in one pass (`needs_whole_prefill`; chunked prefill is refused before jit).
+
+  ``protect="outlier_keys"``: the keys of lowest cosine with their chunk's mean key, on the paper's
+  chunk layout (delimiter chunks; the only layout of ``chunking="fixed"``/``"none"``), lowest first,
+  among its members. A key unlike its chunk is what a cluster's mean would blur most; a singleton
+  chunk's key is its own mean (cosine 1) and never protected.
+* **Cluster cap** (``max_cluster_size=N``; default ``None``: the paper's unbounded clusters, our
+  addition). A seed absorbs its first ``N - 1`` similar members in chunk order; its later similar
+  members stay unassigned and seed or join later clusters as GSC would. A cap bounds what one mean
+  entry blurs, but it also bounds compression: a chunk of ``m`` members keeps at least
+  ``ceil(m / N)`` entries, so the budget search's lowest threshold ("merge all") may no longer fit.
+  Per row and layout the cap is then raised to the smallest that fits (`merge_protection.fitting_caps`):
+  the search still finds the largest threshold that fits wherever the paper's would. The threshold
+  no longer rises monotonically with the budget where the cap is raised: a budget just large enough
+  for ``N`` has the binding cap and may reach a lower threshold than a slightly smaller budget with a
+  raised one. GSC then runs in jnp (the Pallas kernel has no cap; ``gsc="pallas"`` is refused).
 * **Sinks and window.** The first ``sinks`` (4) and last ``window`` (32) prompt entries are kept as
   they are, counted inside the budget (as every compressor here).
 * **Bounded chunks.** A run of more than ``chunk_size`` (64) tokens without a delimiter is split, so
@@ -104,7 +135,7 @@ the cache write is `common.write_entries`. This file holds the settings and the 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -115,15 +146,16 @@ from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import KVCache, LayerKV, dequantize_kv
 from sparsekv_jax.models.rope import inverse_frequencies
 from sparsekv_jax.pallas import dispatch
-from sparsekv_jax.policies import clustering
+from sparsekv_jax.policies import clustering, merge_protection
 from sparsekv_jax.policies.base import Policy, Prompt, Setup
 from sparsekv_jax.policies.common import budget_tokens, check_budget, check_sinks_window, row_budgets, write_entries
+from sparsekv_jax.policies.snapkv import SnapKV
 
 CHUNKINGS = ("delimiters", "fixed", "none")
 LEVEL_RULES = ("least_lossy", "finest")
 KEYS = ("pre_rope", "post_rope")
 SIMILARITIES = ("keys", "keys_values")
-PROTECT = (None, "digits", "digit_words", "digit_sentences", "rare_tokens")
+PROTECT = (None, "digits", "digit_words", "digit_sentences", "rare_tokens", *merge_protection.PROTECT_PER_HEAD)
 
 
 @struct.dataclass
@@ -141,10 +173,18 @@ class SemantiCache(Policy):
       protect: entries kept unmerged, anchors at every chunk layout (our additions, opt-in; module
         docstring): ``None`` (the paper as written), ``"digits"``, ``"digit_words"`` (the digits
         only in a row where the words would not fit), ``"digit_sentences"`` (then the words, then
-        the digits) or ``"rare_tokens"`` (the prompt's least frequent token ids). A row where the
-        protected slots would not fit the budget merges as the paper does.
+        the digits) or ``"rare_tokens"`` (the prompt's least frequent token ids): a row where the
+        protected slots would not fit the budget merges as the paper does. Per (layer, row, KV
+        head), format-blind: ``"attended"`` (the slots SnapKV's observation window, the last
+        ``window`` queries, attends to most; needs the whole prompt in one prefill) or
+        ``"outlier_keys"`` (the keys of lowest cosine with their chunk's mean key), as many as
+        ``sentence_share`` of the budget, fewer where the coarsest clustering leaves less room.
+      max_cluster_size: ``None`` (the paper: unbounded) or the most slots one cluster holds, its seed
+        included (>= 2); raised per row and layout to the smallest cap whose one-cluster-per-chunk
+        clustering fits the budget. GSC then runs in jnp (the kernel has no cap).
       number_sentences: with ``protect="digit_sentences"``, the longest sentence (tokens) kept whole.
-      sentence_share: the largest share of a row's budget its digit sentences (or rare tokens) take.
+      sentence_share: the largest share of a row's budget its digit sentences (or rare tokens, attended
+        slots, outlier keys) take.
       chunking: ``"delimiters"`` (the paper), ``"fixed"`` (``chunk_size`` blocks, no anchors) or
         ``"none"`` (one chunk: global clustering) — the paper's Table 4 variants.
       chunk_size: longest chunk (longer delimiter-free runs are split); the fixed block size.
@@ -176,6 +216,7 @@ class SemantiCache(Policy):
     protect: str | None = struct.field(pytree_node=False, default=None)
     number_sentences: int = struct.field(pytree_node=False, default=64)
     sentence_share: float = struct.field(pytree_node=False, default=0.5)
+    max_cluster_size: int | None = struct.field(pytree_node=False, default=None)
     chunking: str = struct.field(pytree_node=False, default="delimiters")
     chunk_size: int = struct.field(pytree_node=False, default=64)
     keys: str = struct.field(pytree_node=False, default="pre_rope")
@@ -192,9 +233,17 @@ class SemantiCache(Policy):
     backend: Backend | None = struct.field(pytree_node=False, default=None)
 
     stages = ("compress",)
-    # the delimiters come from the prompt's ids: nothing observed, chunked prefill works
-    needs_whole_prefill = False
-    needs_observations = False
+    chunkable_when: ClassVar[str] = "unless protect='attended'"  # `sparsekv eval --help`'s list
+
+    @property
+    def needs_observations(self) -> bool:  # type: ignore[override]
+        """Only ``protect="attended"`` observes the prefill; the rest reads the prompt's ids and the cache."""
+        return self.protect == "attended"
+
+    @property
+    def needs_whole_prefill(self) -> bool:  # type: ignore[override]
+        """The observation window attends to the whole prompt; otherwise chunked prefill works."""
+        return self.protect == "attended"
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
@@ -213,6 +262,17 @@ class SemantiCache(Policy):
         if isinstance(self.sentence_share, bool) or not 0.0 < self.sentence_share <= 1.0:
             raise ValueError(f"sentence_share={self.sentence_share!r} must be in (0, 1]: the largest share of a row's "
                              "budget its digit sentences or rare tokens may take")
+        if self.max_cluster_size is not None and (isinstance(self.max_cluster_size, bool)
+                                                  or not isinstance(self.max_cluster_size, int)
+                                                  or self.max_cluster_size < 2):
+            raise ValueError(f"max_cluster_size={self.max_cluster_size!r} must be None (unbounded clusters, the paper) "
+                             "or an int >= 2: the most prompt slots one merged entry may hold")
+        if self.max_cluster_size is not None and self.gsc in ("pallas", "interpret"):
+            raise ValueError(f"gsc={self.gsc!r} with max_cluster_size={self.max_cluster_size}: the GSC kernel has no "
+                             "cluster cap; use gsc='auto' or 'jnp'")
+        if self.protect == "attended" and self.window < 1:
+            raise ValueError(f"window={self.window} with protect='attended': the observation window is the last "
+                             "`window` prompt queries; it must be >= 1")
         if self.chunking not in CHUNKINGS:
             raise ValueError(f"chunking={self.chunking!r} must be one of {CHUNKINGS}")
         if self.keys not in KEYS:
@@ -265,7 +325,7 @@ class SemantiCache(Policy):
         defaults = {f.name: f.default for f in dataclasses.fields(SemantiCache)}
         shown = [f"{n}={getattr(self, n)!r}"
                  for n in ("tau", "sinks", "window", "recent_ratio", "protect", "number_sentences", "sentence_share",
-                           "chunking", "chunk_size", "keys", "similarity", "level_rule")
+                           "max_cluster_size", "chunking", "chunk_size", "keys", "similarity", "level_rule")
                  if getattr(self, n) != defaults[n]]
         return f"SemantiCache({', '.join([repr(self.budget), *shown])})"
 
@@ -285,6 +345,13 @@ class SemantiCache(Policy):
     @property
     def threshold_mode(self) -> bool:
         return self.tau is not None
+
+    def observe(self, q, k, v, hidden, layer_index, prompt: Prompt) -> jax.Array | None:
+        """``protect="attended"``: SnapKV's scores (its paper's pooling: max over 7) of this layer,
+        ``[B, Hkv, T]``, from the last ``window`` queries (`policies.snapkv.SnapKV.observe`)."""
+        if self.protect != "attended":
+            return None
+        return SnapKV(budget=1.0, window=self.window).observe(q, k, v, hidden, layer_index, prompt)
 
     def compressed_capacity(self, prompt_len: int, max_new_tokens: int, suffix_tokens: int = 0) -> int | None:
         kept = budget_tokens(self.budget, prompt_len)
@@ -319,8 +386,8 @@ class SemantiCache(Policy):
         takes, per row, the first that fits), and the budget share each may take: the sentences
         holding a digit (with the words of longer ones), the words holding a digit, the digits; or
         the rare tokens (sized to their share here)."""
-        if self.protect is None:
-            return None, None
+        if self.protect is None or self.protect in merge_protection.PROTECT_PER_HEAD:
+            return None, None  # per (layer, row, head): `_cluster`
         if self.protect == "rare_tokens":
             cap = jnp.floor(self.sentence_share * row_budgets(self.budget, prompt.lengths)).astype(jnp.int32)
             return (clustering.rare_tokens(prompt.tokens, prompt.lengths, cap),), (1.0,)
@@ -350,41 +417,56 @@ class SemantiCache(Policy):
             raise ValueError(f"SemantiCache(chunking={self.chunking!r}, protect={self.protect!r}) needs the "
                              f"tokenizer's delimiter mask: {fix}")
 
-    def choices(self, cache: KVCache, prompt: Prompt) -> tuple[jax.Array, jax.Array]:
+    def choices(self, cache: KVCache, prompt: Prompt, observations: Any = None) -> tuple[jax.Array, jax.Array]:
         """``(level, tau)`` ``[L, B, H]``: the chunk layout level (0, 1, 2) and the threshold GSC
-        ran at, per (layer, row, KV head) — what `compress` decides, for inspection."""
-        return self._cluster(cache, prompt)[1]
+        ran at, per (layer, row, KV head) — what `compress` decides, for inspection
+        (``observations``: this policy's, with ``protect="attended"``)."""
+        return self._cluster(cache, prompt, observations)[1]
 
-    def _cluster(self, cache: KVCache, prompt: Prompt) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, jax.Array]]:
+    def _cluster(self, cache: KVCache, prompt: Prompt,
+                 observations: Any = None) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, jax.Array]]:
         self._check_masks()
         if self.keys == "pre_rope" and self.inv_freq is None:
             raise ValueError("SemantiCache(keys='pre_rope') needs the RoPE frequencies: policy.bind(Setup(config)) "
                              "first (generate and sparsekv eval do)")
+        if self.protect == "attended" and observations is None:
+            raise ValueError("SemantiCache(protect='attended') needs its prefill observations (the observation "
+                             "window's attention): run it through generate / sparsekv eval, or pass them")
         T = prompt.tokens.shape[1]
         keep = row_budgets(self.budget, prompt.lengths)
         n_out = min(T, budget_tokens(self.budget, T))
         width, levels = self._width(T), self._levels()
-        gsc = dispatch.gsc_method(self.backend, self.gsc, width)  # "auto": the bound backend's platform decides
+        # "auto": the bound backend's platform decides; a cluster cap runs in jnp (the kernel has none)
+        gsc = "jnp" if self.max_cluster_size is not None else dispatch.gsc_method(self.backend, self.gsc, width)
         is_delim = self._is_delim(prompt)[:, :T]
         protect, shares = self._protected(prompt)
         protect = None if protect is None else tuple(p[:, :T] for p in protect)
         per_head = not self.threshold_mode and self.level_rule == "least_lossy"
-        if per_head:  # budget mode: every layout's search, the least lossy per (row, head)
-            *layouts, _ = clustering.candidate_layouts(is_delim, prompt.lengths, keep, self.sinks, self.window,
-                                                       width, levels, self.recent_ratio, protect,
-                                                       shares)  # overflow: -inf
-        else:  # the first layout that fits; GSC at tau (searching lower only where a cap binds)
-            forced, anchor, member, place, row_level = clustering.fitting_layout(
-                is_delim, prompt.lengths, keep, self.sinks, self.window, width, levels, self.recent_ratio, protect,
-                shares)
+        # every layout (overflow: fits False); budget mode searches them all and keeps the least lossy per
+        # (row, head), threshold mode (and level_rule="finest") the first that fits per row
+        *layouts, fits = clustering.candidate_layouts(is_delim, prompt.lengths, keep, self.sinks, self.window,
+                                                      width, levels, self.recent_ratio, protect, shares)
+        all_kept = layouts[0] | layouts[1]
+        first = clustering.first_fitting(fits)  # [B]
+        caps = None if self.max_cluster_size is None else merge_protection.fitting_caps(
+            all_kept, layouts[2], layouts[3], keep, self.max_cluster_size, width)  # [N, B]
+        if not per_head:
+            forced, anchor, member, place = (jnp.take_along_axis(x, first[None, :, None], 0)[0] for x in layouts)
+            row_level = jnp.asarray(levels, jnp.int32)[first]
+            row_cap = None if caps is None else jnp.take_along_axis(caps, first[None], 0)[0]
+        per_head_protect = self.protect in merge_protection.PROTECT_PER_HEAD
+        if per_head_protect:  # how many per row, among which slots: `merge_protection.plan`
+            count, eligible = merge_protection.plan(self.protect, layouts, caps, width, keep, prompt.lengths,
+                                                    self.sentence_share, None if per_head else first)
         search = not self.threshold_mode or n_out < T
         top = 1.0 if self.tau is None else float(self.tau)
         inv_freq = None if self.keys == "post_rope" else np.asarray(self.inv_freq)
 
-        def layer(kv):
+        def layer(x):
+            kv, seen = x
             # a quantised cache's codes are read as their values (float32, exact): the clusters and the
             # merged means are those of the dequantised cache, quantised again by `write_entries`
-            k, v = (x[:, :, :T] for x in dequantize_kv(kv, jnp.float32))  # [B, H, T, D]
+            k, v = (y[:, :, :T] for y in dequantize_kv(kv, jnp.float32))  # [B, H, T, D]
             pos = kv.positions[:, :, :T]  # [B, H, T]
             content = k.astype(jnp.float32)
             if inv_freq is not None:
@@ -392,19 +474,22 @@ class SemantiCache(Policy):
             band = clustering.similarity_band(content, width)
             if self.similarity == "keys_values":  # a member's value must be as alike as its key
                 band = jnp.minimum(band, clustering.similarity_band(v.astype(jnp.float32), width))
+            if per_head_protect:  # a cluster of one each
+                band = merge_protection.guard(band, self.protect, seen, content, layouts, eligible, count)
             if per_head:
                 back, kept_as_is, choice, tau = clustering.least_lossy_clustering(band, layouts, keep, top,
-                                                                                  self.search_steps, gsc)
+                                                                                  self.search_steps, gsc, caps)
                 level = jnp.asarray(levels, jnp.int32)[choice]
             else:
                 kept_as_is = (forced | anchor)[:, None]
                 level = jnp.broadcast_to(row_level[:, None], k.shape[:2])
                 if search:
                     back, tau = clustering.largest_fitting_clustering(band, member, place, kept_as_is[:, 0], keep,
-                                                                      top, self.search_steps, gsc)
+                                                                      top, self.search_steps, gsc, row_cap)
                 else:
                     taus = jnp.full((1, 1) + k.shape[:2], top)
-                    back = clustering.clusterings(band, member[None], place[None], taus, gsc)[0, 0]
+                    back = clustering.clusterings(band, member[None], place[None], taus, gsc,
+                                                  None if row_cap is None else row_cap[None])[0, 0]
                     tau = jnp.full(k.shape[:2], top)
             seed_of = jnp.arange(T) - back.astype(jnp.int32)  # members: their seed; others: kept_as_is overrides
             return (clustering.merge_clusters(k, v, pos, content, seed_of, kept_as_is, prompt.lengths, n_out,
@@ -413,12 +498,13 @@ class SemantiCache(Policy):
         layers = cache.layers
         kv = LayerKV(k=layers.k, v=layers.v, positions=layers.positions, bias=layers.bias, k_scale=layers.k_scale,
                      v_scale=layers.v_scale)  # what clustering reads (no page summaries)
-        return jax.lax.map(layer, kv, batch_size=min(self.layer_batch, layers.k.shape[0]))
+        seen = observations if self.protect == "attended" else None
+        return jax.lax.map(layer, (kv, seen), batch_size=min(self.layer_batch, layers.k.shape[0]))
 
     def compress_with_choices(self, cache: KVCache, observations: Any, capacity: int,
                               prompt: Prompt) -> tuple[KVCache, tuple[jax.Array, jax.Array]]:
         """`compress` and `choices` from one clustering."""
-        (k, v, pos, bias, counts), chosen = self._cluster(cache, prompt)
+        (k, v, pos, bias, counts), chosen = self._cluster(cache, prompt, observations)
         return write_entries(cache, k, v, pos, bias, counts, capacity), chosen
 
     def compress(self, cache: KVCache, observations: Any, capacity: int, prompt: Prompt) -> KVCache:
