@@ -9,6 +9,11 @@ says what made it.
   (0.3, 0.7)); now the default is the hidden states with per-model thresholds. Old rows become
   ``bser(b, embedding='input')`` (whose thresholds are still (0.3, 0.7)).
 
+* **A field added since** (e.g. SemantiCache's ``max_cluster_size``): a policy's resume key names
+  every field, so a record made before a field existed is given the field at the value every run
+  before it had: its default, or where the default is new behaviour, the old one (`BEFORE_FIELD`:
+  Stem's ``routing`` was ``"full"`` before the tiled routing became the default).
+
 A record's policy text, ``policy_key`` and ``key`` are rewritten to the new spelling, so its rows
 are reported under what made them and a resumed run does not take them for the new default.
 Other records are copied unchanged; running it twice changes nothing.
@@ -19,10 +24,14 @@ Other records are copied unchanged; running it twice changes nothing.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import json
 import re
 import sys
+
+import sparsekv_jax.policies as policies
+from sparsekv_jax.policies.base import spec_key_value
 
 
 def protect_of(fields: dict) -> str | None:
@@ -38,9 +47,57 @@ def migrate(record: dict) -> bool:
     """Rewrite one record in place; ``True`` when it changed."""
     key = record.get("policy_key", "")
     if key.startswith('["BSER"'):
-        return migrate_bser(record)
-    if not key.startswith('["SemantiCache"'):
-        return False  # another policy (or transformers' rows, keyed by name)
+        changed = migrate_bser(record)
+    elif key.startswith('["SemantiCache"'):
+        changed = migrate_semanticache(record)
+    else:
+        changed = False
+    return fill_defaults(record) or changed
+
+
+def _set_policy_key(record: dict, name: str, fields: dict) -> None:
+    old_key = record["policy_key"]
+    record["policy_key"] = json.dumps([name, fields], sort_keys=True, default=str)  # as Policy.spec_key
+    record["key"] = record["key"].replace(json.dumps(old_key)[1:-1], json.dumps(record["policy_key"])[1:-1])
+
+
+# (class, field): the value a run made before the field existed had, where it is not the default
+BEFORE_FIELD = {("Stem", "routing"): "full"}
+
+
+def fill_defaults(record: dict) -> bool:
+    """Give a record's policy key every field its class has today that the key lacks, at the value runs
+    had before it (`BEFORE_FIELD`, else the field's default); ``True`` when one was missing. Records of
+    transformers' rows or of classes gone are left."""
+    try:
+        name, fields = json.loads(record.get("policy_key", ""))
+    except (ValueError, TypeError):
+        return False
+    cls = getattr(policies, name, None) if isinstance(name, str) else None
+    if not (isinstance(fields, dict) and dataclasses.is_dataclass(cls)):
+        return False
+    added = {}
+    for f in dataclasses.fields(cls):
+        if f.name == "backend" or f.name in fields:
+            continue
+        if (name, f.name) in BEFORE_FIELD:
+            added[f.name] = BEFORE_FIELD[name, f.name]
+        elif f.default is not dataclasses.MISSING:
+            added[f.name] = spec_key_value(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            added[f.name] = spec_key_value(f.default_factory())
+    if not added:
+        return False
+    _set_policy_key(record, name, {**fields, **added})
+    for field, value in added.items():  # a value other than today's default is named, as Policy.name does
+        if (name, field) in BEFORE_FIELD and "policy" in record:
+            text = record["policy"]
+            text = text[:-1] + ("" if text.endswith("()") else ", ") if text.endswith(")") else text + "("
+            record["policy"] = f"{text}{field}={value!r})"
+    return True
+
+
+def migrate_semanticache(record: dict) -> bool:
     name, fields = json.loads(record["policy_key"])
     if "keep_numbers" not in fields:
         return False

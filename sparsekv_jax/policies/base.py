@@ -126,7 +126,7 @@ class Policy:
         for f in dataclasses.fields(self):
             if f.name == "backend":
                 continue
-            fields[f.name] = _key_value(getattr(self, f.name))
+            fields[f.name] = spec_key_value(getattr(self, f.name))
         return json.dumps([type(self).__name__, fields], sort_keys=True, default=str)
 
     def bind(self, setup: Setup) -> Policy:
@@ -225,7 +225,9 @@ class Policy:
         return {}
 
 
-def _key_value(value: Any) -> Any:
+def spec_key_value(value: Any) -> Any:
+    """A field's value as `Policy.spec_key` writes it (a policy by its key, an array by shape, dtype
+    and hash, a non-finite float as text)."""
     if isinstance(value, Policy):
         return json.loads(value.spec_key())
     if isinstance(value, (jax.Array, np.ndarray)):
@@ -234,9 +236,9 @@ def _key_value(value: Any) -> Any:
             return float(a.reshape(()))
         return f"array{list(a.shape)}:{a.dtype}:{hashlib.sha1(a.tobytes()).hexdigest()[:12]}"
     if isinstance(value, dict):
-        return {str(k): _key_value(v) for k, v in value.items()}
+        return {str(k): spec_key_value(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
-        return [_key_value(v) for v in value]
+        return [spec_key_value(v) for v in value]
     if isinstance(value, float) and not np.isfinite(value):
         return str(value)
     return value
