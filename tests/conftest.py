@@ -8,6 +8,7 @@ import os
 import secrets
 import sys
 import zlib
+from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # XLA:CPU's cheapest compile settings: the suite compiles many small programs and runs few large ones, so
@@ -131,6 +132,35 @@ def _free_compiled_code():
     yield
     jax.clear_caches()
     gc.collect()
+
+def once_per_session(tmp_path_factory, name: str, make) -> Path:
+    """``make(directory)`` run once a session, however many pytest-xdist workers ask: the directory it filled.
+
+    A module fixture is set up once per worker, and `--dist worksteal` may deal a module's tests to
+    both workers: an expensive fixture (a child process on forced devices, a peer library's run) would
+    run twice. The first worker to get here runs ``make`` into a directory under the session's common
+    temp root, behind a file lock; the others wait for it and get the same directory. If ``make``
+    raises, nothing is marked done and the next worker runs it again (and fails the same way). Without
+    xdist it is a plain call into a fresh temp directory."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        out = tmp_path_factory.mktemp(name)
+        make(out)
+        return out
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp().parent  # common to every worker of this session
+    out, done = root / f"once_{name}", root / f"once_{name}.done"
+    with open(root / f"once_{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not done.exists():
+                out.mkdir(exist_ok=True)
+                make(out)
+                done.touch()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return out
+
 
 TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
