@@ -14,7 +14,8 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # XLA:CPU's cheapest compile settings: the suite compiles many small programs and runs few large ones, so
 # compilation dominates. With them and the compile cache below, the suite took 12.7 min on 2 idle cores
 # (29.3 min before; the cache alone: 20.8 min); a real-model test runs slower (SmolLM2's Quest needle test
-# 24 s -> 63 s). Set XLA_FLAGS yourself to test with other settings.
+# 24 s -> 63 s): a test that runs a real model asks for optimized programs (the ``optimized_xla`` fixture).
+# Set XLA_FLAGS yourself to test with other settings.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
                                    "--xla_llvm_disable_expensive_passes=true")
 

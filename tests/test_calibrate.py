@@ -65,6 +65,7 @@ def test_calibration_text_sources(tmp_path):
         calibration_text("wikitext", tmp_path / "nope.txt")
 
 
+@pytest.mark.usefixtures("optimized_xla")  # a real model: its programs compiled optimized
 def test_calibrate_end_to_end_smollm2(smol, tmp_path, monkeypatch):
     """The default calibration text, from another directory with another HOME (nothing beside the package).
 

@@ -119,6 +119,7 @@ def test_load_ruler_dir_layouts(tmp_path):
 # ------------------------------------------------------------------------------ end to end
 
 
+@pytest.mark.usefixtures("optimized_xla")  # a real model: its programs compiled optimized
 def test_eval_ruler_end_to_end_and_resume(smol_load, tmp_path, monkeypatch):
     # keep one compiled program alive at a time: the cache-dropping path runs and changes nothing
     import jax
@@ -166,6 +167,7 @@ def test_eval_ruler_end_to_end_and_resume(smol_load, tmp_path, monkeypatch):
         cli.main([*argv, "--question", "aware"])
 
 
+@pytest.mark.usefixtures("optimized_xla")
 def test_eval_ruler_format_path_metrics_and_fidelity(smol_load, tmp_path):
     """RULER-format jsonl (input/outputs per task folder): qa_* scored with string_match_part, others with
     string_match_all. The references "" (found in any prediction) and "zqxj" (never) make the two differ.
