@@ -8,12 +8,14 @@ import os
 import secrets
 import sys
 import zlib
+from pathlib import Path
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # XLA:CPU's cheapest compile settings: the suite compiles many small programs and runs few large ones, so
 # compilation dominates. With them and the compile cache below, the suite took 12.7 min on 2 idle cores
 # (29.3 min before; the cache alone: 20.8 min); a real-model test runs slower (SmolLM2's Quest needle test
-# 24 s -> 63 s). Set XLA_FLAGS yourself to test with other settings.
+# 24 s -> 63 s): a test that runs a real model asks for optimized programs (the ``optimized_xla`` fixture).
+# Set XLA_FLAGS yourself to test with other settings.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false "
                                    "--xla_llvm_disable_expensive_passes=true")
 
@@ -131,6 +133,63 @@ def _free_compiled_code():
     yield
     jax.clear_caches()
     gc.collect()
+
+# XLA:CPU's own (optimizing) settings, for the programs of a test that runs a real model
+OPTIMIZED_XLA = {"xla_backend_optimization_level": 2, "xla_cpu_use_fusion_emitters": True,
+                 "xla_llvm_disable_expensive_passes": False}
+
+
+@pytest.fixture
+def optimized_xla(monkeypatch):
+    """The programs this test compiles get XLA:CPU's optimizing settings (`OPTIMIZED_XLA`), not the
+    suite's cheap ones (``XLA_FLAGS`` above, which a process reads once).
+
+    The cheap settings pay off for the many small programs of the suite, but a real model runs
+    unoptimized code: SmolLM2 decoding 32 tokens after 512 took 16.6 CPU s warm (17.9 s with its
+    compile) under them, 3.0 s (5.9 s) optimized. The settings go in as per-compile overrides (what
+    ``jax.jit(...).lower(...).compile(compiler_options=...)`` passes), through JAX's
+    ``compiler.get_compile_options``: a private function, so a JAX that renames it fails here
+    loudly. Programs already compiled in this process are reused as they are (the in-memory caches
+    key by function and shapes), and the persistent cache keys by the options, so nothing compiled
+    one way is loaded for the other."""
+    from jax._src import compiler
+
+    real = compiler.get_compile_options
+
+    def get_compile_options(*args, env_options_overrides=None, **kwargs):
+        return real(*args, env_options_overrides={**OPTIMIZED_XLA, **(env_options_overrides or {})}, **kwargs)
+
+    monkeypatch.setattr(compiler, "get_compile_options", get_compile_options)
+
+
+def once_per_session(tmp_path_factory, name: str, make) -> Path:
+    """``make(directory)`` run once a session, however many pytest-xdist workers ask: the directory it filled.
+
+    A module fixture is set up once per worker, and `--dist worksteal` may deal a module's tests to
+    both workers: an expensive fixture (a child process on forced devices, a peer library's run) would
+    run twice. The first worker to get here runs ``make`` into a directory under the session's common
+    temp root, behind a file lock; the others wait for it and get the same directory. If ``make``
+    raises, nothing is marked done and the next worker runs it again (and fails the same way). Without
+    xdist it is a plain call into a fresh temp directory."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        out = tmp_path_factory.mktemp(name)
+        make(out)
+        return out
+    import fcntl
+
+    root = tmp_path_factory.getbasetemp().parent  # common to every worker of this session
+    out, done = root / f"once_{name}", root / f"once_{name}.done"
+    with open(root / f"once_{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not done.exists():
+                out.mkdir(exist_ok=True)
+                make(out)
+                done.touch()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return out
+
 
 TINY = dict(vocab_size=211, hidden_size=64, intermediate_size=112, num_hidden_layers=3,
             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,

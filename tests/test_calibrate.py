@@ -65,13 +65,18 @@ def test_calibration_text_sources(tmp_path):
         calibration_text("wikitext", tmp_path / "nope.txt")
 
 
+@pytest.mark.usefixtures("optimized_xla")  # a real model: its programs compiled optimized
 def test_calibrate_end_to_end_smollm2(smol, tmp_path, monkeypatch):
-    """The default calibration text, from another directory with another HOME (nothing beside the package)."""
+    """The default calibration text, from another directory with another HOME (nothing beside the package).
+
+    40 new tokens: two complete pages of 16 a row (columns 1-32) unless a row stops early. A decode
+    step of SmolLM2 costs ~0.5 CPU s under the suite's cheap XLA flags, and 72 tokens (four pages a
+    row) checked nothing more."""
     _, params, tokenizer, _ = smol
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     out, plot = tmp_path / "cal.json", tmp_path / "cal.png"
-    res = calibrate((params, tokenizer), length=200, n=2, max_new_tokens=72, batch_size=2,
+    res = calibrate((params, tokenizer), length=200, n=2, max_new_tokens=40, batch_size=2,
                     page_size=16, out=out, plot=plot, progress=False)
     saved = json.loads(out.read_text())
     assert saved == res and res["pages"] >= 2 and res["samples"] == 2

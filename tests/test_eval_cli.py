@@ -119,6 +119,7 @@ def test_load_ruler_dir_layouts(tmp_path):
 # ------------------------------------------------------------------------------ end to end
 
 
+@pytest.mark.usefixtures("optimized_xla")  # a real model: its programs compiled optimized
 def test_eval_ruler_end_to_end_and_resume(smol_load, tmp_path, monkeypatch):
     # keep one compiled program alive at a time: the cache-dropping path runs and changes nothing
     import jax
@@ -166,17 +167,22 @@ def test_eval_ruler_end_to_end_and_resume(smol_load, tmp_path, monkeypatch):
         cli.main([*argv, "--question", "aware"])
 
 
+@pytest.mark.usefixtures("optimized_xla")
 def test_eval_ruler_format_path_metrics_and_fidelity(smol_load, tmp_path):
     """RULER-format jsonl (input/outputs per task folder): qa_* scored with string_match_part, others with
-    string_match_all. The references "" (found in any prediction) and "zqxj" (never) make the two differ."""
+    string_match_all. The references "" (found in any prediction) and "zqxj" (never) make the two differ.
+
+    The other task is vt (RULER answers it in 30 tokens, as qa_1 in 32): both decode 32 tokens, so the
+    two tasks' prompts (61 and 47 tokens, padded to 64) run the same programs, compiled once (a needle task's 128-token
+    answers took this test 125 s, this check needs neither their length nor a second set of programs)."""
     data = tmp_path / "ruler_data"
     records = {
         "qa_1": "Answer the question based on the given documents.\n\nDocument 1:\nParis is the capital of "
                 "France.\n\nAnswer the question based on the given documents.\n\nQuestion: What is the capital "
                 "of France? Answer:",
-        "niah_single_1": "Some special magic numbers are hidden. One of the special magic numbers for apple is: "
-                         "4242.\nWhat are all the special magic numbers for apple mentioned in the provided text? "
-                         "The special magic numbers for apple mentioned in the provided text are",
+        "vt": "Track the chain of variable assignments in the text.\n\nVAR QPL = 4242. The grass is green. "
+              "VAR RTX = VAR QPL.\nQuestion: Find all variables that are assigned the value 4242 in the text "
+              "above. Answer:",
     }
     for task, text in records.items():
         (data / task).mkdir(parents=True)
@@ -196,7 +202,7 @@ def test_eval_ruler_format_path_metrics_and_fidelity(smol_load, tmp_path):
         if r["policy"] == "fullkv":
             assert f["kl_mean"] == 0.0 and f["top1_agreement"] == 1.0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["columns"] == ["niah_single_1", "qa_1"]
+    assert summary["columns"] == ["qa_1", "vt"]
     assert all(row["fidelity"] is not None for row in summary["rows"])
     assert "KL mean" in (out / "summary.md").read_text()
 

@@ -102,6 +102,7 @@ def test_terms_ship_with_the_model():
     assert "Gemma Terms of Use" in terms[0].read_text(errors="replace")
 
 
+@pytest.mark.usefixtures("optimized_xla")  # a real model: its programs compiled optimized
 def test_gguf_logits_and_greedy_match_transformers(gemma):
     params, tok, model = gemma
     cfg = params.config

@@ -185,6 +185,7 @@ def qwen05():
     return params, tok, model
 
 
+@pytest.mark.usefixtures("optimized_xla")  # a real model: its programs compiled optimized
 def test_qwen25_coder_05b_logits_and_greedy_match_transformers(qwen05):
     params, tok, model = qwen05
     cfg = params.config

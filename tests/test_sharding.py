@@ -295,17 +295,29 @@ def _child() -> None:
     _generate_rows(cfg, params, meshes, rng)
 
 
-@pytest.fixture(scope="module")
-def child() -> dict:
+def _run_child(seed: int) -> dict:
+    """This file as a script on 8 forced devices: its exit status, stdout and the tail of its stderr."""
     root = Path(__file__).resolve().parents[1]
-    from conftest import seeded_rng  # here, not at the top: the child process runs this file
-    seed = int(seeded_rng().integers(1 << 30))
     env = {**os.environ, "XLA_FLAGS": CHILD_FLAGS, "SEED": str(seed),
            "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    t0 = time.perf_counter()
     res = subprocess.run([sys.executable, __file__], env=env, cwd=root, capture_output=True, text=True, timeout=1200)
-    assert res.returncode == 0, f"seed={seed}\n{res.stderr[-6000:]}"
-    lines = res.stdout.splitlines()
+    return {"returncode": res.returncode, "stdout": res.stdout, "stderr": res.stderr[-6000:]}
+
+
+@pytest.fixture(scope="module")
+def child(tmp_path_factory) -> dict:
+    """The child's report, made once a session (`conftest.once_per_session`): under pytest-xdist this
+    file's tests may be dealt to both workers, and each would run the ~2 CPU minutes child for its
+    module fixture (two ~120 s setups in CI). Both workers draw the same seed (a fixture's draw does
+    not depend on the test)."""
+    from conftest import once_per_session, seeded_rng  # here, not at the top: the child process runs this file
+    seed = int(seeded_rng().integers(1 << 30))
+    t0 = time.perf_counter()
+    out = once_per_session(tmp_path_factory, f"sharding_child_{seed}",
+                           lambda d: (d / "child.json").write_text(json.dumps(_run_child(seed))))
+    res = json.loads((out / "child.json").read_text())
+    assert res["returncode"] == 0, f"seed={seed}\n{res['stderr']}"
+    lines = res["stdout"].splitlines()
     return {"seed": seed, "wall_s": time.perf_counter() - t0,
             "rows": [json.loads(x) for x in lines if x.startswith("{")],
             "kernels": json.loads(next(x[8:] for x in lines if x.startswith("KERNELS "))),

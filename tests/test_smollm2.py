@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 import transformers as tf
 from conftest import seeded_rng
@@ -10,6 +11,9 @@ from conftest import seeded_rng
 from sparsekv_jax.datasets import wikitext2_text
 from sparsekv_jax.generate import full_logits, generate
 from sparsekv_jax.models.embedded import embedded_gguf_path
+
+# a real model: its programs compiled optimized (conftest.optimized_xla: decoding ~5x cheaper)
+pytestmark = pytest.mark.usefixtures("optimized_xla")
 
 
 def _prompt_ids(tokenizer, n: int) -> np.ndarray:
