@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax.generate import generate
 from sparsekv_jax.models.config import ModelConfig
@@ -18,9 +19,8 @@ CFG = ModelConfig(family="llama", vocab_size=89, hidden_size=48, num_layers=2, n
 
 
 def test_a_window_over_a_fractional_budget_says_what_to_change_and_each_change_runs():
-    seed = int(np.random.default_rng().integers(1 << 30))
-    print("seed", seed)
-    rng = np.random.default_rng(seed)
+    rng = seeded_rng()
+    seed = int(rng.integers(1 << 30))
     params = random_params(CFG, jax.random.key(seed), jnp.float32, 0.3)
     tokens = jnp.asarray(rng.integers(1, 89, (2, 40)), jnp.int32)  # batch of 2: a 40-token prompt keeps 10 at 0.25
     msg = (r"sinks=0 \+ window=32 = 32 tokens are always kept, more than budget=0.25 keeps of a 40-token prompt "
