@@ -231,3 +231,32 @@ def test_head_calibration_refuses_short_prompts(hf_tiny_dir):
         head_share_scores(params, [[1] * 20], sinks=4, recent=16, queries=8, progress=False)
     with pytest.raises(ValueError, match="queries=0 must be >= 1"):
         head_share_scores(params, [[1] * 20], sinks=4, recent=4, queries=0, progress=False)
+
+
+def test_calibrate_heads_end_to_end_smollm2(smol, tmp_path):
+    """RULER needle prompts → the JSON HeadSplit loads: the shares recomputed from the same prompts,
+    the model's shapes recorded (so the file is found by the model), and the CLI's refusals."""
+    from sparsekv_jax.eval.calibrate import suite_prompts
+    from sparsekv_jax.eval.head_calibration import calibrate_heads, head_share_scores
+
+    _, params, tokenizer, _ = smol
+    kw = dict(sinks=4, recent=32, queries=16)
+    out = tmp_path / "heads.json"
+    res = calibrate_heads((params, tokenizer), out=out, tasks=["niah_single_1"], length=320, n=1, seed=7,
+                          progress=False, model_name="smollm2", **kw)
+    assert json.loads(out.read_text()) == res and res["samples"] == 1 and res["model"] == "smollm2"
+    prompts = suite_prompts("ruler", tokenizer, params.config, ["niah_single_1"], 320, 1, 7, None)
+    want = head_share_scores(params, prompts, batch_size=2, progress=False, **kw)
+    np.testing.assert_allclose(np.asarray(res["head_scores"]), want, atol=1e-6)
+    assert 0.0 < want.min() and want.max() < 1.0
+    bound = HeadSplit(SnapKV(0.25), calibration=str(out)).bind(Setup(config=params.config, prompt_len=1024))
+    np.testing.assert_allclose(np.asarray(bound.head_scores), want, atol=1e-6)
+    assert res["config"] == {k: getattr(smollm2_135m_config(), k) for k in res["config"]}
+
+
+@pytest.mark.parametrize("extra", [["--suite", "wikitext"], ["--plot", "x.png"], ["--data", "x.txt"]])
+def test_calibrate_heads_cli_refuses_chess_options(extra, capsys):
+    from sparsekv_jax import cli
+
+    assert cli.main(["calibrate", "--heads", "--model", "/nonexistent", *extra]) == 2
+    assert "--heads measures RULER needle prompts" in capsys.readouterr().err

@@ -89,8 +89,9 @@ def head_share_scores(params: Any, prompts: list[list[int]], *, sinks: int = 64,
                                            scale=scale)
 
     width = max(map(len, prompts))
-    run = jax.jit(lambda tokens, lengths: prefill(
-        params, Probe(), tokens, lengths, init_cache(cfg, batch_size, width, dtype=params.dtype))[2]["compress"])
+    # the weights are an argument, not constants folded into the program
+    run = jax.jit(lambda p, tokens, lengths: prefill(
+        p, Probe(), tokens, lengths, init_cache(cfg, batch_size, width, dtype=p.dtype))[2]["compress"])
     total = np.zeros((cfg.num_layers, cfg.num_kv_heads), np.float64)
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
     for batch in tqdm(batches, disable=not progress, desc="head calibration", unit="batch"):
@@ -98,7 +99,7 @@ def head_share_scores(params: Any, prompts: list[list[int]], *, sinks: int = 64,
         tokens = np.zeros((batch_size, width), np.int32)
         for i, r in enumerate(rows):
             tokens[i, :len(r)] = r
-        shares = np.asarray(run(jnp.asarray(tokens), jnp.asarray([len(r) for r in rows], jnp.int32)))
+        shares = np.asarray(run(params, jnp.asarray(tokens), jnp.asarray([len(r) for r in rows], jnp.int32)))
         total += shares[:, :len(batch)].sum(1)  # [L, B, Hkv] → [L, Hkv]
     return (total / len(prompts)).astype(np.float32)
 

@@ -27,11 +27,13 @@ scores; ties: the lower head), ``w = sinks + window``:
 
 So the layer keeps exactly ``H·n`` entries, every head at most the row's length. ``R = 0`` is a
 StreamingLLM-shaped cache of ``n`` per head, ``R = H`` the inner itself. A model with one KV head
-per layer (Gemma 3 270M) has ``R = 1 = H`` at any share above a half: the split is the inner.
+per layer (Gemma 3 270M) has nothing to split: ``R = 1 = H`` (the inner) at a share of a half or
+more, ``R = 0`` below.
 
 Memory: as `AdaKV`, today's cache has one capacity per layer, sized for the largest head,
-``min(prompt, ceil((H·n - (H-R)·s) / R))`` entries (plus the tokens still to come); streaming heads
-leave holes (bias −∞) until the per-head page pool (issue #38, item 1) lands.
+``min(prompt, ceil((H·n - (H-R)·s) / R))`` entries (``2n - s`` with half the heads retrieving),
+plus the tokens still to come; streaming heads leave holes (bias −∞) until the per-head page pool
+(issue #38, item 1) lands.
 """
 
 from __future__ import annotations
