@@ -163,6 +163,28 @@ def test_the_shipped_smollm2_calibration_is_found_by_the_model():
     assert bound.num_kv_heads == 3 and bound.retrieval == 2  # round(0.5 · 3), halves up
 
 
+def test_every_shipped_head_calibration_fits_its_model_and_is_found_alone():
+    """Each shipped ``*_heads.json``: scores ``[layers, KV heads]`` of the config it records, shares in
+    [0, 1], and no two files record one config (the lookup by shapes is unambiguous)."""
+    import glob
+
+    from sparsekv_jax.policies.headsplit import FINGERPRINT, shipped_head_calibration
+
+    paths = sorted(glob.glob(os.path.join(CALIBRATION_DIR, "*_heads.json")))
+    assert os.path.join(CALIBRATION_DIR, "smollm2_heads.json") in paths
+    seen = set()
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        cfg, scores = data["config"], np.asarray(data["head_scores"])
+        assert scores.shape == (cfg["num_layers"], cfg["num_kv_heads"]), path
+        assert ((scores >= 0) & (scores <= 1)).all(), path
+        key = tuple(cfg[k] for k in FINGERPRINT)
+        assert key not in seen, path
+        seen.add(key)
+        assert shipped_head_calibration(type("Cfg", (), cfg)) == path
+
+
 def test_a_model_without_head_scores_is_refused_naming_the_fix():
     with pytest.raises(ValueError, match=r"no head calibration is shipped .*sparsekv calibrate --heads"):
         HeadSplit(SnapKV(0.25)).bind(Setup(config=CFG, prompt_len=400))
