@@ -11,8 +11,8 @@ entries by the inner's scores. The per-head scores deciding the split are *not* 
 learned gates but a cheaper proxy in their spirit, computed by ``sparsekv calibrate --heads``
 (`sparsekv_jax.eval.head_calibration.calibrate_heads`): per KV head, the share of the attention mass of a
 prompt's last queries that falls outside the sinks and the recent window (what a streaming head
-would lose), averaged over RULER needle prompts. One is shipped for SmolLM2
-(``policies/calibration/smollm2_heads.json``).
+would lose), averaged over RULER needle prompts. Shipped for SmolLM2 and Qwen2.5-Coder 0.5B / 1.5B
+(``policies/calibration/*_heads.json``, found by the model's shapes).
 
 The budget, per (layer, row), with ``n`` the inner's per-head count for the row, ``H`` the KV
 heads, ``R = round(retrieval_share·H)`` of them retrieval heads (the layer's ``R`` highest head
