@@ -248,7 +248,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    """``sparsekv calibrate``: CHESS thresholds (`sparsekv_jax.eval.calibrate`)."""
+    """``sparsekv calibrate``: CHESS thresholds, or HeadSplit's head scores with ``--heads``
+    (`sparsekv_jax.eval.calibrate`)."""
     import jax.numpy as jnp
 
     from sparsekv_jax.eval import calibrate
@@ -262,21 +263,51 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"sparsekv calibrate: error: bad --length: {e}", file=sys.stderr)
         return 2
+    if args.heads and (args.suite not in (None, "ruler") or args.data or args.plot):
+        print("sparsekv calibrate: error: --heads measures RULER needle prompts (choose them with --tasks); "
+              "--suite, --data and --plot are CHESS's", file=sys.stderr)
+        return 2
     model = _load_model("sparsekv calibrate", args, dtype)
     if isinstance(model, int):
         return model
+    if args.heads:
+        return _calibrate_heads(args, model, tasks, length, dtype)
     try:
         result = calibrate.calibrate(
-            model=model, suite=args.suite, data=args.data, tasks=tasks, length=length, n=args.n, seed=args.seed,
-            page_size=args.page_size, percentile=args.percentile, max_new_tokens=args.max_new_tokens,
-            batch_size=args.batch_size, out=args.out, plot=args.plot, progress=not args.quiet, dtype=dtype)
+            model=model, suite=args.suite or "wikitext", data=args.data, tasks=tasks, length=length,
+            n=args.n or 32, seed=args.seed, page_size=args.page_size, percentile=args.percentile,
+            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, out=args.out or "chess_calibration.json",
+            plot=args.plot, progress=not args.quiet, dtype=dtype)
     except (ValueError, FileNotFoundError) as e:
         print(f"sparsekv calibrate: error: {e}", file=sys.stderr)
         return 2
     if not args.quiet:
         print(f"entropy_threshold {result['entropy_threshold']:.4f}  varentropy_threshold "
               f"{result['varentropy_threshold']:.4f}  ({result['pages']} pages of {result['page_size']} tokens, "
-              f"p{result['percentile']:g}) -> {args.out}")
+              f"p{result['percentile']:g}) -> {args.out or 'chess_calibration.json'}")
+    return 0
+
+
+def _calibrate_heads(args: argparse.Namespace, model: Any, tasks: list[str] | None, length: int, dtype: Any) -> int:
+    """``sparsekv calibrate --heads``: HeadSplit's per-head scores (`calibrate.calibrate_heads`)."""
+    import numpy as np
+
+    from sparsekv_jax.eval import head_calibration
+
+    out = args.out or "head_scores.json"
+    try:
+        result = head_calibration.calibrate_heads(
+            model=model, tasks=tasks, length=length, n=args.n or 2, seed=args.seed, sinks=args.sinks,
+            recent=args.recent, queries=args.queries, batch_size=args.batch_size, out=out,
+            progress=not args.quiet, dtype=dtype, model_name=args.model)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"sparsekv calibrate: error: {e}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        scores = np.asarray(result["head_scores"])
+        print(f"head scores [{scores.shape[0]} layers x {scores.shape[1]} KV heads] from {result['samples']} "
+              f"prompts of {result['length']} tokens: min {scores.min():.3f}, median {np.median(scores):.3f}, "
+              f"max {scores.max():.3f} -> {out}")
     return 0
 
 
@@ -291,6 +322,14 @@ The default calibration text is the WikiText-2 test split shipped as package dat
 examples:
   sparsekv calibrate --out chess_smollm2.json --plot chess_smollm2.png
   sparsekv calibrate --suite longbench --tasks gov_report,samsum --length 4k --n 8 --out cal.json
+
+--heads computes HeadSplit's per-KV-head scores instead (a DuoAttention-style retrieval/streaming
+split): per KV head, the share of the attention of each prompt's last QUERIES tokens that falls
+outside the first SINKS tokens and the RECENT most recent ones, averaged over RULER needle prompts
+(--tasks, default niah_single_2,niah_multikey_1; --n prompts per task, default 2; generated with
+--seed, default 1234, apart from the seed-0 rows `sparsekv eval` reports). Use them with:
+  --policies "headsplit(snapkv(0.25), calibration='OUT.json')"
+  sparsekv calibrate --heads --length 2k --out smollm2_heads.json
 """
 
 
@@ -473,26 +512,36 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--debug", action="store_true", help="show the traceback of a model that fails to load")
     e.set_defaults(func=cmd_eval)
 
-    c = sub.add_parser("calibrate", help="CHESS uncertainty thresholds from a calibration set",
+    c = sub.add_parser("calibrate", help="CHESS uncertainty thresholds (--heads: HeadSplit's head scores) from a "
+                                         "calibration set",
                        description="Measure the mean entropy and varentropy of every page of tokens generated "
-                                   "with full attention and write their percentiles (CHESS's trigger thresholds).",
+                                   "with full attention and write their percentiles (CHESS's trigger thresholds); "
+                                   "with --heads, the per-KV-head retrieval scores of HeadSplit.",
                        epilog=CALIBRATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("--model", default="smollm2", help="'smollm2' (default), a HF model directory or a .gguf file")
-    c.add_argument("--suite", default="wikitext", metavar="wikitext|FILE|ruler|longbench|PATH",
+    c.add_argument("--heads", action="store_true",
+                   help="compute HeadSplit's per-KV-head retrieval scores instead of CHESS's thresholds (below)")
+    c.add_argument("--suite", default=None, metavar="wikitext|FILE|ruler|longbench|PATH",
                    help="plain text to summarise ('wikitext' = the WikiText-2 test split, package data shipped in "
                         "sparsekv_jax/datasets; or a text FILE), or an eval suite whose prompts are used "
-                        "(default wikitext)")
+                        "(default wikitext; --heads: RULER)")
     c.add_argument("--data", default=None, metavar="FILE",
                    help="text file for --suite wikitext (default: the packaged WikiText-2 test split)")
     c.add_argument("--tasks", default=None, metavar="T1,T2", help="tasks of an eval suite")
     c.add_argument("--length", default="2k", metavar="L", help="prompt length in tokens, 'k' = 1024 (default 2k)")
-    c.add_argument("--n", type=int, default=32, help="prompts (default 32)")
+    c.add_argument("--n", type=int, default=None, help="prompts (default 32; --heads: 2 per task)")
     c.add_argument("--seed", type=int, default=1234, help="passage / sample seed (default 1234)")
     c.add_argument("--page-size", type=int, default=32, help="CHESS page size in tokens (default 32)")
     c.add_argument("--percentile", type=float, default=99.0, help="threshold percentile (default 99, the paper's)")
     c.add_argument("--max-new-tokens", type=int, default=256, metavar="N", help="tokens generated per prompt")
     c.add_argument("--batch-size", type=int, default=4, metavar="B", help="rows per generate call (default 4)")
-    c.add_argument("--out", default="chess_calibration.json", metavar="FILE", help="thresholds JSON to write")
+    c.add_argument("--sinks", type=int, default=64, help="--heads: the streaming pattern's first tokens (default 64)")
+    c.add_argument("--recent", type=int, default=256,
+                   help="--heads: the streaming pattern's recent window (default 256)")
+    c.add_argument("--queries", type=int, default=64,
+                   help="--heads: the prompt's last tokens whose attention is measured (default 64)")
+    c.add_argument("--out", default=None, metavar="FILE",
+                   help="JSON to write (default chess_calibration.json; --heads: head_scores.json)")
     c.add_argument("--plot", default=None, metavar="PNG", help="also plot the page density and thresholds")
     c.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="weight dtype")
     c.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary line")

@@ -23,7 +23,7 @@ from sparsekv_jax.backend import Backend
 from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig, gemma3_config
 from sparsekv_jax.models.params import random_params
-from sparsekv_jax.policies import Dense, Pipeline, Policy
+from sparsekv_jax.policies import Dense, HeadSplit, Pipeline, Policy
 from sparsekv_jax.policies.common import budget_tokens
 from sparsekv_jax.policies.spec import REGISTRY
 
@@ -40,6 +40,8 @@ def _registered() -> dict[str, Policy]:
         policy = factory()
         if isinstance(policy, Pipeline) or any(type(p) is type(policy) for p in out.values()):
             continue
+        if isinstance(policy, HeadSplit):  # a calibration per model; the tiny model has none: seeded random scores
+            policy = policy.replace(head_scores=seeded_rng().random((CFG.num_layers, CFG.num_kv_heads)))
         out[name] = policy
     return out
 

@@ -8,6 +8,7 @@ from sparsekv_jax.policies.base import ContextResult, Dense, FullKV, Policy, Pro
 from sparsekv_jax.policies.bser import BSER
 from sparsekv_jax.policies.chess import CHESS
 from sparsekv_jax.policies.h2o import H2O
+from sparsekv_jax.policies.headsplit import HeadSplit
 from sparsekv_jax.policies.pipeline import Pipeline
 from sparsekv_jax.policies.pyramidkv import PyramidKV
 from sparsekv_jax.policies.quest import Quest
@@ -24,9 +25,10 @@ for _name, _factory in (("fullkv", FullKV), ("dense", Dense), ("streamingllm", S
                         ("streaming_llm", StreamingLLM), ("snapkv", SnapKV), ("h2o", H2O), ("quest", Quest),
                         ("pipeline", Pipeline), ("stem", Stem), ("chess", CHESS.from_spec), ("bser", BSER),
                         ("semanticache", SemantiCache), ("s3pure", S3Pure), ("s3hybrid", S3Hybrid),
-                        ("bm25", BM25Retrieval), ("rag", DenseRAG), ("adakv", AdaKV), ("pyramidkv", PyramidKV)):
+                        ("bm25", BM25Retrieval), ("rag", DenseRAG), ("adakv", AdaKV), ("pyramidkv", PyramidKV),
+                        ("headsplit", HeadSplit)):
     register(_name, _factory)
 
-__all__ = ["AdaKV", "BM25Retrieval", "BSER", "CHESS", "H2O", "ContextResult", "Dense", "DenseRAG", "FullKV",
-           "Pipeline", "Policy", "Prompt", "PyramidKV", "Quest", "S3Hybrid", "S3Pure", "ScoredCompression",
+__all__ = ["AdaKV", "BM25Retrieval", "BSER", "CHESS", "H2O", "HeadSplit", "ContextResult", "Dense", "DenseRAG",
+           "FullKV", "Pipeline", "Policy", "Prompt", "PyramidKV", "Quest", "S3Hybrid", "S3Pure", "ScoredCompression",
            "SemantiCache", "Setup", "SnapKV", "Stem", "StreamingLLM", "parse_policies", "parse_policy", "register"]
