@@ -68,7 +68,7 @@ def _policies(cfg) -> dict:
     that make it act on a 160-token prompt, and the context-stage ones with a budget that cuts it."""
     import jax
 
-    from sparsekv_jax.policies import CHESS, BM25Retrieval, Pipeline, S3Hybrid, S3Pure, Stem
+    from sparsekv_jax.policies import CHESS, BM25Retrieval, HeadSplit, Pipeline, S3Hybrid, S3Pure, Stem
     from sparsekv_jax.policies.spec import REGISTRY
     from sparsekv_jax.sae.model import init_sae
 
@@ -81,6 +81,8 @@ def _policies(cfg) -> dict:
         "bm25": BM25Retrieval(budget=64),
         "s3pure": S3Pure(budget=64, weights=saes, layers=(0, 2), chunk=64),
         "s3hybrid": S3Hybrid(budget=64, weights=saes, layers=(0, 2), chunk=64),
+        # the tiny model has no shipped head calibration: seeded random head scores
+        "headsplit": HeadSplit(head_scores=np.random.default_rng(0).random((cfg.num_layers, cfg.num_kv_heads))),
     }
     out = {}
     for name, factory in sorted(REGISTRY.items()):
