@@ -37,13 +37,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from sparsekv_jax.cache import KVCache, dequantize
+from sparsekv_jax.cache import KVCache
 from sparsekv_jax.policies.base import Policy, Prompt, Setup
 from sparsekv_jax.policies.common import (
     budget_tokens,
     force_sinks_and_window,
     row_budgets,
-    write_entries,
+    write_kept,
 )
 from sparsekv_jax.policies.scored import ScoredCompression
 from sparsekv_jax.policies.snapkv import SnapKV
@@ -74,7 +74,7 @@ def keep_counts(cache: KVCache, slots: jax.Array, counts: jax.Array, capacity: i
 
     ``counts`` ``[L, B, H]`` (more than ``min(S, capacity)`` keep that many: size ``capacity`` with
     `compressed_capacity`). As `common.compact` (which takes one count per row), written by
-    `common.write_entries`: heads keeping fewer leave holes.
+    `common.write_kept`: heads keeping fewer leave holes.
     """
     L, B, H, S = slots.shape
     k_static = min(S, capacity)
@@ -82,17 +82,7 @@ def keep_counts(cache: KVCache, slots: jax.Array, counts: jax.Array, capacity: i
     top = slots[..., :k_static]
     chosen = jnp.arange(k_static) < counts[..., None]
     idx = jnp.minimum(jnp.sort(jnp.where(chosen, top, S), axis=-1), S - 1)
-    old = cache.layers
-
-    def take(x: jax.Array, at: jax.Array = idx) -> jax.Array:
-        return jnp.take_along_axis(x, at.reshape(at.shape + (1,) * (x.ndim - 4)), axis=3)
-
-    k, v = take(old.k), take(old.v)
-    if old.quantized:  # the kept entries dequantised (exactly, in bf16) with their pages' scales
-        page = idx // cache.page_size
-        k = dequantize(k, take(old.k_scale, page), jnp.bfloat16)
-        v = dequantize(v, take(old.v_scale, page)[..., None], jnp.bfloat16)
-    return write_entries(cache, k, v, take(old.positions), take(old.bias), counts, capacity)
+    return write_kept(cache, idx, counts, capacity)
 
 
 @struct.dataclass

@@ -184,13 +184,19 @@ def compact(cache: KVCache, scores: jax.Array, keep: jax.Array, capacity: int) -
     L, B, H, S = scores.shape
     k_static = min(S, capacity)
     slots, _ = keep_slots(scores, cache.length, keep, k_static)  # [L, B, H, K]
-    idx = jnp.minimum(slots, S - 1)
+    return write_kept(cache, jnp.minimum(slots, S - 1), jnp.minimum(keep, cache.length), capacity)
+
+
+def write_kept(cache: KVCache, idx: jax.Array, counts: jax.Array, capacity: int) -> KVCache:
+    """A new cache of ``capacity`` tokens holding, per (layer, row, KV head), the entries at slots
+    ``idx`` ``[L, B, H, K]`` (in slot order; the first ``counts`` of them are kept: ``counts`` ``[B]``
+    or ``[L, B, H]``), with their RoPE positions and biases, written by `write_entries` (a quantised
+    cache's entries are dequantised exactly with their pages' scales, then re-quantised there)."""
     old = cache.layers
 
     def take(x: jax.Array, at: jax.Array = idx) -> jax.Array:
         return jnp.take_along_axis(x, at.reshape(at.shape + (1,) * (x.ndim - 4)), axis=3)
 
-    counts = jnp.minimum(keep, cache.length)
     k, v = take(old.k), take(old.v)
     if old.quantized:  # the kept entries dequantised (exactly, in bf16) with their pages' scales
         page = idx // cache.page_size
