@@ -35,7 +35,7 @@ def init_state(pol: CHESS, cache: KVCache) -> dict[str, jax.Array]:
     ids, counts = pol._page_list(selected, cache.length + 1, cache)
     # distinct buffers (a donated state may not hold one array twice)
     shared = {"selected": selected, "ids": ids, "counts": counts, "used": used_pages(pol, cache.length + 1),
-              **{k: jnp.zeros((B,), jnp.float32) for k in ("ent_sum", "ent_sq")},
+              **{k: jnp.zeros((B,), jnp.float32) for k in ("ent_shift", "ent_sum", "ent_sq")},
               **{k: jnp.zeros((B,), jnp.int32) for k in ("in_page", "pages", "reselections", "backtracks",
                                                          "changed_backtracks", "rewind")},
               # the page's greedy tokens, and those of the page last taken back (compared once
@@ -53,14 +53,20 @@ def update_state(pol: CHESS, shared_state: Any, cache: KVCache, logits: jax.Arra
     slot = jnp.arange(pol.page_size)[None] == st["in_page"][:, None]  # [B, ps] this token's place
     st["page_tokens"] = jnp.where(slot, jnp.argmax(logits, axis=-1)[:, None].astype(jnp.int32),
                                   st["page_tokens"])
-    st["ent_sum"] = st["ent_sum"] + h
-    st["ent_sq"] = st["ent_sq"] + h * h
+    # sums of the entropies less the page's first one: the varentropy is the difference of two
+    # nearly equal sums otherwise (entropies of ~4 that vary by 1e-3 lose it all in fp32, and two
+    # programs rounding differently would then disagree on whether it is above 0)
+    st["ent_shift"] = jnp.where(st["in_page"] == 0, h, st["ent_shift"])
+    d = h - st["ent_shift"]
+    st["ent_sum"] = st["ent_sum"] + d
+    st["ent_sq"] = st["ent_sq"] + d * d
     st["in_page"] = st["in_page"] + 1
     page_done = st["in_page"] >= pol.page_size
     st["pages"] = st["pages"] + page_done
     n = jnp.maximum(st["in_page"], 1).astype(jnp.float32)
-    mean = st["ent_sum"] / n
-    varent = jnp.maximum(st["ent_sq"] / n - mean * mean, 0.0)
+    mean_d = st["ent_sum"] / n
+    mean = st["ent_shift"] + mean_d
+    varent = jnp.maximum(st["ent_sq"] / n - mean_d * mean_d, 0.0)
     if pol.trigger == "uncertainty":
         fire = page_done & uncertain(mean, varent, pol.entropy_threshold, pol.varentropy_threshold,
                                      pol.trigger_on)
