@@ -584,12 +584,16 @@ def test_chess_scores_on_an_int8_cache_are_those_of_its_dequantised_keys(rng, ke
                  & (slot // cps == ((end - 1) // cps)[:, None]))[None, :, None, :, None]
         want = _np_chess_scores(k, end, ps, pol.window_pages, np.where(stale, k - k_hat, 0).sum(3))
         wrong = _np_chess_scores(k, end, ps, pol.window_pages, np.where(stale, k - codes, 0).sum(3))
+    apart = []
     for b in range(B):
         pages = len(want[b])
         np.testing.assert_array_equal(used[b], np.arange(used.shape[1]) < pages)
         scale = np.abs(want[b]).max()
         np.testing.assert_allclose(got[b, :pages], want[b], rtol=1e-4, atol=1e-3 * scale)
-        assert np.abs(wrong[b] / np.abs(wrong[b]).max() - want[b] / scale).max() > 0.05
+        apart.append(np.abs(wrong[b] / np.abs(wrong[b]).max() - want[b] / scale).max())
+    # codes read as values would rank the pages otherwise (scaled alike, their shapes differ): by 10x
+    # the tolerance above in some row (one row alone may come close: 0.045 and 0.007 in one CI draw)
+    assert max(apart) > 1e-2, apart
 
 
 @pytest.mark.parametrize("settings", [dict(budget=1.0, tau=0.6, chunk_size=8, window=4),
