@@ -78,37 +78,45 @@ case "$STAGE" in
     ;;
   4)  # issue 36 (2026-11-27): SemantiCache as the paper wrote it (now the default) and with the answer-agnostic
       # candidates (rare tokens, the observation window's most attended entries, outlier keys, clusters of at
-      # most 8), on the value types and LongBench-mini; Stem at 16k (past its 54-block floor); CHESS's
-      # thresholds for this model (the paper's 99th percentiles, `sparsekv calibrate`). Rows resume: run the
-      # stage again until every log ends in its table.
+      # most 8) on the value types of the four needle tasks whose full / SnapKV / Quest columns stage 2-3 ran;
+      # Stem at 16k (past its 54-block floor); CHESS's thresholds for this model (the paper's 99th
+      # percentiles, `sparsekv calibrate`), then CHESS's three readings at 8k. Six jobs share an H200 (0.15 of
+      # its memory each). Rows resume: run the stage again until every log ends in its table.
+    VT=niah_single_1,niah_single_2,niah_multikey_1,niah_multikey_2
     mkdir -p "$RUNS/calibration"
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 timeout "$(left)" python -m sparsekv_jax.cli calibrate --model "$MODEL" \
-      --dtype bfloat16 --n 32 --length 2k --batch-size 16 --max-new-tokens 256 --quiet \
-      --out "$RUNS/calibration/$MODEL.json" > "$RUNS/calibrate.log" 2>&1 &
-    SC25="semanticache(0.25), semanticache(0.25, protect='rare_tokens'), semanticache(0.25, protect='attended'), \
-      semanticache(0.25, protect='outlier_keys'), semanticache(0.25, max_cluster_size=8)"
-    SC50="semanticache(0.5), semanticache(0.5, protect='rare_tokens'), semanticache(0.5, protect='attended'), \
-      semanticache(0.5, protect='outlier_keys'), semanticache(0.5, max_cluster_size=8)"
-    ev 0.2 variants_16k agnostic 16k "$SC25" --suite ruler-variants --no-fullkv > "$RUNS/variants_sc25.log" 2>&1 &
-    ev 0.2 variants_16k_b agnostic 16k "$SC50, snapkv(0.5)" --suite ruler-variants --no-fullkv \
-      > "$RUNS/variants_sc50.log" 2>&1 &
-    ev 0.2 longbench agnostic 32k "$SC25" --suite longbench > "$RUNS/longbench_sc.log" 2>&1 &
-    ev 0.2 stem agnostic 16k stem --suite ruler --no-fullkv > "$RUNS/stem16k.log" 2>&1 &
-    ;;
-  5)  # issue 36: CHESS with the first-page rebuild, both trigger readings and without regeneration (thresholds
-      # shipped as calibration/qwen2.5-coder-1.5b.json, or stage 4's); BSER's hidden-state default against the
-      # token embeddings and the paper's "w/o Stage I", question-aware; Stem at 32k; issue 38: AdaKV and
-      # PyramidKV over SnapKV at 25% and 10% (uniform SnapKV at both: stages 1 and 2's agnostic_8k rows)
-    CAL=qwen2.5-coder-1.5b
-    [ -f sparsekv_jax/policies/calibration/$CAL.json ] || CAL="$RUNS/calibration/$MODEL.json"
+    CAL="$RUNS/calibration/$MODEL.json"
     C="chess('moderate', calibration='$CAL')"
-    ev 0.2 chess_8k agnostic 8k "$C, chess('moderate', calibration='$CAL', trigger_on='either'), \
-      chess('moderate', calibration='$CAL', regenerate=False)" --suite ruler --no-fullkv > "$RUNS/chess8k.log" 2>&1 &
-    ev 0.2 aware_8k aware 8k "bser(0.25, embedding='input'), bser(0.25, stage1='tokens'), bser, \
-      bser(embedding='input')" --suite ruler --no-fullkv > "$RUNS/bser8k.log" 2>&1 &
-    ev 0.25 stem agnostic 32k stem --suite ruler --no-fullkv > "$RUNS/stem32k.log" 2>&1 &
-    ev 0.2 alloc_8k agnostic 8k "adakv(snapkv(0.25)), pyramidkv(snapkv(0.25)), adakv(snapkv(0.1)), \
+    { [ -f "$CAL" ] || XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 timeout "$(left)" python -m sparsekv_jax.cli calibrate \
+        --model "$MODEL" --dtype bfloat16 --n 32 --length 2k --batch-size 16 --max-new-tokens 256 --quiet --out "$CAL"
+      ev 0.15 chess_8k agnostic 8k "$C, chess('moderate', calibration='$CAL', trigger_on='either'), \
+        chess('moderate', calibration='$CAL', regenerate=False)" --suite ruler --no-fullkv; } > "$RUNS/chess8k.log" 2>&1 &
+    ev 0.15 variants_16k agnostic 16k "semanticache(0.25), semanticache(0.25, protect='rare_tokens')" \
+      --suite ruler-variants --tasks "$VT" --no-fullkv > "$RUNS/variants_sc_a.log" 2>&1 &
+    ev 0.15 variants_16k agnostic 16k "semanticache(0.25, protect='attended'), semanticache(0.25, protect='outlier_keys')" \
+      --suite ruler-variants --tasks "$VT" --no-fullkv > "$RUNS/variants_sc_b.log" 2>&1 &
+    ev 0.15 variants_16k agnostic 16k "semanticache(0.25, max_cluster_size=8), semanticache(0.5), snapkv(0.5)" \
+      --suite ruler-variants --tasks "$VT" --no-fullkv > "$RUNS/variants_sc_c.log" 2>&1 &
+    ev 0.15 stem agnostic 16k stem --suite ruler --no-fullkv > "$RUNS/stem16k.log" 2>&1 &
+    ev 0.15 longbench agnostic 32k "fullkv, snapkv(0.25), semanticache(0.25)" --suite longbench \
+      > "$RUNS/longbench_sc.log" 2>&1 &
+    ;;
+  5)  # issue 36: BSER's hidden-state default against the token embeddings and the paper's "w/o Stage I",
+      # question-aware; Stem at 32k; the SemantiCache candidates at 50%; issue 38: AdaKV and PyramidKV over
+      # SnapKV at 25% and 10% (uniform SnapKV at both: stages 1 and 2's agnostic_8k rows); issue 39: full
+      # attention, SnapKV and Quest on int8 and fp8 caches at 8k (records keyed by cache dtype).
+    VT=niah_single_1,niah_single_2,niah_multikey_1,niah_multikey_2
+    ev 0.15 aware_8k aware 8k "bser(0.25), bser(0.25, stage1='tokens'), bser" --suite ruler --no-fullkv \
+      > "$RUNS/bser8k.log" 2>&1 &
+    ev 0.15 stem agnostic 32k stem --suite ruler --no-fullkv > "$RUNS/stem32k.log" 2>&1 &
+    ev 0.15 variants_16k agnostic 16k "semanticache(0.5, protect='attended'), semanticache(0.5, protect='rare_tokens'), \
+      semanticache(0.5, protect='outlier_keys')" --suite ruler-variants --tasks "$VT" --no-fullkv \
+      > "$RUNS/variants_sc50.log" 2>&1 &
+    ev 0.15 alloc_8k agnostic 8k "adakv(snapkv(0.25)), pyramidkv(snapkv(0.25)), adakv(snapkv(0.1)), \
       pyramidkv(snapkv(0.1))" --suite ruler --no-fullkv > "$RUNS/alloc8k.log" 2>&1 &
+    ev 0.15 kvq_8k agnostic 8k "fullkv, snapkv(0.25), quest(0.25)" --suite ruler --kv-dtype int8 \
+      > "$RUNS/kvq_int8.log" 2>&1 &
+    ev 0.15 kvq_8k agnostic 8k "fullkv, snapkv(0.25), quest(0.25)" --suite ruler --kv-dtype float8_e4m3fn \
+      > "$RUNS/kvq_fp8.log" 2>&1 &
     ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
