@@ -352,9 +352,13 @@ def registry_help() -> dict[str, str]:
             chunkable.append(f"{name} ({getattr(cls, 'chunkable_when', 'when none of its members needs one')})")
         elif not whole:
             chunkable.append(name)
+    from sparsekv_jax.policies.chess_config import CALIBRATION_DIR
+
+    shipped = sorted(f.stem for f in Path(CALIBRATION_DIR).glob("*.json") if not f.stem.endswith("_heads"))
     return {"<POLICY NAMES>": textwrap.fill("names: " + ", ".join(listed), 98, initial_indent="  ",
                                             subsequent_indent="    "),
-            "<CHUNKABLE>": ", ".join(chunkable)}
+            "<CHUNKABLE>": ", ".join(chunkable),
+            "<CALIBRATIONS>": ", ".join(repr(name) for name in shipped)}
 
 
 class RegistryHelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -362,7 +366,7 @@ class RegistryHelpFormatter(argparse.RawDescriptionHelpFormatter):
     no other command line needs before it runs)."""
 
     def _fill(self, text: str) -> str:
-        if "<POLICY NAMES>" in text or "<CHUNKABLE>" in text:
+        if "<POLICY NAMES>" in text or "<CHUNKABLE>" in text or "<CALIBRATIONS>" in text:
             for key, value in registry_help().items():
                 text = text.replace(key, value)
         return text
@@ -381,7 +385,7 @@ policy grammar (--policies):
   VALUE := number | 'string' | True | False | None | ITEM
 <POLICY NAMES>
   (case-insensitive); chess takes a preset (conservative | moderate | aggressive) and
-  calibration='FILE.json' from `sparsekv calibrate` (or 'smollm2', shipped);
+  calibration='FILE.json' from `sparsekv calibrate` (or a shipped one: <CALIBRATIONS>);
   keys='post_rope', centred=False gives the paper's literal page vectors.
   A float budget is a fraction of the context, an int a token count:
     "fullkv, snapkv(budget=0.1), streamingllm(0.25, sinks=4), quest(2048),

@@ -130,3 +130,22 @@ def test_decode_matmul_from_the_environment_reaches_every_entry_point(smol, valu
     monkeypatch.setenv("SPARSEKV_DECODE_MATMUL", "cublas")
     with pytest.raises(SystemExit, match="SPARSEKV_DECODE_MATMUL='cublas'"):
         cli.main(["generate", "hello", "-q"])
+
+
+def test_eval_help_names_every_shipped_chess_calibration_and_each_loads(capsys):
+    """The help's list of shipped calibrations is the folder's (a file added there is named and usable
+    by its name), and each file holds the two thresholds CHESS reads."""
+    import math
+    from pathlib import Path
+
+    from sparsekv_jax.policies.chess_config import CALIBRATION_DIR, load_thresholds
+
+    names = sorted(f.stem for f in Path(CALIBRATION_DIR).glob("*.json") if not f.stem.endswith("_heads"))
+    assert {"smollm2", "gemma3-270m", "qwen2.5-coder-1.5b"} <= set(names)
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for name in names:
+        assert repr(name) in text, name
+        thresholds = load_thresholds(name)
+        assert all(math.isfinite(v) and v > 0 for v in thresholds.values()), (name, thresholds)
