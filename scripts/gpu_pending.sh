@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The speed rows built on a CPU and waiting for a GPU (docs/BENCHMARKS.md "Built on a CPU, waiting for a GPU"),
+# in one device call each, random weights of real model shapes (no model file to carry):
+#   PART=1 bash scripts/gpu_pending.sh   # int8/fp8 caches: kernel check, kernel timings, end to end (issue 39)
+#   PART=2 bash scripts/gpu_pending.sh   # Stem's tiled and kernel routing at 32k and 128k (issue 40.3)
+#   PART=3 bash scripts/gpu_pending.sh   # the fused SAE encoder + top-k step (issue 37.4)
+# Each command has its share of DEADLINE seconds; logs and JSON land in $OUT; a short table is printed last.
+set -uo pipefail
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
+OUT=${OUT:-out}; mkdir -p "$OUT"; DEADLINE=${DEADLINE:-560}; PART=${PART:-1}
+start=$(date +%s)
+left() { local l=$(( DEADLINE - ($(date +%s) - start) )); echo $(( l > 1 ? l : 1 )); }
+step() {  # step NAME SECONDS COMMAND...: at most SECONDS (or what is left), its log in $OUT/NAME.log
+  local name=$1 budget=$2; shift 2
+  local t=$(( budget < $(left) ? budget : $(left) ))
+  echo "== $name (<= ${t}s): $*"
+  timeout "$t" "$@" > "$OUT/$name.log" 2>&1; echo "rc=$?" >> "$OUT/$name.log"
+  tail -n 15 "$OUT/$name.log"
+}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+git log --oneline -1 2>/dev/null
+case "$PART" in
+  1) step kvq_check 90 python scripts/kv_quant_show.py check
+     step kvq_kernel 200 python scripts/kv_quant_show.py kernel --out "$OUT/kvq_kernel.json"
+     step kvq_e2e 260 python scripts/kv_quant_show.py e2e --out "$OUT/kvq_e2e.json" ;;
+  2) step stem32k 200 python experiments/stem_routing_gpu.py --lengths 32k --out "$OUT"
+     step stem128k_routing 150 python experiments/stem_routing_gpu.py --lengths 128k --skip-e2e --out "$OUT"
+     step stem128k_e2e 200 python experiments/stem_routing_gpu.py --lengths 128k --skip-routing --repeats 1 --out "$OUT" ;;
+  3) step sae_fused 540 python sae_training/bench.py --fused --models llama3.1-8b,smollm2 --iters 15 --out "$OUT" ;;
+  *) echo "unknown PART=$PART"; exit 2 ;;
+esac
+echo "== done in $(( $(date +%s) - start )) s"
