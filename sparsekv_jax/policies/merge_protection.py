@@ -7,13 +7,27 @@ the keys farthest from their chunk's mean (``"outlier_keys"``). A chunk layout i
 they are not anchors: a protected slot stays a member of its chunk whose cosines with every other
 member are set below every threshold (`unmergeable`). GSC then makes it a cluster of one (kept bit
 for bit) and clusters the rest of the chunk as if it were not there, as it already skips any
-dissimilar member between a seed and what the seed absorbs.
+dissimilar member between a seed and what the seed absorbs. Both are our additions, opt-in
+(`SemantiCache`'s ``protect``), and format-blind: neither looks at what the answer looks like.
 
-The count: per (layer, row, head) ``min(floor(share * keep), room)``, where ``room`` is what the
-reference layout's coarsest clustering (one cluster per chunk, or ``ceil(size / cap)`` under a
-cluster cap) leaves of the row's budget ``keep``. Each protected slot adds at most one entry to
-that clustering (it leaves its chunk: the chunk's clusters do not grow), so the reference layout
-still fits; a layout that does not is not chosen (its search reaches no threshold).
+* ``protect="attended"``: the slots the observation window attends to most, SnapKV's scores (the
+  last ``window`` prompt queries' softmax over the earlier keys, averaged over the window and the
+  GQA group, max-pooled over 7 slots: SnapKV's paper settings, `policies.snapkv`), highest first
+  (ties: the earlier slot), among every slot outside sinks and window. What the prompt's end asks
+  about is kept whole, whatever its format. It observes the prefill, so it needs the whole prompt
+  in one pass (`needs_whole_prefill`; chunked prefill is refused before jit).
+* ``protect="outlier_keys"``: the keys of lowest cosine with their chunk's mean key, on the paper's
+  chunk layout (delimiter chunks; the only layout of ``chunking="fixed"``/``"none"``), lowest first,
+  among its members. A key unlike its chunk is what a cluster's mean would blur most; a singleton
+  chunk's key is its own mean (cosine 1) and never protected.
+
+The count: per (layer, row, head) ``min(floor(share * keep), room)`` (``share``: ``sentence_share``),
+where ``room`` is what the reference layout's coarsest clustering (one cluster per chunk, or
+``ceil(size / cap)`` under a cluster cap) leaves of the row's budget ``keep``; the reference layout
+is, in budget mode, the last (``chunk_size`` blocks) and, in threshold mode, the row's. Each
+protected slot adds at most one entry to that clustering (it leaves its chunk: the chunk's clusters
+do not grow), so the reference layout still fits; a layout that does not is not chosen (its search
+reaches no threshold).
 
 Shapes: ``N`` chunk layouts, ``B`` rows, ``H`` KV heads, ``T`` prompt slots, ``D`` head dim.
 """
