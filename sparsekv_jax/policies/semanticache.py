@@ -23,10 +23,6 @@ beside their code:
   position, budget mode's search over three chunk layouts, threshold mode, the cluster cap
   (``max_cluster_size``) and quantised caches.
 
-On SmolLM2 the digits of a needle's number (one token each) are among the most similar neighbours
-in the prompt (keys and values alike), so without protection any budget that merges prose
-merges a number in it first (docs/SEMANTICACHE.md).
-
 The mechanics (layout, GSC, the threshold search, the merged entries) are `policies/clustering.py`;
 the cache write is `common.write_entries`. This file holds the settings, their checks and the stages.
 """

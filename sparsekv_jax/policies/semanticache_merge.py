@@ -21,18 +21,19 @@ Choices where the paper is silent (docs/SEMANTICACHE.md shows them in ablations)
   ``similarity="keys_values"`` (an ablation) clusters on the lesser of the key and the value cosine,
   so a member's value must be as alike as its key: lower on RULER 4k (27.26 against 29.71 at 50%).
 * **Budget mode** (``tau=None``): per (layer, row, KV head) the *largest* ``tau`` whose clusters fit
-  the budget: a pass of ``search_steps`` thresholds log-spaced below the top (`search_grid`), then
-  a linear pass between the last that did not fit and the first that did; each pass evaluates all
-  its thresholds at once. The search runs on three chunk layouts — the paper's (delimiters are
-  anchors; level 0), clauses (a run of words and the delimiters closing it, no anchors; level 1)
-  and ``chunk_size`` blocks (level 2) — and each (layer, row, KV head) keeps the layout whose search
-  reaches the **highest threshold** (ties: the finer layout): the least lossy merge, since every
-  member of a cluster has at least that cosine with its seed. A layout whose one-cluster-per-chunk
-  clustering overflows the budget reaches nothing. Each layout's threshold never falls when the
-  budget grows, so neither does the chosen one. (``level_rule="finest"``: the previous rule, per
-  row the first layout that fits; its threshold *fell* as the budget grew — a larger budget admits
-  the paper's layout with little room to spare — and RULER's score with it: docs/SEMANTICACHE.md.)
-  The kept count never exceeds the budget. `SemantiCache.choices` reports level and threshold.
+  the budget: a pass of ``search_steps`` thresholds log-spaced below the top
+  (`clustering.search_grid`), then a linear pass between the last that did not fit and the first
+  that did; each pass evaluates all its thresholds at once. The search runs on three chunk layouts —
+  the paper's (delimiters are anchors; level 0), clauses (a run of words and the delimiters closing
+  it, no anchors; level 1) and ``chunk_size`` blocks (level 2) — and each (layer, row, KV head)
+  keeps the layout whose search reaches the **highest threshold** (ties: the finer layout): the
+  least lossy merge, since every member of a cluster has at least that cosine with its seed. A
+  layout whose one-cluster-per-chunk clustering overflows the budget reaches nothing. Each layout's
+  threshold never falls when the budget grows, so neither does the chosen one.
+  (``level_rule="finest"``: the previous rule, per row the first layout that fits; its threshold
+  *fell* as the budget grew — a larger budget admits the paper's layout with little room to spare —
+  and RULER's score with it: docs/SEMANTICACHE.md.) The kept count never exceeds the budget.
+  `SemantiCache.choices` reports level and threshold.
 * **Threshold mode** (``tau=x``): GSC at ``x`` on the paper's layout (the paper's algorithm); where
   its one cluster per chunk would overflow ``budget`` (a cap: the static cache capacity), the row
   uses the first coarser layout that fits; heads that would keep more merge at the largest lower

@@ -10,11 +10,14 @@ are `merge_protection`'s.
   ``"."``, ``" "``, ``"\\n\\n"``, ``" ."``). "Space" is read as a token that *is* whitespace, not one
   that starts with a space: SmolLM2's BPE glues the leading space to 65% of its vocabulary (every
   word after the first), so that reading would make nearly every word an unmerged anchor. The mask
-  over the vocabulary is computed once (`delimiter_mask`) and held as a leaf.
+  over the vocabulary is computed once (`clustering.delimiter_mask`) and held as a leaf.
 * **Protection from merging** (``protect``; default ``None``: the paper's algorithm as written).
   Every rule below is our addition, opt-in, and a results row that uses one names it.
+  On SmolLM2 the digits of a needle's number (one token each) are among the most similar neighbours
+  in the prompt (keys and values alike), so without protection any budget that merges prose
+  merges a number in it first (docs/SEMANTICACHE.md).
 
-  ``protect="digits"``: numbers are kept unmerged. A token made only of digits (`number_mask`;
+  ``protect="digits"``: numbers are kept unmerged. A token made only of digits (`clustering.number_mask`;
   SmolLM2, Gemma and Qwen2 split every number into single digits) is an anchor at every chunk
   layout. The digits of one number have similar keys (pre-RoPE cosine 0.80-0.98 on SmolLM2), so
   GSC merges a number into one entry whose mean value is no digit: RULER's needles were lost at
@@ -44,7 +47,7 @@ are `merge_protection`'s.
   ``protect="rare_tokens"``: a rule that does not look at the answer's format. The tokens whose id
   occurs least often in the row's prompt are kept unmerged, as many as ``sentence_share`` of the
   row's budget holds (per row the largest count ``c`` such that the tokens occurring at most ``c``
-  times fit; `rare_tokens`). A needle's value is new to its haystack, as a name or a figure is new
+  times fit; `clustering.rare_tokens`). A needle's value is new to its haystack, as a name or a figure is new
   to the document around it; a haystack's repeated words are what merging can afford to lose.
 
 Shapes: ``B`` rows, ``T`` prompt slots, ``V`` the vocabulary.
