@@ -74,12 +74,18 @@ def guard(band: jax.Array, protect: str, seen: jax.Array | None, content: jax.Ar
     return unmergeable(band, top_slots(scores, eligible, count))
 
 
+def chunk_ids(member: jax.Array, place: jax.Array) -> jax.Array:
+    """``[..., T]``: each member's chunk, numbered from 0 in slot order; ``T`` (a spill segment for
+    `jax.ops.segment_sum`) off members. ``member``/``place`` ``[..., T]`` (`clustering.chunk_layout`)."""
+    chunk = jnp.cumsum(member & (place == 0), axis=-1) - 1  # a member's chunk starts at its place 0
+    return jnp.where(member, chunk, member.shape[-1])
+
+
 def chunk_sizes(member: jax.Array, place: jax.Array) -> jax.Array:
     """``[..., T]``: the member count of the chunk starting at each slot (a member at place 0; 0
     elsewhere) of ``member``/``place`` ``[..., T]`` (`clustering.chunk_layout`)."""
     T = member.shape[-1]
-    chunk = jnp.cumsum(member & (place == 0), axis=-1) - 1  # each member's chunk (0..T-1); -1 before the first
-    chunk = jnp.where(member, chunk, T)  # non-members: a spill segment
+    chunk = chunk_ids(member, place)
 
     def one(m, c):
         return jax.ops.segment_sum(m.astype(jnp.int32), c, num_segments=T + 1)[:T]
@@ -129,7 +135,7 @@ def chunk_mean_cosine(content: jax.Array, member: jax.Array, place: jax.Array) -
     """``[B, H, T]``: each member's cosine with the mean key of its chunk (``content`` ``[B, H, T, D]``,
     ``member``/``place`` ``[B, T]``: one layout); ``+inf`` off members (never an outlier)."""
     T = member.shape[-1]
-    chunk = jnp.where(member, jnp.cumsum(member & (place == 0), axis=-1) - 1, T)  # [B, T]
+    chunk = chunk_ids(member, place)  # [B, T]
 
     def one(x, c):  # [T, D], [T] -> each slot's chunk mean [T, D]
         total = jax.ops.segment_sum(x, c, num_segments=T + 1)
