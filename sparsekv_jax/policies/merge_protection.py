@@ -7,13 +7,27 @@ the keys farthest from their chunk's mean (``"outlier_keys"``). A chunk layout i
 they are not anchors: a protected slot stays a member of its chunk whose cosines with every other
 member are set below every threshold (`unmergeable`). GSC then makes it a cluster of one (kept bit
 for bit) and clusters the rest of the chunk as if it were not there, as it already skips any
-dissimilar member between a seed and what the seed absorbs.
+dissimilar member between a seed and what the seed absorbs. Both are our additions, opt-in
+(`SemantiCache`'s ``protect``), and format-blind: neither looks at what the answer looks like.
 
-The count: per (layer, row, head) ``min(floor(share * keep), room)``, where ``room`` is what the
-reference layout's coarsest clustering (one cluster per chunk, or ``ceil(size / cap)`` under a
-cluster cap) leaves of the row's budget ``keep``. Each protected slot adds at most one entry to
-that clustering (it leaves its chunk: the chunk's clusters do not grow), so the reference layout
-still fits; a layout that does not is not chosen (its search reaches no threshold).
+* ``protect="attended"``: the slots the observation window attends to most, SnapKV's scores (the
+  last ``window`` prompt queries' softmax over the earlier keys, averaged over the window and the
+  GQA group, max-pooled over 7 slots: SnapKV's paper settings, `policies.snapkv`), highest first
+  (ties: the earlier slot), among every slot outside sinks and window. What the prompt's end asks
+  about is kept whole, whatever its format. It observes the prefill, so it needs the whole prompt
+  in one pass (`needs_whole_prefill`; chunked prefill is refused before jit).
+* ``protect="outlier_keys"``: the keys of lowest cosine with their chunk's mean key, on the paper's
+  chunk layout (delimiter chunks; the only layout of ``chunking="fixed"``/``"none"``), lowest first,
+  among its members. A key unlike its chunk is what a cluster's mean would blur most; a singleton
+  chunk's key is its own mean (cosine 1) and never protected.
+
+The count: per (layer, row, head) ``min(floor(share * keep), room)`` (``share``: ``sentence_share``),
+where ``room`` is what the reference layout's coarsest clustering (one cluster per chunk, or
+``ceil(size / cap)`` under a cluster cap) leaves of the row's budget ``keep``; the reference layout
+is, in budget mode, the last (``chunk_size`` blocks) and, in threshold mode, the row's. Each
+protected slot adds at most one entry to that clustering (it leaves its chunk: the chunk's clusters
+do not grow), so the reference layout still fits; a layout that does not is not chosen (its search
+reaches no threshold).
 
 Shapes: ``N`` chunk layouts, ``B`` rows, ``H`` KV heads, ``T`` prompt slots, ``D`` head dim.
 """
@@ -60,12 +74,18 @@ def guard(band: jax.Array, protect: str, seen: jax.Array | None, content: jax.Ar
     return unmergeable(band, top_slots(scores, eligible, count))
 
 
+def chunk_ids(member: jax.Array, place: jax.Array) -> jax.Array:
+    """``[..., T]``: each member's chunk, numbered from 0 in slot order; ``T`` (a spill segment for
+    `jax.ops.segment_sum`) off members. ``member``/``place`` ``[..., T]`` (`clustering.chunk_layout`)."""
+    chunk = jnp.cumsum(member & (place == 0), axis=-1) - 1  # a member's chunk starts at its place 0
+    return jnp.where(member, chunk, member.shape[-1])
+
+
 def chunk_sizes(member: jax.Array, place: jax.Array) -> jax.Array:
     """``[..., T]``: the member count of the chunk starting at each slot (a member at place 0; 0
     elsewhere) of ``member``/``place`` ``[..., T]`` (`clustering.chunk_layout`)."""
     T = member.shape[-1]
-    chunk = jnp.cumsum(member & (place == 0), axis=-1) - 1  # each member's chunk (0..T-1); -1 before the first
-    chunk = jnp.where(member, chunk, T)  # non-members: a spill segment
+    chunk = chunk_ids(member, place)
 
     def one(m, c):
         return jax.ops.segment_sum(m.astype(jnp.int32), c, num_segments=T + 1)[:T]
@@ -115,7 +135,7 @@ def chunk_mean_cosine(content: jax.Array, member: jax.Array, place: jax.Array) -
     """``[B, H, T]``: each member's cosine with the mean key of its chunk (``content`` ``[B, H, T, D]``,
     ``member``/``place`` ``[B, T]``: one layout); ``+inf`` off members (never an outlier)."""
     T = member.shape[-1]
-    chunk = jnp.where(member, jnp.cumsum(member & (place == 0), axis=-1) - 1, T)  # [B, T]
+    chunk = chunk_ids(member, place)  # [B, T]
 
     def one(x, c):  # [T, D], [T] -> each slot's chunk mean [T, D]
         total = jax.ops.segment_sum(x, c, num_segments=T + 1)
