@@ -9,10 +9,15 @@ says what made it.
   (0.3, 0.7)); now the default is the hidden states with per-model thresholds. Old rows become
   ``bser(b, embedding='input')`` (whose thresholds are still (0.3, 0.7)).
 
-* **A field added since** (e.g. SemantiCache's ``max_cluster_size``): a policy's resume key names
-  every field, so a record made before a field existed is given the field at the value every run
-  before it had: its default, or where the default is new behaviour, the old one (`BEFORE_FIELD`:
-  Stem's ``routing`` was ``"full"`` before the tiled routing became the default).
+* **A field added since** (e.g. SnapKV's ``window``): a policy's resume key names every field, so a
+  record made before a field existed is given the field at the value every run before it had: its
+  default, or where the default is new behaviour, the old one (`BEFORE_FIELD`: Stem's ``routing`` was
+  ``"full"`` before the tiled routing became the default).
+* **A field removed since** (`REMOVED_FIELDS`: SemantiCache's ``max_cluster_size``, one of issue 36's
+  candidates, measured and removed; docs/RESULTS.md): a record whose key holds it at the value that
+  did what every run does now (``None``: unbounded clusters, the paper's) loses it, so it resumes under
+  today's key. A record made with another value keeps its key and text: the report lists its rows
+  under that text, and no policy of today resumes them (as with ``protect='attended'``).
 
 A record's policy text, ``policy_key`` and ``key`` are rewritten to the new spelling, so its rows
 are reported under what made them and a resumed run does not take them for the new default.
@@ -52,6 +57,7 @@ def migrate(record: dict) -> bool:
         changed = migrate_semanticache(record)
     else:
         changed = False
+    changed = drop_removed(record) or changed
     return fill_defaults(record) or changed
 
 
@@ -63,6 +69,24 @@ def _set_policy_key(record: dict, name: str, fields: dict) -> None:
 
 # (class, field): the value a run made before the field existed had, where it is not the default
 BEFORE_FIELD = {("Stem", "routing"): "full"}
+# (class, field): a field removed since, and its value that did what every run of the class does now
+REMOVED_FIELDS = {("SemantiCache", "max_cluster_size"): None}
+
+
+def drop_removed(record: dict) -> bool:
+    """Drop from a record's policy key each removed field (`REMOVED_FIELDS`) that holds the value today's
+    runs have; ``True`` when one was dropped. A record made with another value is left as it is."""
+    try:
+        name, fields = json.loads(record.get("policy_key", ""))
+    except (ValueError, TypeError):
+        return False
+    if not isinstance(fields, dict):
+        return False
+    gone = [f for (cls, f), value in REMOVED_FIELDS.items() if cls == name and f in fields and fields[f] == value]
+    if not gone:
+        return False
+    _set_policy_key(record, name, {k: v for k, v in fields.items() if k not in gone})
+    return True
 
 
 def fill_defaults(record: dict) -> bool:

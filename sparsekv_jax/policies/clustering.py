@@ -94,26 +94,6 @@ def number_words(is_digit: jax.Array, starts_word: jax.Array, is_delim: jax.Arra
     return (jnp.take_along_axis(has_digit, word, axis=1) > 0) & ~is_delim
 
 
-def rare_tokens(tokens: jax.Array, lengths: jax.Array, cap: jax.Array) -> jax.Array:
-    """``[B, T]`` bool: the live tokens of each row whose id occurs at most ``c`` times among the
-    row's ``lengths`` tokens, for the largest ``c`` whose tokens number at most ``cap`` ``[B]``
-    (none where even the ids occurring once are more than ``cap``)."""
-    B, T = tokens.shape
-    live = jnp.arange(T)[None] < lengths[:, None]
-
-    def per_row(ids, ok, room):
-        ids = jnp.where(ok, ids, -1)  # padding: one id of its own, never counted as rare
-        ordered = jnp.sort(ids)
-        count = jnp.searchsorted(ordered, ids, side="right") - jnp.searchsorted(ordered, ids, side="left")
-        count = jnp.where(ok, count, T + 1)
-        by_count = jnp.sort(count)  # the counts' order: the first ``room`` of them fit
-        limit = by_count[jnp.clip(room, 0, T - 1)]  # the smallest count that would not (all fit: T + 1)
-        limit = jnp.where(room >= T, T + 1, limit)
-        return ok & (count < limit)
-
-    return jax.vmap(per_row)(tokens, live, cap.astype(jnp.int32))
-
-
 def forced_counts(keep: jax.Array, lengths: jax.Array, sinks: int, window: int, width: int,
                   recent_ratio: float = 0.0, longest: int = 0) -> tuple[jax.Array, jax.Array]:
     """Per-row sinks and window ``([B], [B])``: as many as asked — ``sinks``, and a window of

@@ -16,12 +16,14 @@ Choices where the paper is silent (docs/SEMANTICACHE.md shows them in ablations)
 beside their code:
 
 * `semanticache_tokens`: which tokens are delimiters, and the opt-in ``protect`` rules that read
-  the prompt's ids (``"digits"``, ``"digit_words"``, ``"digit_sentences"``, ``"rare_tokens"``);
-* `merge_protection`: the opt-in per-(layer, row, KV head) rules ``"attended"`` and
-  ``"outlier_keys"``;
+  the prompt's ids (``"digits"``, ``"digit_words"``, ``"digit_sentences"``: they recognise number
+  answers);
 * `semanticache_merge`: sinks and window, bounded chunks, pre-RoPE keys and the merged entry's
-  position, budget mode's search over three chunk layouts, threshold mode, the cluster cap
-  (``max_cluster_size``) and quantised caches.
+  position, budget mode's search over three chunk layouts, threshold mode and quantised caches.
+
+Issue 36's answer-agnostic candidates (``protect="rare_tokens"``, ``"attended"``, ``"outlier_keys"``
+and ``max_cluster_size``) were measured on Qwen2.5-Coder-1.5B and removed: each lost to the paper's
+algorithm on at least one needle value type (docs/RESULTS.md).
 
 The mechanics (layout, GSC, the threshold search, the merged entries) are `policies/clustering.py`;
 the cache write is `common.write_entries`. This file holds the settings, their checks and the stages.
@@ -30,7 +32,7 @@ the cache write is `common.write_entries`. This file holds the settings, their c
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 from flax import struct
@@ -38,16 +40,17 @@ from flax import struct
 from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import KVCache
 from sparsekv_jax.models.rope import inverse_frequencies
-from sparsekv_jax.policies import clustering, merge_protection, semanticache_merge, semanticache_tokens
+from sparsekv_jax.policies import clustering, semanticache_merge, semanticache_tokens
 from sparsekv_jax.policies.base import Policy, Prompt, Setup
 from sparsekv_jax.policies.common import budget_tokens, check_budget, check_sinks_window, row_budgets, write_entries
-from sparsekv_jax.policies.snapkv import SnapKV
 
 CHUNKINGS = ("delimiters", "fixed", "none")
 LEVEL_RULES = ("least_lossy", "finest")
 KEYS = ("pre_rope", "post_rope")
 SIMILARITIES = ("keys", "keys_values")
-PROTECT = (None, *semanticache_tokens.PROTECT_TOKENS, *merge_protection.PROTECT_PER_HEAD)
+PROTECT = (None, *semanticache_tokens.PROTECT_TOKENS)
+# issue 36's answer-agnostic candidates, measured and removed (docs/RESULTS.md): named in the error
+REMOVED_PROTECT = ("rare_tokens", "attended", "outlier_keys")
 
 
 @struct.dataclass
@@ -64,20 +67,11 @@ class SemantiCache(Policy):
         default 0: ``window`` entries).
       protect: entries kept unmerged, anchors at every chunk layout (our additions, opt-in;
         `semanticache_tokens`): ``None`` (the paper as written), ``"digits"``, ``"digit_words"``
-        (the digits only in a row where the words would not fit), ``"digit_sentences"`` (then the
-        words, then the digits) or ``"rare_tokens"`` (the prompt's least frequent token ids): a
-        row where the protected slots would not fit the budget merges as the paper does. Per
-        (layer, row, KV head), format-blind: ``"attended"`` (the slots SnapKV's observation window, the last
-        ``window`` queries, attends to most; needs the whole prompt in one prefill) or
-        ``"outlier_keys"`` (the keys of lowest cosine with their chunk's mean key), as many as
-        ``sentence_share`` of the budget, fewer where the coarsest clustering leaves less room
-        (`merge_protection`).
-      max_cluster_size: ``None`` (the paper: unbounded) or the most slots one cluster holds, its seed
-        included (>= 2); raised per row and layout to the smallest cap whose one-cluster-per-chunk
-        clustering fits the budget. GSC then runs in jnp (the kernel has no cap).
+        (the digits only in a row where the words would not fit) or ``"digit_sentences"`` (then the
+        words, then the digits): rules that recognise number answers. A row where the protected
+        slots would not fit the budget merges as the paper does.
       number_sentences: with ``protect="digit_sentences"``, the longest sentence (tokens) kept whole.
-      sentence_share: the largest share of a row's budget its digit sentences (or rare tokens, attended
-        slots, outlier keys) take.
+      sentence_share: the largest share of a row's budget its digit sentences take.
       chunking: ``"delimiters"`` (the paper), ``"fixed"`` (``chunk_size`` blocks, no anchors) or
         ``"none"`` (one chunk: global clustering) — the paper's Table 4 variants.
       chunk_size: longest chunk (longer delimiter-free runs are split); the fixed block size.
@@ -109,7 +103,6 @@ class SemantiCache(Policy):
     protect: str | None = struct.field(pytree_node=False, default=None)
     number_sentences: int = struct.field(pytree_node=False, default=64)
     sentence_share: float = struct.field(pytree_node=False, default=0.5)
-    max_cluster_size: int | None = struct.field(pytree_node=False, default=None)
     chunking: str = struct.field(pytree_node=False, default="delimiters")
     chunk_size: int = struct.field(pytree_node=False, default=64)
     keys: str = struct.field(pytree_node=False, default="pre_rope")
@@ -126,17 +119,9 @@ class SemantiCache(Policy):
     backend: Backend | None = struct.field(pytree_node=False, default=None)
 
     stages = ("compress",)
-    chunkable_when: ClassVar[str] = "unless protect='attended'"  # `sparsekv eval --help`'s list
-
-    @property
-    def needs_observations(self) -> bool:  # type: ignore[override]
-        """Only ``protect="attended"`` observes the prefill; the rest reads the prompt's ids and the cache."""
-        return self.protect == "attended"
-
-    @property
-    def needs_whole_prefill(self) -> bool:  # type: ignore[override]
-        """The observation window attends to the whole prompt; otherwise chunked prefill works."""
-        return self.protect == "attended"
+    # the delimiters and protected slots come from the prompt's ids: nothing observed, chunked prefill works
+    needs_whole_prefill = False
+    needs_observations = False
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
@@ -146,6 +131,10 @@ class SemantiCache(Policy):
                              "the exact recent window")
         if self.tau is not None and (isinstance(self.tau, bool) or not -1.0 <= self.tau <= 1.0):
             raise ValueError(f"tau={self.tau!r} must be None (budget mode) or a cosine threshold in [-1, 1]")
+        if self.protect in REMOVED_PROTECT:
+            raise ValueError(f"protect={self.protect!r} must be one of {PROTECT}: 'rare_tokens', 'attended' and "
+                             "'outlier_keys' were issue 36's answer-agnostic candidates, measured on "
+                             "Qwen2.5-Coder-1.5B and removed (each lost on some needle value type; docs/RESULTS.md)")
         if self.protect not in PROTECT:
             raise ValueError(f"protect={self.protect!r} must be one of {PROTECT}")
         if isinstance(self.number_sentences, bool) or not isinstance(self.number_sentences, int) \
@@ -154,18 +143,7 @@ class SemantiCache(Policy):
                              "sentence, in tokens, that protect='digit_sentences' keeps whole around a digit")
         if isinstance(self.sentence_share, bool) or not 0.0 < self.sentence_share <= 1.0:
             raise ValueError(f"sentence_share={self.sentence_share!r} must be in (0, 1]: the largest share of a row's "
-                             "budget its digit sentences or rare tokens may take")
-        if self.max_cluster_size is not None and (isinstance(self.max_cluster_size, bool)
-                                                  or not isinstance(self.max_cluster_size, int)
-                                                  or self.max_cluster_size < 2):
-            raise ValueError(f"max_cluster_size={self.max_cluster_size!r} must be None (unbounded clusters, the paper) "
-                             "or an int >= 2: the most prompt slots one merged entry may hold")
-        if self.max_cluster_size is not None and self.gsc in ("pallas", "interpret"):
-            raise ValueError(f"gsc={self.gsc!r} with max_cluster_size={self.max_cluster_size}: the GSC kernel has no "
-                             "cluster cap; use gsc='auto' or 'jnp'")
-        if self.protect == "attended" and self.window < 1:
-            raise ValueError(f"window={self.window} with protect='attended': the observation window is the last "
-                             "`window` prompt queries; it must be >= 1")
+                             "budget its digit sentences may take")
         if self.chunking not in CHUNKINGS:
             raise ValueError(f"chunking={self.chunking!r} must be one of {CHUNKINGS}")
         if self.keys not in KEYS:
@@ -215,20 +193,13 @@ class SemantiCache(Policy):
         defaults = {f.name: f.default for f in dataclasses.fields(SemantiCache)}
         shown = [f"{n}={getattr(self, n)!r}"
                  for n in ("tau", "sinks", "window", "recent_ratio", "protect", "number_sentences", "sentence_share",
-                           "max_cluster_size", "chunking", "chunk_size", "keys", "similarity", "level_rule")
+                           "chunking", "chunk_size", "keys", "similarity", "level_rule")
                  if getattr(self, n) != defaults[n]]
         return f"SemantiCache({', '.join([repr(self.budget), *shown])})"
 
     @property
     def threshold_mode(self) -> bool:
         return self.tau is not None
-
-    def observe(self, q, k, v, hidden, layer_index, prompt: Prompt) -> jax.Array | None:
-        """``protect="attended"``: SnapKV's scores (its paper's pooling: max over 7) of this layer,
-        ``[B, Hkv, T]``, from the last ``window`` queries (`policies.snapkv.SnapKV.observe`)."""
-        if self.protect != "attended":
-            return None
-        return SnapKV(budget=1.0, window=self.window).observe(q, k, v, hidden, layer_index, prompt)
 
     def compressed_capacity(self, prompt_len: int, max_new_tokens: int, suffix_tokens: int = 0) -> int | None:
         kept = budget_tokens(self.budget, prompt_len)
@@ -254,28 +225,23 @@ class SemantiCache(Policy):
                                          self._levels(), self.recent_ratio,
                                          *semanticache_tokens.protected_slots(self, prompt))
 
-    def choices(self, cache: KVCache, prompt: Prompt, observations: Any = None) -> tuple[jax.Array, jax.Array]:
+    def choices(self, cache: KVCache, prompt: Prompt) -> tuple[jax.Array, jax.Array]:
         """``(level, tau)`` ``[L, B, H]``: the chunk layout level (0, 1, 2) and the threshold GSC
-        ran at, per (layer, row, KV head) — what `compress` decides, for inspection
-        (``observations``: this policy's, with ``protect="attended"``)."""
-        return self._cluster(cache, prompt, observations)[1]
+        ran at, per (layer, row, KV head) — what `compress` decides, for inspection."""
+        return self._cluster(cache, prompt)[1]
 
-    def _cluster(self, cache: KVCache, prompt: Prompt,
-                 observations: Any = None) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, jax.Array]]:
+    def _cluster(self, cache: KVCache, prompt: Prompt) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, jax.Array]]:
         """`semanticache_merge.cluster`, after the checks that can fail before jit."""
         semanticache_tokens.check_masks(self)
         if self.keys == "pre_rope" and self.inv_freq is None:
             raise ValueError("SemantiCache(keys='pre_rope') needs the RoPE frequencies: policy.bind(Setup(config)) "
                              "first (generate and sparsekv eval do)")
-        if self.protect == "attended" and observations is None:
-            raise ValueError("SemantiCache(protect='attended') needs its prefill observations (the observation "
-                             "window's attention): run it through generate / sparsekv eval, or pass them")
-        return semanticache_merge.cluster(self, cache, prompt, observations)
+        return semanticache_merge.cluster(self, cache, prompt)
 
     def compress_with_choices(self, cache: KVCache, observations: Any, capacity: int,
                               prompt: Prompt) -> tuple[KVCache, tuple[jax.Array, jax.Array]]:
-        """`compress` and `choices` from one clustering."""
-        (k, v, pos, bias, counts), chosen = self._cluster(cache, prompt, observations)
+        """`compress` and `choices` from one clustering (``observations``: none, `compress`'s signature)."""
+        (k, v, pos, bias, counts), chosen = self._cluster(cache, prompt)
         return write_entries(cache, k, v, pos, bias, counts, capacity), chosen
 
     def compress(self, cache: KVCache, observations: Any, capacity: int, prompt: Prompt) -> KVCache:

@@ -1,8 +1,7 @@
 """SemantiCache's compress step (`sparsekv_jax.policies.semanticache`): per layer, the keys GSC
 compares and their similarity band, the chunk layout and threshold each (row, KV head) clusters at,
 and the merged entries. It orders the mechanics of `policies/clustering.py` (layouts, GSC, the
-threshold search, the merge) and `merge_protection` (per-head protection, the cluster cap); the
-cache write is `common.write_entries`.
+threshold search, the merge); the cache write is `common.write_entries`.
 
 Choices where the paper is silent (docs/SEMANTICACHE.md shows them in ablations):
 
@@ -39,16 +38,6 @@ Choices where the paper is silent (docs/SEMANTICACHE.md shows them in ablations)
   uses the first coarser layout that fits; heads that would keep more merge at the largest lower
   threshold that fits.
   ``SemantiCache(budget=1.0, tau=x)`` is the paper's pure threshold (room for the whole prompt).
-* **Cluster cap** (``max_cluster_size=N``; default ``None``: the paper's unbounded clusters, our
-  addition). A seed absorbs its first ``N - 1`` similar members in chunk order; its later similar
-  members stay unassigned and seed or join later clusters as GSC would. A cap bounds what one mean
-  entry blurs, but it also bounds compression: a chunk of ``m`` members keeps at least
-  ``ceil(m / N)`` entries, so the budget search's lowest threshold ("merge all") may no longer fit.
-  Per row and layout the cap is then raised to the smallest that fits (`merge_protection.fitting_caps`):
-  the search still finds the largest threshold that fits wherever the paper's would. The threshold
-  no longer rises monotonically with the budget where the cap is raised: a budget just large enough
-  for ``N`` has the binding cap and may reach a lower threshold than a slightly smaller budget with a
-  raised one. GSC then runs in jnp (the Pallas kernel has no cap; ``gsc="pallas"`` is refused).
 * **Quantised caches** (``Backend(kv_dtype="int8" | "float8_e4m3fn")``): the clustering reads the
   entries' values (`sparsekv_jax.cache.dequantize_kv`, float32, exact), so similarities and means are
   those of the dequantised cache, and `common.write_entries` quantises the merged entries into the new
@@ -59,14 +48,14 @@ Shapes: ``L`` layers, ``B`` rows, ``H`` KV heads, ``T`` prompt slots, ``D`` head
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sparsekv_jax.cache import KVCache, LayerKV, dequantize_kv
-from sparsekv_jax.policies import clustering, merge_protection, semanticache_tokens
+from sparsekv_jax.policies import clustering, semanticache_tokens
 from sparsekv_jax.policies.base import Prompt
 from sparsekv_jax.policies.common import budget_tokens, row_budgets
 
@@ -74,18 +63,17 @@ if TYPE_CHECKING:
     from sparsekv_jax.policies.semanticache import SemantiCache
 
 
-def cluster(pol: SemantiCache, cache: KVCache, prompt: Prompt,
-            observations: Any = None) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, jax.Array]]:
+def cluster(pol: SemantiCache, cache: KVCache,
+            prompt: Prompt) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, jax.Array]]:
     """``((k, v, positions, bias, counts), (level, tau))``: every layer's merged prompt entries
     (`clustering.merge_clusters`, ``[L, B, H, n_out, ...]``; `common.write_entries` writes them) and
     the chunk layout level and threshold GSC ran at, ``[L, B, H]`` each. ``pol`` is bound and
-    checked (`SemantiCache._cluster`); ``observations``: its prefill's, with ``protect="attended"``."""
+    checked (`SemantiCache._cluster`)."""
     T = prompt.tokens.shape[1]
     keep = row_budgets(pol.budget, prompt.lengths)
     n_out = min(T, budget_tokens(pol.budget, T))
     width, levels = pol._width(T), pol._levels()
-    # "auto": the bound backend's platform decides; a cluster cap runs in jnp (the kernel has none)
-    gsc = "jnp" if pol.max_cluster_size is not None else clustering.resolve_gsc(pol.gsc, width, pol.backend)
+    gsc = clustering.resolve_gsc(pol.gsc, width, pol.backend)  # "auto": the bound backend's platform decides
     is_delim = semanticache_tokens.delimiters(pol, prompt)[:, :T]
     protect, shares = semanticache_tokens.protected_slots(pol, prompt)
     protect = None if protect is None else tuple(p[:, :T] for p in protect)
@@ -94,24 +82,15 @@ def cluster(pol: SemantiCache, cache: KVCache, prompt: Prompt,
     # (row, head), threshold mode (and level_rule="finest") the first that fits per row
     *layouts, fits = clustering.candidate_layouts(is_delim, prompt.lengths, keep, pol.sinks, pol.window,
                                                   width, levels, pol.recent_ratio, protect, shares)
-    all_kept = layouts[0] | layouts[1]
-    first = clustering.first_fitting(fits)  # [B]
-    caps = None if pol.max_cluster_size is None else merge_protection.fitting_caps(
-        all_kept, layouts[2], layouts[3], keep, pol.max_cluster_size, width)  # [N, B]
     if not per_head:
+        first = clustering.first_fitting(fits)  # [B]
         forced, anchor, member, place = (jnp.take_along_axis(x, first[None, :, None], 0)[0] for x in layouts)
         row_level = jnp.asarray(levels, jnp.int32)[first]
-        row_cap = None if caps is None else jnp.take_along_axis(caps, first[None], 0)[0]
-    per_head_protect = pol.protect in merge_protection.PROTECT_PER_HEAD
-    if per_head_protect:  # how many per row, among which slots: `merge_protection.plan`
-        count, eligible = merge_protection.plan(pol.protect, layouts, caps, width, keep, prompt.lengths,
-                                                pol.sentence_share, None if per_head else first)
     search = not pol.threshold_mode or n_out < T
     top = 1.0 if pol.tau is None else float(pol.tau)
     inv_freq = None if pol.keys == "post_rope" else np.asarray(pol.inv_freq)
 
-    def layer(x):
-        kv, seen = x
+    def layer(kv):
         # a quantised cache's codes are read as their values (float32, exact): the clusters and the
         # merged means are those of the dequantised cache, quantised again by `write_entries`
         k, v = (y[:, :, :T] for y in dequantize_kv(kv, jnp.float32))  # [B, H, T, D]
@@ -122,22 +101,19 @@ def cluster(pol: SemantiCache, cache: KVCache, prompt: Prompt,
         band = clustering.similarity_band(content, width)
         if pol.similarity == "keys_values":  # a member's value must be as alike as its key
             band = jnp.minimum(band, clustering.similarity_band(v.astype(jnp.float32), width))
-        if per_head_protect:  # a cluster of one each
-            band = merge_protection.guard(band, pol.protect, seen, content, layouts, eligible, count)
         if per_head:
             back, kept_as_is, choice, tau = clustering.least_lossy_clustering(band, layouts, keep, top,
-                                                                              pol.search_steps, gsc, caps)
+                                                                              pol.search_steps, gsc)
             level = jnp.asarray(levels, jnp.int32)[choice]
         else:
             kept_as_is = (forced | anchor)[:, None]
             level = jnp.broadcast_to(row_level[:, None], k.shape[:2])
             if search:
                 back, tau = clustering.largest_fitting_clustering(band, member, place, kept_as_is[:, 0], keep,
-                                                                  top, pol.search_steps, gsc, row_cap)
+                                                                  top, pol.search_steps, gsc)
             else:
                 taus = jnp.full((1, 1) + k.shape[:2], top)
-                back = clustering.clusterings(band, member[None], place[None], taus, gsc,
-                                              None if row_cap is None else row_cap[None])[0, 0]
+                back = clustering.clusterings(band, member[None], place[None], taus, gsc)[0, 0]
                 tau = jnp.full(k.shape[:2], top)
         seed_of = jnp.arange(T) - back.astype(jnp.int32)  # members: their seed; others: kept_as_is overrides
         return (clustering.merge_clusters(k, v, pos, content, seed_of, kept_as_is, prompt.lengths, n_out,
@@ -146,5 +122,4 @@ def cluster(pol: SemantiCache, cache: KVCache, prompt: Prompt,
     layers = cache.layers
     kv = LayerKV(k=layers.k, v=layers.v, positions=layers.positions, bias=layers.bias, k_scale=layers.k_scale,
                  v_scale=layers.v_scale)  # what clustering reads (no page summaries)
-    seen = observations if pol.protect == "attended" else None
-    return jax.lax.map(layer, (kv, seen), batch_size=min(pol.layer_batch, layers.k.shape[0]))
+    return jax.lax.map(layer, kv, batch_size=min(pol.layer_batch, layers.k.shape[0]))

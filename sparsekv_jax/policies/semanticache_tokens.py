@@ -1,9 +1,8 @@
 """SemantiCache's token rules (`sparsekv_jax.policies.semanticache`): which vocabulary ids are
 delimiters, digits, word starts and sentence ends (the ``[V]`` masks `SemantiCache.with_tokenizer`
-sets; built by `clustering.delimiter_mask` and its siblings), and the prompt slots each token rule
-of ``protect`` keeps unmerged. These read the prompt's ids only: one mask per row, the same in
-every layer and head. The per-(layer, row, KV head) rules, ``"attended"`` and ``"outlier_keys"``,
-are `merge_protection`'s.
+sets; built by `clustering.delimiter_mask` and its siblings), and the prompt slots each rule of
+``protect`` keeps unmerged. These read the prompt's ids only: one mask per row, the same in every
+layer and head.
 
 * **Delimiter tokens.** A token is a delimiter when its decoded text is non-empty and consists only
   of the paper's characters ``. , ? ! ; :`` space, tab, newline (SmolLM2: 177 of 49,152 tokens, e.g.
@@ -44,12 +43,6 @@ are `merge_protection`'s.
   question-agnostic: 33.00 at 4k (95.8% of full attention) and 22.84 at 8k, against 30.24 and
   20.71 with the words; LongBench-mini even (experiments/diary/RESULTS_DIARY.md).
 
-  ``protect="rare_tokens"``: a rule that does not look at the answer's format. The tokens whose id
-  occurs least often in the row's prompt are kept unmerged, as many as ``sentence_share`` of the
-  row's budget holds (per row the largest count ``c`` such that the tokens occurring at most ``c``
-  times fit; `clustering.rare_tokens`). A needle's value is new to its haystack, as a name or a figure is new
-  to the document around it; a haystack's repeated words are what merging can afford to lose.
-
 Shapes: ``B`` rows, ``T`` prompt slots, ``V`` the vocabulary.
 """
 
@@ -62,13 +55,12 @@ import jax.numpy as jnp
 
 from sparsekv_jax.policies import clustering
 from sparsekv_jax.policies.base import Prompt
-from sparsekv_jax.policies.common import row_budgets
 
 if TYPE_CHECKING:
     from sparsekv_jax.policies.semanticache import SemantiCache
 
-PROTECT_TOKENS = ("digits", "digit_words", "digit_sentences", "rare_tokens")  # one mask per row
-DIGITS = ("digits", "digit_words", "digit_sentences")  # the rules that keep digits
+PROTECT_TOKENS = ("digits", "digit_words", "digit_sentences")  # one mask per row
+DIGITS = PROTECT_TOKENS  # the rules that keep digits: all of them
 WORDS = ("digit_words", "digit_sentences")  # words holding a digit are kept (sentences fall back on them)
 SENTENCES = ("digit_sentences",)
 
@@ -110,14 +102,10 @@ def protected_slots(pol: SemantiCache,
                     prompt: Prompt) -> tuple[tuple[jax.Array, ...] | None, tuple[float, ...] | None]:
     """The slots kept unmerged at every layout, most protective first (`clustering.candidate_layouts`
     takes, per row, the first that fits), and the budget share each may take: the sentences
-    holding a digit (with the words of longer ones), the words holding a digit, the digits; or
-    the rare tokens (sized to their share here). ``(None, None)`` without a token rule (the
-    per-head rules are `merge_protection`'s)."""
-    if pol.protect not in PROTECT_TOKENS:
-        return None, None  # the paper, or per (layer, row, head): `semanticache_merge.cluster`
-    if pol.protect == "rare_tokens":
-        cap = jnp.floor(pol.sentence_share * row_budgets(pol.budget, prompt.lengths)).astype(jnp.int32)
-        return (clustering.rare_tokens(prompt.tokens, prompt.lengths, cap),), (1.0,)
+    holding a digit (with the words of longer ones), the words holding a digit, the digits.
+    ``(None, None)`` without a rule (the paper)."""
+    if pol.protect is None:
+        return None, None
 
     def take(mask):
         return jnp.take(mask, prompt.tokens, mode="fill", fill_value=False)
