@@ -218,13 +218,9 @@ def similarity_band(keys: jax.Array, width: int) -> jax.Array:
     return jnp.clip(band, -1.0, 1.0)  # a cosine never exceeds 1: tau = 1 merges nothing, not even duplicates
 
 
-def greedy_seed_clustering(band: jax.Array, member: jax.Array, place: jax.Array, taus: jax.Array,
-                           cap: jax.Array | None = None) -> jax.Array:
+def greedy_seed_clustering(band: jax.Array, member: jax.Array, place: jax.Array, taus: jax.Array) -> jax.Array:
     """Algorithm 1 in every chunk at once: ``[K, B, H, T]`` each member's distance back to its
     cluster's seed (0 for a seed and off members), for ``K`` thresholds ``taus`` ``[K, B, H]``.
-    ``cap`` ``[B]`` (optional): a cluster holds at most that many slots, its seed included; a seed
-    absorbs its first ``cap - 1`` similar members in chunk order, and the later ones stay unassigned
-    (later steps seed or absorb them, as GSC does any unassigned member).
 
     ``band`` ``[B, H, T, width]`` (`similarity_band`), ``member``/``place`` ``[B, T]``
     (`chunk_layout`). Step ``s`` makes every still unassigned member at place ``s`` a seed, and
@@ -246,10 +242,6 @@ def greedy_seed_clustering(band: jax.Array, member: jax.Array, place: jax.Array,
         cos = jnp.take_along_axis(band, jnp.clip(delta, 0, width - 1)[..., None], axis=-1)[..., 0]
         from_seed = jnp.take_along_axis(is_seed, jnp.broadcast_to(src, is_seed.shape), axis=-1)
         absorb = member & (delta > 0) & (back == 0) & from_seed & (cos > taus)
-        if cap is not None:  # this seed's absorbed members so far: the chunk is the slots from it to here
-            seen = jnp.cumsum(absorb, axis=-1, dtype=jnp.int32)
-            before = jnp.take_along_axis(seen, jnp.broadcast_to(src, seen.shape), axis=-1)
-            absorb = absorb & (seen - before < cap[:, None, None])
         return jnp.where(absorb, delta.astype(dtype), back)
 
     init = jnp.zeros(taus.shape[:-1] + (T,), dtype)
@@ -275,29 +267,21 @@ def resolve_gsc(method: str, width: int, backend: Backend | None = None) -> str:
     return dispatch.gsc_method(backend, method, width)
 
 
-def clusterings(band: jax.Array, member: jax.Array, place: jax.Array, taus: jax.Array, method: str,
-                cap: jax.Array | None = None) -> jax.Array:
+def clusterings(band: jax.Array, member: jax.Array, place: jax.Array, taus: jax.Array, method: str) -> jax.Array:
     """`greedy_seed_clustering` for ``N`` chunk layouts sharing one band: ``member``/``place`` ``[N, B, T]``,
-    ``taus`` ``[N, K, B, H]`` → ``[N, K, B, H, T]``, on the kernel or in jnp (``method``: `resolve_gsc`).
-    ``cap`` ``[N, B]``: each layout's largest cluster (`greedy_seed_clustering`); jnp only."""
+    ``taus`` ``[N, K, B, H]`` → ``[N, K, B, H, T]``, on the kernel or in jnp (``method``: `resolve_gsc`)."""
     method = resolve_gsc(method, band.shape[-1])
-    if cap is not None:
-        if method != "jnp":
-            raise ValueError(f"gsc={method!r}: the GSC kernel has no cluster cap; a cap runs GSC in jnp")
-        return jax.vmap(greedy_seed_clustering, in_axes=(None, 0, 0, 0, 0))(band, member, place, taus, cap)
     if method == "jnp":
         return jax.vmap(greedy_seed_clustering, in_axes=(None, 0, 0, 0))(band, member, place, taus)
     return greedy_seed_clustering_kernel(band, member, place, taus, interpret=method == "interpret")
 
 
 def search_clustering(band: jax.Array, member: jax.Array, place: jax.Array, kept_as_is: jax.Array,
-                      keep: jax.Array, top: float, steps: int, method: str = "auto",
-                      cap: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                      keep: jax.Array, top: float, steps: int, method: str = "auto") -> tuple[jax.Array, jax.Array]:
     """``([N, B, H, T], [N, B, H])``: per chunk layout (``member``/``place``/``kept_as_is`` ``[N, B, T]``)
     and (row, head), GSC (distances back to seeds) at the largest threshold ``<= top`` whose entries
     (``kept_as_is`` slots + clusters) fit ``keep`` ``[B]``, and that threshold (``-inf`` where none
-    fits: a layout whose coarsest clustering overflows). ``cap`` ``[N, B]``: the largest cluster per
-    layout and row (`greedy_seed_clustering`; ``None``: unbounded, the paper).
+    fits: a layout whose coarsest clustering overflows).
 
     Two passes of ``steps`` thresholds, each evaluated at once: `search_grid`, then a linear
     grid between the last threshold that did not fit and the first that did, ending on that one,
@@ -310,7 +294,7 @@ def search_clustering(band: jax.Array, member: jax.Array, place: jax.Array, kept
     fixed = kept_as_is.sum(-1)[:, None, :, None]  # [N, 1, B, 1]
 
     def first_fit(taus):  # taus [N, K, B, H], descending along K
-        back = clusterings(band, member, place, taus, method, cap)  # [N, K, B, H, T]
+        back = clusterings(band, member, place, taus, method)  # [N, K, B, H, T]
         fit = fixed + (member[:, None, :, None] & (back == 0)).sum(-1) <= keep[:, None]  # [N, K, B, H]
         k = jnp.argmax(fit, axis=1)  # [N, B, H]
         chosen = jnp.take_along_axis(taus, k[:, None], axis=1)[:, 0]
@@ -327,30 +311,28 @@ def search_clustering(band: jax.Array, member: jax.Array, place: jax.Array, kept
 
 def largest_fitting_clustering(band: jax.Array, member: jax.Array, place: jax.Array, kept_as_is: jax.Array,
                                keep: jax.Array, top: float, steps: int,
-                               method: str = "auto", cap: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """`search_clustering` on one layout: ``member``/``place``/``kept_as_is`` ``[B, T]`` (``cap`` ``[B]``) →
+                               method: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """`search_clustering` on one layout: ``member``/``place``/``kept_as_is`` ``[B, T]`` →
     ``([B, H, T], [B, H])``."""
-    back, tau = search_clustering(band, member[None], place[None], kept_as_is[None], keep, top, steps, method,
-                                  None if cap is None else cap[None])
+    back, tau = search_clustering(band, member[None], place[None], kept_as_is[None], keep, top, steps, method)
     return back[0], tau[0]
 
 
 def least_lossy_clustering(band: jax.Array, layouts: tuple[jax.Array, ...], keep: jax.Array, top: float,
-                           steps: int, method: str = "auto", cap: jax.Array | None = None) -> tuple[jax.Array, ...]:
+                           steps: int, method: str = "auto") -> tuple[jax.Array, ...]:
     """Budget mode over several chunk layouts: per (row, head), the layout whose budget search
     (`search_clustering`) reaches the highest threshold, i.e. whose clusters join only
     the most similar keys; ties go to the earlier (finer) layout.
 
     ``layouts``: ``(forced, anchor, member, place)`` ``[N, B, T]`` each (`candidate_layouts`; the
     last must fit). Returns ``(back [B, H, T], kept_as_is [B, H, T], choice [B, H], tau [B, H])``
-    (``choice``: the index into ``layouts``; ``cap`` ``[N, B]``: `search_clustering`). The threshold
-    each layout reaches never falls when the budget grows (without a cap), so neither does their
-    maximum."""
+    (``choice``: the index into ``layouts``). The threshold each layout reaches never falls when the
+    budget grows, so neither does their maximum."""
     forced, anchor, member, place = layouts
     kept_as_is = forced | anchor
     # all layouts at once: one kernel launch (or one vmapped jnp loop, to the longest chunk of any layout)
     # [N, B, H, T], [N, B, H]
-    backs, taus = search_clustering(band, member, place, kept_as_is, keep, top, steps, method, cap)
+    backs, taus = search_clustering(band, member, place, kept_as_is, keep, top, steps, method)
     choice = jnp.argmax(taus, axis=0)  # [B, H]: the first of equal maxima
     back = jnp.take_along_axis(backs, choice[None, ..., None], axis=0)[0]
     kept = jnp.take_along_axis(jnp.broadcast_to(kept_as_is[:, :, None], backs.shape), choice[None, ..., None],
