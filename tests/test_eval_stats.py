@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import matplotlib.colors
 import numpy as np
 import pytest
 
@@ -236,13 +237,71 @@ def test_partial_rows_marked_apart_and_not_plotted(tmp_path: Path, monkeypatch):
     figs = _capture_figures(monkeypatch)
     s_kv = dict(s, title="4k")
     report.plot_score_vs_kv([s_kv], tmp_path / "kv.png")
-    labels = figs[-1].axes[0].get_legend_handles_labels()[1]
-    assert "snapkv" in labels and "h2o" in labels and not any("quest" in x for x in labels)
-    assert any("1 partial rows not drawn" in t.get_text() for t in figs[-1].axes[0].texts)
+    def legend(fig):
+        (leg,) = fig.legends  # one legend for the figure
+        return [t.get_text() for t in leg.get_texts()]
+
+    assert legend(figs[-1]) == ["fullkv", "h2o(0.1)", "snapkv(0.1)", "snapkv(0.5)"]  # the records' policy text
+    assert "1 partial rows not drawn" in figs[-1].axes[0].get_title()
     report.plot_score_vs_length(s, tmp_path / "len.png")
-    assert "quest(0.1)" not in figs[-1].axes[0].get_legend_handles_labels()[1]
+    assert legend(figs[-1]) == ["fullkv", "h2o(0.1)", "snapkv(0.1)", "snapkv(0.5)"]
     report.plot_score_vs_budget(s, tmp_path / "budget.png")
-    assert "quest" not in figs[-1].axes[0].get_legend_handles_labels()[1]
+    assert legend(figs[-1]) == ["fullkv", "h2o(·)", "snapkv(·)"]  # a line per family, the budget on x
+    assert "1 partial rows not drawn" in figs[-1].axes[0].get_title()
+
+
+def _legend_clear_of_axes(fig) -> list:
+    """The figure's one legend, after checking (on a fresh draw) that it lies outside every axes' data area."""
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (leg,) = fig.legends
+    assert not any(ax.get_legend() for ax in fig.axes)  # no legend inside a panel
+    box = leg.get_window_extent(renderer)
+    for ax in fig.axes:
+        assert not box.overlaps(ax.get_window_extent(renderer)), (box, ax.get_title())
+    return [t.get_text() for t in leg.get_texts()]
+
+
+def test_plots_label_by_policy_text_keep_one_style_and_legend_off_the_data(rng, tmp_path: Path, monkeypatch):
+    """The labels are the records' policy text (not the key's family, which spells CHESS's thresholds), a
+    policy has one colour and marker in every panel and plot, the one figure legend lies outside every
+    axes, and a panel with nothing but full attention is left out with a line naming it."""
+    chess_label, chess_key = "chess('moderate', calibration='m')", "chess(entropy_threshold=1.81415, var=2.06)"
+    recs = []
+    for length in (4096, 8192, 16384):
+        for task in ("niah_single_1", "vt"):
+            for i in range(6):
+                score = float(rng.integers(0, 2))
+                recs.append(_rec("fullkv", "fullkv", 1.0, task, i, score, length))
+                if length > 4096:  # the 4k table has full attention only
+                    recs.append(_rec(chess_label, chess_key, None, task, i, score, length))
+                    recs.append(_rec("snapkv(0.25) [kv=int8]", "snapkv", 0.25, task, i, score * (i % 2), length))
+    summaries = [dict(report.summarize([r for r in recs if r["length"] == n], policy_order=["fullkv"]),
+                      title=f"{n // 1024}k · question-agnostic") for n in (4096, 8192, 16384)]
+    styles = report.policy_styles([r["policy"] for r in recs])
+    figs = _capture_figures(monkeypatch)
+    report.plot_score_vs_kv(summaries, tmp_path / "kv.png", "m · ruler", styles=styles)
+    fig = figs[-1]
+    labels = _legend_clear_of_axes(fig)
+    assert labels == ["fullkv", chess_label, "snapkv(0.25) [kv=int8]"]
+    assert [ax.get_title() for ax in fig.axes] == ["8k · question-agnostic", "16k · question-agnostic"]
+    assert "4k · question-agnostic (only full attention)" in fig.legends[0].get_title().get_text()
+    for ax in fig.axes:  # one style per policy in every panel: the errorbar's line is the point
+        drawn = {c.get_label(): c.lines[0] for c in ax.containers}
+        assert set(drawn) == {chess_label, "snapkv(0.25) [kv=int8]"}
+        for label, line in drawn.items():
+            assert line.get_marker() == styles[label]["marker"]
+            assert matplotlib.colors.same_color(line.get_color(), styles[label]["color"])
+    assert styles[chess_label]["color"] != styles["snapkv(0.25) [kv=int8]"]["color"]
+    # the needle value-type bars: the same colours, the same legend rules
+    report.plot_needle_types({"numbers": summaries[1], "words": summaries[2]}, tmp_path / "types.png", "t",
+                             styles=styles)
+    fig = figs[-1]
+    assert _legend_clear_of_axes(fig) == ["fullkv", chess_label, "snapkv(0.25) [kv=int8]"]
+    bars = {c.get_label(): c for c in fig.axes[0].containers if hasattr(c, "patches")}
+    assert matplotlib.colors.same_color(bars[chess_label].patches[0].get_facecolor(), styles[chess_label]["color"])
+    for path in ("kv.png", "types.png"):
+        assert (tmp_path / path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_aware_rows_pair_with_agnostic_full_attention(tmp_path: Path):

@@ -26,7 +26,7 @@ from typing import Any
 
 __all__ = ["BOOTSTRAP_RESAMPLES", "BOOTSTRAP_SEED", "column_name", "load_results", "markdown_table",
            "paired_bootstrap", "plot_needle_types", "plot_score_vs_budget", "plot_score_vs_kv",
-           "plot_score_vs_length", "regenerate", "sample_key", "summarize", "with_agnostic_reference",
+           "plot_score_vs_length", "policy_styles", "regenerate", "sample_key", "summarize", "with_agnostic_reference",
            "write_reports"]
 
 FIDELITY_KEYS = ("kl_first", "kl_mean", "top1_agreement", "layer_rel_error_mean")
@@ -489,28 +489,140 @@ def _plt() -> Any:
     return plt
 
 
-def plot_score_vs_budget(summary: dict[str, Any], path: str | Path) -> Path:
-    """Average score vs budget, one line per policy family, one panel per length; full attention dashed.
-    A row partial at a length (see :func:`summarize`'s ``coverage``) has no point there."""
+# ----------------------------------------------------------------------------------------------
+# Plot styles: one colour per policy family, one marker (bar hatch) per policy within it, fixed for every
+# panel and every plot of a report; labels are the records' own policy text.
+# ----------------------------------------------------------------------------------------------
+
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
+_HATCHES = ("", "//", "..", "xx", "\\\\", "++", "oo", "--", "||", "**", "O", "/.")
+_REFERENCE_COLOUR = "0.2"
+
+
+def _family_name(label: str) -> str:
+    """The policy's name, the record's label up to its first ``(`` or space (``chess('moderate', ...)`` →
+    ``chess``, ``fullkv [kv=int8]`` → ``fullkv``)."""
+    m = re.match(r"[^\s(\[]+", label)
+    return m.group(0) if m else label
+
+
+def policy_styles(labels: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``{policy label: {"color", "marker", "hatch"}}``: full attention dark grey, every other family a colour
+    of its own (tab20, families in sorted order), every policy of a family a marker and bar hatch of its own
+    (labels in sorted order). Pass the same map to every plot of a report so a policy looks the same in all."""
+    plt = _plt()
+    uniq = sorted(dict.fromkeys(labels))
+    families = sorted({_family_name(x) for x in uniq} - {"fullkv"})
+    cmap = plt.get_cmap("tab20")
+    palette = [cmap(i) for i in (*range(0, 14, 2), 16, 18, *range(1, 14, 2), 17, 19)]  # tab20 less its greys
+    colour = {f: palette[i % len(palette)] for i, f in enumerate(families)}
+    colour["fullkv"] = _REFERENCE_COLOUR
+    styles, seen = {}, defaultdict(int)
+    for label in uniq:
+        fam = _family_name(label)
+        k = seen[fam]
+        seen[fam] += 1
+        styles[label] = {"color": colour[fam], "marker": _MARKERS[k % len(_MARKERS)],
+                         "hatch": _HATCHES[k % len(_HATCHES)]}
+    return styles
+
+
+def _styles_for(styles: Mapping[str, dict[str, Any]] | None, labels: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``styles`` where it names every label, else :func:`policy_styles` of ``labels``."""
+    if styles is not None and all(x in styles for x in labels):
+        return dict(styles)
+    return policy_styles(list(styles or []) + list(labels))
+
+
+def _ordered(styles: Mapping[str, Any], handles: Mapping[str, Any]) -> tuple[list[Any], list[str]]:
+    """Legend handles in the style map's order (full attention first)."""
+    labels = sorted(handles, key=lambda x: (_family_name(x) != "fullkv", list(styles).index(x) if x in styles else 0))
+    return [handles[x] for x in labels], labels
+
+
+def _figure_legend(fig: Any, handles: Mapping[str, Any], styles: Mapping[str, Any], ncols: int,
+                   note: str = "") -> Any:
+    """One legend for the whole figure, below the panels (the constrained layout keeps it off every axes);
+    ``note`` (what was left out and why) is its title, so the two never overlap."""
+    if not handles and not note:
+        return None
+    h, labels = _ordered(styles, handles)
+    leg = fig.legend(h, labels, loc="outside lower center", ncols=max(1, min(ncols, len(labels))),
+                     fontsize="small", frameon=False, title_fontsize="small",
+                     title=_wrap(note, int(fig.get_figwidth() * 14)) if note else None)
+    if note:
+        leg.get_title().set_color("0.3")
+    return leg
+
+
+def _grid(plt: Any, n: int, width: float = 5.6, height: float = 4.0, extra: float = 0.0) -> tuple[Any, list[Any]]:
+    """A figure of ``n`` panels, at most two per row, with a constrained layout; spare grid cells removed."""
+    ncols = 1 if n <= 1 else 2
+    nrows = max(1, math.ceil(n / ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows + extra), squeeze=False,
+                             layout="constrained")
+    flat = list(axes.flat)
+    for ax in flat[n:]:
+        ax.remove()
+    return fig, flat[:max(n, 1)]
+
+
+def _save(plt: Any, fig: Any, path: str | Path) -> Path:
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _wrap(text: str, width: int = 140) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width))
+
+
+def _budget_free(label: str) -> str:
+    """A policy label with its budget argument as ``·`` (the budget is the plot's x): ``snapkv(0.25)`` →
+    ``snapkv(·)``, ``semanticache(0.25, protect='digit_sentences')`` → ``semanticache(·, protect=...)``."""
+    return re.sub(r"\((\d+(\.\d+)?|\.\d+)(?=[,)])", "(·", label, count=1)
+
+
+def plot_score_vs_budget(summary: dict[str, Any], path: str | Path,
+                         styles: Mapping[str, dict[str, Any]] | None = None) -> Path:
+    """Average score vs budget, one line per policy family (labelled by its policies' text with the budget as
+    ``·``), one panel per length (two per row); full attention dashed; one legend below the panels.
+    A row partial at a length (see :func:`summarize`'s ``coverage``) has no point there; the panel title
+    counts them."""
     plt = _plt()
     lengths = summary.get("length_order") or [""]
     rows = summary["rows"]
+    styles = _styles_for(styles, [r["policy"] for r in rows])
     ref = _reference_row(rows)
     others = [r for r in rows if not _is_reference(r) and r["budget"] is not None]
     tokens_axis = bool(others) and all(isinstance(r["budget"], int) for r in others)
-    fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
-    for ax, ln in zip(axes[0], lengths, strict=True):
-        families: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    fig, axes = _grid(plt, len(lengths))
+    handles: dict[str, Any] = {}
+    for ax, ln in zip(axes, lengths, strict=True):
+        families: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
+        partial = 0
         for r in others:
-            y = r["by_length"].get(ln) if _complete_at(r, ln) else None  # partial at this length: not drawn
+            if not _complete_at(r, ln):
+                partial += r["by_length"].get(ln) is not None
+                continue  # partial at this length: not drawn
+            y = r["by_length"].get(ln)
             x = r["budget"] if tokens_axis else r["budget_fraction"].get(ln)
             if y is not None and x is not None:
-                families[r["family"]].append((float(x), y))
-        for fam, pts in sorted(families.items()):
+                families[r["family"]].append((float(x), y, r["policy"]))
+        for _fam, pts in sorted(families.items()):
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fam)
+            label = " / ".join(dict.fromkeys(_budget_free(p[2]) for p in pts))
+            st = styles[pts[0][2]]
+            (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=st["marker"], color=st["color"],
+                              markerfacecolor="none", markeredgewidth=1.5, label=label)
+            handles.setdefault(label, line)
+            styles.setdefault(label, st)
         if ref is not None and ref["by_length"].get(ln) is not None:
-            ax.axhline(ref["by_length"][ln], color="black", linestyle="--", label="fullkv")
+            handles.setdefault(ref["policy"], ax.axhline(ref["by_length"][ln], color=_REFERENCE_COLOUR,
+                                                         linestyle="--", label=ref["policy"]))
         if tokens_axis:
             ax.set_xscale("log", base=2)
             ax.set_xlabel("budget (tokens)")
@@ -518,47 +630,46 @@ def plot_score_vs_budget(summary: dict[str, Any], path: str | Path) -> Path:
             ax.set_xlim(0.0, 1.02)
             ax.set_xlabel("budget (fraction of the context)")
         ax.set_ylabel("average score")
-        ax.set_title(f"length {ln}" if ln else "all samples")
+        name = f"length {ln}" if ln else "all samples"
+        ax.set_title(name + (f"\n({partial} partial rows not drawn)" if partial else ""), fontsize="medium")
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:  # nothing to plot when no policy has a budget
-            ax.legend(fontsize="small")
+    _figure_legend(fig, handles, styles, 2)
     fig.suptitle(f"{summary.get('suite', '')} · question-{summary.get('question', '')}".strip(" ·"))
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
-def plot_score_vs_length(summary: dict[str, Any], path: str | Path) -> Path:
-    """Average score vs context length, one line per policy (a bar chart when there are no lengths);
-    a row partial at a length has no point there (no bar when there are no lengths)."""
+def plot_score_vs_length(summary: dict[str, Any], path: str | Path,
+                         styles: Mapping[str, dict[str, Any]] | None = None) -> Path:
+    """Average score vs context length, one line per policy (a bar chart when there are no lengths), labelled
+    by the records' policy text, one legend below the axes; a row partial at a length has no point there (no
+    bar when there are no lengths)."""
     plt = _plt()
     numeric = [(summary["lengths"][ln], ln) for ln in summary.get("length_order", []) if summary["lengths"].get(ln)]
-    fig, ax = plt.subplots(figsize=(6.5, 4))
+    styles = _styles_for(styles, [r["policy"] for r in summary["rows"]])
+    fig, (ax,) = _grid(plt, 1, width=7.0, height=4.2)
+    handles: dict[str, Any] = {}
     if numeric:
         for r in summary["rows"]:
             pts = [(x, r["by_length"][ln]) for x, ln in numeric if ln in r["by_length"] and _complete_at(r, ln)]
             if pts:
-                style = "--" if _is_reference(r) else "-"
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=r["policy"])
+                st = styles[r["policy"]]
+                (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if _is_reference(r) else "-",
+                                  marker=st["marker"], color=st["color"], markerfacecolor="none",
+                                  markeredgewidth=1.5, label=r["policy"])
+                handles[r["policy"]] = line
         ax.set_xscale("log", base=2)
         ax.set_xticks([x for x, _ in numeric], [ln for _, ln in numeric])
         ax.set_xlabel("context length (tokens)")
     else:
         drawn = [r for r in summary["rows"] if _complete(r)]
         labels = [r["policy"] for r in drawn]
-        ax.bar(range(len(labels)), [r["average"] or 0.0 for r in drawn])
+        ax.bar(range(len(labels)), [r["average"] or 0.0 for r in drawn],
+               color=[styles[x]["color"] for x in labels], hatch=None)
         ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right", fontsize="small")
     ax.set_ylabel("average score")
     ax.grid(alpha=0.3)
-    if numeric:
-        ax.legend(fontsize="small")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    _figure_legend(fig, handles, styles, 2)
+    return _save(plt, fig, path)
 
 
 def write_reports(summary: dict[str, Any], out_dir: str | Path) -> dict[str, Path]:
@@ -654,96 +765,136 @@ def kv_kept(row: dict[str, Any]) -> float | None:
     return math.prod(parts) if parts else None
 
 
-def plot_score_vs_kv(summaries: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
-    """Average score (with its 95% interval) against the KV kept (:func:`kv_kept`), one panel per
-    length (``summaries``: one per length, in order), one line per policy family and question mode;
-    full attention as a dashed line with its interval shaded. Partial rows (see :func:`summarize`'s
-    ``coverage``) are not drawn: the panel counts them."""
+def _kv_panel(summ: Mapping[str, Any]) -> tuple[Mapping[str, Any] | None, list[Mapping[str, Any]], int]:
+    """(the full-attention row drawn as a line, the rows drawn as points, the partial rows not drawn)."""
+    ref, points, partial = None, [], 0
+    for r in summ["rows"]:
+        if not _complete(r):
+            partial += 1
+            continue
+        if (r.get("ci") or {}).get("average") is None or kv_kept(r) is None:
+            continue
+        if _is_reference(r) and ref is None and r.get("kv_dtype") is None:
+            ref = r
+        else:
+            points.append(r)
+    return ref, points, partial
+
+
+def draw_kv_panel(ax: Any, summ: Mapping[str, Any], styles: Mapping[str, dict[str, Any]],
+                  handles: dict[str, Any] | None = None) -> None:
+    """Draw one summary on ``ax``: each complete row's average with its 95% interval against the KV kept
+    (:func:`kv_kept`, log x), in its :func:`policy_styles` style, labelled by its policy text; full attention
+    as a dashed line with its interval shaded. ``handles`` collects ``{label: artist}`` for a figure legend."""
+    handles = {} if handles is None else handles
+    ref, points, _ = _kv_panel(summ)
+    if ref is not None:
+        ci = ref["ci"]["average"]
+        handles.setdefault(ref["policy"], ax.axhline(ci[0], color=_REFERENCE_COLOUR, linestyle="--",
+                                                     label=ref["policy"]))
+        ax.axhspan(ci[1], ci[2], color=_REFERENCE_COLOUR, alpha=0.1, linewidth=0)
+    for r in points:
+        ci, st = r["ci"]["average"], styles[r["policy"]]
+        art = ax.errorbar([kv_kept(r)], [ci[0]], yerr=[[ci[0] - ci[1]], [ci[2] - ci[0]]], marker=st["marker"],
+                          color=st["color"], markerfacecolor="none", markeredgewidth=1.6, markersize=8, capsize=3,
+                          linestyle="none", label=r["policy"])
+        handles.setdefault(r["policy"], art)
+    xs = [kv_kept(r) for r in points]
+    ax.set_xscale("log")
+    ticks = [0.02, 0.05, 0.1, 0.25, 0.5, 1.0]
+    lo = min([0.08] + [x * 0.8 for x in xs])
+    ax.set_xticks([t for t in ticks if t >= lo], [f"{t:g}" for t in ticks if t >= lo])
+    ax.set_xlim(lo, 1.25)
+    ax.set_xlabel("KV kept (stored × read fraction of the prompt)")
+    ax.set_ylabel("average score (95% CI)")
+    ax.grid(alpha=0.3)
+
+
+def plot_score_vs_kv(summaries: Sequence[dict[str, Any]], path: str | Path, title: str = "",
+                     styles: Mapping[str, dict[str, Any]] | None = None) -> Path:
+    """Average score (with its 95% interval) against the KV kept (:func:`kv_kept`), a panel per summary
+    (``summaries``: one per length and question mode, in order; two panels per row), a point per complete
+    row labelled by the records' policy text, in its :func:`policy_styles` style (``styles``: the report's
+    map, so a policy looks the same in every plot); full attention as a dashed line with its interval
+    shaded. One legend for the figure, below the panels. Partial rows (see :func:`summarize`'s
+    ``coverage``) are not drawn: the panel's title counts them. A panel that would show nothing but full
+    attention is left out, and the figure's bottom line names it and why."""
     plt = _plt()
-    fig, axes = plt.subplots(1, len(summaries), figsize=(5.5 * len(summaries), 4.2), squeeze=False)
-    for ax, summ in zip(axes[0], summaries, strict=True):
-        lines: dict[tuple[str, str], list[tuple[float, float, float, float]]] = defaultdict(list)
-        left_out = [r["policy"] for r in summ["rows"] if not _complete(r)]
-        for r in summ["rows"]:
-            ci = (r.get("ci") or {}).get("average")
-            x = kv_kept(r)
-            if ci is None or x is None or not _complete(r):
-                continue
-            q = r.get("question_mode", summ.get("question", ""))
-            if _is_reference(r):
-                src = ", ".join(r.get("reference_from") or [])
-                ax.axhline(ci[0], color="black", linestyle="--",
-                           label=f"fullkv ({q}: question-{src} records)" if src else f"fullkv ({q})")
-                ax.axhspan(ci[1], ci[2], color="black", alpha=0.08)
-                continue
-            lines[(r["family"], q)].append((x, ci[0], ci[0] - ci[1], ci[2] - ci[0]))
-        for (fam, q), pts in sorted(lines.items()):
-            pts.sort()
-            ax.errorbar([p[0] for p in pts], [p[1] for p in pts], yerr=[[p[2] for p in pts], [p[3] for p in pts]],
-                        marker="o" if q != "aware" else "s", linestyle="-" if q != "aware" else ":", capsize=3,
-                        label=f"{fam} ({q})" if q else fam)
-        ax.set_xscale("log")
-        ticks = [0.02, 0.05, 0.1, 0.25, 0.5, 1.0]
-        ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
-        ax.set_xlim(min([0.08] + [p[0] * 0.8 for pts in lines.values() for p in pts]), 1.1)
-        ax.set_xlabel("KV kept (stored × read fraction of the prompt)")
-        ax.set_ylabel("average score (95% CI)")
-        ax.set_title(summ.get("title", ""))
-        ax.grid(alpha=0.3)
-        if left_out:
-            ax.text(0.01, 0.01, f"{len(left_out)} partial rows not drawn", transform=ax.transAxes, fontsize="x-small",
-                    va="bottom")
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="x-small")
+    styles = _styles_for(styles, [r["policy"] for s in summaries for r in s["rows"]])
+    kept, left_out = [], []
+    for summ in summaries:
+        _, points, partial = _kv_panel(summ)
+        if points:
+            kept.append((summ, partial))
+        else:
+            no_kv = [r["policy"] for r in summ["rows"] if _complete(r) and kv_kept(r) is None]
+            why = "only full attention" + (f"; no KV measure: {', '.join(no_kv)}" if no_kv else "")
+            left_out.append(f"{summ.get('title', '')} ({why}" + (f"; {partial} partial rows" if partial else "") + ")")
+    note = "Panels left out, nothing but full attention to show: " + "; ".join(left_out) + "." if left_out else ""
+    if not kept:  # nothing to draw: a strip that says so (the report links the file)
+        fig = plt.figure(figsize=(7.0, 1.3), layout="constrained")
+        fig.text(0.5, 0.4, _wrap(note, 100), ha="center", va="center", fontsize="small", color="0.3")
+        if title:
+            fig.suptitle(title)
+        return _save(plt, fig, path)
+    fig, axes = _grid(plt, len(kept), extra=0.9)
+    handles: dict[str, Any] = {}
+    for ax, (summ, partial) in zip(axes, kept, strict=False):
+        draw_kv_panel(ax, summ, styles, handles)
+        ref = _reference_row(summ["rows"])
+        sub = []
+        if ref is not None and ref.get("reference_from"):
+            sub.append(f"fullkv: question-{', '.join(ref['reference_from'])} records")
+        if partial:
+            sub.append(f"{partial} partial rows not drawn")
+        ax.set_title(summ.get("title", "") + (f"\n({'; '.join(sub)})" if sub else ""), fontsize="medium")
+    _figure_legend(fig, handles, styles, 2, note)
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
-def plot_needle_types(by_type: Mapping[str, dict[str, Any]], path: str | Path, title: str = "") -> Path:
-    """Average score (95% interval) per needle value type (``by_type``: type → summary), a bar per
-    policy; a partial row of a type (fewer needle tasks or samples than full attention's) is not
-    drawn, and the figure names it."""
+def plot_needle_types(by_type: Mapping[str, dict[str, Any]], path: str | Path, title: str = "",
+                      styles: Mapping[str, dict[str, Any]] | None = None) -> Path:
+    """Average score (95% interval) per needle value type (``by_type``: type → summary): a group of bars
+    per type, a bar per policy complete there, coloured and hatched by :func:`policy_styles` (``styles``: the
+    report's map), one legend below the axes; a partial row of a type (fewer needle tasks or samples than
+    full attention's) is not drawn, and the figure's bottom line names it."""
     plt = _plt()
     types = list(by_type)
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
     labels = list(dict.fromkeys(r["policy"] for summ in by_type.values() for r in summ["rows"]))
-    width = 0.8 / max(len(labels), 1)
-    left_out = []
-    for k, label in enumerate(labels):
-        xs, ys, lo, hi = [], [], [], []
-        for i, t in enumerate(types):
-            row = next((r for r in by_type[t]["rows"] if r["policy"] == label), None)
-            ci = None if row is None else (row.get("ci") or {}).get("average")
-            if row is not None and not _complete(row):
-                left_out.append(f"{label} ({t})")
-                continue
-            if ci is None:
-                continue
-            xs.append(i - 0.4 + width * (k + 0.5))
-            ys.append(ci[0])
-            lo.append(ci[0] - ci[1])
-            hi.append(ci[2] - ci[0])
-        ax.bar(xs, ys, width=width, yerr=[lo, hi], capsize=2, label=label)
+    styles = _styles_for(styles, labels)
+    cells: dict[str, dict[int, Sequence[float]]] = defaultdict(dict)
+    left_out: dict[str, list[str]] = defaultdict(list)
+    for i, t in enumerate(types):
+        for row in by_type[t]["rows"]:
+            ci = (row.get("ci") or {}).get("average")
+            if not _complete(row):
+                left_out[row["policy"]].append(t)
+            elif ci is not None:
+                cells[row["policy"]][i] = ci
+    drawn = [x for x in labels if x in cells]
+    fig, (ax,) = _grid(plt, 1, width=max(7.0, 1.1 + 0.45 * len(drawn) * len(types)), height=4.2, extra=0.6)
+    width = 0.84 / max(len(drawn), 1)
+    handles: dict[str, Any] = {}
+    for k, label in enumerate(drawn):
+        st = styles[label]
+        xs = sorted(cells[label])
+        ci = [cells[label][i] for i in xs]
+        handles[label] = ax.bar([i - 0.42 + width * (k + 0.5) for i in xs], [c[0] for c in ci], width=width * 0.92,
+                                yerr=[[c[0] - c[1] for c in ci], [c[2] - c[0] for c in ci]], capsize=2,
+                                color=st["color"], hatch=st["hatch"], edgecolor="white", linewidth=0.5,
+                                error_kw={"ecolor": "black", "elinewidth": 1}, label=label)
     ax.set_xticks(range(len(types)), types)
     ax.set_xlabel("needle value type")
     ax.set_ylabel("average score (95% CI)")
     ax.set_ylim(0, 105)
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize="x-small")
-    if left_out:
-        fig.text(0.01, 0.01, "partial, not drawn: " + ", ".join(left_out), fontsize="x-small", wrap=True)
+    _figure_legend(fig, handles, styles, 2, "Partial, not drawn: " + "; ".join(
+        f"{p} ({', '.join(ts)})" for p, ts in left_out.items()) + "." if left_out else "")
     if title:
         ax.set_title(title)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def regenerate(sources: Sequence[str | Path], out_dir: str | Path, *, resamples: int = BOOTSTRAP_RESAMPLES,
@@ -780,6 +931,7 @@ def regenerate(sources: Sequence[str | Path], out_dir: str | Path, *, resamples:
         raise ValueError(f"no readable records in {', '.join(map(str, files))}")
     read = len(recs)
     recs = with_agnostic_reference(recs)
+    styles = policy_styles([r["policy"] for r in recs])  # one look per policy in every plot of the report
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     groups: dict[tuple[str, str], dict[int | None, dict[str, list[dict[str, Any]]]]] = defaultdict(
@@ -822,7 +974,7 @@ def regenerate(sources: Sequence[str | Path], out_dir: str | Path, *, resamples:
                     md += _needle_type_table(by_type, f"{model} · {_length_label(length)} · question-{question}")
                     name = _slug("needle_types", model, suite, _length_label(length), question) + ".png"
                     paths[name] = plot_needle_types(by_type, out / name, f"{model} · {suite} · "
-                                                    f"{_length_label(length)} · question-{question}")
+                                                    f"{_length_label(length)} · question-{question}", styles=styles)
                     md += [f"![needle types]({name})", ""]
                     everything.append({"model": model, "suite": suite, "length": length, "question": question,
                                        "needle_types": by_type})
@@ -830,7 +982,7 @@ def regenerate(sources: Sequence[str | Path], out_dir: str | Path, *, resamples:
                 md += _question_modes_table(panels[-len(by_length[length]):],
                                             f"{model} · {suite} · {_length_label(length) or 'all lengths'}")
         name = _slug("score_vs_kv", model, suite) + ".png"
-        paths[name] = plot_score_vs_kv(panels, out / name, f"{model} · {suite}")
+        paths[name] = plot_score_vs_kv(panels, out / name, f"{model} · {suite}", styles=styles)
         md += [f"![score vs KV kept]({name})", ""]
     paths["RESULTS.md"] = out / "RESULTS.md"
     paths["RESULTS.md"].write_text("\n".join(md).rstrip() + "\n")
