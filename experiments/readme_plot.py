@@ -1,6 +1,8 @@
-"""The README's plot: RULER-4k score against the KV read per decode step and the KV stored, for
-every policy recorded in docs/results/ruler4k and docs/results/ruler4k_chess_stem (SmolLM2-135M,
-25 samples per task).
+"""The README's plot: Qwen2.5-Coder-1.5B-Instruct's score (95% interval) against the KV kept or read per
+decode step, from the records in docs/results/qwen2.5-coder-1.5b_h200 (H200, 2026-11-27, 25 samples per
+task): RULER at 8k (13 tasks) and RULER's value-type needles at 16k (numbers, words, uuids), both
+question-agnostic, complete rows only. The records are read and summarised by the functions the report
+uses (:mod:`sparsekv_jax.eval.report`), so every number here is the report's.
 
     python experiments/readme_plot.py            # writes docs/results/readme_frontier.png
 """
@@ -8,26 +10,55 @@ every policy recorded in docs/results/ruler4k and docs/results/ruler4k_chess_ste
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from sparsekv_jax.eval import report
 
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
-RUNS = ("ruler4k", "ruler4k_chess_stem")
+RECORDS = RESULTS / "qwen2.5-coder-1.5b_h200"
+MODEL = "qwen2.5-coder-1.5b"
+PANELS = (("ruler", 8192, "RULER at 8k: 13 tasks"),
+          ("ruler-variants", 16384, "RULER value-type needles at 16k: 17 tasks (numbers, words, uuids)"))
 
 
-def rows() -> list[dict]:
-    """Summary rows of the recorded runs, full attention once."""
-    out, seen = [], set()
-    for run in RUNS:
-        for row in json.loads((RESULTS / run / "summary.json").read_text())["rows"]:
-            if row["policy"] not in seen:
-                seen.add(row["policy"])
-                out.append(row)
+def records(source: Path = RECORDS) -> list[dict[str, Any]]:
+    """Every record of ``source`` (the last per key, as the report reads them), question-aware samples
+    paired with question-agnostic full attention (:func:`report.with_agnostic_reference`)."""
+    recs: dict[str, dict[str, Any]] = {}
+    for f in report.find_results([source]):
+        for r in report.load_results(f):
+            recs[r.get("key", str(len(recs)))] = r
+    return report.with_agnostic_reference(list(recs.values()))
+
+
+def summary(recs: list[dict[str, Any]], suite: str, length: int, question: str = "agnostic") -> dict[str, Any]:
+    """The report's summary of one model, suite, length and question mode (its rows, order and intervals)."""
+    rs = [r for r in recs if r.get("model") == MODEL and r.get("suite") == suite and r.get("length") == length
+          and r.get("question") == question]
+    if not rs:
+        raise ValueError(f"no {MODEL} {suite} records at length {length}, question-{question} in {RECORDS}")
+    return report.summarize(rs, policy_order=report._row_order(rs), column_order=report._column_order(rs))
+
+
+def point_groups(summ: dict[str, Any]) -> list[tuple[float, float, list[str]]]:
+    """The drawn points (complete rows but full attention) that sit together (KV kept within 10%, scores within
+    5 points) as ``(x, y, [policy names])``, to name each group once beside it (``chess ×3``: three readings)."""
+    pts = sorted((report.kv_kept(r), r["ci"]["average"][0], report._family_name(r["policy"]))
+                 for r in summ["rows"] if report._complete(r) and r["family"] != "fullkv" and r.get("ci")
+                 and report.kv_kept(r) is not None)
+    groups: list[list[tuple[float, float, str]]] = []
+    for p in pts:
+        g = next((g for g in groups if abs(g[0][0] - p[0]) <= 0.1 * p[0] and abs(g[0][1] - p[1]) <= 5), None)
+        if g is None:
+            groups.append([p])
+        else:
+            g.append(p)
+    out = []
+    for g in groups:
+        counts = {n: sum(q[2] == n for q in g) for n in dict.fromkeys(q[2] for q in g)}
+        names = [n if k == 1 else f"{n} ×{k}" for n, k in counts.items()]
+        out.append((max(q[0] for q in g), sum(q[1] for q in g) / len(g), names))
     return out
 
 
@@ -36,19 +67,35 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=RESULTS / "readme_frontier.png", help="the PNG to write")
     out = p.parse_args(argv).out
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    for i, r in enumerate(rows()):
-        label = r["policy"].replace(", calibration='smollm2'", "")
-        x = min(r["kv_stored_fraction"], r["kv_read_fraction"])
-        ax.scatter(x, r["average"], s=36, color=plt.get_cmap("tab20")(i % 20), label=f"{label}: {r['average']:.1f}")
-    ax.set_xlim(0, 1.05)
-    ax.set_xlabel("KV kept or read per decode step (fraction of full attention)")
-    ax.set_ylabel("RULER 4k average (13 tasks)")
-    ax.set_title("SmolLM2-135M-Instruct, RULER at 4k tokens, n = 25 per task", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=6.5, loc="center left", bbox_to_anchor=(1.0, 0.5))
-    fig.tight_layout()
-    fig.savefig(out, dpi=110, bbox_inches="tight")
+    recs = records()
+    styles = report.policy_styles([r["policy"] for r in recs])  # the report's colours and markers
+    plt = report._plt()
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(5.4 * len(PANELS), 4.1), layout="constrained", squeeze=False)
+    handles: dict[str, Any] = {}
+    for ax, (suite, length, title) in zip(axes[0], PANELS, strict=True):
+        summ = summary(recs, suite, length)
+        report.draw_kv_panel(ax, summ, styles, handles)
+        ax.set_title(title, fontsize="medium")
+        ax.set_xlabel("KV kept (compressors) or read per decode step (Quest, CHESS)", fontsize="small")
+        for x, y, names in point_groups(summ):
+            if names == ["stem"]:
+                ax.annotate("stem: at 1, it saves prefill\ncompute, not KV", (x, y), xytext=(0.5, y - 22),
+                            fontsize="small", color="0.25", arrowprops={"arrowstyle": "->", "color": "0.5"})
+            else:
+                ax.annotate(", ".join(names), (x, y), xytext=(9, 0), textcoords="offset points", va="center",
+                            fontsize="small", color="0.25")
+        partial = sum(not report._complete(r) for r in summ["rows"])
+        if partial:
+            ax.text(0.01, 0.01, f"{partial} partial rows not drawn", transform=ax.transAxes, fontsize="x-small",
+                    color="0.4", va="bottom")
+    labels = sorted(handles, key=lambda x: (report._family_name(x) != "fullkv", list(styles).index(x)))
+    fig.legend([handles[x] for x in labels],
+               ["fullkv (dashed; band: its 95% CI)" if x == "fullkv" else x for x in labels],
+               loc="outside lower center", ncols=2, fontsize=9, frameon=False)
+    fig.suptitle("Qwen2.5-Coder-1.5B-Instruct, question-agnostic, n = 25 per task, average score with 95% CI "
+                 "(H200, 2026-11-27)", fontsize="medium")
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
     print(out)
 
 

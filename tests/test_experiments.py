@@ -79,10 +79,20 @@ def test_compare_eval_runs_on_a_committed_record(tmp_path, capsys):
 
 
 def test_readme_plot_draws_the_recorded_rows(tmp_path):
+    """The README's plot reads the Qwen records through the report's functions: its summaries are the
+    committed report's (results.json, written by `python -m sparsekv_jax.eval.report`), row for row."""
     mod = _module("readme_plot")
-    summary = json.loads((RECORD / "summary.json").read_text())["rows"]
-    rows = mod.rows()
-    assert [r["average"] for r in rows[: len(summary)]] == [r["average"] for r in summary]
+    committed = json.loads((mod.RECORDS / "report" / "results.json").read_text())
+    recs = mod.records()
+    for suite, length, _ in mod.PANELS:
+        mine = mod.summary(recs, suite, length)
+        theirs = next(s for s in committed if "rows" in s and s["model"] == mod.MODEL and s["suite"] == suite
+                      and s["length"] == length and s["question"] == "agnostic")
+        assert [(r["policy"], r["ci"], r["coverage"]["complete"]) for r in mine["rows"]] == [
+            (r["policy"], r["ci"], r["coverage"]["complete"]) for r in theirs["rows"]]
+    # the three CHESS readings sit on one point at 8k: named once
+    groups = {tuple(g[2]) for g in mod.point_groups(mod.summary(recs, "ruler", 8192))}
+    assert ("chess ×3",) in groups and ("stem",) in groups
     mod.main(["--out", str(tmp_path / "plot.png")])
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
