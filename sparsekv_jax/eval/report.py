@@ -589,9 +589,10 @@ def _budget_free(label: str) -> str:
 def plot_score_vs_budget(summary: dict[str, Any], path: str | Path,
                          styles: Mapping[str, dict[str, Any]] | None = None) -> Path:
     """Average score vs budget, one line per policy family (labelled by its policies' text with the budget as
-    ``·``), one panel per length (two per row); full attention dashed; one legend below the panels.
-    A row partial at a length (see :func:`summarize`'s ``coverage``) has no point there; the panel title
-    counts them."""
+    ``·``, or by the one policy's text), one panel per length (two per row); full attention dashed; one
+    legend below the panels. A row partial at a length (see :func:`summarize`'s ``coverage``) has no point
+    there; the panel title counts them. A length with no policy line to draw is left out, and the legend's
+    title names it."""
     plt = _plt()
     lengths = summary.get("length_order") or [""]
     rows = summary["rows"]
@@ -599,9 +600,8 @@ def plot_score_vs_budget(summary: dict[str, Any], path: str | Path,
     ref = _reference_row(rows)
     others = [r for r in rows if not _is_reference(r) and r["budget"] is not None]
     tokens_axis = bool(others) and all(isinstance(r["budget"], int) for r in others)
-    fig, axes = _grid(plt, len(lengths))
-    handles: dict[str, Any] = {}
-    for ax, ln in zip(axes, lengths, strict=True):
+    panels, left_out = [], []
+    for ln in lengths:
         families: dict[str, list[tuple[float, float, str]]] = defaultdict(list)
         partial = 0
         for r in others:
@@ -612,9 +612,24 @@ def plot_score_vs_budget(summary: dict[str, Any], path: str | Path,
             x = r["budget"] if tokens_axis else r["budget_fraction"].get(ln)
             if y is not None and x is not None:
                 families[r["family"]].append((float(x), y, r["policy"]))
+        name = f"length {ln}" if ln else "all samples"
+        if families:
+            panels.append((ln, name, families, partial))
+        else:
+            left_out.append(name + (f" ({partial} partial rows)" if partial else ""))
+    title = f"{summary.get('suite', '')} · question-{summary.get('question', '')}".strip(" ·")
+    note = ("Panels left out, no policy with a budget to show: " + "; ".join(left_out) + ".") if left_out else ""
+    if not panels:  # nothing to draw: a strip that says so
+        fig = plt.figure(figsize=(7.0, 1.3), layout="constrained")
+        fig.text(0.5, 0.4, _wrap(note, 100), ha="center", va="center", fontsize="small", color="0.3")
+        fig.suptitle(title)
+        return _save(plt, fig, path)
+    fig, axes = _grid(plt, len(panels))
+    handles: dict[str, Any] = {}
+    for ax, (ln, name, families, partial) in zip(axes, panels, strict=True):
         for _fam, pts in sorted(families.items()):
             pts.sort()
-            label = " / ".join(dict.fromkeys(_budget_free(p[2]) for p in pts))
+            label = pts[0][2] if len(pts) == 1 else " / ".join(dict.fromkeys(_budget_free(p[2]) for p in pts))
             st = styles[pts[0][2]]
             (line,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=st["marker"], color=st["color"],
                               markerfacecolor="none", markeredgewidth=1.5, label=label)
@@ -630,11 +645,10 @@ def plot_score_vs_budget(summary: dict[str, Any], path: str | Path,
             ax.set_xlim(0.0, 1.02)
             ax.set_xlabel("budget (fraction of the context)")
         ax.set_ylabel("average score")
-        name = f"length {ln}" if ln else "all samples"
         ax.set_title(name + (f"\n({partial} partial rows not drawn)" if partial else ""), fontsize="medium")
         ax.grid(alpha=0.3)
-    _figure_legend(fig, handles, styles, 2)
-    fig.suptitle(f"{summary.get('suite', '')} · question-{summary.get('question', '')}".strip(" ·"))
+    _figure_legend(fig, handles, styles, 2, note)
+    fig.suptitle(title)
     return _save(plt, fig, path)
 
 
