@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BOOTSTRAP_RESAMPLES", "BOOTSTRAP_SEED", "column_name", "load_results", "markdown_table",
+__all__ = ["BOOTSTRAP_RESAMPLES", "BOOTSTRAP_SEED", "column_name", "draw_kv_panel", "load_results", "markdown_table",
            "paired_bootstrap", "plot_needle_types", "plot_score_vs_budget", "plot_score_vs_kv",
            "plot_score_vs_length", "policy_styles", "regenerate", "sample_key", "summarize", "with_agnostic_reference",
            "write_reports"]
