@@ -38,14 +38,14 @@ def summary(recs: list[dict[str, Any]], suite: str, length: int, question: str =
           and r.get("question") == question]
     if not rs:
         raise ValueError(f"no {MODEL} {suite} records at length {length}, question-{question} in {RECORDS}")
-    return report.summarize(rs, policy_order=report._row_order(rs), column_order=report._column_order(rs))
+    return report.summarize(rs, policy_order=report.row_order(rs), column_order=report.column_order(rs))
 
 
 def point_groups(summ: dict[str, Any]) -> list[tuple[float, float, list[str]]]:
     """The drawn points (complete rows but full attention) that sit together (KV kept within 10%, scores within
     5 points) as ``(x, y, [policy names])``, to name each group once beside it (``chess ×3``: three readings)."""
-    pts = sorted((report.kv_kept(r), r["ci"]["average"][0], report._family_name(r["policy"]))
-                 for r in summ["rows"] if report._complete(r) and r["family"] != "fullkv" and r.get("ci")
+    pts = sorted((report.kv_kept(r), r["ci"]["average"][0], r["policy"])
+                 for r in summ["rows"] if report.is_complete(r) and r["family"] != "fullkv" and r.get("ci")
                  and report.kv_kept(r) is not None)
     groups: list[list[tuple[float, float, str]]] = []
     for p in pts:
@@ -56,8 +56,12 @@ def point_groups(summ: dict[str, Any]) -> list[tuple[float, float, list[str]]]:
             g.append(p)
     out = []
     for g in groups:
-        counts = {n: sum(q[2] == n for q in g) for n in dict.fromkeys(q[2] for q in g)}
-        names = [n if k == 1 else f"{n} ×{k}" for n, k in counts.items()]
+        # a policy alone in its family is named as its record spells it (an opt-in rule, e.g. SemantiCache's
+        # digit rule, must not pass for the default); several readings of one family that sit together, once
+        families = [report.family_name(q[2]) for q in g]
+        counts = {f: families.count(f) for f in dict.fromkeys(families)}
+        names = [f"{f} ×{k}" if k > 1 else next(q[2] for q in g if report.family_name(q[2]) == f)
+                 for f, k in counts.items()]
         out.append((max(q[0] for q in g), sum(q[1] for q in g) / len(g), names))
     return out
 
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     out = p.parse_args(argv).out
     recs = records()
     styles = report.policy_styles([r["policy"] for r in recs])  # the report's colours and markers
-    plt = report._plt()
+    plt = report.pyplot()
     fig, axes = plt.subplots(1, len(PANELS), figsize=(5.4 * len(PANELS), 4.1), layout="constrained", squeeze=False)
     handles: dict[str, Any] = {}
     for ax, (suite, length, title) in zip(axes[0], PANELS, strict=True):
@@ -84,11 +88,11 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 ax.annotate(", ".join(names), (x, y), xytext=(9, 0), textcoords="offset points", va="center",
                             fontsize="small", color="0.25")
-        partial = sum(not report._complete(r) for r in summ["rows"])
+        partial = sum(not report.is_complete(r) for r in summ["rows"])
         if partial:
             ax.text(0.01, 0.01, f"{partial} partial rows not drawn", transform=ax.transAxes, fontsize="x-small",
                     color="0.4", va="bottom")
-    labels = sorted(handles, key=lambda x: (report._family_name(x) != "fullkv", list(styles).index(x)))
+    labels = sorted(handles, key=lambda x: (report.family_name(x) != "fullkv", list(styles).index(x)))
     fig.legend([handles[x] for x in labels],
                ["fullkv (dashed; band: its 95% CI)" if x == "fullkv" else x for x in labels],
                loc="outside lower center", ncols=2, fontsize=9, frameon=False)

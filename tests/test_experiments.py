@@ -90,9 +90,11 @@ def test_readme_plot_draws_the_recorded_rows(tmp_path):
                       and s["length"] == length and s["question"] == "agnostic")
         assert [(r["policy"], r["ci"], r["coverage"]["complete"]) for r in mine["rows"]] == [
             (r["policy"], r["ci"], r["coverage"]["complete"]) for r in theirs["rows"]]
-    # the three CHESS readings sit on one point at 8k: named once
+    # the three CHESS readings sit on one point at 8k: named once; a policy alone in its family keeps the
+    # record's spelling (the digit rule is not passed off as SemantiCache's default)
     groups = {tuple(g[2]) for g in mod.point_groups(mod.summary(recs, "ruler", 8192))}
-    assert ("chess ×3",) in groups and ("stem",) in groups
+    assert ("chess ×3",) in groups and ("stem(routing='full')",) in groups
+    assert ("semanticache(0.25, protect='digit_sentences')",) in groups
     mod.main(["--out", str(tmp_path / "plot.png")])
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

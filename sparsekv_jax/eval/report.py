@@ -24,10 +24,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BOOTSTRAP_RESAMPLES", "BOOTSTRAP_SEED", "column_name", "draw_kv_panel", "load_results", "markdown_table",
-           "paired_bootstrap", "plot_needle_types", "plot_score_vs_budget", "plot_score_vs_kv",
-           "plot_score_vs_length", "policy_styles", "regenerate", "sample_key", "summarize", "with_agnostic_reference",
-           "write_reports"]
+__all__ = ["BOOTSTRAP_RESAMPLES", "BOOTSTRAP_SEED", "column_name", "column_order", "draw_kv_panel", "family_name",
+           "is_complete", "load_results", "markdown_table", "paired_bootstrap", "plot_needle_types",
+           "plot_score_vs_budget", "plot_score_vs_kv", "plot_score_vs_length", "policy_styles", "pyplot",
+           "regenerate", "row_order", "sample_key", "summarize", "with_agnostic_reference", "write_reports"]
 
 FIDELITY_KEYS = ("kl_first", "kl_mean", "top1_agreement", "layer_rel_error_mean")
 BOOTSTRAP_RESAMPLES = 2000  # resamples of every interval
@@ -347,7 +347,8 @@ def _fmt(x: float | None, digits: int = 2) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
-def _complete(row: Mapping[str, Any]) -> bool:
+def is_complete(row: Mapping[str, Any]) -> bool:
+    """Whether a summary row covers every column and sample full attention has (not a partial row)."""
     return (row.get("coverage") or {}).get("complete", True)
 
 
@@ -387,7 +388,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
     rows = summary["rows"]
     has_fid = any(r["fidelity"] for r in rows)
     has_ref = summary.get("reference") is not None
-    partial = any(not _complete(r) for r in rows)
+    partial = any(not is_complete(r) for r in rows)
     head = ["#", "policy", *(["coverage"] if partial else []), *cols, "average", "95% CI",
             *(["partial row: average over its columns [95% CI]"] if partial else []), "% of full kept", "95% CI",
             "Δ vs full (points)", "≈ (intervals overlap)", "KV stored", "KV read"]
@@ -401,7 +402,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
     lines += ["| " + " | ".join(head) + " |", "|" + "|".join(["---:", "---"] + ["---:"] * (len(head) - 2)) + "|"]
     for r in rows:
         ci = r.get("ci") or {}
-        done = _complete(r)
+        done = is_complete(r)
         cells = [str(number[r["policy"]]), _display(r), *([_coverage_text(r)] if partial else [])]
         cells += [_fmt(r["scores"].get(c)) for c in cols]
         cells += [_fmt(r["average"]) if done else "–", _interval(ci.get("average")) if done else "–"]
@@ -480,7 +481,8 @@ def _ci_note(summary: dict[str, Any], has_ref: bool) -> str:
             "the conservative reading; it is not a paired test of the two policies against each other).")
 
 
-def _plt() -> Any:
+def pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend (imported on first use: the tables need no matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -499,7 +501,7 @@ _HATCHES = ("", "//", "..", "xx", "\\\\", "++", "oo", "--", "||", "**", "O", "/.
 _REFERENCE_COLOUR = "0.2"
 
 
-def _family_name(label: str) -> str:
+def family_name(label: str) -> str:
     """The policy's name, the record's label up to its first ``(`` or space (``chess('moderate', ...)`` →
     ``chess``, ``fullkv [kv=int8]`` → ``fullkv``)."""
     m = re.match(r"[^\s(\[]+", label)
@@ -510,16 +512,16 @@ def policy_styles(labels: Sequence[str]) -> dict[str, dict[str, Any]]:
     """``{policy label: {"color", "marker", "hatch"}}``: full attention dark grey, every other family a colour
     of its own (tab20, families in sorted order), every policy of a family a marker and bar hatch of its own
     (labels in sorted order). Pass the same map to every plot of a report so a policy looks the same in all."""
-    plt = _plt()
+    plt = pyplot()
     uniq = sorted(dict.fromkeys(labels))
-    families = sorted({_family_name(x) for x in uniq} - {"fullkv"})
+    families = sorted({family_name(x) for x in uniq} - {"fullkv"})
     cmap = plt.get_cmap("tab20")
     palette = [cmap(i) for i in (*range(0, 14, 2), 16, 18, *range(1, 14, 2), 17, 19)]  # tab20 less its greys
     colour = {f: palette[i % len(palette)] for i, f in enumerate(families)}
     colour["fullkv"] = _REFERENCE_COLOUR
     styles, seen = {}, defaultdict(int)
     for label in uniq:
-        fam = _family_name(label)
+        fam = family_name(label)
         k = seen[fam]
         seen[fam] += 1
         styles[label] = {"color": colour[fam], "marker": _MARKERS[k % len(_MARKERS)],
@@ -536,7 +538,7 @@ def _styles_for(styles: Mapping[str, dict[str, Any]] | None, labels: Sequence[st
 
 def _ordered(styles: Mapping[str, Any], handles: Mapping[str, Any]) -> tuple[list[Any], list[str]]:
     """Legend handles in the style map's order (full attention first)."""
-    labels = sorted(handles, key=lambda x: (_family_name(x) != "fullkv", list(styles).index(x) if x in styles else 0))
+    labels = sorted(handles, key=lambda x: (family_name(x) != "fullkv", list(styles).index(x) if x in styles else 0))
     return [handles[x] for x in labels], labels
 
 
@@ -593,7 +595,7 @@ def plot_score_vs_budget(summary: dict[str, Any], path: str | Path,
     legend below the panels. A row partial at a length (see :func:`summarize`'s ``coverage``) has no point
     there; the panel title counts them. A length with no policy line to draw is left out, and the legend's
     title names it."""
-    plt = _plt()
+    plt = pyplot()
     lengths = summary.get("length_order") or [""]
     rows = summary["rows"]
     styles = _styles_for(styles, [r["policy"] for r in rows])
@@ -657,7 +659,7 @@ def plot_score_vs_length(summary: dict[str, Any], path: str | Path,
     """Average score vs context length, one line per policy (a bar chart when there are no lengths), labelled
     by the records' policy text, one legend below the axes; a row partial at a length has no point there (no
     bar when there are no lengths)."""
-    plt = _plt()
+    plt = pyplot()
     numeric = [(summary["lengths"][ln], ln) for ln in summary.get("length_order", []) if summary["lengths"].get(ln)]
     styles = _styles_for(styles, [r["policy"] for r in summary["rows"]])
     fig, (ax,) = _grid(plt, 1, width=7.0, height=4.2)
@@ -675,7 +677,7 @@ def plot_score_vs_length(summary: dict[str, Any], path: str | Path,
         ax.set_xticks([x for x, _ in numeric], [ln for _, ln in numeric])
         ax.set_xlabel("context length (tokens)")
     else:
-        drawn = [r for r in summary["rows"] if _complete(r)]
+        drawn = [r for r in summary["rows"] if is_complete(r)]
         labels = [r["policy"] for r in drawn]
         ax.bar(range(len(labels)), [r["average"] or 0.0 for r in drawn],
                color=[styles[x]["color"] for x in labels], hatch=None)
@@ -741,7 +743,7 @@ def _slug(*parts: Any) -> str:
     return "_".join(re.sub(r"[^A-Za-z0-9_.+-]+", "-", str(p)).strip("-") for p in parts if p not in (None, ""))
 
 
-def _row_order(records: Sequence[dict[str, Any]]) -> list[str]:
+def row_order(records: Sequence[dict[str, Any]]) -> list[str]:
     """Full attention first, then by family and budget."""
     first: dict[str, dict[str, Any]] = {}
     for r in records:
@@ -756,7 +758,7 @@ def _row_order(records: Sequence[dict[str, Any]]) -> list[str]:
     return sorted(first, key=key)
 
 
-def _column_order(records: Sequence[dict[str, Any]]) -> list[str]:
+def column_order(records: Sequence[dict[str, Any]]) -> list[str]:
     """Columns by length, then RULER's task order (variants by value type), then name."""
     from sparsekv_jax.eval.ruler import NEEDLE_TYPES, RULER_CONFIGS
 
@@ -783,7 +785,7 @@ def _kv_panel(summ: Mapping[str, Any]) -> tuple[Mapping[str, Any] | None, list[M
     """(the full-attention row drawn as a line, the rows drawn as points, the partial rows not drawn)."""
     ref, points, partial = None, [], 0
     for r in summ["rows"]:
-        if not _complete(r):
+        if not is_complete(r):
             partial += 1
             continue
         if (r.get("ci") or {}).get("average") is None or kv_kept(r) is None:
@@ -833,7 +835,7 @@ def plot_score_vs_kv(summaries: Sequence[dict[str, Any]], path: str | Path, titl
     shaded. One legend for the figure, below the panels. Partial rows (see :func:`summarize`'s
     ``coverage``) are not drawn: the panel's title counts them. A panel that would show nothing but full
     attention is left out, and the figure's bottom line names it and why."""
-    plt = _plt()
+    plt = pyplot()
     styles = _styles_for(styles, [r["policy"] for s in summaries for r in s["rows"]])
     kept, left_out = [], []
     for summ in summaries:
@@ -841,7 +843,7 @@ def plot_score_vs_kv(summaries: Sequence[dict[str, Any]], path: str | Path, titl
         if points:
             kept.append((summ, partial))
         else:
-            no_kv = [r["policy"] for r in summ["rows"] if _complete(r) and kv_kept(r) is None]
+            no_kv = [r["policy"] for r in summ["rows"] if is_complete(r) and kv_kept(r) is None]
             why = "only full attention" + (f"; no KV measure: {', '.join(no_kv)}" if no_kv else "")
             left_out.append(f"{summ.get('title', '')} ({why}" + (f"; {partial} partial rows" if partial else "") + ")")
     note = "Panels left out, nothing but full attention to show: " + "; ".join(left_out) + "." if left_out else ""
@@ -874,7 +876,7 @@ def plot_needle_types(by_type: Mapping[str, dict[str, Any]], path: str | Path, t
     per type, a bar per policy complete there, coloured and hatched by :func:`policy_styles` (``styles``: the
     report's map), one legend below the axes; a partial row of a type (fewer needle tasks or samples than
     full attention's) is not drawn, and the figure's bottom line names it."""
-    plt = _plt()
+    plt = pyplot()
     types = list(by_type)
     labels = list(dict.fromkeys(r["policy"] for summ in by_type.values() for r in summ["rows"]))
     styles = _styles_for(styles, labels)
@@ -883,7 +885,7 @@ def plot_needle_types(by_type: Mapping[str, dict[str, Any]], path: str | Path, t
     for i, t in enumerate(types):
         for row in by_type[t]["rows"]:
             ci = (row.get("ci") or {}).get("average")
-            if not _complete(row):
+            if not is_complete(row):
                 left_out[row["policy"]].append(t)
             elif ci is not None:
                 cells[row["policy"]][i] = ci
@@ -955,7 +957,7 @@ def regenerate(sources: Sequence[str | Path], out_dir: str | Path, *, resamples:
         groups[model_suite][r.get("length")][str(r.get("question", ""))].append(r)
 
     def summary_of(rs: list[dict[str, Any]], title: str) -> dict[str, Any]:
-        summ = summarize(rs, policy_order=_row_order(rs), column_order=_column_order(rs), resamples=resamples,
+        summ = summarize(rs, policy_order=row_order(rs), column_order=column_order(rs), resamples=resamples,
                          seed=seed)
         summ["title"] = title
         return summ
@@ -1039,7 +1041,7 @@ def _avg_and_kept(row: Mapping[str, Any] | None) -> str:
     if avg is None:
         return "–"
     text = f"{avg[0]:.2f} {_interval(avg)} · {kept}"
-    if row is not None and not _complete(row):
+    if row is not None and not is_complete(row):
         cov = row["coverage"]
         text = f"**partial** ({cov['columns']} of {cov['of']} columns, {cov['samples']} of {cov['of_samples']} " \
                f"samples): {text}"

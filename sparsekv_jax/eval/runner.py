@@ -751,7 +751,7 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
 
     records = [done[k] for k in sorted(set(plan.keys())) if k in done]
     summary = report.summarize(records, policy_order=[plan.label(s) for s in specs],
-                               column_order=_column_order(groups))
+                               column_order=column_order(groups))
     summary.update({"model": name, "suite": suite_id, "question": question, "seed": seed, "n": n,
                     "fidelity": fidelity, "kv_dtype": kv_dtype, "out_dir": str(out)})
     report.write_reports(summary, out)
@@ -765,7 +765,7 @@ def _pending_count(plan: Plan, batch: Batch | SharedBatch, done: Mapping[str, An
     return sum(len(rows) for rows in plan.pending(batch, done, fidelity).values())
 
 
-def _column_order(groups: list[Group]) -> list[str]:
+def column_order(groups: list[Group]) -> list[str]:
     seen: list[str] = []
     for g in sorted(groups, key=lambda g: g.length if g.length is not None else math.inf):
         c = report.column_name(g.task, g.length)
