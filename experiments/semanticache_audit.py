@@ -10,7 +10,7 @@ For each sample: prefill the context with full attention, run SemantiCache's com
   size, how many of its members are answer tokens, and the pre-RoPE key cosine of the member with
   its seed (what GSC compared with the threshold);
 * the same unmerged share for the whole middle of the prompt (so the answer's share can be read
-  against the average);
+  against the average), and the entries kept per (layer, KV head) over the prompt's length;
 * the cosine of each answer token's pre-RoPE key with its left neighbour, raw and with the head's
   mean key removed (Qwen2's ``k_proj`` has a bias: a shared component that lifts every cosine),
   and of its value; the same medians over the haystack's neighbour pairs.
@@ -88,12 +88,13 @@ def audit(pol, cache, prompt, answer, T, sinks_window):
     rows = []
     middle = np.zeros(T, bool)
     middle[sinks_window[0]:T - sinks_window[1]] = True
-    unmerged_mid, unmerged_ans, sizes, answer_mates, seed_cos = [], [], [], [], []
+    unmerged_mid, unmerged_ans, sizes, answer_mates, seed_cos, entries = [], [], [], [], [], []
     for li in range(L):
         for h in range(H):
             s, kp = seed_of[li, 0, h], kept[li, 0, h]
             head = np.where(kp | (s < 0), np.arange(T), s)  # each slot's entry (its first slot)
             size = np.bincount(head, minlength=T)[head]
+            entries.append(len(np.unique(head)))
             unmerged_mid.append(float((size[middle] == 1).mean()))
             unmerged_ans.append(float((size[answer] == 1).mean()))
             for t in answer:
@@ -118,6 +119,7 @@ def audit(pol, cache, prompt, answer, T, sinks_window):
 
     rows.append(dict(
         policy=pol.name, budget=int(row_budgets(pol.budget, prompt.lengths)[0]),
+        kept_fraction=float(np.mean(entries)) / T,
         level_share=[float((level == lv).mean()) for lv in (0, 1, 2)],
         tau_median=float(np.median(tau)), tau_q10=float(np.quantile(tau, 0.1)), tau_q90=float(np.quantile(tau, 0.9)),
         middle_unmerged=float(np.mean(unmerged_mid)), answer_unmerged=float(np.mean(unmerged_ans)),
