@@ -16,7 +16,10 @@ For each sample: prefill the context with full attention, run SemantiCache's com
   and of its value; the same medians over the haystack's neighbour pairs.
 
 With ``--generate`` it also decodes each policy's answer (question read after compression, as
-``sparsekv eval --question agnostic``) and scores it with RULER's metric.
+``sparsekv eval --question agnostic``) and scores it with RULER's metric. With ``--bias-check`` it
+reads the question into the compressed cache with and without the merged entries' ``log |S|``
+biases and reports the largest change of the last-token logits (proportional attention reaching
+the question's prefill).
 
     PYTHONPATH=$PWD python experiments/semanticache_audit.py --model qwen2.5-coder-0.5b \\
         --tasks niah_single_2@uuids --length 2048 --n 2 --specs "semanticache(0.5)" --generate
@@ -135,6 +138,22 @@ def audit(pol, cache, prompt, answer, T, sinks_window):
     return rows
 
 
+def bias_effect(params, pol, cache, prompt, question):
+    """Largest change of the question's last-token logits when the compressed cache's log-size
+    biases are zeroed: nonzero means proportional attention (Eq. 4) reaches the question's prefill
+    after compression (`engine.prefill.extend`), as it reaches decode."""
+    from sparsekv_jax.engine.prefill import extend
+
+    T = int(prompt.lengths[0])
+    comp = pol.compress(cache, None, T + len(question) + 8, prompt)
+    q = jnp.asarray([question], jnp.int32)
+    n = jnp.asarray([len(question)], jnp.int32)
+    with_bias, _ = extend(params, comp, q, n)
+    zeroed = comp.replace(layers=comp.layers.replace(bias=jnp.where(comp.layers.bias > 0, 0.0, comp.layers.bias)))
+    without, _ = extend(params, zeroed, q, n)
+    return float(jnp.abs(with_bias - without).max()), int((np.asarray(comp.layers.bias) > 0).sum())
+
+
 def main(argv: list[str] | None = None) -> int:
     from sparsekv_jax.eval.batching import encode
     from sparsekv_jax.eval.metrics import score
@@ -150,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--specs", default="semanticache(0.5)", help="';'-separated policy specs")
     p.add_argument("--generate", action="store_true", help="also decode and score each policy's answer")
     p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--bias-check", action="store_true",
+                   help="also read the question into the compressed cache with and without the log-size biases")
     p.add_argument("--out", default=None, help="append JSON rows to this file")
     args = p.parse_args(argv)
     params, tok = load(args.model, progress=False)
@@ -172,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
             out = {"task": s.task, "index": s.index, "tokens": T}
             if spec.__class__.__name__ == "SemantiCache":
                 out.update(audit(pol, cache, prompt, answer, T, (pol.sinks, pol.window))[0])
+                if args.bias_check:
+                    out["question_logits_change_without_bias"], out["merged_entries"] = bias_effect(
+                        params, pol, cache, prompt, q)
             else:
                 out["policy"] = pol.name
             if args.generate:
