@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
 RECORD = ROOT / "docs" / "results" / "ruler4k"  # a committed `sparsekv eval` record
 GPU_ONLY = ("gemma3_speed", "gsc_gpu", "page_rope_gpu", "sae_decode_gpu", "stem_routing_gpu", "topk_gpu")
-RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "readme_plot")
+RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "readme_plot", "semanticache_audit")
 TESTED_ELSEWHERE = {"stem_ablation": "tests/test_stem.py::test_ablation_script_core (toy model, CPU)"}
 
 
@@ -110,3 +110,18 @@ def test_cpu_speed_toy(tmp_path):
     assert len(result["generated"]["ours:auto"]) == 3
     med = result["median"]["ours:auto"]
     assert med["prefill_s"] > 0 and med["decode_ms_per_token"] > 0
+
+
+def test_semanticache_audit_toy(tmp_path):
+    """SmolLM2 on one 512-token uuid needle prompt at half the budget: the audit reads the clusters the
+    compress step made, so what it reports must obey the policy's contract (never more entries than the
+    budget; shares in [0, 1]; every merged answer piece sits in a cluster of two or more)."""
+    mod = _module("semanticache_audit")
+    out = tmp_path / "audit.jsonl"
+    assert mod.main(["--model", "smollm2", "--length", "512", "--n", "1", "--out", str(out)]) in (0, None)
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["policy"] == "SemantiCache(0.5)" and row["budget"] == row["tokens"] // 2
+    assert 0 < row["kept_fraction"] <= row["budget"] / row["tokens"] + 1e-6
+    for key in ("middle_unmerged", "answer_unmerged", "answer_unmerged_worst_layer"):
+        assert 0.0 <= row[key] <= 1.0, key
+    assert row["merged_answer_cluster_size_median"] >= 2
