@@ -99,6 +99,14 @@ case "$STAGE" in
       > "$RUNS/bser8k.log" 2>&1 &
     ev 0.15 variants_16k agnostic 16k "semanticache(0.5), snapkv(0.5)" --suite ruler-variants --no-fullkv \
       > "$RUNS/variants_50.log" 2>&1 &
+    # experiments/semanticache_audit.md: at 50% the paper's GSC merges a number's / UUID's one-character pieces
+    # with each other; if so, keeping them (the digit-word rule, which recognises such answers: evidence, not a
+    # default) brings numbers and uuids most of the way back
+    ev 0.15 variants_16k agnostic 16k "semanticache(0.5, protect='digit_words')" --suite ruler-variants --tasks "$VT" \
+      --no-fullkv > "$RUNS/variants_sc50_digits.log" 2>&1 &
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 timeout "$(left)" python experiments/semanticache_audit.py --model "$MODEL" \
+      --tasks niah_single_2@uuids,niah_single_2@numbers,niah_single_2@words --length 16384 --n 4 \
+      --specs "semanticache(0.5)" --out "$RUNS/semanticache_audit_16k.jsonl" > "$RUNS/audit.log" 2>&1 &
     ;;
   5)  # issue 38: AdaKV / PyramidKV over SnapKV at 32k (its target: AdaKV at 25% >= uniform SnapKV + 5 points) and
       # the rest of 8k; issue 39: the int8 / fp8 rows at 8k (fp8 collapsed at 3a7182e: re-run after the fix) and at
