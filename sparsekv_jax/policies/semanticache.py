@@ -497,7 +497,7 @@ class SemantiCache(Policy):
 
         layers = cache.layers
         kv = LayerKV(k=layers.k, v=layers.v, positions=layers.positions, bias=layers.bias, k_scale=layers.k_scale,
-                     v_scale=layers.v_scale)  # what clustering reads (no page summaries)
+                     k_zero=layers.k_zero, v_scale=layers.v_scale)  # what clustering reads (no page summaries)
         seen = observations if self.protect == "attended" else None
         return jax.lax.map(layer, (kv, seen), batch_size=min(self.layer_batch, layers.k.shape[0]))
 
