@@ -526,8 +526,8 @@ def test_info_counts_codes_and_scales(capsys):
     L, H, D = 32, 8, 128
     pages = 63  # ceil(1000 / 16)
     assert info["kv_bytes_per_token"] == 2 * L * H * D
-    assert info["kv_scale_bytes"] == 3 * L * H * pages * (D + 1) * 2
-    assert info["kv_cache_bytes"] == 2 * L * H * D * 1000 * 3 + 3 * L * H * pages * (D + 1) * 2
+    assert info["kv_scale_bytes"] == 3 * L * H * pages * (2 * D + 1) * 2  # key scales and zero points, value scales
+    assert info["kv_cache_bytes"] == 2 * L * H * D * 1000 * 3 + 3 * L * H * pages * (2 * D + 1) * 2
     assert cli.main(["info", "--model", "llama3.1-8b", "--context", "1000", "--batch", "3", "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert plain["kv_cache_bytes"] == 2 * L * H * D * 2 * 1000 * 3 and plain["kv_scale_bytes"] == 0
