@@ -48,7 +48,7 @@ from sparsekv_jax.pallas.decode import decode_attention, decode_attention_refere
 from sparsekv_jax.pallas.testing import random_page_lists, rel_err
 from sparsekv_jax.policies import CHESS, Dense, SemantiCache, parse_policy
 from sparsekv_jax.policies.base import Prompt, Setup
-from sparsekv_jax.policies.common import write_entries
+from sparsekv_jax.policies.common import write_entries, write_kept
 
 QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 NP_CODE = {"int8": np.int8, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
@@ -163,6 +163,40 @@ def test_key_channel_with_a_large_offset_keeps_its_variation(rng, kv_dtype):
         assert (e <= scale[:, :, :, None] / 2 + 1e-6).all()
     else:
         assert (e <= np.abs(off) * 2.0 ** -4 + scale[:, :, :, None] * 2.0 ** -10 + 1e-6).all()
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_compaction_moves_keys_with_zero_points_losslessly(rng, kv_dtype):
+    """`write_kept` keeping every entry in place (a covering budget) writes the same keys, values
+    and zero points (keys dequantised in float32, the pages' old zero points kept where a new page's
+    entries share them); keeping a page's second half moves those keys to another page, each
+    within half an fp8 ulp / int8 step of the new page of its true value."""
+    L, B, H, D, ps, T = 1, 2, 2, 16, 8, 32
+    cfg = ModelConfig(family="llama", vocab_size=61, hidden_size=32, num_layers=L, num_heads=2, num_kv_heads=H,
+                      head_dim=D, intermediate_size=48, max_position_embeddings=512)
+    k = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    k[..., 3] += 50.0
+    v = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    cache = init_cache(cfg, B, T, page_size=ps, dtype=jnp.float32, kv_dtype=kv_dtype, summaries=())
+    layer = write_chunk(layer_view(cache.layers, 0), jnp.asarray(k), jnp.asarray(v), 0,
+                        jnp.broadcast_to(jnp.arange(T), (B, T)))
+    cache = cache.replace(layers=jax.tree.map(lambda x: x[None], layer), length=jnp.full((B,), T, jnp.int32),
+                          next_position=jnp.full((B,), T, jnp.int32))
+    same = write_kept(cache, jnp.broadcast_to(jnp.arange(T), (L, B, H, T)), jnp.full((B,), T), T)
+    # the same values and zero points (fp8 may store a page at half the scale and twice the codes: its
+    # largest code rounded down to 224 or less)
+    np.testing.assert_array_equal(np.asarray(same.layers.k_zero), np.asarray(cache.layers.k_zero))
+    for x, y in zip(dequantize_kv(same.layers, jnp.float32), dequantize_kv(cache.layers, jnp.float32), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    half = write_kept(cache, jnp.broadcast_to(jnp.arange(ps // 2, T, 2), (L, B, H, (T - ps // 2) // 2)),
+                      jnp.full((B,), (T - ps // 2) // 2), T)
+    got = np.asarray(dequantize_kv(layer_view(half.layers, 0), jnp.float32)[0], np.float64)[:, :, :(T - ps // 2) // 2]
+    true = k[:, :, ps // 2::2]
+    step = np.repeat(np.asarray(half.layers.k_scale[0], np.float64), ps, axis=2)[:, :, :true.shape[2]]
+    kz = np.repeat(np.asarray(half.layers.k_zero[0], np.float64), ps, axis=2)[:, :, :true.shape[2]]
+    old = np.asarray(dequantize_kv(layer, jnp.float32)[0], np.float64)[:, :, ps // 2::2]  # before the move
+    bound = step / 2 if kv_dtype == "int8" else np.abs(old - kz) * 2.0 ** -4 + step * 2.0 ** -10
+    assert (np.abs(got - old) <= bound + 1e-6).all()
 
 
 def _quantized_inputs(rng, kv_dtype, B, Hq, Hkv, D, P, ps, q_dtype, zero=False):
