@@ -201,10 +201,13 @@ def main(argv: list[str] | None = None) -> int:
         row["s"] = round(time.time() - t0)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    print(f"{'variant':<16}{'same answer':>12}{'KL mean':>10}{'KL max':>10}{'top-1':>8}")
+    print(f"{'variant':<16}{'same answer':>12}{'KL mean':>10}{'KL max':>10}{'top-1':>8}{'attn err L0':>12}"
+          f"{'attn err mean':>14}")
     for r in rows:
-        print(f"{r['variant']:<16}{r['same_as_bf16']:>7}/{r['of']:<4}{r.get('kl_mean', float('nan')):>10.4f}"
-              f"{r.get('kl_max', float('nan')):>10.3f}{r.get('top1', float('nan')):>8.3f}")
+        errs = r.get("attn_rel_err_by_layer") or [float("nan")]
+        print(f"{r['variant']:<16}{r['same_as_bf16']:>7}/{r['of']:<4}{r.get('kl_mean', float('nan')):>10.2e}"
+              f"{r.get('kl_max', float('nan')):>10.2e}{r.get('top1', float('nan')):>8.3f}{errs[0]:>12.3f}"
+              f"{float(np.mean(errs)):>14.3f}")
     return 0
 
 
