@@ -265,7 +265,7 @@ def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size
         ids, counts = (None, None) if selection is None else selection
         res = dispatch.decode_attention(backend, q, kv.k, kv.v, length, page_size=page_size, page_ids=ids,
                                         page_counts=counts, bias=kv.bias, layer=layer, return_probs=return_probs,
-                                        k_scale=kv.k_scale, v_scale=kv.v_scale)
+                                        k_scale=kv.k_scale, v_scale=kv.v_scale, k_zero=kv.k_zero)
         if return_probs:
             return res[0], read.astype(jnp.float32), res[1]
         return res, read.astype(jnp.float32)

@@ -33,7 +33,8 @@ never paged, summarised, compressed or page-selected (`sparsekv_jax.local_layers
 
 **Quantised K/V** (``init_cache(kv_dtype="int8" | "float8_e4m3fn")``, `Backend.kv_dtype`): ``k``/``v``
 hold int8 or float8_e4m3fn codes with power-of-two scales per page, ``k_scale`` ``[B, Hkv, P, D]`` and
-``v_scale`` ``[B, Hkv, P]`` (`sparsekv_jax.cache_quant` says how they are chosen and how writes
+``v_scale`` ``[B, Hkv, P]``, and the keys' zero points ``k_zero`` ``[B, Hkv, P, D]`` (a key is
+``code * k_scale + k_zero``; `sparsekv_jax.cache_quant` says how they are chosen and how writes
 re-scale a page as it fills).
 
 ``length[b]`` is the number of slots used (the same for every head), ``next_position[b]`` the
@@ -70,10 +71,13 @@ from sparsekv_jax.cache_quant import (
     dequantize,
     dequantize_kv,
     is_quantized,
+    mid_range,
     page_scales,
+    page_zeros,
     pow2_scale,
     quantize,
     slot_scales,
+    slot_zeros,
 )
 from sparsekv_jax.cache_write import append_token, write_chunk, write_tokens
 from sparsekv_jax.models.config import ModelConfig
@@ -81,8 +85,9 @@ from sparsekv_jax.models.config import ModelConfig
 # every name this module has exported (the cache's public face)
 __all__ = ["KV_DTYPES", "SCALE_DTYPE", "SUMMARIES", "KVCache", "LayerKV", "LocalKV", "append_token",
            "check_kv_dtype", "check_summaries", "dequantize", "dequantize_kv", "empty_summaries", "init_cache",
-           "is_quantized", "layer_view", "page_counts", "page_mean", "page_scales", "pages_for", "pow2_scale",
-           "quantize", "slot_scales", "summarize_pages", "write_chunk", "write_tokens"]
+           "is_quantized", "layer_view", "mid_range", "page_counts", "page_mean", "page_scales", "page_zeros",
+           "pages_for", "pow2_scale", "quantize", "slot_scales", "slot_zeros", "summarize_pages", "write_chunk",
+           "write_tokens"]
 
 
 @struct.dataclass
@@ -99,6 +104,7 @@ class LayerKV:
     page_max: jax.Array | None = None
     page_max_bias: jax.Array | None = None
     k_scale: jax.Array | None = None  # [..., P, D] SCALE_DTYPE, a quantised cache's key scales
+    k_zero: jax.Array | None = None  # [..., P, D] SCALE_DTYPE, its key zero points (a key is code * scale + zero)
     v_scale: jax.Array | None = None  # [..., P] SCALE_DTYPE, its value scales
 
     @property
@@ -153,7 +159,8 @@ class KVCache:
         """Bytes of the K and V tensors alone, with their scales when quantised (the local layers'
         rings included)."""
         ring = 0 if self.local is None else 2 * self.local.k.size * self.local.k.dtype.itemsize
-        scales = sum(0 if x is None else x.size * x.dtype.itemsize for x in (self.layers.k_scale, self.layers.v_scale))
+        scales = sum(0 if x is None else x.size * x.dtype.itemsize
+                     for x in (self.layers.k_scale, self.layers.k_zero, self.layers.v_scale))
         return 2 * self.layers.k.size * self.layers.k.dtype.itemsize + ring + scales
 
 
@@ -199,6 +206,7 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int, *, page_size: int = 
         bias=jnp.zeros((L, batch, H, S), jnp.float32),
         **empty_summaries(summaries, (L, batch, H, n_pages, D), dtype),
         k_scale=jnp.zeros((L, batch, H, n_pages, D), SCALE_DTYPE) if quantized else None,
+        k_zero=jnp.zeros((L, batch, H, n_pages, D), SCALE_DTYPE) if quantized else None,
         v_scale=jnp.zeros((L, batch, H, n_pages), SCALE_DTYPE) if quantized else None,
     )
     zeros = jnp.zeros((batch,), jnp.int32)

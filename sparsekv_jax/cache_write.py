@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsekv_jax.cache_pages import _key_summaries, pages_for
-from sparsekv_jax.cache_quant import _rescale_pages, page_scales, quantize
+from sparsekv_jax.cache_quant import _rescale_pages, mid_range, page_scales, page_zeros, quantize
 
 if TYPE_CHECKING:
     from sparsekv_jax.cache import LayerKV
@@ -60,8 +60,9 @@ def _write_chunk_quantized(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, star
     pad = ((0, 0), (0, 0), (0, Tp - T), (0, 0))
     k = jnp.where(valid[..., None], jnp.pad(k_new, pad), 0)
     v = jnp.where(valid[..., None], jnp.pad(v_new, pad), 0)
-    ks, vs = page_scales(k, v, valid, ps, kv.k.dtype)
-    kq = quantize(k, jnp.repeat(ks, ps, axis=-2), kv.k.dtype)
+    kz = page_zeros(k, valid, ps)
+    ks, vs = page_scales(k, v, valid, ps, kv.k.dtype, kv.v.dtype, k_zero=kz)
+    kq = quantize(k, jnp.repeat(ks, ps, axis=-2), kv.k.dtype, jnp.repeat(kz, ps, axis=-2))
     vq = quantize(v, jnp.repeat(vs, ps, axis=-1)[..., None], kv.v.dtype)
     first = start // ps
 
@@ -69,7 +70,7 @@ def _write_chunk_quantized(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, star
         return jax.lax.dynamic_update_slice_in_dim(x, value.astype(x.dtype), at, axis=2)
 
     new = {"k": put(kv.k, kq, start), "v": put(kv.v, vq, start), "k_scale": put(kv.k_scale, ks, first),
-           "v_scale": put(kv.v_scale, vs, first)}
+           "k_zero": put(kv.k_zero, kz, first), "v_scale": put(kv.v_scale, vs, first)}
     for name, value in _key_summaries(kv, k, valid, ps).items():
         new[name] = put(getattr(kv, name), value, first)
     return kv.replace(**new)
@@ -104,7 +105,7 @@ def append_token(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slot: jax.Arra
     slot = jnp.broadcast_to(slot[:, None] if slot.ndim == 1 else slot, (B, H))
     scales, page_keys = {}, None
     if kv.quantized:
-        k, v, scales, page_keys = _append_quantized(kv, layer, slot, k_new, v_new, page_size)
+        k, v, scales, page_keys = _append_quantized(kv, layer, slot, k_new, v_new, page_size, in_place)
     else:
         k = _write(kv.k, layer, slot, k_new)
         v = _write(kv.v, layer, slot, v_new)
@@ -145,9 +146,10 @@ def append_token(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slot: jax.Arra
 
 
 def _append_quantized(kv: LayerKV, layer: jax.Array | None, slot: jax.Array, k_new: jax.Array, v_new: jax.Array,
-                      page_size: int):
-    """`append_token`'s write into a quantised cache: ``(k, v, {"k_scale", "v_scale"}, page_keys)``, the
-    written page's float32 keys ``[B, H, ps, D]`` (for its summaries)."""
+                      page_size: int, in_place: bool):
+    """`append_token`'s write into a quantised cache: ``(k, v, {"k_scale", "k_zero", "v_scale"}, page_keys)``,
+    the written page's float32 keys ``[B, H, ps, D]`` (for its summaries). An append that opens a page
+    gives it the previous page's key zero points (the token's own key on page 0)."""
     *_, S, D = kv.k.shape
     P = S // page_size
     page = slot // page_size  # [B, H]
@@ -162,11 +164,17 @@ def _append_quantized(kv: LayerKV, layer: jax.Array | None, slot: jax.Array, k_n
 
     kp, vp = paged(kv.k), paged(kv.v)
     new = jnp.arange(page_size) == (slot % page_size)[..., None]  # [B, H, ps]
-    keys, _, kq, vq, ks, vs = _rescale_pages(at_page(pick(kp)), at_page(pick(kv.k_scale)), at_page(pick(vp)),
-                                             at_page(pick(kv.v_scale)), k_new[:, :, None], v_new[:, :, None], new)
+    kzs = pick(kv.k_zero)
+    fresh = jnp.zeros(page.shape, bool) if in_place else slot % page_size == 0  # an append opening a page
+    prev = jnp.take_along_axis(kzs, jnp.maximum(page - 1, 0)[..., None, None], axis=2)[:, :, 0]
+    fresh_zero = jnp.where((page > 0)[..., None], prev.astype(jnp.float32), k_new.astype(jnp.float32))
+    keys, _, kq, vq, ks, kz, vs = _rescale_pages(
+        at_page(pick(kp)), at_page(pick(kv.k_scale)), at_page(kzs), at_page(pick(vp)), at_page(pick(kv.v_scale)),
+        k_new[:, :, None], v_new[:, :, None], new, fresh, fresh_zero)
     k = _write(kp, layer, page, kq).reshape(kv.k.shape)
     v = _write(vp, layer, page, vq).reshape(kv.v.shape)
-    scales = {"k_scale": _write(kv.k_scale, layer, page, ks), "v_scale": _write(kv.v_scale, layer, page, vs)}
+    scales = {"k_scale": _write(kv.k_scale, layer, page, ks), "k_zero": _write(kv.k_zero, layer, page, kz),
+              "v_scale": _write(kv.v_scale, layer, page, vs)}
     return k, v, scales, keys
 
 
@@ -196,11 +204,15 @@ def write_tokens(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slots: jax.Arr
         w = jnp.zeros((B, n * ps, H, D), x.dtype).at[b, offs].set(x, mode="drop")
         return jnp.swapaxes(w, 1, 2).reshape(B, H, n, ps, D)
 
-    keys, _, kq, vq, ks, vs = _rescale_pages(kp[idx], kv.k_scale[idx], vp[idx], kv.v_scale[idx], spread(k_new),
-                                             spread(v_new), new)
+    fresh = jnp.broadcast_to((pages * ps >= slots[:, :1])[:, None, :], (B, H, n))  # no live entry before
+    k_spread = spread(k_new)
+    keys, _, kq, vq, ks, kz, vs = _rescale_pages(kp[idx], kv.k_scale[idx], kv.k_zero[idx], vp[idx], kv.v_scale[idx],
+                                                 k_spread, spread(v_new), new, fresh,
+                                                 mid_range(k_spread, new[..., None]))
     out = {"k": kp.at[(rows, heads, pages[:, None, :])].set(kq, mode="drop").reshape(kv.k.shape),
            "v": vp.at[(rows, heads, pages[:, None, :])].set(vq, mode="drop").reshape(kv.v.shape),
            "k_scale": kv.k_scale.at[(rows, heads, pages[:, None, :])].set(ks, mode="drop"),
+           "k_zero": kv.k_zero.at[(rows, heads, pages[:, None, :])].set(kz, mode="drop"),
            "v_scale": kv.v_scale.at[(rows, heads, pages[:, None, :])].set(vs, mode="drop")}
     slot_w = (pages[:, :, None] * ps + jnp.arange(ps)).reshape(B, 1, n * ps)
     pos_w = jnp.take_along_axis(kv.positions, jnp.broadcast_to(jnp.minimum(slot_w, S - 1), (B, H, n * ps)), axis=2)

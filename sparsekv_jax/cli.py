@@ -174,9 +174,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     kv_dtype = args.kv_dtype or args.dtype
     per_token = cfg.kv_bytes_per_token(KV_ITEMSIZE[kv_dtype])
     # a quantised cache (int8, float8_e4m3fn) also holds bf16 scales for each page and KV head of
-    # each layer: the keys' one per channel (head_dim), the values' one (sparsekv_jax.cache)
+    # each layer: the keys' scale and zero point per channel (2 x head_dim), the values' one scale
+    # (sparsekv_jax.cache)
     pages = -(-args.context // args.page_size)
-    scale_bytes = (args.batch * cfg.num_layers * cfg.num_kv_heads * pages * (cfg.head_dim + 1) * 2
+    scale_bytes = (args.batch * cfg.num_layers * cfg.num_kv_heads * pages * (2 * cfg.head_dim + 1) * 2
                    if kv_dtype in QUANTIZED_KV else 0)
     info = {
         "config": asdict(cfg),

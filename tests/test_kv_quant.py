@@ -31,9 +31,11 @@ from sparsekv_jax.cache import (
     SCALE_DTYPE,
     append_token,
     dequantize,
+    dequantize_kv,
     init_cache,
     layer_view,
     page_scales,
+    page_zeros,
     quantize,
     write_chunk,
     write_tokens,
@@ -46,7 +48,7 @@ from sparsekv_jax.pallas.decode import decode_attention, decode_attention_refere
 from sparsekv_jax.pallas.testing import random_page_lists, rel_err
 from sparsekv_jax.policies import CHESS, Dense, SemantiCache, parse_policy
 from sparsekv_jax.policies.base import Prompt, Setup
-from sparsekv_jax.policies.common import write_entries
+from sparsekv_jax.policies.common import write_entries, write_kept
 
 QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 NP_CODE = {"int8": np.int8, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
@@ -60,11 +62,20 @@ def _np_scale(amax: np.ndarray, qmax: float) -> np.ndarray:
     return np.where(amax > 0, s, 0.0)
 
 
-def _np_quant(x: np.ndarray, s: np.ndarray, kv_dtype: str) -> np.ndarray:
-    """Dequantised ``x`` under scale ``s`` (numpy; fp8 through ml_dtypes' own cast)."""
-    q = np.clip(np.where(s > 0, x / np.where(s > 0, s, 1.0), 0.0), -QMAX[kv_dtype], QMAX[kv_dtype])
+def _np_quant(x: np.ndarray, s: np.ndarray, kv_dtype: str, z: np.ndarray | float = 0.0) -> np.ndarray:
+    """Dequantised ``x`` under scale ``s`` and zero point ``z`` (numpy; ``x - z`` in float32 as the
+    cache computes it; fp8 through ml_dtypes' own cast)."""
+    d = (np.asarray(x, np.float32) - np.asarray(z, np.float32)).astype(np.float64)
+    q = np.clip(np.where(s > 0, d / np.where(s > 0, s, 1.0), 0.0), -QMAX[kv_dtype], QMAX[kv_dtype])
     q = np.round(q) if kv_dtype == "int8" else q.astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    return q * s
+    return q * s + np.asarray(z, np.float64)
+
+
+def _np_mid(x: np.ndarray, axis: int = 0) -> np.ndarray:
+    """A key zero point: the mid-range over ``axis`` (float32), rounded to bf16."""
+    x = np.asarray(x, np.float32)
+    mid = x.max(axis) * np.float32(0.5) + x.min(axis) * np.float32(0.5)
+    return mid.astype(ml_dtypes.bfloat16).astype(np.float64)
 
 
 def _outliers(rng: np.random.Generator, shape: tuple[int, ...], D: int) -> np.ndarray:
@@ -115,17 +126,95 @@ def test_round_trip_matches_numpy_and_error_bounds(rng, kv_dtype):
                                              np.float64), k_hat)
 
 
-def _quantized_inputs(rng, kv_dtype, B, Hq, Hkv, D, P, ps, q_dtype):
-    """q, codes, scales and lengths of a random quantised cache; slots past the length hold
-    junk codes (NaN for fp8) and pages wholly past it NaN scales."""
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_key_channel_with_a_large_offset_keeps_its_variation(rng, kv_dtype):
+    """Qwen2's k_proj bias puts near-constant offsets into some key channels: here channel 3 is
+    50 + 0.5 noise. A symmetric scale spends the codes on the offset (fp8: a step of 4 at 50, 3
+    mantissa bits; int8: 0.5), losing the variation; the page's zero point (the channel's
+    mid-range, bf16) leaves the codes only the variation. The cache's keys written by
+    `write_chunk` equal numpy's asymmetric round trip exactly, and their error in the offset channel
+    is a small part of the noise, where numpy's symmetric round trip (the codes before zero points)
+    is not."""
+    B, H, P, ps, D = 2, 2, 3, 16, 16
+    S = P * ps
+    cfg = ModelConfig(family="llama", vocab_size=61, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=H,
+                      head_dim=D, intermediate_size=48, max_position_embeddings=512)
+    k = rng.standard_normal((B, H, S, D)).astype(np.float32)
+    k[..., 3] = 50.0 + 0.5 * rng.standard_normal((B, H, S)).astype(np.float32)
+    v = rng.standard_normal((B, H, S, D)).astype(np.float32)
+    kv = write_chunk(layer_view(init_cache(cfg, B, S, page_size=ps, dtype=jnp.float32, kv_dtype=kv_dtype).layers, 0),
+                     jnp.asarray(k), jnp.asarray(v), 0, jnp.broadcast_to(jnp.arange(S), (B, S)))
+    got = np.asarray(dequantize_kv(kv, jnp.float32)[0], np.float64)
+    pages = k.reshape(B, H, P, ps, D)
+    zero = _np_mid(pages, axis=3)  # [B, H, P, D]
+    off = pages - zero[:, :, :, None].astype(np.float32)
+    scale = _np_scale(np.abs(off).max(3), QMAX[kv_dtype])
+    want = _np_quant(pages, scale[:, :, :, None], kv_dtype, zero[:, :, :, None]).reshape(B, H, S, D)
+    np.testing.assert_array_equal(np.asarray(kv.k_zero, np.float64), zero)
+    np.testing.assert_array_equal(np.asarray(kv.k_scale, np.float64), scale)
+    np.testing.assert_array_equal(got, want)
+    sym = _np_quant(pages, _np_scale(np.abs(pages).max(3), QMAX[kv_dtype])[:, :, :, None], kv_dtype).reshape(k.shape)
+    err, err_sym = np.abs(got - k)[..., 3].max(), np.abs(sym - k)[..., 3].max()
+    bar = {"int8": 0.02, "float8_e4m3fn": 0.15}[kv_dtype]  # of a channel whose noise has std 0.5
+    assert err <= bar < err_sym, (err, err_sym)
+    # every channel: int8 within half a step, fp8 within half an ulp of its code (2^-4 of |k - zero|)
+    e = np.abs(got - k).reshape(B, H, P, ps, D)
+    if kv_dtype == "int8":
+        assert (e <= scale[:, :, :, None] / 2 + 1e-6).all()
+    else:
+        assert (e <= np.abs(off) * 2.0 ** -4 + scale[:, :, :, None] * 2.0 ** -10 + 1e-6).all()
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_compaction_moves_keys_with_zero_points_losslessly(rng, kv_dtype):
+    """`write_kept` keeping every entry in place (a covering budget) writes the same keys, values
+    and zero points (keys dequantised in float32, the pages' old zero points kept where a new page's
+    entries share them); keeping a page's second half moves those keys to another page, each
+    within half an fp8 ulp / int8 step of the new page of its true value."""
+    L, B, H, D, ps, T = 1, 2, 2, 16, 8, 32
+    cfg = ModelConfig(family="llama", vocab_size=61, hidden_size=32, num_layers=L, num_heads=2, num_kv_heads=H,
+                      head_dim=D, intermediate_size=48, max_position_embeddings=512)
+    k = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    k[..., 3] += 50.0
+    v = rng.standard_normal((B, H, T, D)).astype(np.float32)
+    cache = init_cache(cfg, B, T, page_size=ps, dtype=jnp.float32, kv_dtype=kv_dtype, summaries=())
+    layer = write_chunk(layer_view(cache.layers, 0), jnp.asarray(k), jnp.asarray(v), 0,
+                        jnp.broadcast_to(jnp.arange(T), (B, T)))
+    cache = cache.replace(layers=jax.tree.map(lambda x: x[None], layer), length=jnp.full((B,), T, jnp.int32),
+                          next_position=jnp.full((B,), T, jnp.int32))
+    same = write_kept(cache, jnp.broadcast_to(jnp.arange(T), (L, B, H, T)), jnp.full((B,), T), T)
+    # the same values and zero points (fp8 may store a page at half the scale and twice the codes: its
+    # largest code rounded down to 224 or less)
+    np.testing.assert_array_equal(np.asarray(same.layers.k_zero), np.asarray(cache.layers.k_zero))
+    for x, y in zip(dequantize_kv(same.layers, jnp.float32), dequantize_kv(cache.layers, jnp.float32), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    half = write_kept(cache, jnp.broadcast_to(jnp.arange(ps // 2, T, 2), (L, B, H, (T - ps // 2) // 2)),
+                      jnp.full((B,), (T - ps // 2) // 2), T)
+    got = np.asarray(dequantize_kv(layer_view(half.layers, 0), jnp.float32)[0], np.float64)[:, :, :(T - ps // 2) // 2]
+    true = k[:, :, ps // 2::2]
+    step = np.repeat(np.asarray(half.layers.k_scale[0], np.float64), ps, axis=2)[:, :, :true.shape[2]]
+    kz = np.repeat(np.asarray(half.layers.k_zero[0], np.float64), ps, axis=2)[:, :, :true.shape[2]]
+    old = np.asarray(dequantize_kv(layer, jnp.float32)[0], np.float64)[:, :, ps // 2::2]  # before the move
+    bound = step / 2 if kv_dtype == "int8" else np.abs(old - kz) * 2.0 ** -4 + step * 2.0 ** -10
+    assert (np.abs(got - old) <= bound + 1e-6).all()
+
+
+def _quantized_inputs(rng, kv_dtype, B, Hq, Hkv, D, P, ps, q_dtype, zero=False):
+    """q, codes, scales, lengths and key zero points (None unless ``zero``: then two channels carry
+    offsets of +-50, Qwen2's k_proj bias) of a random quantised cache; slots past the length hold junk
+    codes (NaN for fp8) and pages wholly past it NaN scales and zero points."""
     S = P * ps
     lengths = np.asarray([S - int(rng.integers(1, ps)), int(rng.integers(1, S))] + [S] * (B - 2), np.int32)
     k = _outliers(rng, (B, Hkv, S, D), D)
+    if zero:
+        k[..., :2] += np.array([50.0, -50.0], np.float32)
     v = rng.standard_normal((B, Hkv, S, D)).astype(np.float32)
     valid = np.broadcast_to(np.arange(S)[None, None] < lengths[:, None, None], (B, Hkv, S))
     dt = jnp.dtype(kv_dtype)
-    ks, vs = page_scales(jnp.asarray(k), jnp.asarray(v), jnp.asarray(valid), ps, dt)
-    kq = np.asarray(quantize(jnp.asarray(k), jnp.repeat(ks, ps, axis=-2), dt))
+    kz = page_zeros(jnp.asarray(k), jnp.asarray(valid), ps) if zero else None
+    ks, vs = page_scales(jnp.asarray(k), jnp.asarray(v), jnp.asarray(valid), ps, dt, k_zero=kz)
+    kq = np.asarray(quantize(jnp.asarray(k), jnp.repeat(ks, ps, axis=-2), dt,
+                             None if kz is None else jnp.repeat(kz, ps, axis=-2)))
     vq = np.asarray(quantize(jnp.asarray(v), jnp.repeat(vs, ps, axis=-1)[..., None], dt))
     junk = np.asarray(127 if kv_dtype == "int8" else np.nan).astype(NP_CODE[kv_dtype])
     kq = np.where(valid[..., None], kq, junk)
@@ -133,22 +222,30 @@ def _quantized_inputs(rng, kv_dtype, B, Hq, Hkv, D, P, ps, q_dtype):
     used = np.arange(P)[None, None] < -(-lengths[:, None, None] // ps)
     ks = np.where(used[..., None], np.asarray(ks, np.float32), np.nan)
     vs = np.where(used, np.asarray(vs, np.float32), np.nan)
+    if zero:
+        kz = jnp.asarray(np.where(used[..., None], np.asarray(kz, np.float32), np.nan), SCALE_DTYPE)
     q = rng.standard_normal((B, Hq, D)).astype(np.float32)
     return (jnp.asarray(q, q_dtype), jnp.asarray(kq), jnp.asarray(vq), jnp.asarray(ks, SCALE_DTYPE),
-            jnp.asarray(vs, SCALE_DTYPE), jnp.asarray(lengths))
+            jnp.asarray(vs, SCALE_DTYPE), jnp.asarray(lengths), kz)
 
 
-def _np_dequant(codes, scales, ps, axis_channels: bool) -> np.ndarray:
+def _np_dequant(codes, scales, ps, axis_channels: bool, zeros=None) -> np.ndarray:
     c = np.asarray(codes).astype(np.float64)
     s = np.repeat(np.asarray(scales, np.float64), ps, axis=2)
-    return c * (s if axis_channels else s[..., None])
+    z = 0.0 if zeros is None else np.repeat(np.asarray(zeros, np.float64), ps, axis=2)
+    return c * (s if axis_channels else s[..., None]) + z
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-@pytest.mark.parametrize("sparse,stacked,q_dtype", [(False, False, jnp.float32), (True, True, jnp.bfloat16)])
-def test_pallas_kernel_on_quantized_cache_matches_reference(rng, kv_dtype, sparse, stacked, q_dtype):
+@pytest.mark.parametrize("sparse,stacked,q_dtype,zero", [(False, False, jnp.float32, False),
+                                                         (True, True, jnp.bfloat16, False),
+                                                         (False, True, jnp.float32, True),
+                                                         (True, False, jnp.bfloat16, True)])
+def test_pallas_kernel_on_quantized_cache_matches_reference(rng, kv_dtype, sparse, stacked, q_dtype, zero):
+    """The kernel (interpreted) against its jnp reference and numpy's dequantised cache; with
+    ``zero``, keys with +-50 offsets in two channels stored against their pages' zero points."""
     B, Hq, Hkv, D, P, ps = 3, 8, 2, 32, 6, 16
-    q, kq, vq, ks, vs, lengths = _quantized_inputs(rng, kv_dtype, B, Hq, Hkv, D, P, ps, q_dtype)
+    q, kq, vq, ks, vs, lengths, kz = _quantized_inputs(rng, kv_dtype, B, Hq, Hkv, D, P, ps, q_dtype, zero)
     kw = {}
     if sparse:
         ids, counts = random_page_lists(rng, np.asarray(lengths), Hkv, P, ps, list_len=P - 2)
@@ -161,19 +258,22 @@ def test_pallas_kernel_on_quantized_cache_matches_reference(rng, kv_dtype, spars
                 sel[b, h, ids[b, h, :counts[b, h]]] = True
         ks = jnp.where(jnp.asarray(sel)[..., None], ks, jnp.nan).astype(SCALE_DTYPE)
         vs = jnp.where(jnp.asarray(sel), vs, jnp.nan).astype(SCALE_DTYPE)
-    args = (kq, vq, ks, vs)
+        if zero:
+            kz = jnp.where(jnp.asarray(sel)[..., None], kz, jnp.nan).astype(SCALE_DTYPE)
+    args = (kq, vq, ks, vs) + ((kz,) if zero else ())
     if stacked:  # layer 1 of a 2-layer stack; layer 0 all NaN scales
         args = tuple(jnp.stack([jnp.full_like(x, jnp.nan) if x.dtype == SCALE_DTYPE else x, x]) for x in args)
     out = decode_attention(q, args[0], args[1], lengths, page_size=ps, interpret=True, block_k=32,
-                           k_scale=args[2], v_scale=args[3], layer=1 if stacked else None, **kw)
+                           k_scale=args[2], v_scale=args[3], k_zero=args[4] if zero else None,
+                           layer=1 if stacked else None, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
     assert np.isfinite(np.asarray(out, np.float32)).all(), "NaN in the kernel's output: a masked slot was read"
-    ref = decode_attention_reference(q, kq, vq, lengths, page_size=ps, k_scale=ks, v_scale=vs, **kw)
+    ref = decode_attention_reference(q, kq, vq, lengths, page_size=ps, k_scale=ks, v_scale=vs, k_zero=kz, **kw)
     tol = 1e-5 if q_dtype == jnp.float32 else 2e-2
     assert rel_err(np.asarray(out, np.float32), np.asarray(ref, np.float32)) <= tol
     # the same attention over numpy's dequantised cache (junk slots zeroed; the reference masks them)
     valid = (np.arange(P * ps)[None, None] < np.asarray(lengths)[:, None, None])[..., None]
-    k_np = np.where(valid, np.nan_to_num(_np_dequant(kq, ks, ps, True)), 0.0)
+    k_np = np.where(valid, np.nan_to_num(_np_dequant(kq, ks, ps, True, kz)), 0.0)
     v_np = np.where(valid, np.nan_to_num(_np_dequant(vq, vs, ps, False)), 0.0)
     want = decode_attention_reference(q.astype(jnp.float32), jnp.asarray(k_np, jnp.float32),
                                       jnp.asarray(v_np, jnp.float32), lengths, page_size=ps, **kw)
@@ -199,8 +299,9 @@ TINY = ModelConfig(family="llama", vocab_size=61, hidden_size=64, num_layers=2, 
 def test_append_into_a_partly_filled_page_rescales_it(rng, kv_dtype):
     """A prompt leaves row 0's last page partly filled; appends (the third 40x larger than the
     rest) re-scale that page: its scale is max(old, new token's), its earlier entries re-quantised
-    with it. Checked against a numpy simulation of that rule, and the error against the true
-    values stays below one step of the page's final scale."""
+    with it; its key zero points stay those of the prompt's entries (their mid-range), and a page an
+    append opens (row 1's page 1) takes the previous page's. Checked against a numpy simulation of
+    that rule, and the error against the true values stays below one step of the page's final scale."""
     B, H, D, ps = 2, 2, 16, 8
     cfg = ModelConfig(family="llama", vocab_size=61, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=H,
                       head_dim=D, intermediate_size=48, max_position_embeddings=512)
@@ -231,32 +332,44 @@ def test_append_into_a_partly_filled_page_rescales_it(rng, kv_dtype):
                 page = lengths[b] // ps  # the page the appends start in
                 slots = list(range(page * ps, page * ps + ps))
                 vals = {s: x0[b, h, s] for s in slots if s < lengths[b]}
-                scale, deq = None, {}
+                scale, deq, zero = None, {}, np.zeros(())
                 red = (lambda a: np.abs(a).max(0)) if per_channel else (lambda a: np.abs(a).max())
+
+                def off(a, zero=None):  # x - zero in float32, as the cache computes it
+                    return np.asarray(a, np.float32) - np.asarray(zero, np.float32)
+
                 if vals:
-                    scale = _np_scale(red(np.stack(list(vals.values()))), qmax)
-                    deq = {s: _np_quant(x, scale, kv_dtype) for s, x in vals.items()}
+                    if per_channel:
+                        zero = _np_mid(np.stack(list(vals.values())))
+                    scale = _np_scale(red(off(np.stack(list(vals.values())), zero)), qmax)
+                    deq = {s: _np_quant(x, scale, kv_dtype, zero) for s, x in vals.items()}
+                elif per_channel:  # the first append opens the page: the previous page's zero points
+                    assert page > 0
+                    zero = _np_mid(x0[b, h, (page - 1) * ps:page * ps])
                 for i in range(n_new):
                     s = lengths[b] + i
                     if s >= page * ps + ps:
                         break
-                    need = _np_scale(red(xs[i, b, h][None]), qmax)
+                    need = _np_scale(red(off(xs[i, b, h][None], zero)), qmax)
                     new_scale = need if scale is None else np.maximum(scale, need)
-                    deq = {t: _np_quant(d, new_scale, kv_dtype) for t, d in deq.items()}
-                    deq[s] = _np_quant(xs[i, b, h], new_scale, kv_dtype)
+                    deq = {t: _np_quant(d, new_scale, kv_dtype, zero) for t, d in deq.items()}
+                    deq[s] = _np_quant(xs[i, b, h], new_scale, kv_dtype, zero)
                     vals[s] = xs[i, b, h]
                     scale = new_scale
                 stored = np.asarray(getattr(kv, name), np.float64)[b, h]
                 sc = np.asarray(getattr(kv, name + "_scale"), np.float64)[b, h, page]
                 np.testing.assert_array_equal(sc, scale)
-                got = stored[sorted(deq)] * (sc if per_channel else sc)
+                zr = np.asarray(kv.k_zero, np.float64)[b, h, page] if per_channel else 0.0
+                np.testing.assert_array_equal(zr, np.broadcast_to(zero, np.shape(zr)))
+                got = stored[sorted(deq)] * sc + zr
                 np.testing.assert_array_equal(got, np.stack([deq[t] for t in sorted(deq)]))
                 if kv_dtype == "int8":
                     err = np.abs(got - np.stack([vals[t] for t in sorted(deq)]))
                     assert (err < scale).all(), (name, b, h)
     # the summaries of row 0's page 0, last written by the outlier (slot 7): from its earlier entries
     # dequantised (with the scale they had) and the new key as given
-    keys = np.asarray(before.k, np.float64)[0, :, :ps] * np.asarray(before.k_scale, np.float64)[0, :, 0][:, None]
+    keys = (np.asarray(before.k, np.float64)[0, :, :ps] * np.asarray(before.k_scale, np.float64)[0, :, 0][:, None]
+            + np.asarray(before.k_zero, np.float64)[0, :, 0][:, None])
     keys[:, 7] = k_new[2, 0]
     b, page, live = 0, 0, np.ones(ps, bool)
     np.testing.assert_allclose(np.asarray(kv.page_max)[b, :, page], np.where(live[:, None], keys, -np.inf).max(1),
@@ -269,7 +382,8 @@ def test_append_into_a_partly_filled_page_rescales_it(rng, kv_dtype):
 def test_write_tokens_rescales_every_page_it_touches(rng, kv_dtype):
     """`write_tokens` (`extend`: a question read after compression) writes a run of tokens from
     each row's length across page boundaries: each touched page's scale is max(old, what its new
-    tokens need) and its earlier entries are re-quantised with it, as a numpy simulation says;
+    tokens need) and its earlier entries are re-quantised with it (key zero points kept; a page
+    the run opens gets its new keys' mid-range and a fresh scale), as a numpy simulation says;
     the pages' key maxima come from the entries as they were and the new keys as given."""
     B, H, D, ps, T = 2, 2, 16, 8, 11
     cfg = ModelConfig(family="llama", vocab_size=61, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=H,
@@ -300,16 +414,23 @@ def test_write_tokens_rescales_every_page_it_touches(rng, kv_dtype):
                 red = (lambda a: np.abs(a).max(0)) if per_channel else (lambda a: np.abs(a).max())
                 for page in range(slots[b, 0] // ps, (slots[b, written[b]][-1]) // ps + 1):
                     mine = [t for t in range(T) if written[b, t] and slots[b, t] // ps == page]
-                    need = _np_scale(red(np.stack([new[b, t, h] for t in mine])), qmax)
-                    scale = np.maximum(old_s[page], need)
+                    old_z = np.asarray(before.k_zero, np.float64)[b, h, page] if per_channel else 0.0
+                    fresh = per_channel and page * ps >= slots[b, 0]  # a page the run opens: new zero points
+                    zero = _np_mid(np.stack([new[b, t, h] for t in mine])) if fresh else old_z
+                    off = np.stack([new[b, t, h] for t in mine]).astype(np.float32) - np.asarray(zero, np.float32)
+                    need = _np_scale(red(off), qmax)
+                    scale = need if fresh else np.maximum(old_s[page], need)
                     np.testing.assert_array_equal(got_s[page], scale)
-                    want = codes[page * ps:(page + 1) * ps] * (old_s[page] if per_channel else old_s[page])
+                    want = codes[page * ps:(page + 1) * ps] * old_s[page] + old_z
                     for t in mine:
                         want[slots[b, t] - page * ps] = new[b, t, h]
-                    want = _np_quant(want, scale, kv_dtype)
-                    np.testing.assert_array_equal(got[page * ps:(page + 1) * ps] * scale, want)
+                    want = _np_quant(want, scale, kv_dtype, zero)
+                    got_z = np.asarray(kv.k_zero, np.float64)[b, h, page] if per_channel else 0.0
+                    np.testing.assert_array_equal(got_z, np.broadcast_to(zero, np.shape(got_z)))
+                    np.testing.assert_array_equal(got[page * ps:(page + 1) * ps] * scale + got_z, want)
         # row 0's page 0: the prompt's 5 keys (dequantised) and 3 new ones
-        keys = np.asarray(before.k, np.float64)[b, :, :ps] * np.asarray(before.k_scale, np.float64)[b, :, 0][:, None]
+        keys = (np.asarray(before.k, np.float64)[b, :, :ps] * np.asarray(before.k_scale, np.float64)[b, :, 0][:, None]
+                + np.asarray(before.k_zero, np.float64)[b, :, 0][:, None])
         if b == 0:
             keys[:, 5:8] = np.swapaxes(k1[0, :3], 0, 1)
             np.testing.assert_allclose(np.asarray(kv.page_max)[0, :, 0], keys.max(1), rtol=0, atol=1e-6)
@@ -350,7 +471,7 @@ def test_batch_of_two_ragged_rows_equals_each_row_alone(tiny, kv_dtype):
 
 def test_quantized_cache_changes_logits_little_and_counts_its_bytes(tiny):
     """int8 / fp8 teacher-forced logits stay close to the float cache's; cache_bytes is the codes,
-    the scales and the rest of the cache, byte for byte."""
+    the scales, the key zero points and the rest of the cache, byte for byte."""
     params, tokens = tiny
     lengths = np.array([40, 29])
     ref = generate(params, Dense(), tokens, lengths=lengths, max_new_tokens=4, stop_tokens=())
@@ -368,7 +489,7 @@ def test_quantized_cache_changes_logits_little_and_counts_its_bytes(tiny):
         S = out.cache.capacity
         P = S // 16
         codes = 2 * L * B * H * S * D * 1
-        scales = L * B * H * P * D * 2 + L * B * H * P * 2
+        scales = 2 * L * B * H * P * D * 2 + L * B * H * P * 2  # key scales and zero points, value scales
         rest = L * B * H * S * (4 + 4) + 2 * B * 4  # positions, bias; length, next_position (Dense: no summaries)
         assert out.stats["cache_bytes"] == codes + scales + rest
         assert out.cache.kv_nbytes() == codes + scales
@@ -439,8 +560,8 @@ def test_info_counts_codes_and_scales(capsys):
     L, H, D = 32, 8, 128
     pages = 63  # ceil(1000 / 16)
     assert info["kv_bytes_per_token"] == 2 * L * H * D
-    assert info["kv_scale_bytes"] == 3 * L * H * pages * (D + 1) * 2
-    assert info["kv_cache_bytes"] == 2 * L * H * D * 1000 * 3 + 3 * L * H * pages * (D + 1) * 2
+    assert info["kv_scale_bytes"] == 3 * L * H * pages * (2 * D + 1) * 2  # key scales and zero points, value scales
+    assert info["kv_cache_bytes"] == 2 * L * H * D * 1000 * 3 + 3 * L * H * pages * (2 * D + 1) * 2
     assert cli.main(["info", "--model", "llama3.1-8b", "--context", "1000", "--batch", "3", "--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert plain["kv_cache_bytes"] == 2 * L * H * D * 2 * 1000 * 3 and plain["kv_scale_bytes"] == 0
@@ -572,9 +693,10 @@ def test_chess_scores_on_an_int8_cache_are_those_of_its_dequantised_keys(rng, ke
     got, used = (np.asarray(x, np.float64) for x in jax.jit(pol._page_scores)(cache, jnp.asarray(end, jnp.int32)))
     codes = np.asarray(cache.layers.k, np.float64)
     k_hat = _np_dequant(codes.reshape(L * B, H, S, D), np.asarray(cache.layers.k_scale).reshape(L * B, H, -1, D),
-                        cps, True).reshape(L, B, H, S, D)
-    if keys == "pre_rope":
-        want = _np_chess_scores(_np_rotate(k_hat, -pos, inv_freq), end, ps, pol.window_pages)
+                        cps, True, np.asarray(cache.layers.k_zero).reshape(L * B, H, -1, D)).reshape(L, B, H, S, D)
+    if keys == "pre_rope":  # a pre-RoPE rebuild reads the layer dequantised to bf16 (one rounding: zero points)
+        k_bf16 = k_hat.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+        want = _np_chess_scores(_np_rotate(k_bf16, -pos, inv_freq), end, ps, pol.window_pages)
         wrong = _np_chess_scores(_np_rotate(codes, -pos, inv_freq), end, ps, pol.window_pages)
     else:
         # the edge cache page's sum holds its keys below the length; those past the anchor's end leave it
@@ -617,8 +739,9 @@ def test_semanticache_on_an_int8_cache_merges_its_dequantised_entries(rng, setti
         cache = cache.replace(next_position=cache.length)
         lay = jax.tree.map(np.asarray, cache.layers)
         live = (np.arange(T) < lengths[:, None])[None, :, None, :, None]
-        k_hat = np.where(live, _np_dequant(lay.k.reshape(L * B, H, -1, D), lay.k_scale.reshape(L * B, H, -1, D), 8,
-                                           True).reshape(L, B, H, -1, D)[:, :, :, :T], keys)
+        k_hat = _np_dequant(lay.k.reshape(L * B, H, -1, D), lay.k_scale.reshape(L * B, H, -1, D), 8, True,
+                            lay.k_zero.reshape(L * B, H, -1, D))
+        k_hat = np.where(live, k_hat.reshape(L, B, H, -1, D)[:, :, :, :T], keys)
         v_hat = np.where(live, _np_dequant(lay.v.reshape(L * B, H, -1, D), lay.v_scale.reshape(L * B, H, -1), 8,
                                            False).reshape(L, B, H, -1, D)[:, :, :, :T], values)
         margins: list[float] = []
@@ -643,13 +766,24 @@ def test_semanticache_on_an_int8_cache_merges_its_dequantised_entries(rng, setti
         np.testing.assert_allclose(out.bias[l, b, h, :len(entries)], [e[1] for e in entries], rtol=1e-6, atol=1e-6)
     assert n.min() < 40 and (out.bias > 0).any(), "clusters did merge"
     alive = np.arange(S) < n[..., None]  # [L, B, H, S]
-    ks = _np_scale(np.where(alive[..., None], np.abs(want_k), 0).reshape(L, B, H, S // ps, ps, D).max(4), 127.0)
+    # key zero points: each page's mid-range per channel over its live entries, in bf16 (within one
+    # bf16 step of numpy's: the means are float32 there, float64 here); the codes are checked
+    # against the cache's own zero points
+    wk, al = want_k.reshape(L, B, H, S // ps, ps, D), alive.reshape(L, B, H, S // ps, ps, 1)
+    hi, lo = np.where(al, wk, -np.inf).max(4), np.where(al, wk, np.inf).min(4)
+    kz_np = np.where(hi >= lo, (np.where(hi >= lo, hi, 0) + np.where(hi >= lo, lo, 0)) / 2, 0.0)
+    kz = np.asarray(out.k_zero, np.float64)
+    assert (np.abs(kz - kz_np) <= np.abs(kz_np) * 2.0 ** -8 + 1e-30).all()
+    assert (kz == kz_np.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)).mean() > 0.99
+    kz_slot = np.repeat(kz, ps, axis=3)
+    ks = _np_scale(np.where(alive[..., None], np.abs(want_k - kz_slot), 0).reshape(L, B, H, S // ps, ps, D).max(4),
+                   127.0)
     vs = _np_scale(np.where(alive[..., None], np.abs(want_v), 0).reshape(L, B, H, S // ps, ps * D).max(4), 127.0)
     np.testing.assert_array_equal(np.asarray(out.k_scale, np.float64), ks)
     np.testing.assert_array_equal(np.asarray(out.v_scale, np.float64), vs)
-    for got_codes, want_x, step in ((out.k, want_k, np.repeat(ks, ps, axis=3)),
-                                    (out.v, want_v, np.repeat(vs, ps, axis=3)[..., None])):
-        got_x = got_codes.astype(np.float64) * step
-        want_q = np.where(alive[..., None], _np_quant(want_x, step, "int8"), 0.0)
+    for got_codes, want_x, step, zero in ((out.k, want_k, np.repeat(ks, ps, axis=3), kz_slot),
+                                          (out.v, want_v, np.repeat(vs, ps, axis=3)[..., None], 0.0)):
+        got_x = np.where(alive[..., None], got_codes.astype(np.float64) * step + zero, 0.0)
+        want_q = np.where(alive[..., None], _np_quant(want_x, step, "int8", zero), 0.0)
         assert (np.abs(got_x - want_q) <= step + 1e-12).all()
         assert (got_x == want_q).mean() > 0.99

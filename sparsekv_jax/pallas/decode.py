@@ -42,10 +42,11 @@ Design (why it looks like this):
 * **Quantised caches** (int8 / float8_e4m3fn codes with power-of-two scales, `sparsekv_jax.cache`):
   the codes are loaded as they are stored (half or a quarter of the bf16 bytes) and dequantised
   in registers: a key tile is multiplied by its pages' per-channel scales (``k_scale`` ``[P, D]``,
-  a gather of one row per lane, the rows of a page shared) and cast to the query's dtype before
-  the dot; a value's per-page scale (``v_scale`` ``[P]``) is folded into the probabilities
-  (``p * v_scale[page]``) before the second dot, so the values need only a cast. The running
-  softmax sums use the unscaled ``p``.
+  a gather of one row per lane, the rows of a page shared), its pages' channel zero points added
+  (``k_zero``, laid out and gathered as ``k_scale``; one FMA, the product being exact) and cast
+  to the query's dtype before the dot; a value's per-page scale (``v_scale`` ``[P]``) is folded
+  into the probabilities (``p * v_scale[page]``) before the second dot, so the values need only a
+  cast. The running softmax sums use the unscaled ``p``.
 
 Backend: Pallas' Triton lowering with explicit compiler params; ``interpret=True`` runs
 the same kernel on CPU for tests. A Mosaic GPU version can replace `_decode_call` behind
@@ -98,7 +99,7 @@ def decode_plan(num_listed_pages: int, page_size: int, batch: int, kv_heads: int
 
 def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool, page_size: int, ppb: int,
                    pages_per_split: int, qk_scale: float, f32_dot: bool, block_h: int, store_logits: bool,
-                   quantized: bool = False) -> None:
+                   quantized: bool = False, has_zero: bool = False) -> None:
     """One program = one (row b, kv head h, split s): online softmax over its chunk.
 
     With ``store_logits`` it also writes each valid slot's scaled logit (log2 units, bias
@@ -118,6 +119,7 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
     if has_bias:
         bias_ref = next(it)
     ks_ref, vs_ref = (next(it), next(it)) if quantized else (None, None)
+    kz_ref = next(it) if has_zero else None
     o_ref, m_ref, l_ref = next(it), next(it), next(it)
     logit_ref = next(it) if store_logits else None
 
@@ -168,7 +170,10 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
             pg = slot // page_size
             at_s = (layer, pg[:, None], cols) if stacked else (pg[:, None], cols)
             ks = plgpu.load(ks_ref.at[at_s], mask=valid[:, None], other=0.0).astype(jnp.float32)
-            kt = jnp.where(valid[:, None], kt.astype(jnp.float32) * ks, 0.0).astype(q.dtype)
+            kt = kt.astype(jnp.float32) * ks
+            if kz_ref is not None:  # + the pages' channel zero points (one FMA: the product is exact)
+                kt = kt + plgpu.load(kz_ref.at[at_s], mask=valid[:, None], other=0.0).astype(jnp.float32)
+            kt = jnp.where(valid[:, None], kt, 0.0).astype(q.dtype)
             at_v = (layer[0], pg) if stacked else (pg,)
             v_scale = plgpu.load(vs_ref.at[at_v], mask=valid, other=0.0).astype(jnp.float32)
             vt = jnp.where(valid[:, None], vt.astype(jnp.float32), 0.0).astype(q.dtype)
@@ -208,7 +213,8 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
     "page_size", "scale", "interpret", "block_k", "num_splits", "num_warps", "num_stages", "return_probs"))
 def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
                  page_ids: jax.Array | None, page_counts: jax.Array | None, bias: jax.Array | None,
-                 layer: jax.Array | None, k_scale: jax.Array | None = None, v_scale: jax.Array | None = None, *,
+                 layer: jax.Array | None, k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+                 k_zero: jax.Array | None = None, *,
                  page_size: int, scale: float, interpret: bool, block_k: int,
                  num_splits: int | None, num_warps: int, num_stages: int,
                  return_probs: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
@@ -254,6 +260,9 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
         else:
             in_specs += [pl.BlockSpec((None, None, P, D), lambda b, h, s: (b, h, 0, 0)),
                          pl.BlockSpec((None, None, P), lambda b, h, s: (b, h, 0))]
+        if k_zero is not None:
+            args.append(k_zero)
+            in_specs.append(in_specs[-2])  # laid out as k_scale
 
     # a quantised tile is dequantised to q's dtype before the dots: Triton stages that copy in shared
     # memory too (an int8 cache with fp32 queries asked 270 KB of an H200's 227 KB at 3 stages)
@@ -262,7 +271,7 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
     kernel = functools.partial(
         _decode_kernel, dense=dense, has_bias=bias is not None, stacked=stacked, page_size=page_size, ppb=ppb,
         pages_per_split=pps, qk_scale=scale * LOG2E, f32_dot=q.dtype == jnp.float32, block_h=block_h,
-        store_logits=return_probs, quantized=quantized)
+        store_logits=return_probs, quantized=quantized, has_zero=k_zero is not None)
     out_specs = [
         pl.BlockSpec((None, None, None, block_h, D), lambda b, h, s: (b, h, s, 0, 0)),
         pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0)),
@@ -315,7 +324,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                      scale: float | None = None, interpret: bool = False,
                      block_k: int = 128, num_splits: int | None = None, num_warps: int = 8,
                      num_stages: int = 3, return_probs: bool = False, k_scale: jax.Array | None = None,
-                     v_scale: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                     v_scale: jax.Array | None = None,
+                     k_zero: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """GQA decode attention over a per-(row, kv head) subset of cache pages.
 
     Args:
@@ -347,6 +357,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         scales per page and channel ``[B, Hkv, P, D]`` and the values' per page ``[B, Hkv, P]``
         (``[L, ...]`` with ``layer``), any float dtype; a key is ``k * k_scale[page]``
         (`sparsekv_jax.cache`). Dequantised in registers to q's dtype.
+      k_zero: with ``k_scale``, the keys' zero points per page and channel (shaped as ``k_scale``):
+        a key is then ``k * k_scale[page] + k_zero[page]``, computed in float32 and cast to q's
+        dtype. ``None``: 0 (symmetric codes).
 
     Returns:
       ``[B, Hq, D]`` in q's dtype; with ``return_probs`` the pair ``(out, probs)``, ``probs``
@@ -358,7 +371,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
       ValueError: on bad shapes/dtypes, and (for concrete arrays) ids out of range, counts
         beyond the list, duplicate ids, lengths out of range.
     """
-    k_like, v_like = _check_quantized(q, k, v, k_scale, v_scale, page_size)
+    k_like, v_like = _check_quantized(q, k, v, k_scale, v_scale, page_size, k_zero)
     if layer is not None:
         _check_stacked(k, v, bias, layer)
         k1, v1 = (jax.ShapeDtypeStruct(x.shape[1:], x.dtype) for x in (k_like, v_like))
@@ -373,17 +386,20 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         scale = 1.0 / math.sqrt(q.shape[-1])
     if not scale > 0:
         raise ValueError(f"scale={scale} must be positive")
-    return _decode_call(q, k, v, lengths, page_ids, page_counts, bias, layer, k_scale, v_scale, page_size=page_size,
+    return _decode_call(q, k, v, lengths, page_ids, page_counts, bias, layer, k_scale, v_scale, k_zero,
+                        page_size=page_size,
                         scale=float(scale), interpret=interpret, block_k=block_k,
                         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
                         return_probs=bool(return_probs))
 
 
 def _check_quantized(q: jax.Array, k: jax.Array, v: jax.Array, k_scale: jax.Array | None, v_scale: jax.Array | None,
-                     page_size: int) -> tuple[Any, Any]:
+                     page_size: int, k_zero: jax.Array | None = None) -> tuple[Any, Any]:
     """Checks of a quantised cache's codes and scales (``ValueError``); returns what the shared
     checks should see as ``k``/``v`` (codes stand in as q's dtype)."""
     if k_scale is None and v_scale is None:
+        if k_zero is not None:
+            raise ValueError("k_zero without k_scale/v_scale: zero points belong to a quantised cache")
         return k, v
     if k_scale is None or v_scale is None:
         raise ValueError("k_scale and v_scale come together (a quantised cache has both)")
@@ -398,6 +414,8 @@ def _check_quantized(q: jax.Array, k: jax.Array, v: jax.Array, k_scale: jax.Arra
     if tuple(k_scale.shape) != (*pages, k.shape[-1]):
         raise ValueError(f"k_scale must be {[*pages, k.shape[-1]]} (a scale per page and channel), "
                          f"got {list(k_scale.shape)}")
+    if k_zero is not None and tuple(k_zero.shape) != tuple(k_scale.shape):
+        raise ValueError(f"k_zero must be shaped as k_scale {list(k_scale.shape)}, got {list(k_zero.shape)}")
     if tuple(v_scale.shape) != pages:
         raise ValueError(f"v_scale must be {list(pages)} (a scale per page), got {list(v_scale.shape)}")
     return (jax.ShapeDtypeStruct(k.shape, q.dtype), jax.ShapeDtypeStruct(v.shape, q.dtype))
@@ -437,12 +455,13 @@ def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, lengths
                                page_size: int, page_ids: jax.Array | None = None,
                                page_counts: jax.Array | None = None, bias: jax.Array | None = None,
                                scale: float | None = None, return_probs: bool = False,
-                               k_scale: jax.Array | None = None,
-                               v_scale: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                               k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+                               k_zero: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """jnp reference: masked softmax over the selected slots, in float32 (HIGHEST precision).
 
-    A quantised cache (``k_scale``/``v_scale``, as `decode_attention`) is dequantised first, to
-    q's dtype as the kernel does (exact: the scales are powers of two).
+    A quantised cache (``k_scale``/``v_scale``/``k_zero``, as `decode_attention`) is dequantised
+    first, in float32 then to q's dtype as the kernel does (the same numbers: the scales are powers
+    of two, so ``code * scale`` is exact and the zero point's sum rounds alike).
 
     Unselected and out-of-length slots get weight exactly 0 (and their V is zeroed, so
     garbage there cannot turn into NaN); rows with nothing selected return zeros. With
@@ -457,7 +476,10 @@ def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, lengths
     if k_scale is not None:
         ks = jnp.repeat(k_scale.astype(jnp.float32), page_size, axis=-2)
         vs = jnp.repeat(v_scale.astype(jnp.float32), page_size, axis=-1)[..., None]
-        k = (k.astype(jnp.float32) * ks).astype(q.dtype)
+        k = k.astype(jnp.float32) * ks
+        if k_zero is not None:
+            k = k + jnp.repeat(k_zero.astype(jnp.float32), page_size, axis=-2)
+        k = k.astype(q.dtype)
         v = (v.astype(jnp.float32) * vs).astype(q.dtype)
     qf = q.astype(jnp.float32).reshape(B, Hkv, G, D)
     kf = jnp.where(mask[..., None], k.astype(jnp.float32), 0.0)

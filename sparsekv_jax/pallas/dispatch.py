@@ -81,24 +81,26 @@ def _interpret(backend: Backend | None) -> bool:
 def decode_attention(backend: Backend | None, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
                      page_ids: jax.Array | None = None, page_counts: jax.Array | None = None,
                      bias: jax.Array | None = None, layer: Any = None, k_scale: jax.Array | None = None,
-                     v_scale: jax.Array | None = None, **static: Any) -> Any:
+                     v_scale: jax.Array | None = None, k_zero: jax.Array | None = None, **static: Any) -> Any:
     """The Pallas decode kernel (`sparsekv_jax.pallas.decode.decode_attention`, same arguments; ``k``/
     ``v``/``bias`` stacked ``[L, ...]`` when ``layer`` is given), interpreted as ``backend`` says, per
     device on its mesh. A device's query heads are the groups of its KV heads (a group's heads are
     adjacent), so each device holds whole groups. Whether the kernel or `attention`'s jnp path runs
-    is ``backend.decode_attention``. ``k_scale``/``v_scale``: a quantised cache's scales (split as
-    the cache)."""
+    is ``backend.decode_attention``. ``k_scale``/``v_scale``/``k_zero``: a quantised cache's scales and
+    key zero points (split as the cache)."""
     backend = resolved(backend)
     static = {"interpret": backend.interpret, **static}
     if backend.mesh is None:
         return _decode.decode_attention(q, k, v, lengths, page_ids=page_ids, page_counts=page_counts, bias=bias,
-                                        layer=layer, k_scale=k_scale, v_scale=v_scale, **static)
+                                        layer=layer, k_scale=k_scale, v_scale=v_scale, k_zero=k_zero,
+                                        **static)
     lead = (None,) if layer is not None else ()
     heads, kv = P(DATA, MODEL), P(*lead, DATA, MODEL)
     layer = None if layer is None else jnp.asarray(layer, jnp.int32)
     arrays = {"q": (q, heads), "k": (k, kv), "v": (v, kv), "lengths": (lengths, P(DATA)),
               "page_ids": (page_ids, heads), "page_counts": (page_counts, heads), "bias": (bias, kv),
-              "layer": (layer, P()), "k_scale": (k_scale, kv), "v_scale": (v_scale, kv)}
+              "layer": (layer, P()), "k_scale": (k_scale, kv), "v_scale": (v_scale, kv),
+              "k_zero": (k_zero, kv)}
     return _on_shards(backend.mesh, _decode.decode_attention, arrays,
                       (heads, heads) if static.get("return_probs") else heads, **static)
 

@@ -25,7 +25,8 @@ the semantic attributes of the input tokens"; docs/results/chess_needle_ranks_4k
 * ``CHESS(keys="post_rope", centred=False)`` is the paper taken literally, kept for comparison.
 
 On a quantised cache (``Backend(kv_dtype="int8" | "float8_e4m3fn")``, `sparsekv_jax.cache`) the keys
-CHESS reads are the codes' values (`sparsekv_jax.cache.dequantize_kv`: exact in bf16): a pre-RoPE
+CHESS reads are the codes' values (`sparsekv_jax.cache.dequantize_kv`; in bf16 rounded once, the keys
+having zero points): a pre-RoPE
 rebuild dequantises one layer at a time and sums it as above (a one-layer copy, as the jnp path's
 slice of an unquantised layer); the post-RoPE page sums were written from the keys before
 quantisation, and the keys taken back at the edge page are subtracted dequantised.
@@ -94,7 +95,9 @@ def post_rope_dots(pol: CHESS, cache: KVCache, anchor_end: jax.Array, w: jax.Arr
     slots = edge[:, None] * cps + jnp.arange(cps)  # [B, cps]
     keys = jnp.take_along_axis(cache.layers.k, slots[None, :, None, :, None], axis=3)  # [L, B, H, cps, D]
     if cache.layers.quantized:  # codes: their values with the edge page's scales (one page per row)
-        keys = dequantize(keys, jnp.take_along_axis(cache.layers.k_scale, edge[None, :, None, None, None], axis=3))
+        at = edge[None, :, None, None, None]
+        keys = dequantize(keys, jnp.take_along_axis(cache.layers.k_scale, at, axis=3),
+                          zero=jnp.take_along_axis(cache.layers.k_zero, at, axis=3))
     # keys at or past the cache's length were never summed (their slots may hold garbage)
     stale = ((slots >= anchor_end[:, None]) & (slots < cache.length[:, None]))[None, :, None, :, None]
     extra = jnp.where(stale, keys.astype(jnp.float32), 0.0).sum(3)  # [L, B, H, D]
@@ -154,8 +157,8 @@ def pre_rope_dots(pol: CHESS, cache: KVCache, anchor_end: jax.Array, w: jax.Arra
 
     def layer_sums(layer):  # → [B, H, P, D]
         pos = jax.lax.dynamic_index_in_dim(pos_all, layer, keepdims=False)[None]  # [1, B, H, S] (small)
-        # A quantised cache's keys are codes: the layer is dequantised once (`dequantize_kv`; exact in
-        # bf16, the scales being powers of two) and read as a one-layer stack by both paths below
+        # A quantised cache's keys are codes: the layer is dequantised once (`dequantize_kv`; to bf16,
+        # rounded once: the keys have zero points) and read as a one-layer stack by both paths below
         keys_of, in_stack = ((k_all, layer) if not quantized else
                              (dequantize_kv(layer_view(cache.layers, layer), jnp.bfloat16)[0][None], 0))
         mask = paged(slot_live & (pos >= 0))  # [1, B, H, P, ps]

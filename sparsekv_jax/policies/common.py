@@ -16,6 +16,7 @@ from sparsekv_jax.cache import (
     dequantize,
     empty_summaries,
     page_scales,
+    page_zeros,
     pages_for,
     quantize,
     summarize_pages,
@@ -115,7 +116,7 @@ def keep_slots(scores: jax.Array, length: jax.Array, keep: jax.Array, k_static: 
 
 
 def write_entries(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Array, bias: jax.Array,
-                  counts: jax.Array, capacity: int) -> KVCache:
+                  counts: jax.Array, capacity: int, k_zero: jax.Array | None = None) -> KVCache:
     """A new cache of ``capacity`` tokens holding the given entries: the one write every compressor
     ends with, whether it keeps existing entries (`compact`) or writes new ones (merged entries).
 
@@ -129,8 +130,13 @@ def write_entries(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Arr
 
     A quantised cache (`sparsekv_jax.cache`, ``kv_dtype``) gets the entries quantised into its new
     pages, scales from each page's live entries, and its key summaries from ``k`` as given (before
-    quantisation). Entries that come from a quantised cache are exact multiples of their old
-    scale, so they move to a new page losslessly unless that page needs a larger scale.
+    quantisation), key scales and zero points as `sparsekv_jax.cache_quant` says. Values that come
+    from a quantised cache are exact multiples of their old scale, so they move to a new page
+    losslessly unless that page needs a larger scale. Keys that come from one (``k_zero``
+    ``[L, B, H, K, D]``: each entry's old page's zero points, with ``k`` dequantised in float32,
+    `write_kept`) keep their zero points where a new page's live entries all share them (a page
+    kept whole, or in part), so they too move losslessly unless the page needs a larger scale;
+    elsewhere the new page's mid-range re-rounds them (at most half a step of it, for int8).
     """
     L, B, H, K, D = k.shape
     new_S = pages_for(capacity, cache.page_size) * cache.page_size
@@ -156,9 +162,17 @@ def write_entries(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Arr
     scales = {}
     if quantized:  # summaries in the model's dtype (the min/max the cache holds), K/V as codes
         summary_dtype = next((x.dtype for x in (old.page_min, old.page_max) if x is not None), jnp.float32)
-        ks, vs = page_scales(keys, values, pad(live, False), cache.page_size, old.k.dtype)
-        scales = {"k_scale": ks.astype(SCALE_DTYPE), "v_scale": vs.astype(SCALE_DTYPE)}
-        stored_k = quantize(keys, jnp.repeat(ks, cache.page_size, axis=-2), old.k.dtype)
+        kz = page_zeros(keys, pad(live, False), cache.page_size)
+        if k_zero is not None:  # a page whose live entries share their old zero points keeps them
+            ps, big = cache.page_size, jnp.finfo(jnp.float32).max
+            hint = pad(k_zero.astype(jnp.float32), 0).reshape(L, B, H, n_pages, ps, D)
+            lp = pad(live, False).reshape(L, B, H, n_pages, ps, 1)
+            hi, lo = jnp.where(lp, hint, -big).max(4), jnp.where(lp, hint, big).min(4)
+            kz = jnp.where(hi == lo, hi, kz.astype(jnp.float32)).astype(SCALE_DTYPE)
+        ks, vs = page_scales(keys, values, pad(live, False), cache.page_size, old.k.dtype, old.v.dtype, k_zero=kz)
+        scales = {"k_scale": ks.astype(SCALE_DTYPE), "k_zero": kz, "v_scale": vs.astype(SCALE_DTYPE)}
+        stored_k = quantize(keys, jnp.repeat(ks, cache.page_size, axis=-2), old.k.dtype,
+                            jnp.repeat(kz, cache.page_size, axis=-2))
         stored_v = quantize(values, jnp.repeat(vs, cache.page_size, axis=-1)[..., None], old.v.dtype)
     else:
         summary_dtype = old.k.dtype
@@ -198,11 +212,13 @@ def write_kept(cache: KVCache, idx: jax.Array, counts: jax.Array, capacity: int)
         return jnp.take_along_axis(x, at.reshape(at.shape + (1,) * (x.ndim - 4)), axis=3)
 
     k, v = take(old.k), take(old.v)
-    if old.quantized:  # the kept entries dequantised (exactly, in bf16) with their pages' scales
-        page = idx // cache.page_size
-        k = dequantize(k, take(old.k_scale, page), jnp.bfloat16)
+    k_zero = None
+    if old.quantized:  # the kept entries dequantised with their pages' scales and key zero points (keys in
+        page = idx // cache.page_size  # float32, exact with their zero points; values exact in bf16)
+        k_zero = take(old.k_zero, page)
+        k = dequantize(k, take(old.k_scale, page), jnp.float32, k_zero)
         v = dequantize(v, take(old.v_scale, page)[..., None], jnp.bfloat16)
-    return write_entries(cache, k, v, take(old.positions), take(old.bias), counts, capacity)
+    return write_entries(cache, k, v, take(old.positions), take(old.bias), counts, capacity, k_zero)
 
 
 def top_pages(page_scores: jax.Array, used_pages: jax.Array, k: int,

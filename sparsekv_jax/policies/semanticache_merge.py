@@ -121,5 +121,5 @@ def cluster(pol: SemantiCache, cache: KVCache,
 
     layers = cache.layers
     kv = LayerKV(k=layers.k, v=layers.v, positions=layers.positions, bias=layers.bias, k_scale=layers.k_scale,
-                 v_scale=layers.v_scale)  # what clustering reads (no page summaries)
+                 k_zero=layers.k_zero, v_scale=layers.v_scale)  # what clustering reads (no page summaries)
     return jax.lax.map(layer, kv, batch_size=min(pol.layer_batch, layers.k.shape[0]))
