@@ -55,11 +55,13 @@ def _emit(rows: list[dict[str, Any]], row: dict[str, Any], out: str | None) -> N
 
 
 def _random_cache(key: jax.Array, shape: tuple[int, ...], kv_dtype: str, page_size: int):
-    """``(k, v, k_scale, v_scale)``: random codes of ``shape`` ``[..., S, D]`` and power-of-two scales
-    (None for bf16, whose values are plain normals)."""
-    k1, k2, k3, k4 = jax.random.split(key, 4)
+    """``(k, v, k_scale, k_zero, v_scale)``: random codes of ``shape`` ``[..., S, D]``, power-of-two scales
+    and key zero points per page and channel (offsets up to a few dozen steps, as Qwen2's key biases give;
+    None for bf16, whose values are plain normals)."""
+    k1, k2, k3, k4, k5 = jax.random.split(key, 5)
     if kv_dtype == "bfloat16":
-        return jax.random.normal(k1, shape, jnp.bfloat16), jax.random.normal(k2, shape, jnp.bfloat16), None, None
+        return (jax.random.normal(k1, shape, jnp.bfloat16), jax.random.normal(k2, shape, jnp.bfloat16), None, None,
+                None)
     dt = jnp.dtype(kv_dtype)
     codes = [jnp.clip(jax.random.normal(k, shape, jnp.float32) * QMAX[kv_dtype] / 4, -QMAX[kv_dtype],
                       QMAX[kv_dtype]) for k in (k1, k2)]
@@ -68,7 +70,8 @@ def _random_cache(key: jax.Array, shape: tuple[int, ...], kv_dtype: str, page_si
     P = S // page_size
     ks = jnp.exp2(jax.random.randint(k3, (*lead, P, D), -9, -4).astype(jnp.float32)).astype(SCALE_DTYPE)
     vs = jnp.exp2(jax.random.randint(k4, (*lead, P), -9, -4).astype(jnp.float32)).astype(SCALE_DTYPE)
-    return codes[0], codes[1], ks, vs
+    kz = (jax.random.normal(k5, (*lead, P, D), jnp.float32) * 32 * ks.astype(jnp.float32)).astype(SCALE_DTYPE)
+    return codes[0], codes[1], ks, kz, vs
 
 
 # -------------------------------------------------------------------------------------------- check
@@ -82,7 +85,7 @@ def run_check(seed: int, interpret: bool = False) -> list[dict[str, Any]]:
                 for stacked in (False, True):
                     B, Hq, Hkv, D, ps, P = 3, 32, 8, 128, 16, 24
                     S = P * ps
-                    k, v, ks, vs = _random_cache(jax.random.key(int(rng.integers(1 << 30))), (B, Hkv, S, D),
+                    k, v, ks, kz, vs = _random_cache(jax.random.key(int(rng.integers(1 << 30))), (B, Hkv, S, D),
                                                  kv_dtype, ps)
                     lengths = np.asarray([S - 5, int(rng.integers(1, S)), S], np.int32)
                     valid = jnp.asarray(np.arange(S)[None, None, :, None] < lengths[:, None, None, None])
@@ -90,6 +93,7 @@ def run_check(seed: int, interpret: bool = False) -> list[dict[str, Any]]:
                     k, v = jnp.where(valid, k, junk), jnp.where(valid, v, junk)
                     used = jnp.asarray(np.arange(P)[None, None] < -(-lengths[:, None, None] // ps))
                     ks = jnp.where(used[..., None], ks, jnp.nan).astype(SCALE_DTYPE)
+                    kz = jnp.where(used[..., None], kz, jnp.nan).astype(SCALE_DTYPE)
                     vs = jnp.where(used, vs, jnp.nan).astype(SCALE_DTYPE)
                     kw: dict[str, Any] = {}
                     if sparse:
@@ -97,12 +101,13 @@ def run_check(seed: int, interpret: bool = False) -> list[dict[str, Any]]:
                         kw = {"page_ids": jnp.asarray(ids), "page_counts": jnp.asarray(counts)}
                     q = jnp.asarray(rng.standard_normal((B, Hq, D)), q_dtype)
                     lens = jnp.asarray(lengths)
-                    args = (k, v, ks, vs)
+                    args = (k, v, ks, kz, vs)
                     if stacked:
                         args = tuple(jnp.stack([x, x]) for x in args)
-                    out = decode_attention(q, args[0], args[1], lens, page_size=ps, k_scale=args[2], v_scale=args[3],
-                                           layer=1 if stacked else None, interpret=interpret, **kw)
-                    ref = decode_attention_reference(q, k, v, lens, page_size=ps, k_scale=ks, v_scale=vs, **kw)
+                    out = decode_attention(q, args[0], args[1], lens, page_size=ps, k_scale=args[2], k_zero=args[3],
+                                           v_scale=args[4], layer=1 if stacked else None, interpret=interpret, **kw)
+                    ref = decode_attention_reference(q, k, v, lens, page_size=ps, k_scale=ks, k_zero=kz, v_scale=vs,
+                                                     **kw)
                     err = rel_err(np.asarray(out, np.float32), np.asarray(ref, np.float32))
                     tol = 1e-5 if q_dtype == jnp.float32 else 2e-2
                     rows.append({"kind": "check", "kv_dtype": kv_dtype, "q_dtype": jnp.dtype(q_dtype).name,
@@ -132,7 +137,7 @@ def run_kernel(contexts: list[int], batch: int, rhos: list[float], trials: int, 
             key = jax.random.key(KV.index(kv_dtype))
             item = 2 if kv_dtype == "bfloat16" else 1
             code_bytes = 2 * batch * Hkv * L * D * item
-            scale_bytes = 0 if kv_dtype == "bfloat16" else batch * Hkv * P * (D + 1) * 2
+            scale_bytes = 0 if kv_dtype == "bfloat16" else batch * Hkv * P * (2 * D + 1) * 2  # k scale, k zero, v
             copies = max(1, min(4, math.ceil(4 * L2_BYTES / code_bytes)))
             kvs = [_random_cache(jax.random.fold_in(key, c), (batch, Hkv, L, D), kv_dtype, ps) for c in range(copies)]
             lengths = jnp.full((batch,), L, jnp.int32)
@@ -144,15 +149,16 @@ def run_kernel(contexts: list[int], batch: int, rhos: list[float], trials: int, 
                       for i in range(2 * n)]
                 kw = {} if kv_dtype == "bfloat16" else dict(tune or {})
                 if rho is None:
-                    def call(q, k, v, ks, vs, lengths=lengths, kw=kw):
-                        return decode_attention(q, k, v, lengths, page_size=ps, k_scale=ks, v_scale=vs, **kw)
+                    def call(q, k, v, ks, kz, vs, lengths=lengths, kw=kw):
+                        return decode_attention(q, k, v, lengths, page_size=ps, k_scale=ks, k_zero=kz, v_scale=vs,
+                                                **kw)
                     per_call, frac = [(q,) for q in qs], 1.0
                 else:
                     count = max(1, round(rho * P))
 
-                    def call(q, ids, k, v, ks, vs, lengths=lengths, kw=kw):
-                        return decode_attention(q, k, v, lengths, page_size=ps, page_ids=ids, k_scale=ks, v_scale=vs,
-                                                **kw)
+                    def call(q, ids, k, v, ks, kz, vs, lengths=lengths, kw=kw):
+                        return decode_attention(q, k, v, lengths, page_size=ps, page_ids=ids, k_scale=ks, k_zero=kz,
+                                                v_scale=vs, **kw)
                     per_call = [(q, jnp.argsort(jax.random.uniform(jax.random.fold_in(key, 500 + i), (batch, Hkv, P)),
                                                 axis=-1)[..., :count].astype(jnp.int32)) for i, q in enumerate(qs)]
                     frac = count / P
@@ -188,17 +194,18 @@ def quant_decode_cache(cfg: Any, policy: Any, context: int, batch: int, steps: i
         L, B, H, S, D = cache.layers.k.shape
         used = jnp.arange(S) < kept
         positions = jnp.where(used, jnp.arange(S) * max(1, context // kept), -1).astype(jnp.int32)
-        k, v, ks, vs = jax.lax.map(lambda k: _random_cache(k, (B, H, S, D), kv_dtype, page_size),
-                                   jax.random.split(key, L))
+        k, v, ks, kz, vs = jax.lax.map(lambda k: _random_cache(k, (B, H, S, D), kv_dtype, page_size),
+                                       jax.random.split(key, L))
         layers = cache.layers.replace(k=k, v=v, positions=jnp.broadcast_to(positions, cache.layers.positions.shape))
         if ks is not None:
-            layers = layers.replace(k_scale=ks, v_scale=vs)
+            layers = layers.replace(k_scale=ks, k_zero=kz, v_scale=vs)
         length = jnp.full((batch,), kept, jnp.int32)
         keys = None
         if ks is not None and policy.page_summaries - {"page_max_bias"}:
             # a quantised cache's key summaries are written with the keys: here the random codes' values
             keys = jax.lax.map(lambda a: (a[0].astype(jnp.float32) * jnp.repeat(a[1], page_size, axis=-2)
-                                          ).astype(jnp.bfloat16), (layers.k, layers.k_scale))
+                                          + jnp.repeat(a[2], page_size, axis=-2)).astype(jnp.bfloat16),
+                               (layers.k, layers.k_scale, layers.k_zero))
         layers = summarize_pages(layers, length, page_size, keys=keys)
         cache = cache.replace(layers=layers, length=length, next_position=jnp.full((batch,), context, jnp.int32))
         return cache, jax.random.uniform(key, (L, B, H, context), jnp.float32)
