@@ -171,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-fidelity", action="store_true", help="greedy answers only (no teacher forcing)")
     p.add_argument("--stats", action="store_true")
     a = p.parse_args(argv)
+    unknown = [v for v in a.variants.split(",") if v not in VARIANTS]
+    if unknown:  # before the model loads
+        p.error(f"--variants: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(VARIANTS)} "
+                "(the bf16 cache is always the reference)")
     t0 = time.time()
     params, tokenizer = load(a.model, dtype=jnp.bfloat16)
     limit = params.config.max_position_embeddings

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
 RECORD = ROOT / "docs" / "results" / "ruler4k"  # a committed `sparsekv eval` record
 GPU_ONLY = ("gemma3_speed", "gsc_gpu", "page_rope_gpu", "sae_decode_gpu", "stem_routing_gpu", "topk_gpu")
-RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "readme_plot", "semanticache_audit")
+REAL_MODEL = ("kv_quant_fp8_diagnosis",)  # a real model's numerics (Qwen2's key offsets): arguments parsed only
+RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "kv_quant_fp8_gpu_check", "readme_plot", "semanticache_audit")
 TESTED_ELSEWHERE = {"stem_ablation": "tests/test_stem.py::test_ablation_script_core (toy model, CPU)"}
 
 
@@ -29,7 +30,7 @@ def _module(name: str):
 
 def test_every_experiment_is_indexed_and_tested():
     files = {p.stem for p in EXPERIMENTS.glob("*.py")}
-    assert files == set(GPU_ONLY) | set(RUN_ON_CPU) | set(TESTED_ELSEWHERE)
+    assert files == set(GPU_ONLY) | set(REAL_MODEL) | set(RUN_ON_CPU) | set(TESTED_ELSEWHERE)
     index = (EXPERIMENTS / "README.md").read_text()
     for name in files:
         assert f"`{name}.py`" in index, f"{name}.py is not in experiments/README.md"
@@ -41,7 +42,7 @@ def test_experiments_import_no_private_names():
         assert not private.search(path.read_text()), f"{path.name} imports a private name"
 
 
-@pytest.mark.parametrize("name", GPU_ONLY)
+@pytest.mark.parametrize("name", GPU_ONLY + REAL_MODEL)
 def test_gpu_experiment_parses_its_arguments(name, capsys):
     mod = _module(name)
     with pytest.raises(SystemExit) as exit_:
@@ -125,3 +126,9 @@ def test_semanticache_audit_toy(tmp_path):
     for key in ("middle_unmerged", "answer_unmerged", "answer_unmerged_worst_layer"):
         assert 0.0 <= row[key] <= 1.0, key
     assert row["merged_answer_cluster_size_median"] >= 2
+
+
+def test_kv_quant_fp8_gpu_check_interpreted():
+    """The GPU check's own comparison, the decode kernel interpreted on the CPU at toy size: int8 and fp8
+    pages with key zero points (offsets of dozens of steps) equal the jnp reference (exit 0)."""
+    assert _module("kv_quant_fp8_gpu_check").main(["--B", "2", "--S", "256", "--interpret"]) == 0
