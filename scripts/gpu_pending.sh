@@ -22,8 +22,9 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 git log --oneline -1 2>/dev/null
 case "$PART" in
   1) step kvq_check 90 python scripts/kv_quant_show.py check
-     step kvq_kernel 200 python scripts/kv_quant_show.py kernel --out "$OUT/kvq_kernel.json"
-     step kvq_e2e 260 python scripts/kv_quant_show.py e2e --out "$OUT/kvq_e2e.json" ;;
+     step kvq_zero_check 60 python experiments/kv_quant_fp8_gpu_check.py
+     step kvq_kernel 180 python scripts/kv_quant_show.py kernel --out "$OUT/kvq_kernel.json"
+     step kvq_e2e 220 python scripts/kv_quant_show.py e2e --out "$OUT/kvq_e2e.json" ;;
   2) step stem32k 200 python experiments/stem_routing_gpu.py --lengths 32k --out "$OUT"
      step stem128k_routing 150 python experiments/stem_routing_gpu.py --lengths 128k --skip-e2e --out "$OUT"
      step stem128k_e2e 200 python experiments/stem_routing_gpu.py --lengths 128k --skip-routing --repeats 1 --out "$OUT" ;;

@@ -107,7 +107,7 @@ case "$STAGE" in
       --specs "semanticache(0.5)" --out "$RUNS/semanticache_audit_16k.jsonl" > "$RUNS/audit.log" 2>&1 &
     ;;
   5)  # issue 38: AdaKV / PyramidKV over SnapKV at 32k (its target: AdaKV at 25% >= uniform SnapKV + 5 points) and
-      # the rest of 8k; BSER's probes (issue 36); issue 39: the int8 / fp8 rows at 8k (fp8 collapsed at 3a7182e: re-run after the fix) and at
+      # the rest of 8k; BSER's probes (issue 36); issue 39: the int8 / fp8 rows at 8k with key zero points (the symmetric-key rows of 3a7182e, fp8 collapsed, are in kvq_8k_symmetric_keys/) and at
       # 32k; the 25% rows at 32k for every policy (issue 35).
     ev 0.12 aware_8k aware 8k "bser(0.25), bser(0.25, stage1='tokens'), bser" --suite ruler --no-fullkv \
       > "$RUNS/bser8k.log" 2>&1 &
