@@ -349,8 +349,8 @@ def registry_help() -> dict[str, str]:
     for cls, (name, *aliases) in names.items():
         listed.append(name + (f" (= {', '.join(aliases)})" if aliases else ""))
         whole = cls.needs_whole_prefill
-        if isinstance(whole, property):  # decided by what it holds (a Pipeline: by its members) or its settings
-            chunkable.append(f"{name} ({getattr(cls, 'chunkable_when', 'when none of its members needs one')})")
+        if isinstance(whole, property):  # decided by what it holds: a Pipeline, by its members
+            chunkable.append(f"{name} (when none of its members needs one)")
         elif not whole:
             chunkable.append(name)
     from sparsekv_jax.policies.chess_config import CALIBRATION_DIR
