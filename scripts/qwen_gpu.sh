@@ -120,7 +120,7 @@ case "$STAGE" in
     ev 0.12 kvq_8k agnostic 8k "fullkv, snapkv(0.25), quest(0.25)" --suite ruler --kv-dtype float8_e4m3fn \
       > "$RUNS/kvq_fp8.log" 2>&1 &
     ev 0.12 kvq_32k agnostic 32k "fullkv" --suite ruler --kv-dtype int8 > "$RUNS/kvq32k.log" 2>&1 &
-    ev 0.12 agnostic_32k agnostic 32k "$AT25" --suite ruler --no-fullkv > "$RUNS/agn32k.log" 2>&1 &
+    ev 0.12 agnostic_32k agnostic 32k "${AT25%, stem}" --suite ruler --no-fullkv > "$RUNS/agn32k.log" 2>&1 &
     ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
