@@ -4,6 +4,7 @@ experiments/README.md lists them; this file fails if one is added there without 
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import importlib.util
 import json
@@ -74,9 +75,32 @@ def test_compare_eval_runs_on_a_committed_record(tmp_path, capsys):
     n = len(mine)
     mean = sum(r["score"] for r in mine) / n
     expected = (f"| {policy} | {n} | {mean:.2f} | {mean + 100.0 / n:.2f} | "
-                f"{100 * (n - 1) / n:.1f}% |")
+                f"{100 * (n - 1) / n:.1f}% | 100.0% |")
     assert row == expected
     assert row in capsys.readouterr().out
+
+
+def test_compare_eval_runs_pairs_a_renamed_spec_and_counts_other_prompts(tmp_path):
+    """--pair matches an old label with a new one (a default changed between versions); a sample whose
+    answers differ is counted as another prompt, not silently as the same one."""
+    mod = _module("compare_eval_runs")
+    old = mod.read_records(RECORD)
+    policy = old[0]["policy"]
+    mine = [dict(r, policy="x(0.25, a=1)") for r in old if r["policy"] == policy]
+    _write_records(tmp_path / "old", mine)
+    renamed = [dict(r, policy="x(0.25)") for r in mine]
+    renamed[1]["answers"] = ["not the same task"]
+    _write_records(tmp_path / "new", renamed)
+    assert mod.parse_pair("x(0.25, a=1)=x(0.25)") == ("x(0.25, a=1)", "x(0.25)")
+    with pytest.raises(argparse.ArgumentTypeError, match="OLD_SPEC=NEW_SPEC"):
+        mod.parse_pair("x(a=1)")
+    with pytest.raises(SystemExit, match="no sample"):
+        mod.main([str(tmp_path / "old"), str(tmp_path / "new")])
+    rows = mod.compare(mine, renamed, {"x(0.25, a=1)": "x(0.25)"})
+    n = len(mine)
+    assert [(r["policy"], r["old_policy"], r["samples"], r["identical_predictions"]) for r in rows] == [
+        ("x(0.25)", "x(0.25, a=1)", n, 1.0)]
+    assert rows[0]["same_prompts"] == (n - 1) / n
 
 
 def test_readme_plot_draws_the_recorded_rows(tmp_path):
