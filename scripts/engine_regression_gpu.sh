@@ -4,8 +4,8 @@
 # checkout, measured side by side with the same timing method.
 #   PART=ruler MODEL=/tmp/smollm2.gguf OLD=.old OUT=out bash scripts/engine_regression_gpu.sh
 #   PART=speed OLD=.old OUT=out bash scripts/engine_regression_gpu.sh
-# speed: interleaved old, new, new, old on the whole GPU: bench.e2e (FullKV decode 8k x 8,
-#    SnapKV(0.25) and H2O(0.25) at 32k x 32) and bench.chess (32k, the batch the new code picks);
+# speed: interleaved old, new, new, old on the whole GPU: bench.e2e (FullKV, SnapKV(0.25) and H2O(0.25)
+#    decode at 8k and 32k, batch 8) and bench.chess (32k, the batch the first run picks);
 # ruler: at once, RULER 4k, question-agnostic, seed 0, fp32, every policy that exists in both (old and
 #    new spec of the same behaviour paired where a default changed since), compared prompt by prompt
 #    (experiments/compare_eval_runs.py); and the contract matrix (tests/test_contract.py) on the GPU.
@@ -26,11 +26,9 @@ speed)
   export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9; B=""
   for s in old_1 new_1 new_2 old_2; do
     if [ "${s%_*}" = old ]; then d=$OLDDIR; else d=$NEW; fi
-    side "e2e8k_$s" "$d" 90 python -m sparsekv_jax.bench.e2e --models llama3.1-8b --prefill-contexts "" \
-      --contexts 8k --batches 8 --policies fullkv --iters 7 --out "$OUT/e2e8k_$s.json"
-    side "e2e32k_$s" "$d" 90 python -m sparsekv_jax.bench.e2e --models llama3.1-8b --prefill-contexts "" \
-      --contexts 32k --batches 32 --policies "snapkv(0.25), h2o(0.25)" --iters 5 --out "$OUT/e2e32k_$s.json"
-    side "chess_$s" "$d" 90 python -m sparsekv_jax.bench.chess --context 32k --gen 0 --iters 5 \
+    side "e2e_$s" "$d" 100 python -m sparsekv_jax.bench.e2e --models llama3.1-8b --prefill-contexts "" \
+      --contexts 8k,32k --batches 8 --policies "fullkv, snapkv(0.25), h2o(0.25)" --iters 5 --out "$OUT/e2e_$s.json"
+    side "chess_$s" "$d" 100 python -m sparsekv_jax.bench.chess --context 32k --gen 0 --iters 5 \
       ${B:+--batch $B} --out "$OUT/chess_$s.json"
     [ -z "$B" ] && B=$(python -c "import json;print([r for r in json.load(open('$OUT/chess_$s.json')) if r['kind']=='throughput'][0]['batch'])" 2>/dev/null)
   done
