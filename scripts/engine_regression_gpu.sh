@@ -9,10 +9,11 @@
 # ruler: at once, RULER 4k, question-agnostic, seed 0, fp32, every policy that exists in both (old and
 #    new spec of the same behaviour paired where a default changed since), compared prompt by prompt
 #    (experiments/compare_eval_runs.py); and the contract matrix (tests/test_contract.py) on the GPU.
-# Logs, JSON and the compare table land in $OUT; a short table is printed last.
+# Logs, JSON and records are packed into $OUT/engine_regression_$PART.tgz (the device returns few files
+# per call), the compare table is also copied beside it; a short table is printed last.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
-OUT=${OUT:-out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd); DEADLINE=${DEADLINE:-560}; N=${N:-10}
+DEST=${OUT:-out}; mkdir -p "$DEST"; DEST=$(cd "$DEST" && pwd); OUT=$(mktemp -d); DEADLINE=${DEADLINE:-560}; N=${N:-10}
 NEW=$PWD; OLDDIR=$(cd "$OLD" && pwd); start=$(date +%s)
 left() { local l=$(( DEADLINE - ($(date +%s) - start) )); echo $(( l > 1 ? l : 1 )); }
 # side TAG DIR SECONDS CMD...: CMD run from DIR (`python -m` puts the working directory first on sys.path)
@@ -74,4 +75,5 @@ ruler)
   for f in "$OUT"/ruler_*/results.jsonl; do gzip -9 -n "$f"; done ;;
 *) echo "PART is ruler or speed, not ${PART}"; exit 2 ;;
 esac
+cp "$OUT"/compare.md "$DEST"/ 2>/dev/null; tar czf "$DEST/engine_regression_${PART:-ruler}.tgz" -C "$OUT" .
 echo "== done in $(( $(date +%s) - start )) s"
