@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PEER   := .venv-kvpress
 
-.PHONY: demo test lint install clean peer-venv
+.PHONY: demo test lint install clean peer-venv reports
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ TEST_WORKERS ?= 2
 
 test: $(STAMP) $(PEER)/.installed lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 tests
+
+# Every results report the docs link to, and the README's plot, regenerated from the committed records.
+reports: $(STAMP)
+	$(BIN)/python scripts/regenerate_reports.py
 
 clean:
 	rm -rf $(VENV) $(PEER) build *.egg-info

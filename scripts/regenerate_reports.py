@@ -1,0 +1,95 @@
+"""Regenerate every results report the docs link to, and the README's plot, from the committed records.
+
+    python scripts/regenerate_reports.py            # rewrite docs/results/<run>/report/ and the README plot
+    python scripts/regenerate_reports.py --check    # regenerate into a temporary folder; exit 1 if any
+                                                    # report's numbers differ from the committed one
+    python scripts/regenerate_reports.py --only ruler4k,longbench
+
+Each report is `python -m sparsekv_jax.eval.report <its records> --out docs/results/<run>/report`
+(tables with paired bootstrap 95% intervals, and plots); `REPORTS` names the records behind each. The
+docs' prose quotes these reports; the numbers live here, not in hand-copied tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+# report folder (under docs/results/<run>/report) -> the record folders it is built from
+REPORTS: dict[str, tuple[str, ...]] = {
+    "ruler4k": ("ruler4k", "ruler4k_chess_stem"),
+    "ruler8k": ("ruler8k", "ruler8k_chess_stem"),
+    "longbench": ("longbench",),
+    "methods_h100": ("methods_h100",),
+    "semanticache_number_sentences_h100": ("semanticache_number_sentences_h100",),
+    "bser_rows_h100": ("bser_rows_h100",),
+    "gemma3_ruler_h100": ("gemma3_ruler_h100/runs",),
+    "qwen2.5-coder-1.5b_h200": ("qwen2.5-coder-1.5b_h200",),
+}
+
+
+# the fields of a report row that are results (a newer report may add fields, e.g. coverage, and its prose
+# may change, without changing a result)
+RESULT_FIELDS = ("policy", "scores", "n", "average", "by_length", "kv_stored_fraction", "kv_read_fraction",
+                 "ci", "kept_pct")
+
+
+def numbers(results_json: Path) -> list:
+    """The results in a report's ``results.json``: per summary, its key and each row's `RESULT_FIELDS`."""
+    out = []
+    for summary in json.loads(results_json.read_text()):
+        key = tuple(summary.get(k) for k in ("model", "suite", "length", "question", "n"))
+        rows = [{f: row.get(f) for f in RESULT_FIELDS} for row in summary.get("rows", [])]
+        out.append((key, json.dumps(rows, sort_keys=True)))
+    return sorted(out, key=repr)
+
+
+def regenerate(run: str, out: Path) -> None:
+    """Write the report of ``run`` into ``out`` (quietly; the report module prints its paths)."""
+    from sparsekv_jax.eval import report
+
+    # record paths relative to the repository, as the committed reports name them
+    args = [str((RESULTS / r).relative_to(ROOT)) for r in REPORTS[run]] + ["--out", str(Path(out).resolve())]
+    with contextlib.chdir(ROOT), contextlib.redirect_stdout(io.StringIO()):
+        report.main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true",
+                    help="regenerate into a temporary folder and compare numbers with the committed reports")
+    ap.add_argument("--only", default="", help=f"comma list of reports (default all: {', '.join(REPORTS)})")
+    args = ap.parse_args(argv)
+    runs = [r.strip() for r in args.only.split(",") if r.strip()] or list(REPORTS)
+    unknown = [r for r in runs if r not in REPORTS]
+    if unknown:
+        ap.error(f"unknown report {unknown[0]!r}; known: {', '.join(REPORTS)}")
+    differ = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in runs:
+            committed = RESULTS / run / "report"
+            out = Path(tmp) / run if args.check else committed
+            regenerate(run, out)
+            if args.check:
+                same = numbers(out / "results.json") == numbers(committed / "results.json")
+                differ += [] if same else [run]
+                print(f"{run}: {'same numbers' if same else 'DIFFERENT numbers'} as {committed.relative_to(ROOT)}")
+            else:
+                print(f"{run}: {committed.relative_to(ROOT)}")
+    if not args.check and not args.only:
+        sys.path.insert(0, str(ROOT / "experiments"))
+        import readme_plot
+
+        readme_plot.main([])
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
