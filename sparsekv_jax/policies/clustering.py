@@ -53,10 +53,11 @@ def word_start_mask(tokenizer: Any) -> np.ndarray:
                      for s, p in zip(texts, pieces, strict=True)], bool)
 
 
-def sentence_end_mask(tokenizer: Any, ends: str = SENTENCE_ENDS) -> np.ndarray:
-    """``[V]`` bool over the tokenizer's ids: a delimiter token (`delimiter_mask`) holding one of
-    ``ends`` (``.`` ``?`` ``!`` newline): the last token of a sentence (SmolLM2: ``"."``, ``".\\n\\n"``,
-    ``" ?"``)."""
+def sentence_delimiter_mask(tokenizer: Any, ends: str = SENTENCE_ENDS) -> np.ndarray:
+    """``[V]`` bool over the tokenizer's ids: a token made only of delimiters (`delimiter_mask`) that holds
+    one of ``ends`` (``.`` ``?`` ``!`` newline): the last token of a sentence for SemantiCache's
+    ``protect="digit_sentences"`` (SmolLM2: ``"."``, ``".\\n\\n"``, ``" ?"``). Not S³'s sentence ends
+    (`retrieval.text.sentence_end_mask`), which also count a word that ends in a mark and special tokens."""
     texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False)
     delims, marks = set(DELIMITERS), set(ends)
     return np.array([bool(s) and set(s) <= delims and bool(set(s) & marks) for s in texts], bool)
@@ -65,7 +66,7 @@ def sentence_end_mask(tokenizer: Any, ends: str = SENTENCE_ENDS) -> np.ndarray:
 def number_sentences(is_digit: jax.Array, ends_sentence: jax.Array, lengths: jax.Array, longest: int) -> jax.Array:
     """``[B, T]`` bool: every token of a sentence that holds a digit and is at most ``longest``
     tokens long, its closing delimiter included. A sentence ends at a sentence-end token
-    (`sentence_end_mask`) and at the row's last token (``lengths`` ``[B]``); padding is in none."""
+    (`sentence_delimiter_mask`) and at the row's last token (``lengths`` ``[B]``); padding is in none."""
     T = is_digit.shape[1]
     t = jnp.arange(T)[None]
     live = t < lengths[:, None]

@@ -36,7 +36,7 @@ layer and head.
 
   ``protect="digit_sentences"`` (the default until 2026-11-27): and the sentences that hold them:
   every token of a sentence of at most 64 tokens that holds a digit (a sentence ends at a delimiter
-  token holding ``.`` ``?`` ``!`` or a newline, `clustering.sentence_end_mask`), so a fact keeps the
+  token holding ``.`` ``?`` ``!`` or a newline, `clustering.sentence_delimiter_mask`), so a fact keeps the
   words that say what its number is: "One of the special magic numbers for wise-cook is: 7975467."
   (``number_sentences`` = 64 tokens at most.) A row keeps its sentences only while they take at
   most ``sentence_share`` (half) of its budget; else the words, as above. RULER at 50%,
@@ -72,7 +72,7 @@ def tokenizer_masks(tokenizer: Any, protect: str | None) -> dict[str, jax.Array 
     return {"delimiter_mask": jnp.asarray(clustering.delimiter_mask(tokenizer)),
             "number_mask": jnp.asarray(clustering.number_mask(tokenizer)) if protect in DIGITS else None,
             "word_start_mask": jnp.asarray(clustering.word_start_mask(tokenizer)) if protect in WORDS else None,
-            "sentence_end_mask": (jnp.asarray(clustering.sentence_end_mask(tokenizer)) if protect in SENTENCES
+            "sentence_end_mask": (jnp.asarray(clustering.sentence_delimiter_mask(tokenizer)) if protect in SENTENCES
                                   else None)}
 
 

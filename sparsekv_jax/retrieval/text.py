@@ -7,26 +7,36 @@ a policy's static field: it is hashed and compared by the tokenizer's identity, 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
 
 SENTENCE_END = (".", "!", "?", "。", "！", "？")
-_MASKS: dict[int, np.ndarray] = {}
+# keyed by the tokenizer object itself, held weakly: an entry dies with its tokenizer, so a later
+# tokenizer that happens to get the same id() never receives another vocabulary's mask
+_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def sentence_end_mask(tokenizer: Any) -> np.ndarray:
     """``[vocab]`` bool: the token ends a sentence (its text, stripped, ends in ``.``/``!``/``?``), holds
-    a newline, or is a special token (chat markers end a turn). Cached per tokenizer."""
-    key = id(tokenizer)
-    if key not in _MASKS:
-        size = len(tokenizer)
-        texts = tokenizer.batch_decode([[i] for i in range(size)])
-        mask = np.array([("\n" in t) or t.strip().endswith(SENTENCE_END) for t in texts], bool)
-        special = [i for i in getattr(tokenizer, "all_special_ids", []) if 0 <= i < size]
-        mask[special] = True
-        _MASKS[key] = mask
-    return _MASKS[key]
+    a newline, or is a special token (chat markers end a turn). Cached per tokenizer object (not per
+    `id`, which a collected tokenizer hands on); a tokenizer that cannot be weakly referenced is not
+    cached."""
+    try:
+        return _MASKS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    size = len(tokenizer)
+    texts = tokenizer.batch_decode([[i] for i in range(size)])
+    mask = np.array([("\n" in t) or t.strip().endswith(SENTENCE_END) for t in texts], bool)
+    special = [i for i in getattr(tokenizer, "all_special_ids", []) if 0 <= i < size]
+    mask[special] = True
+    try:
+        _MASKS[tokenizer] = mask
+    except TypeError:  # not weakly referenceable (or unhashable): computed again next time
+        pass
+    return mask
 
 
 class TextCodec:
