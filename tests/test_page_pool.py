@@ -71,6 +71,16 @@ class RefPool:
                 self.length[b, h] += 1
         return page, offset
 
+    def grow(self, tokens: np.ndarray) -> None:
+        for b in range(self.B):
+            for h in range(self.H):
+                target = -(-int(self.length[b, h] + tokens[b, h]) // self.ps)
+                mine = self.pages[b][h]
+                while len(mine) < min(target, self.M) and self.stack:
+                    mine.append(self.stack.pop())
+                self.overflow[b] |= len(mine) < target
+                self.length[b, h] = min(self.length[b, h] + tokens[b, h], len(mine) * self.ps)
+
     def table(self) -> np.ndarray:
         t = np.full((self.B, self.H, self.M), self.N)
         for b in range(self.B):
@@ -108,10 +118,10 @@ def check_invariants(pool: pp.PagePool) -> None:
 def jitted():
     """The allocator's functions under `jax.jit` (sizes static)."""
     return (jax.jit(pp.allocate_after_compression, static_argnums=(1, 2), static_argnames="max_pages_per_head"),
-            jax.jit(pp.allocate_rows), jax.jit(pp.append_slots), jax.jit(pp.free_rows))
+            jax.jit(pp.allocate_rows), jax.jit(pp.append_slots), jax.jit(pp.free_rows), jax.jit(pp.grow))
 
 
-ALLOC, ALLOC_ROWS, APPEND, FREE = jitted()
+ALLOC, ALLOC_ROWS, APPEND, FREE, GROW = jitted()
 
 
 def draw_lengths(rng: np.random.Generator, B: int, H: int, most: int) -> np.ndarray:
@@ -249,6 +259,32 @@ def test_free_returns_exactly_the_rows_pages(rng):
     check_invariants(again)
 
 
+def test_grow_reserves_a_run_of_tokens(rng):
+    """A run of tokens per (row, head) (a question read after compression): pages for the new length,
+    overflow where the pool or the table runs out, in the reference's order."""
+    B, H, M, ps = 3, 4, 5, 4
+    kept = draw_lengths(rng, B, H, 2 * ps)
+    N = int((-(-kept // ps)).sum()) + 12
+    pool = ALLOC(jnp.asarray(kept, jnp.int32), ps, N, max_pages_per_head=M)
+    ref = RefPool(B, H, N, M, ps)
+    ref.allocate(kept, [True] * B)
+    for _ in range(4):  # the pool runs out on the way
+        tokens = rng.integers(0, 2 * ps + 1, size=(B, H))
+        before_held = np.asarray(pool.held)
+        pool = GROW(pool, jnp.asarray(tokens, jnp.int32))
+        ref.grow(tokens)
+        ref.assert_same(pool)
+        check_invariants(pool)
+        fine = ~np.asarray(pool.overflow)
+        np.testing.assert_array_equal(np.asarray(pool.held)[fine], -(-np.asarray(pool.length)[fine] // ps))
+        assert (np.asarray(pool.held) >= before_held).all()
+    assert ref.overflow.any(), "the pool was meant to run out: draw more"
+    # a row-wide count and nothing asked change nothing but what they must
+    same = GROW(pool, jnp.zeros((B,), jnp.int32))
+    for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(pool), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_vmap_over_pool_groups(rng):
     """The engine maps the allocator over a mesh's pool groups (docs/PAGE_POOL.md): a vmapped call is
     each group's own call."""
@@ -284,5 +320,7 @@ def test_bad_input_is_refused_before_jit():
         pp.append_slots(pool, jnp.ones((1, 3), bool))
     with pytest.raises(ValueError, match="rows must be a bool mask"):
         pp.free_rows(pool, jnp.array([0]))
+    with pytest.raises(ValueError, match="tokens must be >= 0"):
+        pp.grow(pool, jnp.array([-2]))
     with pytest.raises(ValueError, match=r"kept_lengths shape \(1, 3\)"):
         pp.allocate_rows(pool, jnp.zeros((1, 3), jnp.int32), jnp.array([True]))

@@ -28,6 +28,11 @@ Invariants every function keeps (the tests check them against a Python reference
   appends (a row that steps back, CHESS's rewind, keeps its pages and refills them);
 * a row without overflow holds ``ceil(length / page_size)`` pages for the lengths it asked for.
 
+The functions: `empty_pool`; `allocate_after_compression` (a fresh pool, prefix-sum allocation) and
+`allocate_rows` (new requests in rows of a live pool); `append_slots` (one token per (row, head): a
+page for each head whose last page is full) and `grow` (a run of tokens); `free_rows` (finished
+requests).
+
 Every function is pure, of static shapes and vectorised over rows and heads (a cumulative sum ranks
 the requests, no Python loop over heads), so it runs under `jax.jit` and `jax.vmap` (the engine maps
 it over a mesh's pool groups, docs/PAGE_POOL.md). Requests are served in row-major order of
@@ -46,7 +51,7 @@ from flax import struct
 from sparsekv_jax.pallas.validation import is_concrete
 
 __all__ = ["PagePool", "allocate_after_compression", "allocate_rows", "append_slots", "empty_pool", "free_rows",
-           "owned", "pages_needed"]
+           "grow", "owned", "pages_needed"]
 
 
 @struct.dataclass
@@ -230,3 +235,33 @@ def append_slots(pool: PagePool, active: jax.Array) -> tuple[PagePool, jax.Array
     pool = pool.replace(table=table, held=held, length=pool.length + ok, free=free, num_free=num_free,
                         overflow=pool.overflow | (act & ~ok).any(-1))
     return pool, page, offset
+
+
+def grow(pool: PagePool, tokens: jax.Array) -> PagePool:
+    """Make room for ``tokens`` (``[B, H]`` or ``[B]`` int, ``>= 0``) more tokens in each (row, head):
+    pages are popped until it holds ``ceil((length + tokens) / page_size)`` (row-major order of (row,
+    head, page), while pages last) and ``length`` grows by ``tokens``. A run of tokens at once (a
+    question read after compression, `engine.prefill.extend`); the new tokens' logical slots are
+    ``old length ..``, their pages ``table[slot // page_size]``.
+
+    A (row, head) that cannot get every page (the stack ran out, or more than ``max_pages_per_head``)
+    keeps those it got, its ``length`` grows only as far as they hold, and its row gets ``overflow``.
+    """
+    B, H = pool.held.shape
+    t = jnp.asarray(tokens)
+    if not jnp.issubdtype(t.dtype, jnp.integer) or tuple(t.shape) not in ((B,), (B, H)):
+        raise ValueError(f"tokens must be an int array [B={B}] or [B, H]={[B, H]}, got {t.dtype} of shape "
+                         f"{tuple(t.shape)}")
+    if is_concrete(t) and t.size and int(t.min()) < 0:
+        raise ValueError(f"tokens must be >= 0, got a minimum of {int(t.min())}")
+    t = jnp.broadcast_to(t[:, None] if t.ndim == 1 else t, (B, H)).astype(jnp.int32)
+    M, ps = pool.max_pages_per_head, pool.page_size
+    want_len = pool.length + t
+    need = pages_needed(want_len, ps)
+    entry = jnp.arange(M, dtype=jnp.int32)
+    want = (entry >= pool.held[..., None]) & (entry < need[..., None])  # [B, H, M]
+    new, granted, free, num_free = _pop(pool.free, pool.num_free, want)
+    held = pool.held + granted.sum(-1, dtype=jnp.int32)
+    return pool.replace(table=jnp.where(granted, new, pool.table), held=held,
+                        length=jnp.minimum(want_len, held * ps), free=free,
+                        num_free=num_free, overflow=pool.overflow | (held < need).any(-1))
