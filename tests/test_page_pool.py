@@ -324,3 +324,25 @@ def test_bad_input_is_refused_before_jit():
         pp.grow(pool, jnp.array([-2]))
     with pytest.raises(ValueError, match=r"kept_lengths shape \(1, 3\)"):
         pp.allocate_rows(pool, jnp.zeros((1, 3), jnp.int32), jnp.array([True]))
+
+
+def test_uniform_lengths_on_a_fresh_pool_give_the_identity_layout(rng):
+    """The prefill pool's fast path (docs/PAGE_POOL.md, "Prefill"): every (row, head) asking for the
+    same length gets pages ``(row * H + head) * P + p``, so the pool's first pages, reshaped, are the
+    uniform ``[rows, H, P * page_size, D]`` layout with no gather."""
+    R, H, ps = 6, 4, 8  # R: (layer, row) pairs, layer-major
+    T = int(rng.integers(1, 5 * ps))
+    P = -(-T // ps)
+    N = R * H * P + int(rng.integers(0, 20))  # room past the prompt stays free
+    pool = ALLOC(jnp.full((R, H), T, jnp.int32), ps, N, max_pages_per_head=P + 3)
+    want = np.arange(R * H * P).reshape(R, H, P)
+    np.testing.assert_array_equal(np.asarray(pool.table)[..., :P], want)
+    assert not np.asarray(pool.overflow).any() and int(pool.num_free) == N - R * H * P
+    # slots written through the table (as the writes will) read back as the uniform layout by a reshape
+    table = np.asarray(pool.table)[..., :P]
+    slot = np.arange(P * ps)
+    where = table[:, :, slot // ps] * ps + slot % ps  # [R, H, P * ps] pool slot of each (row, head, slot)
+    keys = np.full((N * ps,), -1)
+    keys[where] = (np.arange(R)[:, None, None] * H + np.arange(H)[None, :, None]) * P * ps + slot
+    np.testing.assert_array_equal(keys[:R * H * P * ps].reshape(R, H, P * ps), np.arange(R * H * P * ps).reshape(
+        R, H, P * ps))
