@@ -3,9 +3,9 @@
 This module decides *ownership* only; it moves no K/V. A pool of ``N`` pages of ``page_size`` tokens
 is shared by every (row, head) of a batch; each (row, head) owns a page table of pool ids and a
 length. The caller (the engine, once the pool is wired in: docs/PAGE_POOL.md, "Migration") writes
-K/V into the pages these functions hand out. A "head" here is whatever owns one page list: the
-engine passes a (layer, KV head) pair per head (``[B, L * Hkv]``), so freeing a row frees every layer
-of it.
+K/V into the pages these functions hand out. A "row" and a "head" here are whatever owns one page
+list: the engine's rows are (layer, batch row) pairs, layer-major (``[L * B, Hkv]``, so the tables
+reshape to ``[L, B, Hkv, M]`` for free), and a finished request frees its row in every layer.
 
 `PagePool` holds, for a batch of ``B`` rows and ``H`` heads:
 
@@ -24,8 +24,9 @@ Invariants every function keeps (the tests check them against a Python reference
 
 * no page is owned twice, and no owned page is on the free stack: the owned pages and
   ``free[:num_free]`` are ``N`` distinct ids in ``[0, N)``;
-* ``ceil(length / page_size) <= held <= M``, with equality on the left after an allocation or
-  appends (a row that steps back, CHESS's rewind, keeps its pages and refills them);
+* ``ceil(length / page_size) <= held <= M``, with equality on the left after an allocation; more
+  only where a caller shortened ``length`` (CHESS's rewind, a padded prompt row): those pages are
+  kept and refilled before any is popped;
 * a row without overflow holds ``ceil(length / page_size)`` pages for the lengths it asked for.
 
 The functions: `empty_pool`; `allocate_after_compression` (a fresh pool, prefix-sum allocation) and
@@ -34,11 +35,11 @@ page for each head whose last page is full) and `grow` (a run of tokens); `free_
 requests).
 
 Every function is pure, of static shapes and vectorised over rows and heads (a cumulative sum ranks
-the requests, no Python loop over heads), so it runs under `jax.jit` and `jax.vmap` (the engine maps
-it over a mesh's pool groups, docs/PAGE_POOL.md). Requests are served in row-major order of
-``(row, head, page)``, each popping the stack's top: on a fresh pool that is a prefix-sum allocation,
-the pages of (row, head) ``i`` being ``offset_i .. offset_i + n_i - 1`` with ``offset`` the exclusive
-cumulative sum of the ``n``.
+the requests, no Python loop over heads), so it runs under `jax.jit` and `jax.vmap` (on a mesh, one
+pool per device: run per device or vmapped over the pool groups, docs/PAGE_POOL.md). Requests are
+served in row-major order of ``(row, head, page)``, each popping the stack's top: on a fresh pool that
+is a prefix-sum allocation, the pages of (row, head) ``i`` being ``offset_i .. offset_i + n_i - 1``
+with ``offset`` the exclusive cumulative sum of the ``n``.
 """
 
 from __future__ import annotations
