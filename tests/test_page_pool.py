@@ -1,4 +1,4 @@
-"""The page pool's allocator (`sparsekv_jax.engine.page_pool`) against a plain Python one written here.
+"""The page pool's allocator (`sparsekv_jax.cache_pool`) against a plain Python one written here.
 
 The reference keeps each (row, head)'s pages as a list and the free pages as a Python list used as a
 stack, and serves requests with loops in row-major order of (row, head, page): the allocator must
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsekv_jax.engine import page_pool as pp
+from sparsekv_jax import cache_pool as pp
 
 
 class RefPool:
