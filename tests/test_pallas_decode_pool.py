@@ -202,17 +202,23 @@ def test_pool_quantized_int8_with_zero_points(rng):
 
 def test_pool_unmapped_entry_under_jit_reads_nothing(rng):
     """Under ``jit`` (no value checks) a table entry a length reaches but holding the sentinel (or any id outside
-    the pool) reads nothing: the kernel matches the reference, which masks it, and never reads out of bounds."""
+    the pool) reads nothing, nor does a length past ``M·ps`` or a listed page past the table: the kernel matches
+    the reference, which masks them, and never reads out of bounds."""
     B, Hq, D, M, ps = 1, 4, 64, 3, 16  # two kv heads
     N = 8
     k, v = (jnp.asarray(rng.standard_normal((N, ps, D)), jnp.float32) for _ in range(2))
     q = jnp.asarray(rng.standard_normal((B, Hq, D)), jnp.float32)
     table = jnp.asarray([[[3, N, 5], [-2, 1, N + 4]]], jnp.int32)
-    lengths = jnp.asarray([[M * ps, M * ps]], jnp.int32)
-    out = jax.jit(lambda t: decode_attention(q, k, v, lengths, page_size=ps, page_table=t, interpret=True,
-                                             block_k=16))(table)
-    ref = decode_attention_reference(q, k, v, lengths, page_size=ps, page_table=table)
-    _check(out, ref, jnp.float32)
+    lengths = jnp.asarray([[M * ps + 5, M * ps]], jnp.int32)
+    call = jax.jit(lambda n, t, i: decode_attention(q, k, v, n, page_size=ps, page_table=t, page_ids=i,
+                                                    interpret=True, block_k=16))
+    dense = call(lengths, table, None)
+    _check(dense, decode_attention_reference(q, k, v, lengths, page_size=ps, page_table=table), jnp.float32)
+    ids = jnp.asarray([[[2, M, 0, 1], [M + 1, 1, 0, 2]]], jnp.int32)
+    listed = call(lengths, table, ids)
+    _check(listed, decode_attention_reference(q, k, v, lengths, page_size=ps, page_table=table, page_ids=ids),
+           jnp.float32)
+    np.testing.assert_allclose(np.asarray(listed), np.asarray(dense), rtol=1e-5, atol=1e-6)  # same pages
     mask = np.asarray(pool_slot_mask(lengths, table, N, page_size=ps))
     np.testing.assert_array_equal(mask.reshape(1, 2, M, ps).all(-1), [[[True, False, True], [False, True, False]]])
 

@@ -166,6 +166,8 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
             valid = e_valid & (slot < length)
         if pooled:  # slot is logical: its page goes through this head's table (one int load per lane)
             logical = slot
+            # within the table (unchecked under jit: a length past M·ps, a listed id >= M) or nothing is read
+            valid = valid & (slot < table_ref.shape[0] * page_size)
             lpage = jnp.where(valid, slot // page_size if dense else page, 0)
             phys = plgpu.load(table_ref.at[lpage], mask=valid, other=n_pool)
             valid = valid & (phys >= 0) & (phys < n_pool)  # "no page" (the sentinel N) reads nothing
