@@ -48,6 +48,13 @@ Design (why it looks like this):
   into the probabilities (``p * v_scale[page]``) before the second dot, so the values need only a
   cast. The running softmax sums use the unscaled ``p``.
 
+* **Page pool** (``page_table=``, issue 38, docs/PAGE_POOL.md): K/V, bias and scales are one pool of
+  head-free pages ``[N, ps, …]``; each (row, kv head) has a page table ``[M]`` and its own length. The
+  same kernel (flag ``pooled``) computes *logical* slots as above, maps each lane's page through the
+  table (one more int load per lane) and loads at ``phys·ps + lane % ps``; probabilities are stored at
+  the logical slot. A separate static branch: the uniform call traces as before. Not yet timed on a
+  GPU.
+
 Backend: Pallas' Triton lowering with explicit compiler params; ``interpret=True`` runs
 the same kernel on CPU for tests. A Mosaic GPU version can replace `_decode_call` behind
 the same signature.
