@@ -135,6 +135,28 @@ def test_pool_identity_table_is_the_uniform_kernel(rng):
     np.testing.assert_array_equal(np.asarray(out), np.asarray(decode_attention(q, k, v, lengths, page_size=ps, **tune)))
 
 
+def test_pool_identity_table_of_a_stacked_cache_reads_its_layer(rng):
+    """The stacked cache ``[L, B, Hkv, S, D]`` reshaped into pages is a pool whose identity table for layer ``l``
+    is ``((l·B + b)·Hkv + h)·P + p`` (docs/PAGE_POOL.md, Readers): the layer moves into the table, and pool
+    mode gives the ``layer=l`` call's output bit for bit, listed pages and a bias included; every other
+    layer is NaN."""
+    L, B, Hq, Hkv, D, M, ps = 3, 2, 4, 2, 64, 4, 16
+    S, layer = M * ps, int(rng.integers(L))
+    nan_but = lambda x: jnp.stack([x if i == layer else jnp.full_like(x, jnp.nan) for i in range(L)])  # noqa: E731
+    k, v = (nan_but(jnp.asarray(rng.standard_normal((B, Hkv, S, D)), jnp.float32)) for _ in range(2))
+    bias = nan_but(jnp.asarray(rng.standard_normal((B, Hkv, S)), jnp.float32))
+    q = jnp.asarray(rng.standard_normal((B, Hq, D)), jnp.float32)
+    lengths = jnp.asarray([S - int(rng.integers(1, ps)), int(rng.integers(1, S))], jnp.int32)
+    ids, counts = random_page_lists(rng, np.asarray(lengths), Hkv, M, ps, list_len=M - 1)
+    sel = dict(page_ids=jnp.asarray(ids), page_counts=jnp.asarray(counts), interpret=True, block_k=32)
+    table = jnp.arange(L * B * Hkv * M, dtype=jnp.int32).reshape(L, B, Hkv, M)[layer]
+    out = decode_attention(q, k.reshape(-1, ps, D), v.reshape(-1, ps, D), jnp.broadcast_to(lengths[:, None], (B, Hkv)),
+                           page_size=ps, page_table=table, bias=bias.reshape(-1, ps), **sel)
+    want = decode_attention(q, k, v, lengths, page_size=ps, bias=bias, layer=layer, **sel)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+
+
 def test_pool_return_probs_at_logical_slots(rng):
     """``return_probs`` in pool mode: ``[B, Hq, M·ps]`` at *logical* slots, equal to the uniform kernel's (whose
     slots are the logical ones) and to the reference; exactly 0 off the read set; under ``jit``."""
