@@ -48,6 +48,13 @@ Design (why it looks like this):
   into the probabilities (``p * v_scale[page]``) before the second dot, so the values need only a
   cast. The running softmax sums use the unscaled ``p``.
 
+* **Page pool** (``page_table=``, issue 38, docs/PAGE_POOL.md): K/V, bias and scales are one pool of
+  head-free pages ``[N, ps, …]``; each (row, kv head) has a page table ``[M]`` and its own length. The
+  same kernel (flag ``pooled``) computes *logical* slots as above, maps each lane's page through the
+  table (one more int load per lane) and loads at ``phys·ps + lane % ps``; probabilities are stored at
+  the logical slot. A separate static branch: the uniform call traces as before. Not yet timed on a
+  GPU.
+
 Backend: Pallas' Triton lowering with explicit compiler params; ``interpret=True`` runs
 the same kernel on CPU for tests. A Mosaic GPU version can replace `_decode_call` behind
 the same signature.
@@ -74,9 +81,9 @@ from sparsekv_jax.pallas._common import (
     next_pow2,
     triton_params,
 )
-from sparsekv_jax.pallas.validation import check_decode_args, is_concrete
+from sparsekv_jax.pallas.validation import check_decode_args, check_pool_decode_args, is_concrete
 
-__all__ = ["decode_attention", "decode_attention_reference", "decode_plan"]
+__all__ = ["decode_attention", "decode_attention_reference", "decode_plan", "pool_slot_mask"]
 
 
 def decode_plan(num_listed_pages: int, page_size: int, batch: int, kv_heads: int, *,
@@ -99,13 +106,19 @@ def decode_plan(num_listed_pages: int, page_size: int, batch: int, kv_heads: int
 
 def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool, page_size: int, ppb: int,
                    pages_per_split: int, qk_scale: float, f32_dot: bool, block_h: int, store_logits: bool,
-                   quantized: bool = False, has_zero: bool = False) -> None:
+                   quantized: bool = False, has_zero: bool = False, pooled: bool = False) -> None:
     """One program = one (row b, kv head h, split s): online softmax over its chunk.
 
     With ``store_logits`` it also writes each valid slot's scaled logit (log2 units, bias
     included) to ``logit_ref`` ``[G, S]``, which the splits of one (row, kv head) share: each
     writes only the slots it read, with a masked scatter, so the splits never race (the page
     lists are duplicate-free and the splits partition them).
+
+    With ``pooled`` (page pool, issue 38) ``k_ref``/``v_ref`` are the whole pool ``[N·ps, D]``, the
+    lengths are per (row, kv head), and a ``table_ref`` ``[M]`` (this head's page table) follows them:
+    the slots the dense / listed branches compute are *logical*, each lane's page is mapped through
+    the table (sentinel or out-of-range entries read nothing) and the loads use the physical slot;
+    the logits are stored at the logical slot.
     """
     it = iter(refs)
     q_ref, k_ref, v_ref, len_ref = next(it), next(it), next(it), next(it)
@@ -113,6 +126,7 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
     # here, from a runtime index, so the caller never slices (copies) one layer out of the stack.
     # It is a broadcasting int array, like the other indices (interpret mode needs all-array gathers).
     layer = jnp.full((1, 1), next(it)[0], jnp.int32) if stacked else None
+    table_ref = next(it) if pooled else None
     cnt_ref = ids_ref = bias_ref = None
     if not dense:
         cnt_ref, ids_ref = next(it), next(it)
@@ -126,7 +140,8 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group, head_dim = q_ref.shape[-2:]
     block_k = ppb * page_size
-    length = len_ref[b]
+    length = len_ref[b, h] if pooled else len_ref[b]
+    n_pool = k_ref.shape[0] // page_size if pooled else None  # pool pages N; N is the table's sentinel
     lane = jnp.arange(block_k, dtype=jnp.int32)
     cols = jnp.arange(head_dim, dtype=jnp.int32)[None, :]
     # The G query heads of this kv head, padded in registers (masked rows) to block_h >= 16,
@@ -156,6 +171,14 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
             page = plgpu.load(ids_ref.at[jnp.where(e_valid, entry, 0)], mask=e_valid, other=0)
             slot = page * page_size + lane % page_size
             valid = e_valid & (slot < length)
+        if pooled:  # slot is logical: its page goes through this head's table (one int load per lane)
+            logical = slot
+            # within the table (unchecked under jit: a length past M·ps, a listed id >= M) or nothing is read
+            valid = valid & (slot < table_ref.shape[0] * page_size)
+            lpage = jnp.where(valid, slot // page_size if dense else page, 0)
+            phys = plgpu.load(table_ref.at[lpage], mask=valid, other=n_pool)
+            valid = valid & (phys >= 0) & (phys < n_pool)  # "no page" (the sentinel N) reads nothing
+            slot = phys * page_size + lane % page_size
         slot = jnp.where(valid, slot, 0)
         # Index with two broadcasting int arrays (not ``slot, :``): interpret mode only
         # discharges all-array gathers, and Triton sees the column iota as contiguous.
@@ -190,7 +213,7 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
             # could overwrite a real lane's store with the stale value.
             keep = (q_rows < group) & valid[None, :]
             rows_out = jnp.where(q_rows < group, q_rows, group)
-            slots_out = jnp.where(valid, slot, logit_ref.shape[-1])[None, :]
+            slots_out = jnp.where(valid, logical if pooled else slot, logit_ref.shape[-1])[None, :]
             plgpu.store(logit_ref.at[rows_out, slots_out], logits, mask=keep)
         m_next = jnp.maximum(m_prev, logits.max(axis=-1))
         alpha = jnp.exp2(m_prev - m_next)
@@ -214,12 +237,16 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
 def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
                  page_ids: jax.Array | None, page_counts: jax.Array | None, bias: jax.Array | None,
                  layer: jax.Array | None, k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
-                 k_zero: jax.Array | None = None, *,
+                 k_zero: jax.Array | None = None, page_table: jax.Array | None = None, *,
                  page_size: int, scale: float, interpret: bool, block_k: int,
                  num_splits: int | None, num_warps: int, num_stages: int,
                  return_probs: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
     B, Hq, D = q.shape
-    Hkv, S = k.shape[-3], k.shape[-2]
+    pooled = page_table is not None
+    if pooled:  # k, v: the pool [N, ps, D]; S: the logical slots of a head, M pages (the probabilities' width)
+        Hkv, S = page_table.shape[1], page_table.shape[2] * page_size
+    else:
+        Hkv, S = k.shape[-3], k.shape[-2]
     stacked = layer is not None
     L = k.shape[0] if stacked else None
     G = Hq // Hkv
@@ -229,8 +256,13 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
     ppb, n_splits, pps = decode_plan(n_listed, page_size, B, Hkv, block_k=block_k, num_splits=num_splits)
 
     qg = q.reshape(B, Hkv, G, D)  # free: heads of a group are adjacent
-    args = [qg, k, v, lengths.astype(jnp.int32)]
     full = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))  # noqa: E731
+    if pooled:
+        return _decode_call_pool(qg, k, v, lengths, page_table, page_ids, page_counts, bias, k_scale, v_scale,
+                                 k_zero, page_size=page_size, scale=scale, interpret=interpret, ppb=ppb,
+                                 n_splits=n_splits, pps=pps, num_warps=num_warps, num_stages=num_stages,
+                                 return_probs=return_probs)
+    args = [qg, k, v, lengths.astype(jnp.int32)]
     if stacked:  # the block holds this (row, head) of every layer; the kernel picks the layer
         kv_spec = pl.BlockSpec((L, None, None, S, D), lambda b, h, s: (0, b, h, 0, 0))
     else:
@@ -296,6 +328,87 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
         name="sparsekv_decode",
     )(*args)
 
+    return _combine_splits(o, m, l, logits, G, q.dtype, lambda: selected_slot_mask(
+        lengths, S, Hkv, page_size=page_size, page_ids=page_ids, page_counts=counts))
+
+
+def _decode_call_pool(qg: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, page_table: jax.Array,
+                      page_ids: jax.Array | None, page_counts: jax.Array | None, bias: jax.Array | None,
+                      k_scale: jax.Array | None, v_scale: jax.Array | None, k_zero: jax.Array | None, *,
+                      page_size: int, scale: float, interpret: bool, ppb: int, n_splits: int, pps: int,
+                      num_warps: int, num_stages: int,
+                      return_probs: bool) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """`_decode_call`'s page-pool branch (traced inside its ``jit``): the same kernel over the whole
+    pool, its slots mapped through ``page_table`` ``[B, Hkv, M]``. Its own function so that the
+    uniform branch traces exactly as before the pool existed."""
+    B, Hkv, G, D = qg.shape
+    N, M = k.shape[0], page_table.shape[-1]
+    block_h = max(16, next_pow2(G))
+    full = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))  # noqa: E731
+    head = lambda n: pl.BlockSpec((None, None, n), lambda b, h, s: (b, h, 0))  # noqa: E731
+    # the block of every pool leaf is the whole pool (a head's pages lie anywhere in it): free reshapes
+    args = [qg, k.reshape(N * page_size, D), v.reshape(N * page_size, D), lengths.astype(jnp.int32),
+            page_table.astype(jnp.int32)]
+    in_specs = [full((B, Hkv, G, D)), full((N * page_size, D)), full((N * page_size, D)), full((B, Hkv)), head(M)]
+    dense = page_ids is None
+    counts = None
+    if not dense:
+        K = page_ids.shape[-1]
+        counts = (jnp.full((B, Hkv), K, jnp.int32) if page_counts is None
+                  else page_counts.astype(jnp.int32))
+        args += [counts, page_ids.astype(jnp.int32)]
+        in_specs += [full((B, Hkv)), head(K)]
+    if bias is not None:
+        args.append(bias.astype(jnp.float32).reshape(N * page_size))
+        in_specs.append(full((N * page_size,)))
+    quantized = k_scale is not None
+    if quantized:
+        args += [k_scale, v_scale]
+        in_specs += [full((N, D)), full((N,))]
+        if k_zero is not None:
+            args.append(k_zero)
+            in_specs.append(full((N, D)))
+    staged = k.dtype.itemsize + (qg.dtype.itemsize if quantized else 0)
+    num_stages = fit_stages(num_stages, 2 * ppb * page_size * D * staged)
+    kernel = functools.partial(
+        _decode_kernel, dense=dense, has_bias=bias is not None, stacked=False, page_size=page_size, ppb=ppb,
+        pages_per_split=pps, qk_scale=scale * LOG2E, f32_dot=qg.dtype == jnp.float32, block_h=block_h,
+        store_logits=return_probs, quantized=quantized, has_zero=k_zero is not None, pooled=True)
+    S = M * page_size  # a head's logical slots
+    out_specs = [
+        pl.BlockSpec((None, None, None, block_h, D), lambda b, h, s: (b, h, s, 0, 0)),
+        pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0)),
+        pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0)),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((B, Hkv, n_splits, block_h, D), jnp.float32),
+        jax.ShapeDtypeStruct((B, Hkv, n_splits, block_h), jnp.float32),
+        jax.ShapeDtypeStruct((B, Hkv, n_splits, block_h), jnp.float32),
+    ]
+    if return_probs:  # logits at *logical* slots: [G, M·ps] per (row, kv head), as the uniform [G, S]
+        out_specs.append(pl.BlockSpec((None, None, G, S), lambda b, h, s: (b, h, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((B, Hkv, G, S), jnp.float32))
+    o, m, l, *logits = pl.pallas_call(
+        kernel,
+        grid=(B, Hkv, n_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name="sparsekv_decode_pool",
+    )(*args)
+    return _combine_splits(o, m, l, logits, G, qg.dtype, lambda: pool_slot_mask(
+        lengths, page_table, N, page_size=page_size, page_ids=page_ids, page_counts=counts))
+
+
+def _combine_splits(o: jax.Array, m: jax.Array, l: jax.Array, logits: list[jax.Array], G: int, dtype: Any,
+                    read_mask: Any) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """The jnp epilogue of a decode call: the splits' partials ``o [B, Hkv, n, block_h, D]``, ``m``,
+    ``l`` ``[B, Hkv, n, block_h]`` combined into ``[B, Hkv·G, D]`` in ``dtype``; with stored
+    ``logits`` (``[[B, Hkv, G, S]]``, ``return_probs``) also the probabilities ``[B, Hkv·G, S]``,
+    ``read_mask()`` giving the ``[B, Hkv, S]`` slots some split read (built only then)."""
+    B, Hkv, _, _, D = o.shape
     # Log-sum-exp combine of the splits (m is in log2 units). Rows/heads where nothing was
     # selected have l == 0 in every split and come out as exact zeros.
     m_all = m.max(axis=2, keepdims=True)
@@ -303,19 +416,20 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
     l_all = (l * w).sum(axis=2)
     acc = (o * w[..., None]).sum(axis=2)
     out = jnp.where(l_all[..., None] > 0, acc / jnp.where(l_all > 0, l_all, 1.0)[..., None], 0.0)
-    out = out[:, :, :G].reshape(B, Hq, D).astype(q.dtype)
-    if not return_probs:
+    out = out[:, :, :G].reshape(B, Hkv * G, D).astype(dtype)
+    if not logits:
         return out
     # Probabilities from the stored logits and the combined (m, l): the same softmax as the
     # output. Slots no split read hold whatever the buffer held (NaN in interpret mode, stale
     # memory on the GPU), so the read-slot mask -- rebuilt from the page lists by a scatter over
     # pages, O(B Hkv K) -- selects them away before any arithmetic touches them.
-    read = selected_slot_mask(lengths, S, Hkv, page_size=page_size, page_ids=page_ids, page_counts=counts)
+    read = read_mask()
+    S = read.shape[-1]
     m_g = m_all[:, :, 0, :G, None]  # [B, Hkv, G, 1], log2 units
     l_g = l_all[:, :, :G, None]
     ok = read[:, :, None, :] & (l_g > 0)  # l == 0: nothing (or only -inf bias) read -> zeros
     probs = jnp.exp2(jnp.where(ok, logits[0] - m_g, -jnp.inf)) / jnp.where(l_g > 0, l_g, 1.0)
-    return out, probs.reshape(B, Hq, S)
+    return out, probs.reshape(B, Hkv * G, S)
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *, page_size: int,
@@ -324,22 +438,33 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                      scale: float | None = None, interpret: bool = False,
                      block_k: int = 128, num_splits: int | None = None, num_warps: int = 8,
                      num_stages: int = 3, return_probs: bool = False, k_scale: jax.Array | None = None,
-                     v_scale: jax.Array | None = None,
-                     k_zero: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                     v_scale: jax.Array | None = None, k_zero: jax.Array | None = None,
+                     page_table: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """GQA decode attention over a per-(row, kv head) subset of cache pages.
+
+    Two layouts. *Uniform* (``page_table=None``, today's cache): ``k``/``v`` ``[B, Hkv, S, D]``,
+    one length per row. *Page pool* (``page_table`` given, issue 38, docs/PAGE_POOL.md): ``k``/``v``
+    are one pool ``[N, ps, D]`` of head-free pages, each (row, kv head) owns the pages its table
+    lists, and each has its own length; the arguments below say what changes. Pool mode is a
+    separate static branch (its own kernel specialisation): the uniform call compiles exactly as
+    before. **Pool mode is checked in interpret mode only; it is not yet timed on a GPU** (migration
+    step 1's gate: decode ms/token before/after at 32k and 128k).
 
     Args:
       q: ``[B, Hq, D]`` one query per row (bf16/f16/f32).
       k, v: ``[B, Hkv, S, D]`` the cache, ``S = num_pages * page_size``; same dtype as q. With
         ``layer``: ``[L, B, Hkv, S, D]``, every layer's cache (and bias ``[L, B, Hkv, S]``).
       lengths: ``[B]`` int, slots in use; slots ``>= lengths[b]`` are masked (a partial last
-        page is fine).
+        page is fine). Pool mode: ``[B, Hkv]``, tokens held by each (row, kv head), at most
+        ``M·ps``.
       page_size: tokens per page (a power of two; 16/32/64/128 tested).
       page_ids: ``[B, Hkv, K]`` int page indices to read, duplicate-free, any order. None means
-        dense: every page below ``ceil(length / page_size)``.
+        dense: every page below ``ceil(length / page_size)``. Pool mode: *logical* pages in
+        ``[0, M)`` (the index into the head's table), the dense default per head's length.
       page_counts: ``[B, Hkv]`` int, valid entries of each list (default K). Entries past the
         count are ignored; a zero count yields a zero output for that (row, head group).
       bias: ``[B, Hkv, S]`` additive logit per slot (natural-log units), e.g. log cluster size.
+        Pool mode: ``[N, ps]``, per pool slot.
       layer: int scalar (may be traced): read this layer of stacked ``k``/``v``/``bias``. A layer
         scan that carries the whole cache passes it here instead of slicing, so a decode step
         copies nothing: the kernel reads the selected pages straight from the stacked cache.
@@ -359,18 +484,33 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         (`sparsekv_jax.cache`). Dequantised in registers to q's dtype.
       k_zero: with ``k_scale``, the keys' zero points per page and channel (shaped as ``k_scale``):
         a key is then ``k * k_scale[page] + k_zero[page]``, computed in float32 and cast to q's
-        dtype. ``None``: 0 (symmetric codes).
+        dtype. ``None``: 0 (symmetric codes). Pool mode: ``k_scale``/``k_zero`` ``[N, D]``, ``v_scale``
+        ``[N]``, per pool page.
+      page_table: pool mode: ``[B, Hkv, M]`` int, the pool page holding each logical page of a
+        (row, kv head) -- one layer's tables, ``table[l]`` of the pool (``layer`` is for the
+        uniform stack only). Logical slot ``t`` of (b, h) is pool slot
+        ``table[b, h, t // ps]·ps + t % ps``. Entries for pages below ``ceil(lengths[b, h] / ps)``
+        must lie in ``[0, N)``; the rest may be the sentinel ``N`` ("no page") or anything:
+        they are never read. Under ``jit`` (no value checks) an entry outside ``[0, N)`` reads
+        nothing rather than another page.
 
     Returns:
       ``[B, Hq, D]`` in q's dtype; with ``return_probs`` the pair ``(out, probs)``, ``probs``
       ``[B, Hq, S]`` float32: the softmax weight (bias included) of each slot for each query
       head -- of layer ``layer`` only in stacked mode -- and exactly 0 for every slot not read
-      (not in a listed page, at or past the length). Rows with nothing read are all zero.
+      (not in a listed page, at or past the length). Rows with nothing read are all zero. Pool
+      mode: ``probs`` ``[B, Hq, M·ps]`` at *logical* slots (the uniform layout's slot order).
 
     Raises:
       ValueError: on bad shapes/dtypes, and (for concrete arrays) ids out of range, counts
         beyond the list, duplicate ids, lengths out of range.
     """
+    if page_table is not None:
+        return _decode_attention_pool(q, k, v, lengths, page_table, page_size=page_size, page_ids=page_ids,
+                                      page_counts=page_counts, bias=bias, layer=layer, scale=scale,
+                                      interpret=interpret, block_k=block_k, num_splits=num_splits,
+                                      num_warps=num_warps, num_stages=num_stages, return_probs=return_probs,
+                                      k_scale=k_scale, v_scale=v_scale, k_zero=k_zero)
     k_like, v_like = _check_quantized(q, k, v, k_scale, v_scale, page_size, k_zero)
     if layer is not None:
         _check_stacked(k, v, bias, layer)
@@ -391,6 +531,58 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                         scale=float(scale), interpret=interpret, block_k=block_k,
                         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
                         return_probs=bool(return_probs))
+
+
+def _decode_attention_pool(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, page_table: jax.Array, *,
+                           page_size: int, page_ids: jax.Array | None, page_counts: jax.Array | None,
+                           bias: jax.Array | None, layer: Any, scale: float | None, interpret: bool, block_k: int,
+                           num_splits: int | None, num_warps: int, num_stages: int, return_probs: bool,
+                           k_scale: jax.Array | None, v_scale: jax.Array | None,
+                           k_zero: jax.Array | None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """`decode_attention` in pool mode: the checks, then the jitted call."""
+    if layer is not None:
+        raise ValueError("layer= indexes a stacked uniform cache; with page_table the pool holds every layer: "
+                         "pass that layer's tables and lengths (table[l], length[l]) instead")
+    k_like, v_like = _check_quantized_pool(q, k, v, k_scale, v_scale, page_size, k_zero)
+    check_pool_decode_args(q, k_like, v_like, lengths, page_table, page_size=page_size, page_ids=page_ids,
+                           page_counts=page_counts, bias=bias)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if not scale > 0:
+        raise ValueError(f"scale={scale} must be positive")
+    return _decode_call(q, k, v, lengths, page_ids, page_counts, bias, None, k_scale, v_scale, k_zero, page_table,
+                        page_size=page_size, scale=float(scale), interpret=interpret, block_k=block_k,
+                        num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+                        return_probs=bool(return_probs))
+
+
+def _check_quantized_pool(q: jax.Array, k: jax.Array, v: jax.Array, k_scale: jax.Array | None,
+                          v_scale: jax.Array | None, page_size: int, k_zero: jax.Array | None) -> tuple[Any, Any]:
+    """`_check_quantized` for pool leaves: codes ``[N, ps, D]``, ``k_scale``/``k_zero`` ``[N, D]``,
+    ``v_scale`` ``[N]``."""
+    if k_scale is None and v_scale is None:
+        if k_zero is not None:
+            raise ValueError("k_zero without k_scale/v_scale: zero points belong to a quantised cache")
+        return k, v
+    if k_scale is None or v_scale is None:
+        raise ValueError("k_scale and v_scale come together (a quantised cache has both)")
+    for name, x in (("k", k), ("v", v)):
+        if jnp.dtype(x.dtype).name not in ("int8", "float8_e4m3fn"):
+            raise ValueError(f"with k_scale/v_scale, {name} must hold int8 or float8_e4m3fn codes, got {x.dtype}")
+    if k.dtype != v.dtype:
+        raise ValueError(f"k and v codes must share a dtype, got {k.dtype} and {v.dtype}")
+    if k.ndim != 3:
+        raise ValueError(f"with page_table, k must be a pool [N, page_size, D], got shape {tuple(k.shape)}")
+    N, D = k.shape[0], k.shape[-1]
+    if tuple(k_scale.shape) != (N, D):
+        raise ValueError(f"with page_table, k_scale must be [N, D]={[N, D]} (a scale per pool page and channel), "
+                         f"got {list(k_scale.shape)}")
+    if k_zero is not None and tuple(k_zero.shape) != (N, D):
+        raise ValueError(f"k_zero must be shaped as k_scale {[N, D]}, got {list(k_zero.shape)}")
+    if tuple(v_scale.shape) != (N,):
+        raise ValueError(f"with page_table, v_scale must be [N]={[N]} (a scale per pool page), "
+                         f"got {list(v_scale.shape)}")
+    return (jax.ShapeDtypeStruct(k.shape, q.dtype), jax.ShapeDtypeStruct(v.shape, q.dtype))
 
 
 def _check_quantized(q: jax.Array, k: jax.Array, v: jax.Array, k_scale: jax.Array | None, v_scale: jax.Array | None,
@@ -435,10 +627,12 @@ def _check_stacked(k: jax.Array, v: jax.Array, bias: jax.Array | None, layer: in
 def selected_slot_mask(lengths: jax.Array, S: int, Hkv: int, *, page_size: int,
                        page_ids: jax.Array | None = None,
                        page_counts: jax.Array | None = None) -> jax.Array:
-    """``[B, Hkv, S]`` bool: slots a decode step reads (selected page and below the length)."""
+    """``[B, Hkv, S]`` bool: slots a decode step reads (selected page and below the length).
+
+    ``lengths``: ``[B]`` (a row's) or ``[B, Hkv]`` (a head's, the page pool's)."""
     B = lengths.shape[0]
     P = S // page_size
-    valid = jnp.arange(S)[None, None, :] < lengths[:, None, None]
+    valid = jnp.arange(S)[None, None, :] < (lengths[:, None, None] if lengths.ndim == 1 else lengths[..., None])
     if page_ids is None:
         return jnp.broadcast_to(valid, (B, Hkv, S))
     K = page_ids.shape[-1]
@@ -451,13 +645,31 @@ def selected_slot_mask(lengths: jax.Array, S: int, Hkv: int, *, page_size: int,
     return jnp.repeat(sel, page_size, axis=-1) & valid
 
 
+def pool_slot_mask(lengths: jax.Array, page_table: jax.Array, num_pool_pages: int, *, page_size: int,
+                   page_ids: jax.Array | None = None, page_counts: jax.Array | None = None) -> jax.Array:
+    """``[B, Hkv, M·ps]`` bool: the *logical* slots a pool-mode decode step reads: a selected logical
+    page, below the head's length ``lengths [B, Hkv]``, and mapped by ``page_table [B, Hkv, M]`` to a
+    pool page in ``[0, num_pool_pages)`` (the sentinel ``N`` reads nothing)."""
+    B, Hkv, M = page_table.shape
+    mapped = (page_table >= 0) & (page_table < num_pool_pages)
+    sel = selected_slot_mask(lengths, M * page_size, Hkv, page_size=page_size, page_ids=page_ids,
+                             page_counts=page_counts)
+    return sel & jnp.repeat(mapped, page_size, axis=-1)
+
+
 def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
                                page_size: int, page_ids: jax.Array | None = None,
                                page_counts: jax.Array | None = None, bias: jax.Array | None = None,
                                scale: float | None = None, return_probs: bool = False,
                                k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
-                               k_zero: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                               k_zero: jax.Array | None = None,
+                               page_table: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """jnp reference: masked softmax over the selected slots, in float32 (HIGHEST precision).
+
+    Pool mode (``page_table``, shapes as `decode_attention`): each head's logical pages are gathered
+    out of the pool first (``leaf[page_table]``, the jnp readers' way in docs/PAGE_POOL.md), giving the
+    uniform layout ``[B, Hkv, M·ps, …]`` with per-head lengths; pages past a head's length or
+    unmapped (the sentinel) are masked, never used.
 
     A quantised cache (``k_scale``/``v_scale``/``k_zero``, as `decode_attention`) is dequantised
     first, in float32 then to q's dtype as the kernel does (the same numbers: the scales are powers
@@ -468,11 +680,22 @@ def decode_attention_reference(q: jax.Array, k: jax.Array, v: jax.Array, lengths
     ``return_probs`` also returns the weights ``[B, Hq, S]`` float32, as `decode_attention`.
     """
     B, Hq, D = q.shape
-    _, Hkv, S, _ = k.shape
+    if page_table is not None:
+        N = k.shape[0]
+        _, Hkv, M = page_table.shape
+        S = M * page_size
+        mask = pool_slot_mask(lengths, page_table, N, page_size=page_size, page_ids=page_ids,
+                              page_counts=page_counts)
+        take = lambda x: None if x is None else x.at[page_table].get(mode="fill")  # noqa: E731 -- masked
+        k, v = take(k).reshape(B, Hkv, S, D), take(v).reshape(B, Hkv, S, D)
+        bias = None if bias is None else take(bias).reshape(B, Hkv, S)
+        k_scale, v_scale, k_zero = take(k_scale), take(v_scale), take(k_zero)
+    else:
+        _, Hkv, S, _ = k.shape
+        mask = selected_slot_mask(lengths, S, Hkv, page_size=page_size, page_ids=page_ids,
+                                  page_counts=page_counts)
     G = Hq // Hkv
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    mask = selected_slot_mask(lengths, S, Hkv, page_size=page_size, page_ids=page_ids,
-                              page_counts=page_counts)
     if k_scale is not None:
         ks = jnp.repeat(k_scale.astype(jnp.float32), page_size, axis=-2)
         vs = jnp.repeat(v_scale.astype(jnp.float32), page_size, axis=-1)[..., None]

@@ -133,6 +133,73 @@ def check_decode_args(q: Any, k: Any, v: Any, lengths: Any, *, page_size: int, p
         check_index_lists(page_ids, counts, upper=P, name="page_ids")
 
 
+def check_pool_decode_args(q: Any, k: Any, v: Any, lengths: Any, page_table: Any, *, page_size: int,
+                           page_ids: Any, page_counts: Any, bias: Any) -> None:
+    """Validate `decode_attention`'s page-pool mode (raises ValueError).
+
+    ``k``/``v`` ``[N, page_size, D]`` (the pool), ``page_table`` ``[B, Hkv, M]``, ``lengths``
+    ``[B, Hkv]``, logical ``page_ids`` ``[B, Hkv, K]`` in ``[0, M)``, ``bias`` ``[N, page_size]``.
+    With concrete values, also: lengths in ``[0, M·page_size]``, and every table entry a head's
+    length reaches (logical pages below ``ceil(length / page_size)``) a pool page in ``[0, N)``.
+    """
+    _require(isinstance(page_size, int) and is_pow2(page_size),
+             f"page_size={page_size} must be a positive power of two")
+    _require(len(_shape(q)) == 3, f"q must have rank 3, got shape {_shape(q)}")
+    _require(len(_shape(k)) == 3, f"with page_table, k must be a pool [N, page_size, D], got shape {_shape(k)}")
+    _require(_shape(v) == _shape(k), f"v shape {_shape(v)} != k shape {_shape(k)}")
+    N, ps, D = _shape(k)
+    _require(ps == page_size, f"pool pages hold {ps} tokens (k.shape[1]) but page_size={page_size}")
+    _require(N >= 1, "the pool must hold at least one page")
+    tshape = _shape(page_table)
+    _require(len(tshape) == 3 and tshape[2] >= 1, f"page_table must be [B, Hkv, M>=1], got shape {tshape}")
+    _check_int("page_table", page_table)
+    B, Hkv, M = tshape
+    qs = _shape(q)
+    _require(qs[0] == B, f"q batch {qs[0]} != page_table batch {B}")
+    _require(qs[-1] == D, f"q head_dim {qs[-1]} != k head_dim {D}")
+    _require(Hkv > 0 and qs[1] % Hkv == 0, f"query heads {qs[1]} must be a multiple of kv heads {Hkv} (page_table)")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_float(name, x)
+    _require(_dtype(q) == _dtype(k) == _dtype(v),
+             f"q, k, v must share a dtype, got {_dtype(q)}, {_dtype(k)}, {_dtype(v)}")
+    _require(is_pow2(D) and D >= 16, f"head_dim {D} must be a power of two >= 16 (Triton dot tiles)")
+    _require(_shape(lengths) == (B, Hkv),
+             f"with page_table, lengths must be [B, Hkv]=[{B}, {Hkv}] (one per head), got {_shape(lengths)}")
+    _check_int("lengths", lengths)
+    if page_counts is not None and page_ids is None:
+        raise ValueError("page_counts given without page_ids")
+    if page_ids is not None:
+        ids_shape = _shape(page_ids)
+        _require(len(ids_shape) == 3 and ids_shape[:2] == (B, Hkv) and ids_shape[2] >= 1,
+                 f"page_ids must be [B, Hkv, K]=[{B}, {Hkv}, K>=1], got {ids_shape}")
+        _check_int("page_ids", page_ids)
+        if page_counts is not None:
+            _require(_shape(page_counts) == (B, Hkv),
+                     f"page_counts must be [B, Hkv]=[{B}, {Hkv}], got {_shape(page_counts)}")
+            _check_int("page_counts", page_counts)
+    if bias is not None:
+        _require(_shape(bias) == (N, ps),
+                 f"with page_table, bias must be per pool slot [N, page_size]=[{N}, {ps}], got {_shape(bias)}")
+        _check_float("bias", bias)
+    if is_concrete(lengths):
+        ln = np.asarray(lengths).astype(np.int64)
+        if ln.size and (ln.min() < 0 or ln.max() > M * ps):
+            raise ValueError(f"lengths must lie in [0, M*page_size={M * ps}] (M={M} table entries), "
+                             f"got min {ln.min()}, max {ln.max()}")
+        if is_concrete(page_table):
+            tab = np.asarray(page_table).astype(np.int64)
+            needed = np.arange(M) < ((ln + ps - 1) // ps)[..., None]
+            bad = needed & ((tab < 0) | (tab >= N))
+            if bad.any():
+                b, h, p = (int(i[0]) for i in np.nonzero(bad))
+                raise ValueError(f"page_table[{b}, {h}, {p}] = {tab[b, h, p]} is not a pool page in [0, {N}), "
+                                 f"but length {ln[b, h]} of (row {b}, kv head {h}) reaches logical page {p}")
+    if page_ids is not None and is_concrete(page_ids, page_counts):
+        counts = (page_counts if page_counts is not None
+                  else np.full((B, Hkv), _shape(page_ids)[2], np.int64))
+        check_index_lists(page_ids, counts, upper=M, name="page_ids")
+
+
 def check_prefill_args(q: Any, k: Any, v: Any, *, q_offset: Any, block_size: int, block_ids: Any,
                        block_counts: Any, kv_lengths: Any, sliding_window: int | None) -> None:
     """Validate `prefill_attention` arguments (raises ValueError)."""
