@@ -1,16 +1,15 @@
 """The engine's public steps (`sparsekv_jax.engine`): `setup` checks once before jit, a `Session`
 run step by step gives `generate`'s tokens, `Session.ask` answers questions in turn from one
 compressed context, `decode_step` returns one `StepOut` shape. Tiny random model; the draws come
-from one seed printed at the top (``SPARSEKV_TEST_SEED=... pytest`` replays it)."""
+from the run's seed (tests/conftest.py: printed in the header, ``pytest --seed N`` replays it)."""
 
 from __future__ import annotations
-
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import seeded_rng
 
 from sparsekv_jax import engine
 from sparsekv_jax.engine.run import HostNotes
@@ -21,18 +20,11 @@ from sparsekv_jax.policies import Dense, parse_policy
 
 CFG = ModelConfig(family="llama", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, intermediate_size=48, max_position_embeddings=128, eos_token_ids=(0,))
-SEED = int(os.environ.get("SPARSEKV_TEST_SEED", np.random.SeedSequence().entropy % (1 << 31)))
-print(f"test_engine: SPARSEKV_TEST_SEED={SEED}")
 
 
 @pytest.fixture(scope="module")
 def params():
-    return random_params(CFG, jax.random.key(SEED), jnp.float32, scale=0.3)
-
-
-@pytest.fixture
-def rng(request):
-    return np.random.default_rng([SEED, len(request.node.name)])
+    return random_params(CFG, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, scale=0.3)
 
 
 @pytest.mark.parametrize("spec", ["fullkv", "snapkv(0.5, window=8)", "h2o(0.5)", "quest(0.5)"])

@@ -31,10 +31,8 @@ def _reference_bootstrap(policy: dict, reference: dict, resamples: int, seed: in
             "ratio": np.percentile(100 * pol[ok] / full[ok], [2.5, 97.5]), "undefined": int((~ok).sum())}
 
 
-def test_bootstrap_matches_a_numpy_reference():
-    seed = int(np.random.SeedSequence().entropy % 2**31)
-    print(f"seed {seed}")  # replay: put it here
-    rng = np.random.default_rng(seed)
+def test_bootstrap_matches_a_numpy_reference(rng):
+    seed = int(rng.integers(2**31))  # the bootstrap's own seed, drawn from the run's (pytest --seed N)
     policy, reference = {}, {}
     for c, n in (("a@4k", 7), ("b@4k", 12), ("c@8k", 5)):
         reference[c] = rng.integers(0, 2, n).astype(float).tolist()
@@ -304,12 +302,10 @@ def test_plots_label_by_policy_text_keep_one_style_and_legend_off_the_data(rng, 
         assert (tmp_path / path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_aware_rows_pair_with_agnostic_full_attention(tmp_path: Path):
+def test_aware_rows_pair_with_agnostic_full_attention(tmp_path: Path, rng):
     """No question-aware full-attention run: the question-aware policies are paired, sample by sample,
     with question-agnostic full attention (dense attention reads the same tokens in both modes)."""
-    seed = int(np.random.SeedSequence().entropy % 2**31)
-    print(f"seed {seed}")  # replay: put it here
-    rng = np.random.default_rng(seed)
+    seed = int(rng.integers(2**31))
     tasks, n = ("niah_single_1", "vt"), 8  # indices 0..7: the report's sample order is the index order
     full = {(t, i): float(rng.integers(0, 2)) for t in tasks for i in range(n)}
     pol = {(t, i): float(full[(t, i)] * rng.integers(0, 2)) for t in tasks for i in range(n)}

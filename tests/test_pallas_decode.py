@@ -19,13 +19,6 @@ from sparsekv_jax.pallas.testing import random_page_lists, rel_err
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def _inputs(rng, B, Hq, Hkv, D, P, ps, dtype, *, lengths=None):
     S = P * ps
     q = rng.standard_normal((B, Hq, D))

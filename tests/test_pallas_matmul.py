@@ -11,13 +11,6 @@ import pytest
 from sparsekv_jax.pallas.matmul import MATMUL_MAX_PROGRAMS, layer_matmul, layer_matmul_reference, matmul_plan
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 @pytest.mark.parametrize("M,K,N,dtype,splits", [
     (1, 256, 192, jnp.float32, None),
     (5, 576, 576, jnp.bfloat16, None),

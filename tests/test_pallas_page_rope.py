@@ -12,13 +12,6 @@ import pytest
 from sparsekv_jax.pallas.page_rope import rope_page_sums, rope_page_sums_reference
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def _rotate_back(x: np.ndarray, angle: np.ndarray) -> np.ndarray:
     """R(-angle) on [..., D] in the rotate-half layout, float64."""
     x1, x2 = np.split(x, 2, axis=-1)

@@ -18,13 +18,6 @@ from sparsekv_jax.pallas.testing import random_block_lists, rel_err
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 
-@pytest.fixture
-def rng() -> np.random.Generator:
-    seed = int(np.random.SeedSequence().entropy % 2**32)
-    print(f"seed={seed}")
-    return np.random.default_rng(seed)
-
-
 def _inputs(rng, B, Hq, Hkv, T, S, D, dtype, q_offset):
     q = jnp.asarray(rng.standard_normal((B, Hq, T, D)), dtype)
     k = rng.standard_normal((B, Hkv, S, D))

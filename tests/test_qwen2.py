@@ -110,9 +110,8 @@ def write_qwen2_gguf(path: Path, model, q8: bool = True) -> None:
     w.close()
 
 
-def test_tiny_qwen2_gguf_matches_transformers(tmp_path):
-    seed = int(np.random.SeedSequence().entropy % 2**31)
-    print(f"seed {seed}")
+def test_tiny_qwen2_gguf_matches_transformers(tmp_path, rng):
+    seed = int(rng.integers(2**31))  # from the run's seed (pytest --seed N replays it)
     model = tiny_qwen2_model(seed)
     path = tmp_path / "tiny-qwen2.gguf"
     write_qwen2_gguf(path, model)
