@@ -4,6 +4,7 @@
 #   PART=1 bash scripts/gpu_pending.sh   # int8/fp8 caches: kernel check, kernel timings, end to end (issue 39)
 #   PART=2 bash scripts/gpu_pending.sh   # Stem's tiled and kernel routing at 32k and 128k (issue 40.3)
 #   PART=3 bash scripts/gpu_pending.sh   # the fused SAE encoder + top-k step (issue 37.4)
+#   PART=4 bash scripts/gpu_pending.sh   # the decode kernel on a page pool vs the uniform cache (issue 38 step 1)
 # Each command has its share of DEADLINE seconds; logs and JSON land in $OUT; a short table is printed last.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -29,6 +30,8 @@ case "$PART" in
      step stem128k_routing 150 python experiments/stem_routing_gpu.py --lengths 128k --skip-e2e --out "$OUT"
      step stem128k_e2e 200 python experiments/stem_routing_gpu.py --lengths 128k --skip-routing --repeats 1 --out "$OUT" ;;
   3) step sae_fused 540 python sae_training/bench.py --fused --models llama3.1-8b,smollm2 --iters 15 --out "$OUT" ;;
+  4) step pool_decode 540 python experiments/pool_decode_gpu.py --lengths 32768,131072 --batches 1,8 --rhos 0.1,0.25 \
+       --out "$OUT/pool_decode.json" ;;
   *) echo "unknown PART=$PART"; exit 2 ;;
 esac
 echo "== done in $(( $(date +%s) - start )) s"
