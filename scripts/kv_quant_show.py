@@ -290,9 +290,11 @@ def run_fidelity(model: str, lengths: list[int], specs: str, n: int, tasks: list
             new = bucket(max(it.max_new_tokens for it in chunk))
             ref = fid.reference(params, inputs["tokens"], lengths=inputs["lengths"], suffix=inputs["suffix"],
                                 suffix_lengths=inputs["suffix_lengths"], max_new_tokens=new)  # the bf16 cache
-            for kv_dtype in ("int8", "float8_e4m3fn"):
+            for kv_dtype in KV:  # a policy on the bf16 cache too, so quantisation's own share is visible
                 on = dataclasses.replace(ref, inputs={**ref.inputs, "backend": Backend(kv_dtype=kv_dtype)})
                 for policy in policies:
+                    if kv_dtype == "bfloat16" and policy.name == "Dense":
+                        continue  # the reference itself
                     for j, m in enumerate(fid.compare(params, policy, on)):
                         _emit(rows, {"kind": "fidelity", "model": model, "task": group.task, "length": group.length,
                                      "sample": chunk[j].sample.index, "policy": repr(policy), "kv_dtype": kv_dtype,

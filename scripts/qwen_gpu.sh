@@ -122,6 +122,24 @@ case "$STAGE" in
     ev 0.12 kvq_32k agnostic 32k "fullkv" --suite ruler --kv-dtype int8 > "$RUNS/kvq32k.log" 2>&1 &
     ev 0.12 agnostic_32k agnostic 32k "${AT25%, stem}" --suite ruler --no-fullkv > "$RUNS/agn32k.log" 2>&1 &
     ;;
+  6)  # issue 39 with key zero points (since 2026-11-27; stage 5's rows had symmetric keys): int8 / fp8 at 8k and int8
+      # at 32k, and KL / top-1 against full attention on the bf16 cache; issue 36: the GPU command of
+      # experiments/bser_qwen_diagnosis.md (the paper's token embeddings and B = 128 against our defaults, same
+      # samples as the committed aware_8k rows); issue 38: AdaKV over SnapKV at 32k
+    ev 0.12 kvq_8k agnostic 8k "fullkv, snapkv(0.25), quest(0.25)" --suite ruler --kv-dtype int8 \
+      > "$RUNS/kvq_int8.log" 2>&1 &
+    ev 0.12 kvq_8k agnostic 8k "fullkv, snapkv(0.25), quest(0.25)" --suite ruler --kv-dtype float8_e4m3fn \
+      > "$RUNS/kvq_fp8.log" 2>&1 &
+    ev 0.12 kvq_32k agnostic 32k "fullkv, snapkv(0.25)" --suite ruler --kv-dtype int8 > "$RUNS/kvq32k.log" 2>&1 &
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.12 timeout "$(left)" python scripts/kv_quant_show.py fidelity --model "$MODEL" \
+      --lengths 8k --n 4 --batch-size 4 --policies "fullkv, snapkv(0.25), quest(0.25)" \
+      --out "$RUNS/kvq_fidelity_8k.json" > "$RUNS/kvq_fidelity.log" 2>&1 &
+    ev 0.12 aware_8k aware 8k "bser(0.25, embedding='input', block_size=128)" --suite ruler --no-fullkv \
+      > "$RUNS/bser8k_paper.log" 2>&1 &
+    ev 0.12 aware_8k aware 8k "bser(0.25, block_size=128), bser(embedding='input', block_size=128)" --suite ruler \
+      --no-fullkv > "$RUNS/bser8k_b128.log" 2>&1 &
+    ev 0.12 alloc_32k agnostic 32k "adakv(snapkv(0.25))" --suite ruler --no-fullkv > "$RUNS/alloc32k.log" 2>&1 &
+    ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
 wait
