@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from sparsekv_jax.pallas._common import cdiv, fit_stages, triton_params
-from sparsekv_jax.pallas.validation import is_concrete
+from sparsekv_jax.pallas.validation import check_pool_table, is_concrete
 
 __all__ = ["rope_page_sums", "rope_page_sums_reference", "slot_rotations"]
 
@@ -188,22 +188,11 @@ def _check_pool(k: jax.Array, inv_freq, layer, page_size: int, page_table, lengt
     if len(tshape) != 3 or tshape[2] < 1 or not jnp.issubdtype(jnp.result_type(page_table), jnp.integer):
         raise ValueError(f"page_table must be an int array [B, H, M>=1], got {jnp.result_type(page_table)} "
                          f"of shape {tshape}")
-    B, H, M = tshape
+    B, H, _ = tshape
     if tuple(np.shape(lengths)) != (B, H) or not jnp.issubdtype(jnp.result_type(lengths), jnp.integer):
         raise ValueError(f"with page_table, lengths must be an int array [B, H]=[{B}, {H}] (one per head), got "
                          f"{jnp.result_type(lengths)} of shape {tuple(np.shape(lengths))}")
-    if is_concrete(lengths):
-        ln = np.asarray(lengths).astype(np.int64)
-        if ln.size and (ln.min() < 0 or ln.max() > M * ps):
-            raise ValueError(f"lengths must lie in [0, M*page_size={M * ps}] (M={M} table entries), "
-                             f"got min {ln.min()}, max {ln.max()}")
-        if is_concrete(page_table):
-            tab = np.asarray(page_table).astype(np.int64)
-            bad = (np.arange(M) < ((ln + ps - 1) // ps)[..., None]) & ((tab < 0) | (tab >= N))
-            if bad.any():
-                b, h, p = (int(i[0]) for i in np.nonzero(bad))
-                raise ValueError(f"page_table[{b}, {h}, {p}] = {tab[b, h, p]} is not a pool page in [0, {N}), "
-                                 f"but length {ln[b, h]} of (row {b}, head {h}) reaches logical page {p}")
+    check_pool_table(page_table, lengths, num_pages=N, page_size=ps)
 
 
 def _check(k: jax.Array, inv_freq, layer: int | jax.Array, page_size: int) -> None:

@@ -133,6 +133,32 @@ def check_decode_args(q: Any, k: Any, v: Any, lengths: Any, *, page_size: int, p
         check_index_lists(page_ids, counts, upper=P, name="page_ids")
 
 
+def check_pool_table(page_table: Any, lengths: Any, *, num_pages: int, page_size: int, head: str = "head") -> None:
+    """Value checks of a page pool's tables (raises ValueError; a no-op for tracers).
+
+    ``page_table`` ``[B, H, M]`` and ``lengths`` ``[B, H]``, their shapes and dtypes already checked.
+    With concrete lengths: each in ``[0, M·page_size]``; with a concrete table too: every entry a
+    head's length reaches (logical pages below ``ceil(length / page_size)``) a pool page in
+    ``[0, num_pages)``. The first bad entry is named by its index, value and the length that reaches
+    it; ``head`` is what the middle axis is called there ("kv head" for the decode kernel).
+    """
+    if not is_concrete(lengths):
+        return
+    M = _shape(page_table)[2]
+    ln = np.asarray(lengths).astype(np.int64)
+    if ln.size and (ln.min() < 0 or ln.max() > M * page_size):
+        raise ValueError(f"lengths must lie in [0, M*page_size={M * page_size}] (M={M} table entries), "
+                         f"got min {ln.min()}, max {ln.max()}")
+    if is_concrete(page_table):
+        tab = np.asarray(page_table).astype(np.int64)
+        needed = np.arange(M) < ((ln + page_size - 1) // page_size)[..., None]
+        bad = needed & ((tab < 0) | (tab >= num_pages))
+        if bad.any():
+            b, h, p = (int(i[0]) for i in np.nonzero(bad))
+            raise ValueError(f"page_table[{b}, {h}, {p}] = {tab[b, h, p]} is not a pool page in [0, {num_pages}), "
+                             f"but length {ln[b, h]} of (row {b}, {head} {h}) reaches logical page {p}")
+
+
 def check_pool_decode_args(q: Any, k: Any, v: Any, lengths: Any, page_table: Any, *, page_size: int,
                            page_ids: Any, page_counts: Any, bias: Any) -> None:
     """Validate `decode_attention`'s page-pool mode (raises ValueError).
@@ -181,19 +207,7 @@ def check_pool_decode_args(q: Any, k: Any, v: Any, lengths: Any, page_table: Any
         _require(_shape(bias) == (N, ps),
                  f"with page_table, bias must be per pool slot [N, page_size]=[{N}, {ps}], got {_shape(bias)}")
         _check_float("bias", bias)
-    if is_concrete(lengths):
-        ln = np.asarray(lengths).astype(np.int64)
-        if ln.size and (ln.min() < 0 or ln.max() > M * ps):
-            raise ValueError(f"lengths must lie in [0, M*page_size={M * ps}] (M={M} table entries), "
-                             f"got min {ln.min()}, max {ln.max()}")
-        if is_concrete(page_table):
-            tab = np.asarray(page_table).astype(np.int64)
-            needed = np.arange(M) < ((ln + ps - 1) // ps)[..., None]
-            bad = needed & ((tab < 0) | (tab >= N))
-            if bad.any():
-                b, h, p = (int(i[0]) for i in np.nonzero(bad))
-                raise ValueError(f"page_table[{b}, {h}, {p}] = {tab[b, h, p]} is not a pool page in [0, {N}), "
-                                 f"but length {ln[b, h]} of (row {b}, kv head {h}) reaches logical page {p}")
+    check_pool_table(page_table, lengths, num_pages=N, page_size=ps, head="kv head")
     if page_ids is not None and is_concrete(page_ids, page_counts):
         counts = (page_counts if page_counts is not None
                   else np.full((B, Hkv), _shape(page_ids)[2], np.int64))
