@@ -99,6 +99,29 @@ def check_index_lists(ids: Any, counts: Any, *, upper: int, name: str,
         raise ValueError(f"{name} lists must be duplicate-free within their counts")
 
 
+def _check_page_list_shapes(page_ids: Any, page_counts: Any, B: int, Hkv: int) -> None:
+    """Shapes and dtypes of the decode kernel's page lists ``[B, Hkv, K]`` and counts ``[B, Hkv]``."""
+    if page_counts is not None and page_ids is None:
+        raise ValueError("page_counts given without page_ids")
+    if page_ids is not None:
+        ids_shape = _shape(page_ids)
+        _require(len(ids_shape) == 3 and ids_shape[:2] == (B, Hkv) and ids_shape[2] >= 1,
+                 f"page_ids must be [B, Hkv, K]=[{B}, {Hkv}, K>=1], got {ids_shape}")
+        _check_int("page_ids", page_ids)
+        if page_counts is not None:
+            _require(_shape(page_counts) == (B, Hkv),
+                     f"page_counts must be [B, Hkv]=[{B}, {Hkv}], got {_shape(page_counts)}")
+            _check_int("page_counts", page_counts)
+
+
+def _check_page_list_values(page_ids: Any, page_counts: Any, *, upper: int) -> None:
+    """With concrete lists (and counts), `check_index_lists` on them, ids in ``[0, upper)``; no counts: all ``K``."""
+    if page_ids is not None and is_concrete(page_ids, page_counts):
+        ids_shape = _shape(page_ids)
+        counts = page_counts if page_counts is not None else np.full(ids_shape[:2], ids_shape[2], np.int64)
+        check_index_lists(page_ids, counts, upper=upper, name="page_ids")
+
+
 def check_decode_args(q: Any, k: Any, v: Any, lengths: Any, *, page_size: int, page_ids: Any,
                       page_counts: Any, bias: Any) -> None:
     """Validate `decode_attention` arguments (raises ValueError)."""
@@ -109,17 +132,7 @@ def check_decode_args(q: Any, k: Any, v: Any, lengths: Any, *, page_size: int, p
     P = S // page_size
     _require(_shape(lengths) == (B,), f"lengths must be [B]=[{B}], got {_shape(lengths)}")
     _check_int("lengths", lengths)
-    if page_counts is not None and page_ids is None:
-        raise ValueError("page_counts given without page_ids")
-    if page_ids is not None:
-        ps = _shape(page_ids)
-        _require(len(ps) == 3 and ps[:2] == (B, Hkv) and ps[2] >= 1,
-                 f"page_ids must be [B, Hkv, K]=[{B}, {Hkv}, K>=1], got {ps}")
-        _check_int("page_ids", page_ids)
-        if page_counts is not None:
-            _require(_shape(page_counts) == (B, Hkv),
-                     f"page_counts must be [B, Hkv]=[{B}, {Hkv}], got {_shape(page_counts)}")
-            _check_int("page_counts", page_counts)
+    _check_page_list_shapes(page_ids, page_counts, B, Hkv)
     if bias is not None:
         _require(_shape(bias) == (B, Hkv, S), f"bias must be [B, Hkv, S]=[{B}, {Hkv}, {S}], got {_shape(bias)}")
         _check_float("bias", bias)
@@ -127,10 +140,7 @@ def check_decode_args(q: Any, k: Any, v: Any, lengths: Any, *, page_size: int, p
         ln = np.asarray(lengths)
         if ln.size and (ln.min() < 0 or ln.max() > S):
             raise ValueError(f"lengths must lie in [0, S={S}], got min {ln.min()}, max {ln.max()}")
-    if page_ids is not None and is_concrete(page_ids, page_counts):
-        counts = (page_counts if page_counts is not None
-                  else np.full((B, Hkv), _shape(page_ids)[2], np.int64))
-        check_index_lists(page_ids, counts, upper=P, name="page_ids")
+    _check_page_list_values(page_ids, page_counts, upper=P)
 
 
 def check_pool_table(page_table: Any, lengths: Any, *, num_pages: int, page_size: int, head: str = "head") -> None:
@@ -192,26 +202,13 @@ def check_pool_decode_args(q: Any, k: Any, v: Any, lengths: Any, page_table: Any
     _require(_shape(lengths) == (B, Hkv),
              f"with page_table, lengths must be [B, Hkv]=[{B}, {Hkv}] (one per head), got {_shape(lengths)}")
     _check_int("lengths", lengths)
-    if page_counts is not None and page_ids is None:
-        raise ValueError("page_counts given without page_ids")
-    if page_ids is not None:
-        ids_shape = _shape(page_ids)
-        _require(len(ids_shape) == 3 and ids_shape[:2] == (B, Hkv) and ids_shape[2] >= 1,
-                 f"page_ids must be [B, Hkv, K]=[{B}, {Hkv}, K>=1], got {ids_shape}")
-        _check_int("page_ids", page_ids)
-        if page_counts is not None:
-            _require(_shape(page_counts) == (B, Hkv),
-                     f"page_counts must be [B, Hkv]=[{B}, {Hkv}], got {_shape(page_counts)}")
-            _check_int("page_counts", page_counts)
+    _check_page_list_shapes(page_ids, page_counts, B, Hkv)
     if bias is not None:
         _require(_shape(bias) == (N, ps),
                  f"with page_table, bias must be per pool slot [N, page_size]=[{N}, {ps}], got {_shape(bias)}")
         _check_float("bias", bias)
     check_pool_table(page_table, lengths, num_pages=N, page_size=ps, head="kv head")
-    if page_ids is not None and is_concrete(page_ids, page_counts):
-        counts = (page_counts if page_counts is not None
-                  else np.full((B, Hkv), _shape(page_ids)[2], np.int64))
-        check_index_lists(page_ids, counts, upper=M, name="page_ids")
+    _check_page_list_values(page_ids, page_counts, upper=M)
 
 
 def check_prefill_args(q: Any, k: Any, v: Any, *, q_offset: Any, block_size: int, block_ids: Any,
