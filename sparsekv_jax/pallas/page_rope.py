@@ -203,7 +203,13 @@ def _check_pool(k: jax.Array, inv_freq, layer, page_size: int, page_table, lengt
     check_pool_table(page_table, lengths, num_pages=N, page_size=ps)
 
 
-def _check(k: jax.Array, inv_freq, layer: int | jax.Array, page_size: int) -> None:
+def _check(k: jax.Array, inv_freq, layer: int | jax.Array | None, page_size: int, lengths, *, fn: str) -> None:
+    """Uniform-mode checks (``ValueError``, before jit) of `fn`'s arguments: no ``lengths``, a ``layer``
+    (in range where concrete) of a stack ``[L, B, H, S, D]``, ``D/2`` frequencies, a positive page size."""
+    if lengths is not None:
+        raise ValueError("lengths= is for pool mode (with page_table); the uniform stack sums whole pages")
+    if layer is None:
+        raise ValueError(f"{fn} needs layer= (a stacked cache) or page_table= and lengths= (a pool)")
     if k.ndim != 5:
         raise ValueError(f"rope_page_sums needs stacked keys k [L, B, H, S, D], got shape {k.shape}")
     if 2 * len(inv_freq) != k.shape[-1]:
@@ -252,11 +258,7 @@ def rope_page_sums(k: jax.Array, inv_freq, layer: int | jax.Array | None = None,
         cos, sin = slot_rotations(page_size, inv_freq)
         return _call_pool(k, cos, sin, jnp.asarray(lengths), jnp.asarray(page_table), page_size=int(page_size),
                           block_p=block_p, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
-    if lengths is not None:
-        raise ValueError("lengths= is for pool mode (with page_table); the uniform stack sums whole pages")
-    if layer is None:
-        raise ValueError("rope_page_sums needs layer= (a stacked cache) or page_table= and lengths= (a pool)")
-    _check(k, inv_freq, layer, page_size)
+    _check(k, inv_freq, layer, page_size, lengths, fn="rope_page_sums")
     _check_kernel_sizes(k.shape[-1], block_p)
     cos, sin = slot_rotations(page_size, inv_freq)
     return _call(k, cos, sin, jnp.asarray(layer, jnp.int32), page_size=page_size, block_p=block_p,
@@ -288,11 +290,7 @@ def rope_page_sums_reference(k: jax.Array, inv_freq, layer: int | jax.Array | No
         kp = jnp.where((mapped[..., None] & inside)[..., None], kp.astype(jnp.float32), 0.0)
         k1, k2 = jnp.split(kp, 2, axis=-1)
     else:
-        if lengths is not None:
-            raise ValueError("lengths= is for pool mode (with page_table); the uniform stack sums whole pages")
-        if layer is None:
-            raise ValueError("rope_page_sums_reference needs layer= (a stacked cache) or page_table= and lengths=")
-        _check(k, inv_freq, layer, page_size)
+        _check(k, inv_freq, layer, page_size, lengths, fn="rope_page_sums_reference")
         kl = lax.dynamic_index_in_dim(k, layer, keepdims=False)  # [B, H, S, D]
         B, H, S, D = kl.shape
         P = cdiv(S, page_size)

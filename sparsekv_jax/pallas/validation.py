@@ -46,6 +46,15 @@ def _check_int(name: str, x: Any) -> None:
     _require(jnp.issubdtype(_dtype(x), jnp.integer), f"{name} must be an integer array, got {_dtype(x)}")
 
 
+def _check_qkv_dtypes(q: Any, k: Any, v: Any, D: int) -> None:
+    """q, k, v floating point and of one dtype; ``D`` a power of two >= 16."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_float(name, x)
+    _require(_dtype(q) == _dtype(k) == _dtype(v),
+             f"q, k, v must share a dtype, got {_dtype(q)}, {_dtype(k)}, {_dtype(v)}")
+    _require(is_pow2(D) and D >= 16, f"head_dim {D} must be a power of two >= 16 (Triton dot tiles)")
+
+
 def _check_qkv(q: Any, k: Any, v: Any, q_rank: int) -> tuple[int, int, int, int, int]:
     """Shared q/k/v checks; returns (B, Hq, Hkv, S, D)."""
     _require(len(_shape(q)) == q_rank, f"q must have rank {q_rank}, got shape {_shape(q)}")
@@ -57,11 +66,7 @@ def _check_qkv(q: Any, k: Any, v: Any, q_rank: int) -> tuple[int, int, int, int,
     _require(qs[-1] == D, f"q head_dim {qs[-1]} != k head_dim {D}")
     Hq = qs[1]
     _require(Hkv > 0 and Hq % Hkv == 0, f"query heads {Hq} must be a multiple of kv heads {Hkv}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_float(name, x)
-    _require(_dtype(q) == _dtype(k) == _dtype(v),
-             f"q, k, v must share a dtype, got {_dtype(q)}, {_dtype(k)}, {_dtype(v)}")
-    _require(is_pow2(D) and D >= 16, f"head_dim {D} must be a power of two >= 16 (Triton dot tiles)")
+    _check_qkv_dtypes(q, k, v, D)
     return B, Hq, Hkv, S, D
 
 
@@ -194,11 +199,7 @@ def check_pool_decode_args(q: Any, k: Any, v: Any, lengths: Any, page_table: Any
     _require(qs[0] == B, f"q batch {qs[0]} != page_table batch {B}")
     _require(qs[-1] == D, f"q head_dim {qs[-1]} != k head_dim {D}")
     _require(Hkv > 0 and qs[1] % Hkv == 0, f"query heads {qs[1]} must be a multiple of kv heads {Hkv} (page_table)")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_float(name, x)
-    _require(_dtype(q) == _dtype(k) == _dtype(v),
-             f"q, k, v must share a dtype, got {_dtype(q)}, {_dtype(k)}, {_dtype(v)}")
-    _require(is_pow2(D) and D >= 16, f"head_dim {D} must be a power of two >= 16 (Triton dot tiles)")
+    _check_qkv_dtypes(q, k, v, D)
     _require(_shape(lengths) == (B, Hkv),
              f"with page_table, lengths must be [B, Hkv]=[{B}, {Hkv}] (one per head), got {_shape(lengths)}")
     _check_int("lengths", lengths)
