@@ -2,7 +2,8 @@
 
 Each case draws a uniform cache ``[B, Hkv, M·ps, D]`` with a length per (row, kv head), lays its pages out in a
 pool ``[N, ps, D]`` through a *shuffled* page table (a random permutation of the pool's pages, a few spare pages,
-and now and then a page held past a head's length, as after a rewind), and checks pool mode against
+and now and then a page held past a head's length, as after a rewind; `sparsekv_jax.pallas.testing`'s
+`shuffled_page_table`, `poisoned_pool`), and checks pool mode against
 
 * the jnp reference, which gathers the pool back through the table (`decode_attention_reference`), and
 * the uniform kernel on the uniform cache, a head's short length given there as today's holes (bias -inf):
@@ -21,42 +22,16 @@ import numpy as np
 import pytest
 
 from sparsekv_jax.pallas.decode import decode_attention, decode_attention_reference, pool_slot_mask
-from sparsekv_jax.pallas.testing import random_page_lists, rel_err
+from sparsekv_jax.pallas.testing import (
+    place_pages,
+    poisoned_pool,
+    random_head_lengths,
+    random_page_lists,
+    rel_err,
+    shuffled_page_table,
+)
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
-
-
-def _head_lengths(rng: np.random.Generator, B: int, Hkv: int, M: int, ps: int) -> np.ndarray:
-    """``[B, Hkv]`` lengths: random, plus a partial last page, a full head, a one-page head and an empty one."""
-    S = M * ps
-    lengths = rng.integers(1, S + 1, (B, Hkv))
-    lengths[0, 0] = S - int(rng.integers(1, ps))
-    lengths[0, -1] = S
-    lengths[-1, 0] = int(rng.integers(1, ps))
-    lengths[-1, -1] = 0
-    return lengths.astype(np.int32)
-
-
-def _shuffled_table(rng: np.random.Generator, lengths: np.ndarray, M: int, ps: int,
-                    spare: int = 3) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(table [B, Hkv, M], held [B, Hkv], N)``: each head holds its ``ceil(length/ps)`` pages, some one more
-    (a rewound head's page past its length), at pool pages drawn from a random permutation of ``N`` pages,
-    ``spare`` of which nobody holds; the rest of the table is the sentinel ``N``."""
-    held = np.minimum(M, -(-lengths // ps) + (rng.random(lengths.shape) < 0.4))
-    N = int(held.sum()) + spare
-    perm = iter(rng.permutation(N))
-    table = np.full((*lengths.shape, M), N, np.int32)
-    for (b, h), n in np.ndenumerate(held):
-        table[b, h, :n] = [next(perm) for _ in range(n)]
-    return table, held, N
-
-
-def _to_pool(x: np.ndarray, table: np.ndarray, held: np.ndarray, N: int, junk: np.ndarray) -> np.ndarray:
-    """Per-page values ``x [B, Hkv, M, …]`` into a pool ``[N, …]`` at their table's pages; ``junk`` elsewhere."""
-    pool = junk.copy()
-    own = np.arange(table.shape[-1]) < held[..., None]
-    pool[table[own]] = x[own]
-    return pool
 
 
 def _pool_case(rng: np.random.Generator, B: int, Hq: int, Hkv: int, D: int, M: int, ps: int, dtype, *,
@@ -64,15 +39,12 @@ def _pool_case(rng: np.random.Generator, B: int, Hq: int, Hkv: int, D: int, M: i
     """Uniform arrays (finite wherever the uniform kernel may look) and their pool, NaN wherever pool mode must
     not look."""
     S = M * ps
-    lengths = _head_lengths(rng, B, Hkv, M, ps)
-    table, held, N = _shuffled_table(rng, lengths, M, ps)
+    lengths = random_head_lengths(rng, B, Hkv, M, ps)
+    table, held, N = shuffled_page_table(rng, lengths, M, ps)
     inside = np.arange(S) < lengths[..., None]  # [B, Hkv, S] a head's own tokens
     k, v = (rng.standard_normal((B, Hkv, S, D)) for _ in range(2))
     bias = np.log(rng.integers(1, 9, (B, Hkv, S))) if with_bias else np.zeros((B, Hkv, S))
-    nan = np.full((N, ps, D), np.nan)
-    pool = {name: _to_pool(np.where(inside[..., None], x, np.nan).reshape(B, Hkv, M, ps, D), table, held, N, nan)
-            for name, x in (("k", k), ("v", v))}
-    pool["bias"] = _to_pool(np.where(inside, bias, np.nan).reshape(B, Hkv, M, ps), table, held, N, nan[..., 0])
+    pool = {name: poisoned_pool(x, lengths, table, held, N) for name, x in (("k", k), ("v", v), ("bias", bias))}
     row_len = lengths.max(axis=1)
     past_row = np.arange(S) >= row_len[:, None, None]  # the uniform kernel must not read there either
     return dict(
@@ -190,19 +162,19 @@ def test_pool_quantized_int8_with_zero_points(rng):
     page, loaded at the physical page. Unheld pages hold junk codes with NaN scales."""
     B, Hq, Hkv, D, M, ps = 2, 8, 2, 64, 5, 16
     S = M * ps
-    lengths = _head_lengths(rng, B, Hkv, M, ps)
-    table, held, N = _shuffled_table(rng, lengths, M, ps)
+    lengths = random_head_lengths(rng, B, Hkv, M, ps)
+    table, held, N = shuffled_page_table(rng, lengths, M, ps)
     codes = lambda *s: rng.integers(-127, 128, s).astype(np.int8)  # noqa: E731
     kc, vc = codes(B, Hkv, S, D), codes(B, Hkv, S, D)
     ks = 2.0 ** rng.integers(-9, -5, (B, Hkv, M, D))
     kz = rng.standard_normal((B, Hkv, M, D))
     vs = 2.0 ** rng.integers(-9, -5, (B, Hkv, M))
     page = lambda x: x.reshape(B, Hkv, M, ps, D)  # noqa: E731
-    pool = dict(k=_to_pool(page(kc), table, held, N, codes(N, ps, D)), v=_to_pool(page(vc), table, held, N,
-                                                                                    codes(N, ps, D)),
-                k_scale=_to_pool(ks, table, held, N, np.full((N, D), np.nan)),
-                k_zero=_to_pool(kz, table, held, N, np.full((N, D), np.nan)),
-                v_scale=_to_pool(vs, table, held, N, np.full(N, np.nan)))
+    pool = dict(k=place_pages(page(kc), table, held, codes(N, ps, D)), v=place_pages(page(vc), table, held,
+                                                                                     codes(N, ps, D)),
+                k_scale=place_pages(ks, table, held, np.full((N, D), np.nan)),
+                k_zero=place_pages(kz, table, held, np.full((N, D), np.nan)),
+                v_scale=place_pages(vs, table, held, np.full(N, np.nan)))
     pool = {n: jnp.asarray(x) if x.dtype == np.int8 else jnp.asarray(x, jnp.float32) for n, x in pool.items()}
     q = jnp.asarray(rng.standard_normal((B, Hq, D)), jnp.bfloat16)
     ids, counts = random_page_lists(rng, lengths.max(axis=1), Hkv, M, ps, list_len=M - 1)

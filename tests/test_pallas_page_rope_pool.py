@@ -2,7 +2,8 @@
 
 Each case draws per-head keys ``[B, H, M·ps, D]`` with a length per (row, head), lays their pages out in a pool
 ``[N, ps, D]`` through a *shuffled* page table (a random permutation of the pool's pages, a few spare pages, and
-now and then a page held past a head's length, as after a rewind), and checks pool mode against
+now and then a page held past a head's length, as after a rewind; `sparsekv_jax.pallas.testing`'s
+`shuffled_page_table`, `poisoned_pool`), and checks pool mode against
 
 * a float64 numpy loop turning each key back by its slot (independent of the code under test),
 * the jnp reference's pool mode, which gathers the pool back through the table, and
@@ -22,35 +23,11 @@ import numpy as np
 import pytest
 
 from sparsekv_jax.pallas.page_rope import rope_page_sums, rope_page_sums_reference
+from sparsekv_jax.pallas.testing import poisoned_pool, random_head_lengths, shuffled_page_table
 
 
 def _inv_freq(rng: np.random.Generator, D: int) -> np.ndarray:
     return 1.0 / (rng.uniform(100, 10000) ** (np.arange(0, D, 2) / D))
-
-
-def _head_lengths(rng: np.random.Generator, B: int, H: int, M: int, ps: int) -> np.ndarray:
-    """``[B, H]`` lengths: random, plus a partial last page, a full head, a one-page head and an empty one."""
-    S = M * ps
-    lengths = rng.integers(1, S + 1, (B, H))
-    lengths[0, 0] = S - int(rng.integers(1, ps))
-    lengths[0, -1] = S
-    lengths[-1, 0] = int(rng.integers(1, ps))
-    lengths[-1, -1] = 0
-    return lengths.astype(np.int32)
-
-
-def _shuffled_table(rng: np.random.Generator, lengths: np.ndarray, M: int, ps: int,
-                    spare: int = 3) -> tuple[np.ndarray, np.ndarray, int]:
-    """``(table [B, H, M], held [B, H], N)``: each head holds its ``ceil(length/ps)`` pages, some one more (a
-    rewound head's page past its length), at pool pages drawn from a random permutation of ``N`` pages, ``spare``
-    of which nobody holds; the rest of the table is the sentinel ``N``."""
-    held = np.minimum(M, -(-lengths // ps) + (rng.random(lengths.shape) < 0.4))
-    N = int(held.sum()) + spare
-    perm = iter(rng.permutation(N))
-    table = np.full((*lengths.shape, M), N, np.int32)
-    for (b, h), n in np.ndenumerate(held):
-        table[b, h, :n] = [next(perm) for _ in range(n)]
-    return table, held, N
 
 
 def _rotate_back(x: np.ndarray, angle: np.ndarray) -> np.ndarray:
@@ -79,13 +56,11 @@ def test_pool_matches_loop_reference_and_uniform_kernel(rng, H, M, ps, D, block_
     B = 2
     S = M * ps
     inv_freq = _inv_freq(rng, D)
-    lengths = _head_lengths(rng, B, H, M, ps)
-    table, held, N = _shuffled_table(rng, lengths, M, ps)
+    lengths = random_head_lengths(rng, B, H, M, ps)
+    table, held, N = shuffled_page_table(rng, lengths, M, ps)
     inside = np.arange(S) < lengths[..., None]  # [B, H, S] a head's own tokens
     keys = np.asarray(jnp.asarray(rng.standard_normal((B, H, S, D)), dtype).astype(jnp.float32), np.float64)
-    pool = np.full((N, ps, D), np.nan)
-    own = np.arange(M) < held[..., None]
-    pool[table[own]] = np.where(inside[..., None], keys, np.nan).reshape(B, H, M, ps, D)[own]
+    pool = poisoned_pool(keys, lengths, table, held, N)
     k_pool, la, ta = jnp.asarray(pool, dtype), jnp.asarray(lengths), jnp.asarray(table)
 
     out = rope_page_sums(k_pool, inv_freq, page_size=ps, page_table=ta, lengths=la, block_p=block_p, interpret=True)

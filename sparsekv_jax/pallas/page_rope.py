@@ -24,9 +24,9 @@ Page pool (``page_table=``, issue 38, docs/PAGE_POOL.md): the keys are one pool 
 ``[N, ps, D]`` for every layer, each (row, head) has a page table ``[M]`` of pool pages and its own
 length, and ``out[b, h, m] = sum_j R(-j) · pool[table[b, h, m], j]`` over the slots ``m·ps + j`` below
 the head's length: a page past the length, or one the table does not map (the sentinel ``N``), gives
-zero, as an unheld page. The same loop, a program's ``block_p`` pages gathered through the table (one
-int load per page) from the whole pool ``[N·ps, D]`` (a free reshape). A separate kernel and ``jit``
-(`_call_pool`): the uniform call traces exactly as before. Not yet timed on a GPU.
+zero, as an unheld page. The same loop (`_turn_back_and_sum`), a program's ``block_p`` pages gathered
+through the table (one int load per page) from the whole pool ``[N·ps, D]`` (a free reshape). A separate
+kernel and ``jit`` (`_call_pool`): the uniform call traces exactly as before. Not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from sparsekv_jax.pallas._common import cdiv, fit_stages, triton_params
-from sparsekv_jax.pallas.validation import is_concrete
+from sparsekv_jax.pallas.validation import check_pool_table, is_concrete
 
 __all__ = ["rope_page_sums", "rope_page_sums_reference", "slot_rotations"]
 
@@ -50,6 +50,30 @@ def slot_rotations(page_size: int, inv_freq) -> tuple[jax.Array, jax.Array]:
     """``cos, sin`` ``[page_size, D/2]`` fp32 of the angles ``j · inv_freq`` (computed in float64)."""
     angle = np.arange(page_size)[:, None] * np.asarray(inv_freq, np.float64)[None]
     return jnp.asarray(np.cos(angle), jnp.float32), jnp.asarray(np.sin(angle), jnp.float32)
+
+
+def _turn_back_and_sum(k_ref, cos_ref, sin_ref, o_ref, lo, hi, locate, *, page_size: int, block_p: int) -> None:
+    """The loop both kernels run over the ``page_size`` slots of this program's ``block_p`` pages:
+    ``locate(j)`` gives the index of slot ``j``'s key rows in ``k_ref`` (all but the last axis, each
+    ``[block_p, 1]`` or broadcasting to it) and where they are valid; the two halves ``lo``/``hi``
+    ``[1, D/2]`` of each row are loaded (zero where not valid), turned by ``-j``, summed in fp32 and
+    stored in ``o_ref`` ``[block_p, D]``."""
+
+    def body(j, acc):
+        acc1, acc2 = acc
+        at, valid = locate(j)
+        k1 = plgpu.load(k_ref.at[(*at, lo)], mask=valid, other=0.0).astype(jnp.float32)  # [block_p, D/2]
+        k2 = plgpu.load(k_ref.at[(*at, hi)], mask=valid, other=0.0).astype(jnp.float32)
+        row = jnp.full((1, 1), j, jnp.int32)
+        c = plgpu.load(cos_ref.at[row, lo])  # [1, D/2]
+        s = plgpu.load(sin_ref.at[row, lo])
+        return acc1 + k1 * c + k2 * s, acc2 + k2 * c - k1 * s
+
+    zeros = jnp.zeros((block_p, cos_ref.shape[-1]), jnp.float32)
+    acc1, acc2 = lax.fori_loop(0, page_size, body, (zeros, zeros))
+    rows = jnp.arange(block_p, dtype=jnp.int32)[:, None]
+    plgpu.store(o_ref.at[rows, lo], acc1)
+    plgpu.store(o_ref.at[rows, hi], acc2)
 
 
 def _kernel(k_ref, cos_ref, sin_ref, layer_ref, o_ref, *, page_size: int, block_p: int, S: int) -> None:
@@ -61,45 +85,48 @@ def _kernel(k_ref, cos_ref, sin_ref, layer_ref, o_ref, *, page_size: int, block_
     hi = lo + half
     first = (pb * block_p + jnp.arange(block_p, dtype=jnp.int32)[:, None]) * page_size  # [block_p, 1]
 
-    def body(j, acc):
-        acc1, acc2 = acc
+    def locate(j):
         slot = first + j
         valid = slot < S
-        slot = jnp.where(valid, slot, 0)
-        k1 = plgpu.load(k_ref.at[layer, slot, lo], mask=valid, other=0.0).astype(jnp.float32)  # [block_p, D/2]
-        k2 = plgpu.load(k_ref.at[layer, slot, hi], mask=valid, other=0.0).astype(jnp.float32)
-        row = jnp.full((1, 1), j, jnp.int32)
-        c = plgpu.load(cos_ref.at[row, lo])  # [1, D/2]
-        s = plgpu.load(sin_ref.at[row, lo])
-        return acc1 + k1 * c + k2 * s, acc2 + k2 * c - k1 * s
+        return (layer, jnp.where(valid, slot, 0)), valid
 
-    zeros = jnp.zeros((block_p, half), jnp.float32)
-    acc1, acc2 = lax.fori_loop(0, page_size, body, (zeros, zeros))
-    rows = jnp.arange(block_p, dtype=jnp.int32)[:, None]
-    plgpu.store(o_ref.at[rows, lo], acc1)
-    plgpu.store(o_ref.at[rows, hi], acc2)
+    _turn_back_and_sum(k_ref, cos_ref, sin_ref, o_ref, lo, hi, locate, page_size=page_size, block_p=block_p)
+
+
+def _whole(shape: tuple[int, ...]) -> pl.BlockSpec:
+    """The whole array as every program's block."""
+    return pl.BlockSpec(shape, lambda b, h, p: (0,) * len(shape))
+
+
+def _page_sums_call(kernel, in_specs: list, args: tuple, *, B: int, H: int, D: int, pages: int, block_p: int,
+                    itemsize: int, interpret: bool, num_warps: int, num_stages: int, name: str) -> jax.Array:
+    """Both modes' ``pallas_call``: grid ``(B, H, ⌈pages / block_p⌉)``, each program's ``[block_p, D]``
+    fp32 block of the output ``[B, H, pages, D]`` (the padding past ``pages`` cut off)."""
+    n_blocks = cdiv(pages, block_p)
+    out = pl.pallas_call(
+        kernel,
+        grid=(B, H, n_blocks),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None, block_p, D), lambda b, h, p: (b, h, p, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, H, n_blocks * block_p, D), jnp.float32),
+        compiler_params=triton_params(num_warps, fit_stages(num_stages, block_p * D * itemsize)),
+        interpret=interpret,
+        name=name,
+    )(*args)
+    return out[:, :, :pages]
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "block_p", "interpret", "num_warps", "num_stages"))
 def _call(k, cos, sin, layer, *, page_size, block_p, interpret, num_warps, num_stages):
     L, B, H, S, D = k.shape
-    P = cdiv(S, page_size)
-    n_blocks = cdiv(P, block_p)
     kernel = functools.partial(_kernel, page_size=page_size, block_p=block_p, S=S)
-    full = lambda shape: pl.BlockSpec(shape, lambda b, h, p: (0,) * len(shape))  # noqa: E731
-    out = pl.pallas_call(
-        kernel,
-        grid=(B, H, n_blocks),
-        # the block holds this (row, head) of every layer; the kernel picks the layer
-        in_specs=[pl.BlockSpec((L, None, None, S, D), lambda b, h, p: (0, b, h, 0, 0)),
-                  full(cos.shape), full(sin.shape), full((1,))],
-        out_specs=pl.BlockSpec((None, None, block_p, D), lambda b, h, p: (b, h, p, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, H, n_blocks * block_p, D), jnp.float32),
-        compiler_params=triton_params(num_warps, fit_stages(num_stages, block_p * D * k.dtype.itemsize)),
-        interpret=interpret,
-        name="sparsekv_rope_page_sums",
-    )(k, cos, sin, jnp.reshape(layer, (1,)).astype(jnp.int32))
-    return out[:, :, :P]
+    # the block holds this (row, head) of every layer; the kernel picks the layer
+    in_specs = [pl.BlockSpec((L, None, None, S, D), lambda b, h, p: (0, b, h, 0, 0)),
+                _whole(cos.shape), _whole(sin.shape), _whole((1,))]
+    return _page_sums_call(kernel, in_specs, (k, cos, sin, jnp.reshape(layer, (1,)).astype(jnp.int32)), B=B, H=H,
+                           D=D, pages=cdiv(S, page_size), block_p=block_p, itemsize=k.dtype.itemsize,
+                           interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+                           name="sparsekv_rope_page_sums")
 
 
 def _pool_kernel(k_ref, cos_ref, sin_ref, len_ref, table_ref, o_ref, *, page_size: int, block_p: int) -> None:
@@ -121,44 +148,25 @@ def _pool_kernel(k_ref, cos_ref, sin_ref, len_ref, table_ref, o_ref, *, page_siz
     first = phys * page_size  # [block_p, 1] the pool slot of each page's slot 0
     logical = lpage * page_size
 
-    def body(j, acc):
-        acc1, acc2 = acc
+    def locate(j):
         valid = mapped & (logical + j < length)
-        slot = jnp.where(valid, first + j, 0)
-        k1 = plgpu.load(k_ref.at[slot, lo], mask=valid, other=0.0).astype(jnp.float32)  # [block_p, D/2]
-        k2 = plgpu.load(k_ref.at[slot, hi], mask=valid, other=0.0).astype(jnp.float32)
-        row = jnp.full((1, 1), j, jnp.int32)
-        c = plgpu.load(cos_ref.at[row, lo])  # [1, D/2]
-        s = plgpu.load(sin_ref.at[row, lo])
-        return acc1 + k1 * c + k2 * s, acc2 + k2 * c - k1 * s
+        return (jnp.where(valid, first + j, 0),), valid
 
-    zeros = jnp.zeros((block_p, half), jnp.float32)
-    acc1, acc2 = lax.fori_loop(0, page_size, body, (zeros, zeros))
-    rows = jnp.arange(block_p, dtype=jnp.int32)[:, None]
-    plgpu.store(o_ref.at[rows, lo], acc1)
-    plgpu.store(o_ref.at[rows, hi], acc2)
+    _turn_back_and_sum(k_ref, cos_ref, sin_ref, o_ref, lo, hi, locate, page_size=page_size, block_p=block_p)
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "block_p", "interpret", "num_warps", "num_stages"))
 def _call_pool(k, cos, sin, lengths, page_table, *, page_size, block_p, interpret, num_warps, num_stages):
     N, ps, D = k.shape
     B, H, M = page_table.shape
-    n_blocks = cdiv(M, block_p)
     kernel = functools.partial(_pool_kernel, page_size=page_size, block_p=block_p)
-    full = lambda shape: pl.BlockSpec(shape, lambda b, h, p: (0,) * len(shape))  # noqa: E731
-    out = pl.pallas_call(
-        kernel,
-        grid=(B, H, n_blocks),
-        # the block is the whole pool (a head's pages lie anywhere in it) and this (row, head)'s table
-        in_specs=[full((N * ps, D)), full(cos.shape), full(sin.shape), full((B, H)),
-                  pl.BlockSpec((None, None, M), lambda b, h, p: (b, h, 0))],
-        out_specs=pl.BlockSpec((None, None, block_p, D), lambda b, h, p: (b, h, p, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, H, n_blocks * block_p, D), jnp.float32),
-        compiler_params=triton_params(num_warps, fit_stages(num_stages, block_p * D * k.dtype.itemsize)),
-        interpret=interpret,
-        name="sparsekv_rope_page_sums_pool",
-    )(k.reshape(N * ps, D), cos, sin, lengths.astype(jnp.int32), page_table.astype(jnp.int32))
-    return out[:, :, :M]
+    # the block is the whole pool (a head's pages lie anywhere in it) and this (row, head)'s table
+    in_specs = [_whole((N * ps, D)), _whole(cos.shape), _whole(sin.shape), _whole((B, H)),
+                pl.BlockSpec((None, None, M), lambda b, h, p: (b, h, 0))]
+    args = (k.reshape(N * ps, D), cos, sin, lengths.astype(jnp.int32), page_table.astype(jnp.int32))
+    return _page_sums_call(kernel, in_specs, args, B=B, H=H, D=D, pages=M, block_p=block_p,
+                           itemsize=k.dtype.itemsize, interpret=interpret, num_warps=num_warps,
+                           num_stages=num_stages, name="sparsekv_rope_page_sums_pool")
 
 
 def _check_pool(k: jax.Array, inv_freq, layer, page_size: int, page_table, lengths) -> None:
@@ -188,25 +196,20 @@ def _check_pool(k: jax.Array, inv_freq, layer, page_size: int, page_table, lengt
     if len(tshape) != 3 or tshape[2] < 1 or not jnp.issubdtype(jnp.result_type(page_table), jnp.integer):
         raise ValueError(f"page_table must be an int array [B, H, M>=1], got {jnp.result_type(page_table)} "
                          f"of shape {tshape}")
-    B, H, M = tshape
+    B, H, _ = tshape
     if tuple(np.shape(lengths)) != (B, H) or not jnp.issubdtype(jnp.result_type(lengths), jnp.integer):
         raise ValueError(f"with page_table, lengths must be an int array [B, H]=[{B}, {H}] (one per head), got "
                          f"{jnp.result_type(lengths)} of shape {tuple(np.shape(lengths))}")
-    if is_concrete(lengths):
-        ln = np.asarray(lengths).astype(np.int64)
-        if ln.size and (ln.min() < 0 or ln.max() > M * ps):
-            raise ValueError(f"lengths must lie in [0, M*page_size={M * ps}] (M={M} table entries), "
-                             f"got min {ln.min()}, max {ln.max()}")
-        if is_concrete(page_table):
-            tab = np.asarray(page_table).astype(np.int64)
-            bad = (np.arange(M) < ((ln + ps - 1) // ps)[..., None]) & ((tab < 0) | (tab >= N))
-            if bad.any():
-                b, h, p = (int(i[0]) for i in np.nonzero(bad))
-                raise ValueError(f"page_table[{b}, {h}, {p}] = {tab[b, h, p]} is not a pool page in [0, {N}), "
-                                 f"but length {ln[b, h]} of (row {b}, head {h}) reaches logical page {p}")
+    check_pool_table(page_table, lengths, num_pages=N, page_size=ps)
 
 
-def _check(k: jax.Array, inv_freq, layer: int | jax.Array, page_size: int) -> None:
+def _check(k: jax.Array, inv_freq, layer: int | jax.Array | None, page_size: int, lengths, *, fn: str) -> None:
+    """Uniform-mode checks (``ValueError``, before jit) of `fn`'s arguments: no ``lengths``, a ``layer``
+    (in range where concrete) of a stack ``[L, B, H, S, D]``, ``D/2`` frequencies, a positive page size."""
+    if lengths is not None:
+        raise ValueError("lengths= is for pool mode (with page_table); the uniform stack sums whole pages")
+    if layer is None:
+        raise ValueError(f"{fn} needs layer= (a stacked cache) or page_table= and lengths= (a pool)")
     if k.ndim != 5:
         raise ValueError(f"rope_page_sums needs stacked keys k [L, B, H, S, D], got shape {k.shape}")
     if 2 * len(inv_freq) != k.shape[-1]:
@@ -255,11 +258,7 @@ def rope_page_sums(k: jax.Array, inv_freq, layer: int | jax.Array | None = None,
         cos, sin = slot_rotations(page_size, inv_freq)
         return _call_pool(k, cos, sin, jnp.asarray(lengths), jnp.asarray(page_table), page_size=int(page_size),
                           block_p=block_p, interpret=interpret, num_warps=num_warps, num_stages=num_stages)
-    if lengths is not None:
-        raise ValueError("lengths= is for pool mode (with page_table); the uniform stack sums whole pages")
-    if layer is None:
-        raise ValueError("rope_page_sums needs layer= (a stacked cache) or page_table= and lengths= (a pool)")
-    _check(k, inv_freq, layer, page_size)
+    _check(k, inv_freq, layer, page_size, lengths, fn="rope_page_sums")
     _check_kernel_sizes(k.shape[-1], block_p)
     cos, sin = slot_rotations(page_size, inv_freq)
     return _call(k, cos, sin, jnp.asarray(layer, jnp.int32), page_size=page_size, block_p=block_p,
@@ -291,11 +290,7 @@ def rope_page_sums_reference(k: jax.Array, inv_freq, layer: int | jax.Array | No
         kp = jnp.where((mapped[..., None] & inside)[..., None], kp.astype(jnp.float32), 0.0)
         k1, k2 = jnp.split(kp, 2, axis=-1)
     else:
-        if lengths is not None:
-            raise ValueError("lengths= is for pool mode (with page_table); the uniform stack sums whole pages")
-        if layer is None:
-            raise ValueError("rope_page_sums_reference needs layer= (a stacked cache) or page_table= and lengths=")
-        _check(k, inv_freq, layer, page_size)
+        _check(k, inv_freq, layer, page_size, lengths, fn="rope_page_sums_reference")
         kl = lax.dynamic_index_in_dim(k, layer, keepdims=False)  # [B, H, S, D]
         B, H, S, D = kl.shape
         P = cdiv(S, page_size)

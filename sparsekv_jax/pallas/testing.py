@@ -1,4 +1,4 @@
-"""Random inputs for kernel tests and benchmarks (page lists, block lists, error metric).
+"""Random inputs for kernel tests and benchmarks (page lists, block lists, shuffled page pools, error metric).
 
 Lives beside the kernels so the CPU tests, the GPU ``--check`` mode of the benchmark and
 any later caller draw inputs the same way.
@@ -82,3 +82,59 @@ def random_block_lists(rng: np.random.Generator, batch: int, kv_heads: int, T: i
                 ids[b, h, i, c:] = rng.integers(0, qb + 1, list_len - c)  # junk past the count
                 counts[b, h, i] = c
     return ids, counts
+
+
+def random_head_lengths(rng: np.random.Generator, batch: int, heads: int, max_pages: int,
+                        page_size: int) -> np.ndarray:
+    """``[batch, heads]`` int32 token counts in ``[0, max_pages·page_size]``, one per (row, head) of a
+    page pool: random, with the corner cases set (``page_size >= 2``; with one row or head some coincide):
+    ``[0, 0]`` ends on a partial page, ``[0, -1]`` is full, ``[-1, 0]`` holds part of one page and
+    ``[-1, -1]`` is empty."""
+    S = max_pages * page_size
+    lengths = rng.integers(1, S + 1, (batch, heads))
+    lengths[0, 0] = S - int(rng.integers(1, page_size))
+    lengths[0, -1] = S
+    lengths[-1, 0] = int(rng.integers(1, page_size))
+    lengths[-1, -1] = 0
+    return lengths.astype(np.int32)
+
+
+def shuffled_page_table(rng: np.random.Generator, lengths: np.ndarray, max_pages: int, page_size: int, *,
+                        spare: int = 3) -> tuple[np.ndarray, np.ndarray, int]:
+    """A page pool's tables laid out at random: ``(table [..., max_pages] int32, held [...], N)``.
+
+    Each head (an entry of ``lengths``) holds its ``ceil(length / page_size)`` pages, now and then one
+    more (a page past its length, as after a rewind), capped at ``max_pages``; the held pages of all
+    heads are a random permutation of the pool's ``N`` pages but ``spare`` that nobody holds. The table
+    maps a head's logical page ``m < held`` to its pool page; the rest is the sentinel ``N``.
+    """
+    held = np.minimum(max_pages, -(-lengths // page_size) + (rng.random(lengths.shape) < 0.4))
+    N = int(held.sum()) + spare
+    perm = iter(rng.permutation(N))
+    table = np.full((*lengths.shape, max_pages), N, np.int32)
+    for idx, n in np.ndenumerate(held):
+        table[idx][:n] = [next(perm) for _ in range(n)]
+    return table, held, N
+
+
+def place_pages(x: np.ndarray, table: np.ndarray, held: np.ndarray, junk: np.ndarray) -> np.ndarray:
+    """Per-page values ``x [..., M, *rest]`` (``table``'s ``[..., M]`` leading) put in a pool ``[N, *rest]``
+    at their table's pool pages, for the ``held`` pages of each head; ``junk`` (copied, ``[N, *rest]``)
+    everywhere else: the spare pages and any page the table does not give."""
+    pool = junk.copy()
+    own = np.arange(table.shape[-1]) < held[..., None]
+    pool[table[own]] = x[own]
+    return pool
+
+
+def poisoned_pool(x: np.ndarray, lengths: np.ndarray, table: np.ndarray, held: np.ndarray,
+                  num_pages: int) -> np.ndarray:
+    """Per-token values ``x [B, H, M·ps, *rest]`` as a float64 pool ``[N, ps, *rest]`` that is NaN wherever a
+    reader must not look: each head's tokens at or past its length (the rest of a partial page, a held
+    page past the length), and the pages nobody holds. ``ps`` is ``x.shape[2] // M``."""
+    B, H, S = x.shape[:3]
+    M = table.shape[-1]
+    ps = S // M
+    inside = (np.arange(S) < lengths[..., None]).reshape(B, H, S, *(1,) * (x.ndim - 3))
+    per_page = np.where(inside, x, np.nan).reshape(B, H, M, ps, *x.shape[3:])
+    return place_pages(per_page, table, held, np.full((num_pages, ps, *x.shape[3:]), np.nan))

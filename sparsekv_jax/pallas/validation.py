@@ -46,6 +46,15 @@ def _check_int(name: str, x: Any) -> None:
     _require(jnp.issubdtype(_dtype(x), jnp.integer), f"{name} must be an integer array, got {_dtype(x)}")
 
 
+def _check_qkv_dtypes(q: Any, k: Any, v: Any, D: int) -> None:
+    """q, k, v floating point and of one dtype; ``D`` a power of two >= 16."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _check_float(name, x)
+    _require(_dtype(q) == _dtype(k) == _dtype(v),
+             f"q, k, v must share a dtype, got {_dtype(q)}, {_dtype(k)}, {_dtype(v)}")
+    _require(is_pow2(D) and D >= 16, f"head_dim {D} must be a power of two >= 16 (Triton dot tiles)")
+
+
 def _check_qkv(q: Any, k: Any, v: Any, q_rank: int) -> tuple[int, int, int, int, int]:
     """Shared q/k/v checks; returns (B, Hq, Hkv, S, D)."""
     _require(len(_shape(q)) == q_rank, f"q must have rank {q_rank}, got shape {_shape(q)}")
@@ -57,11 +66,7 @@ def _check_qkv(q: Any, k: Any, v: Any, q_rank: int) -> tuple[int, int, int, int,
     _require(qs[-1] == D, f"q head_dim {qs[-1]} != k head_dim {D}")
     Hq = qs[1]
     _require(Hkv > 0 and Hq % Hkv == 0, f"query heads {Hq} must be a multiple of kv heads {Hkv}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_float(name, x)
-    _require(_dtype(q) == _dtype(k) == _dtype(v),
-             f"q, k, v must share a dtype, got {_dtype(q)}, {_dtype(k)}, {_dtype(v)}")
-    _require(is_pow2(D) and D >= 16, f"head_dim {D} must be a power of two >= 16 (Triton dot tiles)")
+    _check_qkv_dtypes(q, k, v, D)
     return B, Hq, Hkv, S, D
 
 
@@ -99,6 +104,29 @@ def check_index_lists(ids: Any, counts: Any, *, upper: int, name: str,
         raise ValueError(f"{name} lists must be duplicate-free within their counts")
 
 
+def _check_page_list_shapes(page_ids: Any, page_counts: Any, B: int, Hkv: int) -> None:
+    """Shapes and dtypes of the decode kernel's page lists ``[B, Hkv, K]`` and counts ``[B, Hkv]``."""
+    if page_counts is not None and page_ids is None:
+        raise ValueError("page_counts given without page_ids")
+    if page_ids is not None:
+        ids_shape = _shape(page_ids)
+        _require(len(ids_shape) == 3 and ids_shape[:2] == (B, Hkv) and ids_shape[2] >= 1,
+                 f"page_ids must be [B, Hkv, K]=[{B}, {Hkv}, K>=1], got {ids_shape}")
+        _check_int("page_ids", page_ids)
+        if page_counts is not None:
+            _require(_shape(page_counts) == (B, Hkv),
+                     f"page_counts must be [B, Hkv]=[{B}, {Hkv}], got {_shape(page_counts)}")
+            _check_int("page_counts", page_counts)
+
+
+def _check_page_list_values(page_ids: Any, page_counts: Any, *, upper: int) -> None:
+    """With concrete lists (and counts), `check_index_lists` on them, ids in ``[0, upper)``; no counts: all ``K``."""
+    if page_ids is not None and is_concrete(page_ids, page_counts):
+        ids_shape = _shape(page_ids)
+        counts = page_counts if page_counts is not None else np.full(ids_shape[:2], ids_shape[2], np.int64)
+        check_index_lists(page_ids, counts, upper=upper, name="page_ids")
+
+
 def check_decode_args(q: Any, k: Any, v: Any, lengths: Any, *, page_size: int, page_ids: Any,
                       page_counts: Any, bias: Any) -> None:
     """Validate `decode_attention` arguments (raises ValueError)."""
@@ -109,17 +137,7 @@ def check_decode_args(q: Any, k: Any, v: Any, lengths: Any, *, page_size: int, p
     P = S // page_size
     _require(_shape(lengths) == (B,), f"lengths must be [B]=[{B}], got {_shape(lengths)}")
     _check_int("lengths", lengths)
-    if page_counts is not None and page_ids is None:
-        raise ValueError("page_counts given without page_ids")
-    if page_ids is not None:
-        ps = _shape(page_ids)
-        _require(len(ps) == 3 and ps[:2] == (B, Hkv) and ps[2] >= 1,
-                 f"page_ids must be [B, Hkv, K]=[{B}, {Hkv}, K>=1], got {ps}")
-        _check_int("page_ids", page_ids)
-        if page_counts is not None:
-            _require(_shape(page_counts) == (B, Hkv),
-                     f"page_counts must be [B, Hkv]=[{B}, {Hkv}], got {_shape(page_counts)}")
-            _check_int("page_counts", page_counts)
+    _check_page_list_shapes(page_ids, page_counts, B, Hkv)
     if bias is not None:
         _require(_shape(bias) == (B, Hkv, S), f"bias must be [B, Hkv, S]=[{B}, {Hkv}, {S}], got {_shape(bias)}")
         _check_float("bias", bias)
@@ -127,10 +145,33 @@ def check_decode_args(q: Any, k: Any, v: Any, lengths: Any, *, page_size: int, p
         ln = np.asarray(lengths)
         if ln.size and (ln.min() < 0 or ln.max() > S):
             raise ValueError(f"lengths must lie in [0, S={S}], got min {ln.min()}, max {ln.max()}")
-    if page_ids is not None and is_concrete(page_ids, page_counts):
-        counts = (page_counts if page_counts is not None
-                  else np.full((B, Hkv), _shape(page_ids)[2], np.int64))
-        check_index_lists(page_ids, counts, upper=P, name="page_ids")
+    _check_page_list_values(page_ids, page_counts, upper=P)
+
+
+def check_pool_table(page_table: Any, lengths: Any, *, num_pages: int, page_size: int, head: str = "head") -> None:
+    """Value checks of a page pool's tables (raises ValueError; a no-op for tracers).
+
+    ``page_table`` ``[B, H, M]`` and ``lengths`` ``[B, H]``, their shapes and dtypes already checked.
+    With concrete lengths: each in ``[0, M·page_size]``; with a concrete table too: every entry a
+    head's length reaches (logical pages below ``ceil(length / page_size)``) a pool page in
+    ``[0, num_pages)``. The first bad entry is named by its index, value and the length that reaches
+    it; ``head`` is what the middle axis is called there ("kv head" for the decode kernel).
+    """
+    if not is_concrete(lengths):
+        return
+    M = _shape(page_table)[2]
+    ln = np.asarray(lengths).astype(np.int64)
+    if ln.size and (ln.min() < 0 or ln.max() > M * page_size):
+        raise ValueError(f"lengths must lie in [0, M*page_size={M * page_size}] (M={M} table entries), "
+                         f"got min {ln.min()}, max {ln.max()}")
+    if is_concrete(page_table):
+        tab = np.asarray(page_table).astype(np.int64)
+        needed = np.arange(M) < ((ln + page_size - 1) // page_size)[..., None]
+        bad = needed & ((tab < 0) | (tab >= num_pages))
+        if bad.any():
+            b, h, p = (int(i[0]) for i in np.nonzero(bad))
+            raise ValueError(f"page_table[{b}, {h}, {p}] = {tab[b, h, p]} is not a pool page in [0, {num_pages}), "
+                             f"but length {ln[b, h]} of (row {b}, {head} {h}) reaches logical page {p}")
 
 
 def check_pool_decode_args(q: Any, k: Any, v: Any, lengths: Any, page_table: Any, *, page_size: int,
@@ -158,46 +199,17 @@ def check_pool_decode_args(q: Any, k: Any, v: Any, lengths: Any, page_table: Any
     _require(qs[0] == B, f"q batch {qs[0]} != page_table batch {B}")
     _require(qs[-1] == D, f"q head_dim {qs[-1]} != k head_dim {D}")
     _require(Hkv > 0 and qs[1] % Hkv == 0, f"query heads {qs[1]} must be a multiple of kv heads {Hkv} (page_table)")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _check_float(name, x)
-    _require(_dtype(q) == _dtype(k) == _dtype(v),
-             f"q, k, v must share a dtype, got {_dtype(q)}, {_dtype(k)}, {_dtype(v)}")
-    _require(is_pow2(D) and D >= 16, f"head_dim {D} must be a power of two >= 16 (Triton dot tiles)")
+    _check_qkv_dtypes(q, k, v, D)
     _require(_shape(lengths) == (B, Hkv),
              f"with page_table, lengths must be [B, Hkv]=[{B}, {Hkv}] (one per head), got {_shape(lengths)}")
     _check_int("lengths", lengths)
-    if page_counts is not None and page_ids is None:
-        raise ValueError("page_counts given without page_ids")
-    if page_ids is not None:
-        ids_shape = _shape(page_ids)
-        _require(len(ids_shape) == 3 and ids_shape[:2] == (B, Hkv) and ids_shape[2] >= 1,
-                 f"page_ids must be [B, Hkv, K]=[{B}, {Hkv}, K>=1], got {ids_shape}")
-        _check_int("page_ids", page_ids)
-        if page_counts is not None:
-            _require(_shape(page_counts) == (B, Hkv),
-                     f"page_counts must be [B, Hkv]=[{B}, {Hkv}], got {_shape(page_counts)}")
-            _check_int("page_counts", page_counts)
+    _check_page_list_shapes(page_ids, page_counts, B, Hkv)
     if bias is not None:
         _require(_shape(bias) == (N, ps),
                  f"with page_table, bias must be per pool slot [N, page_size]=[{N}, {ps}], got {_shape(bias)}")
         _check_float("bias", bias)
-    if is_concrete(lengths):
-        ln = np.asarray(lengths).astype(np.int64)
-        if ln.size and (ln.min() < 0 or ln.max() > M * ps):
-            raise ValueError(f"lengths must lie in [0, M*page_size={M * ps}] (M={M} table entries), "
-                             f"got min {ln.min()}, max {ln.max()}")
-        if is_concrete(page_table):
-            tab = np.asarray(page_table).astype(np.int64)
-            needed = np.arange(M) < ((ln + ps - 1) // ps)[..., None]
-            bad = needed & ((tab < 0) | (tab >= N))
-            if bad.any():
-                b, h, p = (int(i[0]) for i in np.nonzero(bad))
-                raise ValueError(f"page_table[{b}, {h}, {p}] = {tab[b, h, p]} is not a pool page in [0, {N}), "
-                                 f"but length {ln[b, h]} of (row {b}, kv head {h}) reaches logical page {p}")
-    if page_ids is not None and is_concrete(page_ids, page_counts):
-        counts = (page_counts if page_counts is not None
-                  else np.full((B, Hkv), _shape(page_ids)[2], np.int64))
-        check_index_lists(page_ids, counts, upper=M, name="page_ids")
+    check_pool_table(page_table, lengths, num_pages=N, page_size=ps, head="kv head")
+    _check_page_list_values(page_ids, page_counts, upper=M)
 
 
 def check_prefill_args(q: Any, k: Any, v: Any, *, q_offset: Any, block_size: int, block_ids: Any,
