@@ -54,8 +54,9 @@ def table(folder: Path) -> list[dict]:
                 pol[k[0]].append(scores[label][k])
                 ref[k[0]].append(base[k])
             b = paired_bootstrap(dict(pol), dict(ref))
+            bf16 = b["reference"][0] if isinstance(b["reference"], list) else b["reference"]
             rows.append({"policy": m["base"], "kv_dtype": m["kv"] + m["note"], "length": length,
-                         "tasks": len(pol), "samples": len(keys), "bf16": b["reference"][0] if isinstance(b["reference"], list) else b["reference"],
+                         "tasks": len(pol), "samples": len(keys), "bf16": bf16,
                          "quantised": b["average"][0], "ratio": b["ratio"], "difference": b["difference"]})
     return rows
 

@@ -19,7 +19,8 @@ RECORD = ROOT / "docs" / "results" / "ruler4k"  # a committed `sparsekv eval` re
 GPU_ONLY = ("gemma3_speed", "gsc_gpu", "page_rope_gpu", "pool_decode_gpu", "sae_decode_gpu", "stem_routing_gpu",
             "topk_gpu")
 REAL_MODEL = ("bser_qwen_diagnosis", "kv_quant_fp8_diagnosis")  # a real model's numerics: arguments parsed only
-RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "kv_quant_fp8_gpu_check", "readme_plot", "semanticache_audit")
+RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "kv_quant_fp8_gpu_check", "kvq_quality_table", "readme_plot",
+              "semanticache_audit")
 TESTED_ELSEWHERE = {"stem_ablation": "tests/test_stem.py::test_ablation_script_core (toy model, CPU)"}
 
 
@@ -157,3 +158,33 @@ def test_kv_quant_fp8_gpu_check_interpreted():
     """The GPU check's own comparison, the decode kernel interpreted on the CPU at toy size: int8 and fp8
     pages with key zero points (offsets of dozens of steps) equal the jnp reference (exit 0)."""
     assert _module("kv_quant_fp8_gpu_check").main(["--B", "2", "--S", "256", "--interpret"]) == 0
+
+
+def test_kvq_quality_table_pairs_each_quantised_row_with_its_bf16_row(tmp_path):
+    """Means by hand: bf16 (3/4, 1/2) -> 62.5, int8 (2/4, 1/2) -> 50.0: 80% of bf16, -12.5 points; a row with a
+    further note stays apart, and a quantised row without its bf16 policy is left out."""
+    mod = _module("kvq_quality_table")
+
+    def rec(policy, task, index, score):
+        return {"policy": policy, "task": task, "length": 8192, "question": "agnostic", "seed": 0, "index": index,
+                "score": score}
+
+    bf16 = {"a": [1, 1, 0, 1], "b": [1, 0]}
+    int8 = {"a": [1, 0, 0, 1], "b": [1, 0]}
+    rows = [rec("snapkv(0.25)", t, i, s) for t, v in bf16.items() for i, s in enumerate(v)]
+    rows += [rec("snapkv(0.25) [kv=int8]", t, i, s) for t, v in int8.items() for i, s in enumerate(v)]
+    rows += [rec("snapkv(0.25) [kv=int8, symmetric keys]", "a", i, 1.0) for i in range(4)]
+    rows += [rec("quest(0.25) [kv=int8]", "a", 0, 1.0)]  # no bf16 quest row
+    _write_records(tmp_path / "run", rows)
+    table = mod.table(tmp_path)
+    by = {r["kv_dtype"]: r for r in table}
+    assert set(by) == {"int8", "int8, symmetric keys"} and all(r["policy"] == "snapkv(0.25)" for r in table)
+    r = by["int8"]
+    assert (r["tasks"], r["samples"]) == (2, 6)
+    assert r["bf16"] == pytest.approx(62.5) and r["quantised"] == pytest.approx(50.0)
+    assert r["ratio"][0] == pytest.approx(80.0) and r["difference"][0] == pytest.approx(-12.5)
+    assert r["difference"][1] <= -12.5 <= r["difference"][2]
+    sym = by["int8, symmetric keys"]
+    assert (sym["tasks"], sym["samples"], sym["quantised"], sym["bf16"]) == (1, 4, 100.0, 75.0)
+    assert mod.main([str(tmp_path), "--out", str(tmp_path / "t.md")]) == 0
+    assert "| snapkv(0.25) | int8 | 8k | 2 | 6 | 62.50 | 50.00 | 80.0 [" in (tmp_path / "t.md").read_text()
