@@ -46,7 +46,11 @@ Design (why it looks like this):
   (``k_zero``, laid out and gathered as ``k_scale``; one FMA, the product being exact) and cast
   to the query's dtype before the dot; a value's per-page scale (``v_scale`` ``[P]``) is folded
   into the probabilities (``p * v_scale[page]``) before the second dot, so the values need only a
-  cast. The running softmax sums use the unscaled ``p``.
+  cast. The running softmax sums use the unscaled ``p``. That is ``dequant="tile_f32"``, the default; issue
+  39 measured it 2.4x *slower* than bf16 (dequantisation bound, not memory bound), so three static
+  alternatives exist (``dequant=``, `DEQUANT`): one scale row per *page* broadcast to its lanes, in float32
+  (``page_f32``) or bf16 (``page_lowp``), and the key scale folded into the query per page
+  (``page_q``: ``(q·s_p)·codes + q·z_p``, no key tile scaled). experiments/kvq_kernel_sweep_gpu.py picks.
 
 * **Page pool** (``page_table=``, issue 38, docs/PAGE_POOL.md): K/V, bias and scales are one pool of
   head-free pages ``[N, ps, …]``; each (row, kv head) has a page table ``[M]`` and its own length. The
