@@ -292,10 +292,10 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
         """``dequant="page_f32"/"page_lowp"``: one scale (and zero-point) row per page, broadcast to lanes."""
         acc, m_prev, l_prev = carry
         to_lanes, logical, slot, valid, kt, vt, ks, kz, vs = page_lanes(jnp.arange(ppb, dtype=jnp.int32), j)
-        math = q.dtype if dequant == "page_lowp" and q.dtype == jnp.bfloat16 else jnp.float32
-        wide = lambda x: jnp.broadcast_to(x.astype(math)[:, None, :], (ppb, page_size, head_dim)).reshape(  # noqa
+        mdt = q.dtype if dequant == "page_lowp" and q.dtype == jnp.bfloat16 else jnp.float32  # the math dtype
+        wide = lambda x: jnp.broadcast_to(x.astype(mdt)[:, None, :], (ppb, page_size, head_dim)).reshape(  # noqa
             block_k, head_dim)
-        kt = kt.astype(math) * wide(ks)
+        kt = kt.astype(mdt) * wide(ks)
         if kz is not None:
             kt = kt + wide(kz)
         logits = plgpu.dot(q, kt.astype(q.dtype), trans_b=True, precision=precision) * qk_scale
