@@ -320,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     k.add_argument("--block-k", type=int, default=None, help="quantised calls: slots per tile (kernel default 128)")
     k.add_argument("--num-warps", type=int, default=None, help="quantised calls: Triton warps (default 8)")
     k.add_argument("--num-stages", type=int, default=None, help="quantised calls: pipeline stages (default 3)")
+    k.add_argument("--dequant", default=None, help="quantised calls: decode_attention's dequant= (default tile_f32)")
     e = sub.add_parser("e2e")
     e.add_argument("--model", default="llama3.1-8b", choices=("llama3.1-8b", "smollm2"))
     e.add_argument("--contexts", default="32k,128k")
@@ -346,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(rows) - len(bad)}/{len(rows)} checks passed", file=sys.stderr)
         return 1 if bad else 0
     if a.what == "kernel":
-        tune = {name: getattr(a, name) for name in ("block_k", "num_warps", "num_stages") if getattr(a, name)}
+        tune = {name: getattr(a, name) for name in ("block_k", "num_warps", "num_stages", "dequant")
+                if getattr(a, name)}
         run_kernel(_tokens(a.contexts), a.batch, [float(x) for x in a.rhos.split(",") if x], a.trials, a.out, tune)
     elif a.what == "e2e":
         run_e2e(a.model, _tokens(a.contexts), [int(x) for x in a.batches.split(",")], a.policies, a.decode_steps,

@@ -46,7 +46,11 @@ Design (why it looks like this):
   (``k_zero``, laid out and gathered as ``k_scale``; one FMA, the product being exact) and cast
   to the query's dtype before the dot; a value's per-page scale (``v_scale`` ``[P]``) is folded
   into the probabilities (``p * v_scale[page]``) before the second dot, so the values need only a
-  cast. The running softmax sums use the unscaled ``p``.
+  cast. The running softmax sums use the unscaled ``p``. That is ``dequant="tile_f32"``, the default; issue
+  39 measured it 2.4x *slower* than bf16 (dequantisation bound, not memory bound), so three static
+  alternatives exist (``dequant=``, `DEQUANT`): one scale row per *page* broadcast to its lanes, in float32
+  (``page_f32``) or bf16 (``page_lowp``), and the key scale folded into the query per page
+  (``page_q``: ``(q·s_p)·codes + q·z_p``, no key tile scaled). experiments/kvq_kernel_sweep_gpu.py picks.
 
 * **Page pool** (``page_table=``, issue 38, docs/PAGE_POOL.md): K/V, bias and scales are one pool of
   head-free pages ``[N, ps, …]``; each (row, kv head) has a page table ``[M]`` and its own length. The
@@ -83,7 +87,10 @@ from sparsekv_jax.pallas._common import (
 )
 from sparsekv_jax.pallas.validation import check_decode_args, check_pool_decode_args, is_concrete
 
-__all__ = ["decode_attention", "decode_attention_reference", "decode_plan", "pool_slot_mask"]
+__all__ = ["DEQUANT", "decode_attention", "decode_attention_reference", "decode_plan", "pool_slot_mask"]
+
+#: `decode_attention`'s ways of dequantising a quantised cache's keys (``dequant=``; see its docstring).
+DEQUANT = ("tile_f32", "page_f32", "page_lowp", "page_q")
 
 
 def decode_plan(num_listed_pages: int, page_size: int, batch: int, kv_heads: int, *,
@@ -106,7 +113,8 @@ def decode_plan(num_listed_pages: int, page_size: int, batch: int, kv_heads: int
 
 def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool, page_size: int, ppb: int,
                    pages_per_split: int, qk_scale: float, f32_dot: bool, block_h: int, store_logits: bool,
-                   quantized: bool = False, has_zero: bool = False, pooled: bool = False) -> None:
+                   quantized: bool = False, has_zero: bool = False, pooled: bool = False,
+                   dequant: str = "tile_f32") -> None:
     """One program = one (row b, kv head h, split s): online softmax over its chunk.
 
     With ``store_logits`` it also writes each valid slot's scaled logit (log2 units, bias
@@ -119,6 +127,16 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
     the slots the dense / listed branches compute are *logical*, each lane's page is mapped through
     the table (sentinel or out-of-range entries read nothing) and the loads use the physical slot;
     the logits are stored at the logical slot.
+
+    ``dequant`` (quantised caches only, `DEQUANT`): how a key tile is dequantised. ``"tile_f32"``
+    gathers the scales (and zero points) once per *lane* as ``[block_k, D]`` tiles and works in float32;
+    ``"page_f32"`` / ``"page_lowp"`` load one scale row per *page* (``[ppb, D]``), broadcast it to the
+    page's lanes and work in float32 / in q's dtype (bf16 queries only: ``code·scale`` is exact there
+    and the zero point's sum rounds once, as the float32 sum cast to bf16 does); ``"page_q"`` folds the
+    key scale into the query instead: per page ``p`` of the tile, ``q·s_p`` ``[block_h, D]`` meets the
+    page's raw codes (exact in q's dtype) in one small dot, and the zero point adds ``q·z_p`` to the
+    page's logits, so no key tile is ever scaled. The page-wise variants also cast the value codes
+    straight to q's dtype.
     """
     it = iter(refs)
     q_ref, k_ref, v_ref, len_ref = next(it), next(it), next(it), next(it)
@@ -201,6 +219,18 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
             v_scale = plgpu.load(vs_ref.at[at_v], mask=valid, other=0.0).astype(jnp.float32)
             vt = jnp.where(valid[:, None], vt.astype(jnp.float32), 0.0).astype(q.dtype)
         logits = plgpu.dot(q, kt, trans_b=True, precision=precision) * qk_scale  # [block_h, block_k], log2 units
+        logits = finish_logits(logits, slot, valid, logical if pooled else slot)
+        m_next = jnp.maximum(m_prev, logits.max(axis=-1))
+        alpha = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(logits - m_next[:, None])
+        l_next = l_prev * alpha + p.sum(axis=-1)
+        pw = p * v_scale[None, :] if quantized else p
+        pv = plgpu.dot(pw.astype(vt.dtype), vt, precision=precision)
+        return acc * alpha[:, None] + pv, m_next, l_next
+
+    def finish_logits(logits: jax.Array, slot: jax.Array, valid: jax.Array, logical: jax.Array) -> jax.Array:
+        """A tile's scaled logits ``[block_h, n]``: + bias, -inf where not ``valid``, stored (``return_probs``)
+        at the ``logical`` slots; ``slot``: the physical slots (the bias is read there)."""
         if bias_ref is not None:
             at = (layer[0], slot) if stacked else (slot,)
             bias = plgpu.load(bias_ref.at[at], mask=valid, other=0.0).astype(jnp.float32)
@@ -213,19 +243,99 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
             # could overwrite a real lane's store with the stale value.
             keep = (q_rows < group) & valid[None, :]
             rows_out = jnp.where(q_rows < group, q_rows, group)
-            slots_out = jnp.where(valid, logical if pooled else slot, logit_ref.shape[-1])[None, :]
+            slots_out = jnp.where(valid, logical, logit_ref.shape[-1])[None, :]
             plgpu.store(logit_ref.at[rows_out, slots_out], logits, mask=keep)
+        return logits
+
+    def tile_pages(j: jax.Array, idx: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Pages ``idx`` (int array, positions within tile ``j``) of this program's chunk, computed once per
+        page (not per lane): ``(logical page, physical page (0 where not read), read)``."""
+        if dense:
+            lpage = s * pages_per_split + j * ppb + idx
+            ok = lpage * page_size < end
+        else:
+            entry = start + j * ppb + idx
+            ok = entry < end
+            lpage = plgpu.load(ids_ref.at[jnp.where(ok, entry, 0)], mask=ok, other=0)
+            ok = ok & (lpage * page_size < length)  # a listed page wholly past the length reads nothing
+        if pooled:
+            ok = ok & (lpage < table_ref.shape[0])
+            phys = plgpu.load(table_ref.at[jnp.where(ok, lpage, 0)], mask=ok, other=n_pool)
+            ok = ok & (phys >= 0) & (phys < n_pool)
+        else:
+            phys = lpage
+        return lpage, jnp.where(ok, phys, 0), ok
+
+    def page_lanes(idx: jax.Array, j: jax.Array):
+        """Tile ``j``'s pages ``idx`` ``[n]`` and their ``n·ps`` lanes: pages, read flags, the lanes' logical
+        and physical slots (0 where not read), valid lanes and the codes ``[n·ps, D]`` of K and V."""
+        n = idx.shape[0]
+        lpage, page, ok = tile_pages(j, idx)
+        to_lanes = lambda x: jnp.broadcast_to(x[:, None], (n, page_size)).reshape(n * page_size)  # noqa: E731
+        in_page = jnp.arange(n * page_size, dtype=jnp.int32) % page_size
+        logical = to_lanes(lpage) * page_size + in_page
+        valid = to_lanes(ok) & (logical < length)
+        slot = jnp.where(valid, to_lanes(page) * page_size + in_page, 0)
+        at = (layer, slot[:, None], cols) if stacked else (slot[:, None], cols)
+        kt = plgpu.load(k_ref.at[at], mask=valid[:, None], other=None)
+        vt = plgpu.load(v_ref.at[at], mask=valid[:, None], other=None)
+        # the values' codes straight to q's dtype (exact), zeroed where not read (a masked lane may hold a
+        # NaN code); a key lane not read only spoils its own logit, which finish_logits sets to -inf
+        vt = jnp.where(valid[:, None], vt.astype(q.dtype), 0.0)
+        at_p = (layer, page[:, None], cols) if stacked else (page[:, None], cols)
+        ks = plgpu.load(ks_ref.at[at_p], mask=ok[:, None], other=0.0)  # [n, D]: one row per page
+        kz = None if kz_ref is None else plgpu.load(kz_ref.at[at_p], mask=ok[:, None], other=0.0)
+        vs = plgpu.load(vs_ref.at[(layer[0], page) if stacked else (page,)], mask=ok, other=0.0).astype(jnp.float32)
+        return to_lanes, logical, slot, valid, kt, vt, ks, kz, vs
+
+    def body_pages(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
+        """``dequant="page_f32"/"page_lowp"``: one scale (and zero-point) row per page, broadcast to lanes."""
+        acc, m_prev, l_prev = carry
+        to_lanes, logical, slot, valid, kt, vt, ks, kz, vs = page_lanes(jnp.arange(ppb, dtype=jnp.int32), j)
+        mdt = q.dtype if dequant == "page_lowp" and q.dtype == jnp.bfloat16 else jnp.float32  # the math dtype
+        wide = lambda x: jnp.broadcast_to(x.astype(mdt)[:, None, :], (ppb, page_size, head_dim)).reshape(  # noqa
+            block_k, head_dim)
+        kt = kt.astype(mdt) * wide(ks)
+        if kz is not None:
+            kt = kt + wide(kz)
+        logits = plgpu.dot(q, kt.astype(q.dtype), trans_b=True, precision=precision) * qk_scale
+        logits = finish_logits(logits, slot, valid, logical)
         m_next = jnp.maximum(m_prev, logits.max(axis=-1))
         alpha = jnp.exp2(m_prev - m_next)
         p = jnp.exp2(logits - m_next[:, None])
         l_next = l_prev * alpha + p.sum(axis=-1)
-        pw = p * v_scale[None, :] if quantized else p
-        pv = plgpu.dot(pw.astype(vt.dtype), vt, precision=precision)
+        pv = plgpu.dot((p * to_lanes(vs)[None, :]).astype(q.dtype), vt, precision=precision)
         return acc * alpha[:, None] + pv, m_next, l_next
+
+    def body_q(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
+        """``dequant="page_q"``: per page of the tile (a static loop of ``ppb``), the key scale folded into
+        the query and the zero point added to the logits; the softmax spans the whole tile."""
+        acc, m_prev, l_prev = carry
+        qf = q.astype(jnp.float32)
+        parts = []
+        for i in range(ppb):
+            _, logical, slot, valid, kt, vt, ks, kz, vs = page_lanes(jnp.full((1,), i, jnp.int32), j)
+            qs = (qf * ks.astype(jnp.float32)).astype(q.dtype)  # [block_h, D]; exact: power-of-two scales
+            logits = plgpu.dot(qs, kt.astype(q.dtype), trans_b=True, precision=precision)  # [block_h, ps]
+            if kz is not None:  # + q . z_p: the page's zero points meet the query once, not per key
+                logits = logits + (qf * kz.astype(jnp.float32)).sum(axis=-1)[:, None]
+            parts.append((finish_logits(logits * qk_scale, slot, valid, logical), vt, vs))
+        m_next = m_prev
+        for logits, _, _ in parts:
+            m_next = jnp.maximum(m_next, logits.max(axis=-1))
+        alpha = jnp.exp2(m_prev - m_next)
+        l_next, out = l_prev * alpha, acc * alpha[:, None]
+        for logits, vt, vs in parts:
+            p = jnp.exp2(logits - m_next[:, None])
+            l_next = l_next + p.sum(axis=-1)
+            out = out + plgpu.dot((p * vs[None, :]).astype(q.dtype), vt, precision=precision)
+        return out, m_next, l_next
 
     init = (jnp.zeros((block_h, head_dim), jnp.float32),
             jnp.full((block_h,), M_INIT, jnp.float32),
             jnp.zeros((block_h,), jnp.float32))
+    if quantized and dequant != "tile_f32":
+        body = body_q if dequant == "page_q" else body_pages
     acc, m, l = lax.fori_loop(0, n_iter, body, init)
     o_ref[...] = acc
     m_ref[...] = m
@@ -233,14 +343,15 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "page_size", "scale", "interpret", "block_k", "num_splits", "num_warps", "num_stages", "return_probs"))
+    "page_size", "scale", "interpret", "block_k", "num_splits", "num_warps", "num_stages", "return_probs",
+    "dequant"))
 def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
                  page_ids: jax.Array | None, page_counts: jax.Array | None, bias: jax.Array | None,
                  layer: jax.Array | None, k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
                  k_zero: jax.Array | None = None, page_table: jax.Array | None = None, *,
                  page_size: int, scale: float, interpret: bool, block_k: int,
                  num_splits: int | None, num_warps: int, num_stages: int,
-                 return_probs: bool = False) -> jax.Array | tuple[jax.Array, jax.Array]:
+                 return_probs: bool = False, dequant: str = "tile_f32") -> jax.Array | tuple[jax.Array, jax.Array]:
     B, Hq, D = q.shape
     pooled = page_table is not None
     if pooled:  # k, v: the pool [N, ps, D]; S: the logical slots of a head, M pages (the probabilities' width)
@@ -261,7 +372,7 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
         return _decode_call_pool(qg, k, v, lengths, page_table, page_ids, page_counts, bias, k_scale, v_scale,
                                  k_zero, page_size=page_size, scale=scale, interpret=interpret, ppb=ppb,
                                  n_splits=n_splits, pps=pps, num_warps=num_warps, num_stages=num_stages,
-                                 return_probs=return_probs)
+                                 return_probs=return_probs, dequant=dequant)
     args = [qg, k, v, lengths.astype(jnp.int32)]
     if stacked:  # the block holds this (row, head) of every layer; the kernel picks the layer
         kv_spec = pl.BlockSpec((L, None, None, S, D), lambda b, h, s: (0, b, h, 0, 0))
@@ -303,7 +414,8 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
     kernel = functools.partial(
         _decode_kernel, dense=dense, has_bias=bias is not None, stacked=stacked, page_size=page_size, ppb=ppb,
         pages_per_split=pps, qk_scale=scale * LOG2E, f32_dot=q.dtype == jnp.float32, block_h=block_h,
-        store_logits=return_probs, quantized=quantized, has_zero=k_zero is not None)
+        store_logits=return_probs, quantized=quantized, has_zero=k_zero is not None,
+        **({"dequant": dequant} if quantized else {}))
     out_specs = [
         pl.BlockSpec((None, None, None, block_h, D), lambda b, h, s: (b, h, s, 0, 0)),
         pl.BlockSpec((None, None, None, block_h), lambda b, h, s: (b, h, s, 0)),
@@ -336,8 +448,8 @@ def _decode_call_pool(qg: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Ar
                       page_ids: jax.Array | None, page_counts: jax.Array | None, bias: jax.Array | None,
                       k_scale: jax.Array | None, v_scale: jax.Array | None, k_zero: jax.Array | None, *,
                       page_size: int, scale: float, interpret: bool, ppb: int, n_splits: int, pps: int,
-                      num_warps: int, num_stages: int,
-                      return_probs: bool) -> jax.Array | tuple[jax.Array, jax.Array]:
+                      num_warps: int, num_stages: int, return_probs: bool,
+                      dequant: str = "tile_f32") -> jax.Array | tuple[jax.Array, jax.Array]:
     """`_decode_call`'s page-pool branch (traced inside its ``jit``): the same kernel over the whole
     pool, its slots mapped through ``page_table`` ``[B, Hkv, M]``. Its own function so that the
     uniform branch traces exactly as before the pool existed."""
@@ -373,7 +485,8 @@ def _decode_call_pool(qg: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Ar
     kernel = functools.partial(
         _decode_kernel, dense=dense, has_bias=bias is not None, stacked=False, page_size=page_size, ppb=ppb,
         pages_per_split=pps, qk_scale=scale * LOG2E, f32_dot=qg.dtype == jnp.float32, block_h=block_h,
-        store_logits=return_probs, quantized=quantized, has_zero=k_zero is not None, pooled=True)
+        store_logits=return_probs, quantized=quantized, has_zero=k_zero is not None, pooled=True,
+        dequant=dequant)
     S = M * page_size  # a head's logical slots
     out_specs = [
         pl.BlockSpec((None, None, None, block_h, D), lambda b, h, s: (b, h, s, 0, 0)),
@@ -439,7 +552,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                      block_k: int = 128, num_splits: int | None = None, num_warps: int = 8,
                      num_stages: int = 3, return_probs: bool = False, k_scale: jax.Array | None = None,
                      v_scale: jax.Array | None = None, k_zero: jax.Array | None = None,
-                     page_table: jax.Array | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                     page_table: jax.Array | None = None,
+                     dequant: str = "tile_f32") -> jax.Array | tuple[jax.Array, jax.Array]:
     """GQA decode attention over a per-(row, kv head) subset of cache pages.
 
     Two layouts. *Uniform* (``page_table=None``, today's cache): ``k``/``v`` ``[B, Hkv, S, D]``,
@@ -493,6 +607,15 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         must lie in ``[0, N)``; the rest may be the sentinel ``N`` ("no page") or anything:
         they are never read. Under ``jit`` (no value checks) an entry outside ``[0, N)`` reads
         nothing rather than another page.
+      dequant: quantised caches only (ignored otherwise): how the kernel dequantises keys, one of
+        `DEQUANT`. ``"tile_f32"`` (default): per-lane ``[block_k, D]`` scale / zero-point tiles, float32
+        arithmetic. ``"page_f32"``: one scale row per page broadcast to its lanes, float32.
+        ``"page_lowp"``: the same in q's dtype when q is bf16 (float32 otherwise): the same numbers,
+        ``code·scale`` being exact and the zero point's sum rounding once. ``"page_q"``: the key scale
+        folded into the query per page (``(q·s_p)·codes + q·z_p``), no key is scaled: the logits are
+        those of the exact dequantised keys, without the reference's rounding of each key to q's dtype.
+        All give the reference's output to its tolerances (tests/test_pallas_decode_quant.py); which
+        is fastest is the GPU's call (experiments/kvq_kernel_sweep_gpu.py).
 
     Returns:
       ``[B, Hq, D]`` in q's dtype; with ``return_probs`` the pair ``(out, probs)``, ``probs``
@@ -510,7 +633,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                                       page_counts=page_counts, bias=bias, layer=layer, scale=scale,
                                       interpret=interpret, block_k=block_k, num_splits=num_splits,
                                       num_warps=num_warps, num_stages=num_stages, return_probs=return_probs,
-                                      k_scale=k_scale, v_scale=v_scale, k_zero=k_zero)
+                                      k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, dequant=dequant)
+    if dequant not in DEQUANT:
+        raise ValueError(f"dequant={dequant!r} must be one of {DEQUANT}")
     k_like, v_like = _check_quantized(q, k, v, k_scale, v_scale, page_size, k_zero)
     if layer is not None:
         _check_stacked(k, v, bias, layer)
@@ -530,7 +655,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                         page_size=page_size,
                         scale=float(scale), interpret=interpret, block_k=block_k,
                         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-                        return_probs=bool(return_probs))
+                        return_probs=bool(return_probs), **({"dequant": dequant} if k_scale is not None else {}))
 
 
 def _decode_attention_pool(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, page_table: jax.Array, *,
@@ -538,8 +663,11 @@ def _decode_attention_pool(q: jax.Array, k: jax.Array, v: jax.Array, lengths: ja
                            bias: jax.Array | None, layer: Any, scale: float | None, interpret: bool, block_k: int,
                            num_splits: int | None, num_warps: int, num_stages: int, return_probs: bool,
                            k_scale: jax.Array | None, v_scale: jax.Array | None,
-                           k_zero: jax.Array | None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                           k_zero: jax.Array | None,
+                           dequant: str = "tile_f32") -> jax.Array | tuple[jax.Array, jax.Array]:
     """`decode_attention` in pool mode: the checks, then the jitted call."""
+    if dequant not in DEQUANT:
+        raise ValueError(f"dequant={dequant!r} must be one of {DEQUANT}")
     if layer is not None:
         raise ValueError("layer= indexes a stacked uniform cache; with page_table the pool holds every layer: "
                          "pass that layer's tables and lengths (table[l], length[l]) instead")
@@ -553,7 +681,7 @@ def _decode_attention_pool(q: jax.Array, k: jax.Array, v: jax.Array, lengths: ja
     return _decode_call(q, k, v, lengths, page_ids, page_counts, bias, None, k_scale, v_scale, k_zero, page_table,
                         page_size=page_size, scale=float(scale), interpret=interpret, block_k=block_k,
                         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-                        return_probs=bool(return_probs))
+                        return_probs=bool(return_probs), **({"dequant": dequant} if k_scale is not None else {}))
 
 
 def _check_quantized_pool(q: jax.Array, k: jax.Array, v: jax.Array, k_scale: jax.Array | None,

@@ -1,0 +1,171 @@
+"""The decode kernel's ways of dequantising an int8 / fp8 cache (``dequant=``, issue 39), interpreted
+on the CPU: each against the jnp reference, the exact (float64-dequantised) attention, and where the
+numbers are the same by construction, the default ``"tile_f32"`` path bit for bit.
+
+Inputs are built here from numpy, not by `sparsekv_jax.cache`: codes drawn directly, power-of-two
+scales (bf16, as the cache stores them), key zero points with +-50 offsets in two channels (Qwen2's key
+biases), junk codes past each length (127 / NaN) and NaN scales and zero points on pages not read.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from sparsekv_jax.pallas.decode import DEQUANT, decode_attention, decode_attention_reference
+from sparsekv_jax.pallas.testing import random_page_lists, rel_err
+
+VARIANTS = tuple(d for d in DEQUANT if d != "tile_f32")
+NP_CODE = {"int8": np.int8, "float8_e4m3fn": ml_dtypes.float8_e4m3fn}
+
+
+def _inputs(rng, kv_dtype, B, Hq, Hkv, D, P, ps, q_dtype, zero):
+    """q, codes k/v ``[B, Hkv, S, D]``, k_scale ``[B, Hkv, P, D]``, v_scale ``[B, Hkv, P]``, k_zero (or
+    None), lengths, and the float64 dequantised k, v (0 past the length)."""
+    S = P * ps
+    lengths = np.asarray([S - int(rng.integers(1, ps)), int(rng.integers(1, S))] + [S] * (B - 2), np.int32)
+    valid = np.arange(S)[None, None, :, None] < lengths[:, None, None, None]
+    used = np.arange(P)[None, None] < -(-lengths[:, None, None] // ps)
+    if kv_dtype == "int8":
+        kc, vc = (rng.integers(-127, 128, (B, Hkv, S, D)).astype(np.int8) for _ in range(2))
+    else:
+        kc, vc = ((rng.standard_normal((B, Hkv, S, D)) * 100).clip(-448, 448).astype(ml_dtypes.float8_e4m3fn)
+                  for _ in range(2))
+    junk = np.asarray(127 if kv_dtype == "int8" else np.nan).astype(NP_CODE[kv_dtype])
+    kc, vc = np.where(valid, kc, junk), np.where(valid, vc, junk)
+    bf = ml_dtypes.bfloat16
+    ks = np.exp2(rng.integers(-9, -4, (B, Hkv, P, D))).astype(bf)
+    vs = np.exp2(rng.integers(-9, -4, (B, Hkv, P))).astype(bf)
+    kz = None
+    if zero:
+        kz = (rng.standard_normal((B, Hkv, P, D)) * 4).astype(np.float32)
+        kz[..., :2] += np.array([50.0, -50.0], np.float32)
+        kz = kz.astype(bf)
+    rep = lambda x: np.repeat(np.asarray(x, np.float64), ps, axis=2)  # noqa: E731
+    k64 = np.where(valid, np.nan_to_num(kc.astype(np.float64)) * rep(ks) + (0.0 if kz is None else rep(kz)), 0.0)
+    v64 = np.where(valid, np.nan_to_num(vc.astype(np.float64)) * rep(vs)[..., None], 0.0)
+    ks, vs = np.where(used[..., None], ks, np.nan).astype(bf), np.where(used, vs, np.nan).astype(bf)
+    if zero:
+        kz = np.where(used[..., None], kz, np.nan).astype(bf)
+    q = jnp.asarray(rng.standard_normal((B, Hq, D)), q_dtype)
+    return q, kc, vc, ks, vs, kz, lengths, k64, v64
+
+
+def _poison_unselected(ks, vs, kz, ids, counts):
+    """NaN scales (and zero points) on every page not in a list: a read of one shows."""
+    B, Hkv, P = vs.shape
+    sel = np.zeros((B, Hkv, P), bool)
+    for b in range(B):
+        for h in range(Hkv):
+            sel[b, h, ids[b, h, :counts[b, h]]] = True
+    nan = lambda x, m: None if x is None else np.where(m, x, np.nan).astype(x.dtype)  # noqa: E731
+    return nan(ks, sel[..., None]), nan(vs, sel), nan(kz, sel[..., None])
+
+
+CASES = [  # kv dtype, page-sparse, stacked, q dtype, zero points, block_k (page_size 16)
+    ("int8", False, False, jnp.bfloat16, True, 32),
+    ("float8_e4m3fn", True, True, jnp.bfloat16, True, 64),
+    ("int8", True, False, jnp.float32, True, 16),
+    ("float8_e4m3fn", False, True, jnp.float32, False, 32),
+]
+
+
+@pytest.mark.parametrize("dequant", VARIANTS)
+@pytest.mark.parametrize("kv_dtype,sparse,stacked,q_dtype,zero,block_k", CASES)
+def test_variant_matches_reference(rng, dequant, kv_dtype, sparse, stacked, q_dtype, zero, block_k):
+    B, Hq, Hkv, D, P, ps = 3, 8, 2, 32, 6, 16
+    q, kc, vc, ks, vs, kz, lengths, k64, v64 = _inputs(rng, kv_dtype, B, Hq, Hkv, D, P, ps, q_dtype, zero)
+    kw = {}
+    if sparse:
+        ids, counts = random_page_lists(rng, lengths, Hkv, P, ps, list_len=P - 1)
+        counts[1, 0] = 0  # an empty selection
+        ks, vs, kz = _poison_unselected(ks, vs, kz, ids, counts)
+        kw = dict(page_ids=jnp.asarray(ids), page_counts=jnp.asarray(counts))
+    args = [jnp.asarray(x) for x in (kc, vc, ks, vs)] + [None if kz is None else jnp.asarray(kz)]
+    call_args = args
+    if stacked:  # layer 1 of a 2-layer stack; layer 0: all-NaN scales
+        call_args = [None if x is None else jnp.stack([jnp.full_like(x, jnp.nan) if x.dtype == jnp.bfloat16 else x, x])
+                     for x in args]
+
+    def run(d):
+        return decode_attention(q, call_args[0], call_args[1], jnp.asarray(lengths), page_size=ps, interpret=True,
+                                block_k=block_k, k_scale=call_args[2], v_scale=call_args[3], k_zero=call_args[4],
+                                layer=1 if stacked else None, dequant=d, **kw)
+    out = np.asarray(run(dequant), np.float32)
+    assert out.shape == q.shape and np.isfinite(out).all(), "NaN in the output: a masked slot or page was read"
+    ref = decode_attention_reference(q, *args[:2], jnp.asarray(lengths), page_size=ps, k_scale=args[2],
+                                     v_scale=args[3], k_zero=args[4], **kw)
+    exact = decode_attention_reference(q.astype(jnp.float32), jnp.asarray(k64, jnp.float32),
+                                       jnp.asarray(v64, jnp.float32), jnp.asarray(lengths), page_size=ps, **kw)
+    f32 = q_dtype == jnp.float32
+    if dequant in ("page_f32", "page_lowp"):
+        # the same dequantised keys as the default path (code*scale exact, one rounding of the zero
+        # point's sum): the same output bit for bit
+        np.testing.assert_array_equal(out, np.asarray(run("tile_f32"), np.float32))
+        assert rel_err(out, np.asarray(ref, np.float32)) <= (1e-5 if f32 else 2e-2)
+    else:  # page_q: the exact keys' logits (no rounding of a key to q's dtype): nearer the exact attention
+        assert rel_err(out, np.asarray(exact)) <= (1e-5 if f32 else 1e-2)
+        assert rel_err(out, np.asarray(ref, np.float32)) <= (1e-5 if f32 else 4e-2)
+
+
+@pytest.mark.parametrize("dequant", VARIANTS)
+def test_variant_probs_bias_and_page_pool(rng, dequant):
+    """``return_probs`` with a bias, against the reference; then the same cache as a page pool (pages
+    scattered by a random table) gives the uniform call's output and probabilities bit for bit."""
+    B, Hq, Hkv, D, P, ps = 2, 8, 2, 32, 5, 16
+    q, kc, vc, ks, vs, kz, lengths, _, _ = _inputs(rng, "int8", B, Hq, Hkv, D, P, ps, jnp.bfloat16, True)
+    ids, counts = random_page_lists(rng, lengths, Hkv, P, ps, list_len=P - 1)
+    ks, vs, kz = _poison_unselected(ks, vs, kz, ids, counts)
+    bias = rng.standard_normal((B, Hkv, P * ps)).astype(np.float32)
+    kw = dict(page_ids=jnp.asarray(ids), page_counts=jnp.asarray(counts), bias=jnp.asarray(bias), return_probs=True)
+    a = [jnp.asarray(x) for x in (kc, vc, ks, vs, kz)]
+    out, probs = decode_attention(q, a[0], a[1], jnp.asarray(lengths), page_size=ps, interpret=True, block_k=32,
+                                  k_scale=a[2], v_scale=a[3], k_zero=a[4], dequant=dequant, **kw)
+    ref, ref_p = decode_attention_reference(q, a[0], a[1], jnp.asarray(lengths), page_size=ps, k_scale=a[2],
+                                            v_scale=a[3], k_zero=a[4], **kw)
+    assert rel_err(np.asarray(out, np.float32), np.asarray(ref, np.float32)) <= 4e-2
+    # probabilities: where the reference has none, none (exactly 0); elsewhere near it
+    np.testing.assert_array_equal(np.asarray(probs) == 0, np.asarray(ref_p) == 0)
+    np.testing.assert_allclose(np.asarray(probs), np.asarray(ref_p), atol=2e-2)
+
+    N = B * Hkv * P
+    perm = rng.permutation(N)  # logical page i (flat order) lives at pool page perm[i]
+    pooled = []
+    for x in (kc.reshape(B, Hkv, P, ps, D), vc.reshape(B, Hkv, P, ps, D), ks, vs, kz, bias.reshape(B, Hkv, P, ps)):
+        flat = x.reshape(N, *x.shape[3:])
+        y = np.empty_like(flat)
+        y[perm] = flat
+        pooled.append(jnp.asarray(y))
+    table = jnp.asarray(perm.reshape(B, Hkv, P), jnp.int32)
+    lengths2 = jnp.asarray(np.broadcast_to(lengths[:, None], (B, Hkv)))
+    out_p, probs_p = decode_attention(q, pooled[0], pooled[1], lengths2, page_size=ps, interpret=True, block_k=32,
+                                      k_scale=pooled[2], v_scale=pooled[3], k_zero=pooled[4], dequant=dequant,
+                                      page_table=table, **{**kw, "bias": pooled[5]})
+    np.testing.assert_array_equal(np.asarray(out_p, np.float32), np.asarray(out, np.float32))
+    np.testing.assert_array_equal(np.asarray(probs_p), np.asarray(probs))
+
+
+def test_bad_dequant_raises():
+    q = jnp.zeros((1, 2, 16), jnp.bfloat16)
+    k = jnp.zeros((1, 1, 32, 16), jnp.int8)
+    for kw in ({}, dict(page_table=jnp.zeros((1, 1, 2), jnp.int32))):
+        k_ = k.reshape(2, 16, 16) if kw else k
+        ks, vs = (jnp.ones((2, 16)), jnp.ones((2,))) if kw else (jnp.ones((1, 1, 2, 16)), jnp.ones((1, 1, 2)))
+        with pytest.raises(ValueError, match="dequant='tile'"):
+            decode_attention(q, k_, k_, jnp.full((1, 1), 3) if kw else jnp.array([3]), page_size=16, interpret=True,
+                             k_scale=ks, v_scale=vs, dequant="tile", **kw)
+
+
+def test_dequant_leaves_an_unquantised_call_alone():
+    """A bf16 cache never consults ``dequant``: every value traces the default call's program exactly."""
+    q = jnp.zeros((2, 8, 32), jnp.bfloat16)
+    k = jnp.zeros((2, 2, 64, 32), jnp.bfloat16)
+    ids = jnp.broadcast_to(jnp.array([2, 0, 1], jnp.int32), (2, 2, 3))
+    for kw in ({}, dict(page_ids=ids, return_probs=True)):
+        def text(d, kw=kw):
+            return str(jax.make_jaxpr(lambda q, k: decode_attention(
+                q, k, k, jnp.array([50, 64]), page_size=16, interpret=True, block_k=32, dequant=d, **kw))(q, k))
+        base = text("tile_f32")
+        assert all(text(d) == base for d in VARIANTS)
