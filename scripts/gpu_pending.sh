@@ -5,6 +5,7 @@
 #   PART=2 bash scripts/gpu_pending.sh   # Stem's tiled and kernel routing at 32k and 128k (issue 40.3)
 #   PART=3 bash scripts/gpu_pending.sh   # the fused SAE encoder + top-k step (issue 37.4)
 #   PART=4 bash scripts/gpu_pending.sh   # the decode kernel on a page pool vs the uniform cache (issue 38 step 1)
+#   PART=5 bash scripts/gpu_pending.sh   # int8/fp8 kernel variants sweep + the quantised decode step again (issue 39)
 # Each command has its share of DEADLINE seconds; logs and JSON land in $OUT; a short table is printed last.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -35,6 +36,12 @@ case "$PART" in
   3) step sae_fused 540 python sae_training/bench.py --fused --models llama3.1-8b,smollm2 --iters 15 --out "$OUT" ;;
   4) step pool_decode 540 python experiments/pool_decode_gpu.py --lengths 32768,131072 --batches 1,8 --rhos 0.1,0.25 \
        --out "$OUT/pool_decode.json" ;;
+  5) # issue 39 after the first timing (docs/results/kvq_timing_h200_2026-11-27): the kernel's dequantisation variants
+     # x tiles (screened, then confirmed A B B A beside the bf16 kernel and cuDNN), and the decode step on quantised
+     # caches after the append_token fix (full attention, 32k)
+     step kvq_sweep 330 python experiments/kvq_kernel_sweep_gpu.py --out "$OUT/kvq_sweep.json"
+     step kvq_e2e 200 python scripts/kv_quant_show.py e2e --contexts 32k --batches "${E2E_BATCHES:-1,16,32}" \
+       --policies "${E2E_POLICIES:-fullkv}" --out "$OUT/kvq_e2e.json" ;;
   *) echo "unknown PART=$PART"; exit 2 ;;
 esac
 # the device returns at most 8 files a call: everything also travels as one archive
