@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import math
 import sys
@@ -236,10 +237,12 @@ def run_e2e(model: str, contexts: list[int], batches: list[int], specs: str, ste
                 pol = policy.bind(Setup(cfg, prompt_len=T, max_new_tokens=steps, backend=backend))
                 best = None
                 for B in sorted(batches):
+                    stopped = None
+                    cache = state = obs = fn = compiled = carry = None
                     try:
                         cache, obs = quant_decode_cache(cfg, pol, T, B, steps, jax.random.key(2), kv_dtype)
                         state = pol.decode_init(cache, obs)
-                        del obs
+                        obs = None
                         token = jnp.ones((B,), jnp.int32)
                         fn = decode_fn(params, pol, steps, start=(cache.length, cache.next_position), backend=backend)
                         compiled = fn.lower(params, cache, state, token).compile()
@@ -248,15 +251,24 @@ def run_e2e(model: str, contexts: list[int], batches: list[int], specs: str, ste
                             raise MemoryError(f"out of memory: {mem} > {limit}")
                         sizes = (cache.nbytes(), cache.kv_nbytes())
                         sec, carry = median_time_carry(compiled, params, (cache, state, token), iters=iters)
-                        del carry
                         best = {"kind": "e2e", "model": model, "policy": pol.name, "spec": repr(policy),
                                 "kv_dtype": kv_dtype, "context": T, "batch": B, "ms_per_step": sec * 1e3 / steps,
                                 "tokens_per_s": B * steps / sec, "cache_bytes": sizes[0], "kv_bytes": sizes[1],
                                 "memory_bytes": mem, "device": jax.devices()[0].device_kind}
                         print(json.dumps(best), flush=True)
                     except Exception as e:  # noqa: BLE001 - the first batch that does not fit ends the search
+                        stopped = why(e) if not isinstance(e, MemoryError) else str(e)
+                    finally:
+                        # the failed point's cache, state, program and the exception's frames (which hold
+                        # them) must go before the next search builds its cache, or every later point,
+                        # batch 1 included, "does not fit" in what this one left behind
+                        del cache, state, obs, fn, compiled, carry
+                        gc.collect()
+                    if stopped is not None:
                         print(json.dumps({"kv_dtype": kv_dtype, "policy": pol.name, "context": T, "batch": B,
-                                          "stopped": why(e) if not isinstance(e, MemoryError) else str(e)}), flush=True)
+                                          "stopped": stopped}), flush=True)
+                        jax.clear_caches()
+                        gc.collect()
                         break
                 if best is not None:
                     _emit(rows, {**best, "largest_batch_tried": max(batches)}, out)

@@ -149,30 +149,26 @@ def _append_quantized(kv: LayerKV, layer: jax.Array | None, slot: jax.Array, k_n
                       page_size: int, in_place: bool):
     """`append_token`'s write into a quantised cache: ``(k, v, {"k_scale", "k_zero", "v_scale"}, page_keys)``,
     the written page's float32 keys ``[B, H, ps, D]`` (for its summaries). An append that opens a page
-    gives it the previous page's key zero points (the token's own key on page 0)."""
-    *_, S, D = kv.k.shape
-    P = S // page_size
+    gives it the previous page's key zero points (the token's own key on page 0).
+
+    The page is read with one gather from the (stacked) arrays and written back with one scatter on
+    their own shape, the read values passed through an `jax.lax.optimization_barrier`: no layer
+    slice, no reshape of the carried stack, and no fusion that reads a buffer while it writes it in
+    place (each of which can make XLA copy the whole stacked cache at every layer of every step)."""
     page = slot // page_size  # [B, H]
-    pick = (lambda a: a) if layer is None else (lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False))
-
-    def paged(x: jax.Array) -> jax.Array:  # [..., S, D] -> [..., P, ps, D] (free)
-        return x.reshape(*x.shape[:-2], P, page_size, D)
-
-    def at_page(x: jax.Array) -> jax.Array:  # this (row, head)'s page of a [B, H, P, ...] array
-        idx = page.reshape(page.shape + (1,) * (x.ndim - 2))
-        return jnp.take_along_axis(x, idx, axis=2)[:, :, 0]
-
-    kp, vp = paged(kv.k), paged(kv.v)
+    first = page * page_size
     new = jnp.arange(page_size) == (slot % page_size)[..., None]  # [B, H, ps]
-    kzs = pick(kv.k_zero)
     fresh = jnp.zeros(page.shape, bool) if in_place else slot % page_size == 0  # an append opening a page
-    prev = jnp.take_along_axis(kzs, jnp.maximum(page - 1, 0)[..., None, None], axis=2)[:, :, 0]
+    old = jax.lax.optimization_barrier((
+        _read(kv.k, layer, first, page_size), _read(kv.v, layer, first, page_size),
+        _read(kv.k_scale, layer, page), _read(kv.k_zero, layer, page), _read(kv.v_scale, layer, page),
+        _read(kv.k_zero, layer, jnp.maximum(page - 1, 0))))
+    old_k, old_v, old_ks, old_kz, old_vs, prev = old
     fresh_zero = jnp.where((page > 0)[..., None], prev.astype(jnp.float32), k_new.astype(jnp.float32))
-    keys, _, kq, vq, ks, kz, vs = _rescale_pages(
-        at_page(pick(kp)), at_page(pick(kv.k_scale)), at_page(kzs), at_page(pick(vp)), at_page(pick(kv.v_scale)),
-        k_new[:, :, None], v_new[:, :, None], new, fresh, fresh_zero)
-    k = _write(kp, layer, page, kq).reshape(kv.k.shape)
-    v = _write(vp, layer, page, vq).reshape(kv.v.shape)
+    keys, _, kq, vq, ks, kz, vs = _rescale_pages(old_k, old_ks, old_kz, old_v, old_vs, k_new[:, :, None],
+                                                 v_new[:, :, None], new, fresh, fresh_zero)
+    k = _write(kv.k, layer, first, kq, window=page_size)
+    v = _write(kv.v, layer, first, vq, window=page_size)
     scales = {"k_scale": _write(kv.k_scale, layer, page, ks), "k_zero": _write(kv.k_zero, layer, page, kz),
               "v_scale": _write(kv.v_scale, layer, page, vs)}
     return k, v, scales, keys
@@ -222,21 +218,48 @@ def write_tokens(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slots: jax.Arr
     return kv.replace(**out)
 
 
+def _dims(layer: jax.Array | None, index: jax.Array, window: int | None):
+    """What `_write` and `_read` share: the indices ``[B, H, 1 | 2]`` and, for ``x`` ``[(L,) B, H, N, ...]``,
+    the indexed operand dims, the batching dims and the dims collapsed (the layer's; the slot's too
+    without a ``window``)."""
+    if layer is None:
+        idx, indexed, batching = index[..., None], (2,), (0, 1)
+    else:
+        idx = jnp.stack([jnp.broadcast_to(layer, index.shape).astype(index.dtype), index], axis=-1)
+        indexed, batching = (0, 3), (1, 2)
+    collapsed = indexed if window is None else indexed[:-1]
+    return idx, indexed, batching, collapsed
+
+
+def _read(x: jax.Array, layer: jax.Array | None, index: jax.Array, window: int | None = None) -> jax.Array:
+    """``x[(layer,) b, h, index[b, h]]`` ``[B, H, ...]`` (with ``window``: the ``window`` entries from there,
+    ``[B, H, window, ...]``) of ``x`` ``[(L,) B, H, N, ...]``, as one gather from ``x`` itself: no slice of
+    the layer is made first. Windows past the end are clamped (callers read whole pages)."""
+    idx, indexed, batching, collapsed = _dims(layer, index, window)
+    lead = 0 if layer is None else 1
+    sizes = tuple(1 if d in indexed[:-1] or d in batching else (window or 1) if d == lead + 2 else n
+                  for d, n in enumerate(x.shape))
+    out_rank = x.ndim - len(collapsed) - len(batching) + 2
+    dims = jax.lax.GatherDimensionNumbers(
+        offset_dims=tuple(range(2, out_rank)), collapsed_slice_dims=collapsed, start_index_map=indexed,
+        operand_batching_dims=batching, start_indices_batching_dims=(0, 1))
+    return jax.lax.gather(x, idx, dims, sizes, indices_are_sorted=True, unique_indices=True,
+                          mode=jax.lax.GatherScatterMode.CLIP)
+
+
 def _write(x: jax.Array, layer: jax.Array | None, index: jax.Array, value: jax.Array,
-           scatter: Any = jax.lax.scatter) -> jax.Array:
+           scatter: Any = jax.lax.scatter, window: int | None = None) -> jax.Array:
     """``x[(layer,) b, h, index[b, h]] = value[b, h]`` (or `jax.lax.scatter_max`) for every row ``b`` and KV
     head ``h`` of ``x`` ``[(L,) B, H, S, ...]``, as one scatter whose rows and heads are *batch* dimensions:
     on a device mesh XLA then writes each (row, head) on the device that holds it (the same write
     indexed by iotas, ``x.at[rows, heads, index]``, had the values gathered onto every device first).
+    With ``window``, ``value[b, h]`` ``[window, ...]`` goes to slots ``index .. index + window``.
     Indices past the end are dropped."""
+    idx, indexed, batching, collapsed = _dims(layer, index, window)
     lead = 0 if layer is None else 1
-    if layer is None:
-        idx = index[..., None]
-    else:
-        idx = jnp.stack([jnp.broadcast_to(layer, index.shape).astype(index.dtype), index], axis=-1)
     dims = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=tuple(range(2, value.ndim)), inserted_window_dims=(lead + 2,) if layer is None else (0, 3),
-        scatter_dims_to_operand_dims=(lead + 2,) if layer is None else (0, 3), operand_batching_dims=(lead, lead + 1),
+        update_window_dims=tuple(range(2, value.ndim)), inserted_window_dims=collapsed,
+        scatter_dims_to_operand_dims=indexed, operand_batching_dims=(lead, lead + 1),
         scatter_indices_batching_dims=(0, 1))
     return scatter(x, idx, value.astype(x.dtype), dims, indices_are_sorted=True, unique_indices=True,
                    mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
