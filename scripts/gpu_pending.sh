@@ -6,6 +6,7 @@
 #   PART=3 bash scripts/gpu_pending.sh   # the fused SAE encoder + top-k step (issue 37.4)
 #   PART=4 bash scripts/gpu_pending.sh   # the decode kernel on a page pool vs the uniform cache (issue 38 step 1)
 #   PART=5 bash scripts/gpu_pending.sh   # int8/fp8 kernel variants sweep + the quantised decode step again (issue 39)
+#   PART=6 bash scripts/gpu_pending.sh   # the tuned quantised kernel at 128k + largest batch per cache dtype (issue 39)
 # Each command has its share of DEADLINE seconds; logs and JSON land in $OUT; a short table is printed last.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -42,6 +43,11 @@ case "$PART" in
      step kvq_sweep 330 python experiments/kvq_kernel_sweep_gpu.py --out "$OUT/kvq_sweep.json"
      step kvq_e2e 200 python scripts/kv_quant_show.py e2e --contexts 32k --batches "${E2E_BATCHES:-1,16,32}" \
        --policies "${E2E_POLICIES:-fullkv}" --out "$OUT/kvq_e2e.json" ;;
+  6) # issue 39 with the sweep's tiles and dequantisation as the kernel's defaults (pallas/decode.py TUNED): the
+     # kernel at 128k beside the bf16 kernel and cuDNN, and the largest batch / throughput per cache dtype at 32k
+     step kvq_kernel128k 70 python scripts/kv_quant_show.py kernel --contexts 128k --out "$OUT/kvq_kernel_128k.json"
+     step kvq_e2e 400 python scripts/kv_quant_show.py e2e --contexts 32k --batches "${E2E_BATCHES:-1,16,32,64,128}" \
+       --policies "${E2E_POLICIES:-fullkv, snapkv(0.25)}" --out "$OUT/kvq_e2e.json" ;;
   *) echo "unknown PART=$PART"; exit 2 ;;
 esac
 # the device returns at most 8 files a call: everything also travels as one archive

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -183,35 +184,53 @@ def run_kernel(contexts: list[int], batch: int, rhos: list[float], trials: int, 
 def quant_decode_cache(cfg: Any, policy: Any, context: int, batch: int, steps: int, key: jax.Array,
                        kv_dtype: str, page_size: int = 16):
     """`sparsekv_jax.bench.e2e.decode_cache` with a ``kv_dtype`` cache: random codes and scales
-    holding ``context`` tokens as ``policy`` leaves them (built inside one jit, layer by layer)."""
+    holding ``context`` tokens as ``policy`` leaves them. The cache is allocated once and filled one
+    layer at a time in place (each fill donates the stack), so the peak is the cache plus one layer's
+    draw -- the largest batch found is the decode program's, not this builder's."""
     cap = policy.compressed_capacity(context, steps)
     kept = context if cap is None else cap - steps
     capacity = context + steps if cap is None else cap
+    quantized = kv_dtype != "bfloat16"
 
     @jax.jit
-    def build(key):
-        cache = init_cache(cfg, batch, capacity, page_size=page_size, dtype=jnp.bfloat16,
-                           summaries=policy.page_summaries, kv_dtype=None if kv_dtype == "bfloat16" else kv_dtype)
-        L, B, H, S, D = cache.layers.k.shape
+    def allocate():
+        return init_cache(cfg, batch, capacity, page_size=page_size, dtype=jnp.bfloat16,
+                          summaries=policy.page_summaries, kv_dtype=kv_dtype if quantized else None)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def fill(layers, key, layer):
+        _, B, H, S, D = layers.k.shape
+        k, v, ks, kz, vs = _random_cache(key, (B, H, S, D), kv_dtype, page_size)
+        new = {"k": layers.k.at[layer].set(k), "v": layers.v.at[layer].set(v)}
+        if quantized:
+            new.update(k_scale=layers.k_scale.at[layer].set(ks), k_zero=layers.k_zero.at[layer].set(kz),
+                       v_scale=layers.v_scale.at[layer].set(vs))
+        return layers.replace(**new)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def finish(cache):
+        layers = cache.layers
+        S = layers.k.shape[-2]
         used = jnp.arange(S) < kept
         positions = jnp.where(used, jnp.arange(S) * max(1, context // kept), -1).astype(jnp.int32)
-        k, v, ks, kz, vs = jax.lax.map(lambda k: _random_cache(k, (B, H, S, D), kv_dtype, page_size),
-                                       jax.random.split(key, L))
-        layers = cache.layers.replace(k=k, v=v, positions=jnp.broadcast_to(positions, cache.layers.positions.shape))
-        if ks is not None:
-            layers = layers.replace(k_scale=ks, k_zero=kz, v_scale=vs)
+        layers = layers.replace(positions=jnp.broadcast_to(positions, layers.positions.shape))
         length = jnp.full((batch,), kept, jnp.int32)
         keys = None
-        if ks is not None and policy.page_summaries - {"page_max_bias"}:
+        if quantized and policy.page_summaries - {"page_max_bias"}:
             # a quantised cache's key summaries are written with the keys: here the random codes' values
             keys = jax.lax.map(lambda a: (a[0].astype(jnp.float32) * jnp.repeat(a[1], page_size, axis=-2)
                                           + jnp.repeat(a[2], page_size, axis=-2)).astype(jnp.bfloat16),
                                (layers.k, layers.k_scale, layers.k_zero))
         layers = summarize_pages(layers, length, page_size, keys=keys)
-        cache = cache.replace(layers=layers, length=length, next_position=jnp.full((batch,), context, jnp.int32))
-        return cache, jax.random.uniform(key, (L, B, H, context), jnp.float32)
+        return cache.replace(layers=layers, length=length, next_position=jnp.full((batch,), context, jnp.int32))
 
-    return build(key)
+    cache = allocate()
+    layers = cache.layers
+    for layer, k in enumerate(jax.random.split(key, layers.k.shape[0])):
+        layers = fill(layers, k, layer)
+    cache = finish(cache.replace(layers=layers))
+    L, B, H = cache.layers.k.shape[:3]
+    return cache, jax.random.uniform(key, (L, B, H, context), jnp.float32)
 
 
 def run_e2e(model: str, contexts: list[int], batches: list[int], specs: str, steps: int, iters: int,

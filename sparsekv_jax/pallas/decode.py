@@ -91,6 +91,22 @@ __all__ = ["DEQUANT", "decode_attention", "decode_attention_reference", "decode_
 
 #: `decode_attention`'s ways of dequantising a quantised cache's keys (``dequant=``; see its docstring).
 DEQUANT = ("tile_f32", "page_f32", "page_lowp", "page_q")
+# (block_k, num_warps, num_stages, dequant) by cache storage: bf16 the 12-point grid of
+# experiments/diary/BENCHMARKS_DIARY.md; int8 / fp8 the fastest screened configs of
+# experiments/kvq_kernel_sweep_gpu.py on an H200 (2026-11-27, docs/results/kvq_sweep_h200_2026-11-27: int8 dense
+# 32k batch 8 310-314 us against 553-566 for the first quantised kernel's tile_f32 at its best tiles)
+TUNED = {"bfloat16": (128, 8, 3, "tile_f32"), "int8": (64, 4, 3, "page_lowp"),
+         "float8_e4m3fn": (32, 4, 3, "page_lowp")}
+
+
+def tuned(k_dtype: Any, block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+          dequant: str | None = None) -> tuple[int, int, int, str]:
+    """``(block_k, num_warps, num_stages, dequant)``: the given ones, the rest `TUNED`'s for a cache of
+    ``k_dtype`` (codes int8 / float8_e4m3fn, or any float dtype: the bf16 row)."""
+    name = jnp.dtype(k_dtype).name
+    row = TUNED.get(name, TUNED["bfloat16"])
+    given = (block_k, num_warps, num_stages, dequant)
+    return tuple(row[i] if given[i] is None else given[i] for i in range(4))  # type: ignore[return-value]
 
 
 def decode_plan(num_listed_pages: int, page_size: int, batch: int, kv_heads: int, *,
@@ -549,11 +565,11 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                      page_ids: jax.Array | None = None, page_counts: jax.Array | None = None,
                      bias: jax.Array | None = None, layer: int | jax.Array | None = None,
                      scale: float | None = None, interpret: bool = False,
-                     block_k: int = 128, num_splits: int | None = None, num_warps: int = 8,
-                     num_stages: int = 3, return_probs: bool = False, k_scale: jax.Array | None = None,
+                     block_k: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
+                     num_stages: int | None = None, return_probs: bool = False, k_scale: jax.Array | None = None,
                      v_scale: jax.Array | None = None, k_zero: jax.Array | None = None,
                      page_table: jax.Array | None = None,
-                     dequant: str = "tile_f32") -> jax.Array | tuple[jax.Array, jax.Array]:
+                     dequant: str | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """GQA decode attention over a per-(row, kv head) subset of cache pages.
 
     Two layouts. *Uniform* (``page_table=None``, today's cache): ``k``/``v`` ``[B, Hkv, S, D]``,
@@ -586,9 +602,11 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
       interpret: run the Pallas kernel in interpret mode (CPU tests).
       block_k: slots per inner tile (rounded to whole pages).
       num_splits: split-K factor (default: fill ~`TARGET_PROGRAMS` programs).
-      num_warps, num_stages: Triton compiler params. Defaults (128, 8 warps, 3 stages) were
-        the fastest of a 12-point grid on an H200 at L=32k/B=8 and L=128k/B=1
-        (experiments/diary/BENCHMARKS_DIARY.md); stages are lowered automatically where tiles would overflow
+      num_warps, num_stages: Triton compiler params. ``None`` (with ``block_k`` and ``dequant``): `TUNED`'s
+        row for the cache's storage -- bf16 (128, 8 warps, 3 stages), the fastest of a 12-point grid on
+        an H200 at L=32k/B=8 and L=128k/B=1 (experiments/diary/BENCHMARKS_DIARY.md); int8 (64, 4, 3,
+        ``"page_lowp"``) and fp8 (32, 4, 3, ``"page_lowp"``), the fastest of the sweep in
+        experiments/kvq_kernel_sweep_gpu.py. Stages are lowered automatically where tiles would overflow
         shared memory (float32).
       return_probs: also return the step's attention probabilities (for policies that
         accumulate them, e.g. H2O).
@@ -609,13 +627,13 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         nothing rather than another page.
       dequant: quantised caches only (ignored otherwise): how the kernel dequantises keys, one of
         `DEQUANT`. ``"tile_f32"`` (default): per-lane ``[block_k, D]`` scale / zero-point tiles, float32
-        arithmetic. ``"page_f32"``: one scale row per page broadcast to its lanes, float32.
+        arithmetic (the first quantised kernel). ``"page_f32"``: one scale row per page broadcast to its lanes, float32.
         ``"page_lowp"``: the same in q's dtype when q is bf16 (float32 otherwise): the same numbers,
         ``code·scale`` being exact and the zero point's sum rounding once. ``"page_q"``: the key scale
         folded into the query per page (``(q·s_p)·codes + q·z_p``), no key is scaled: the logits are
         those of the exact dequantised keys, without the reference's rounding of each key to q's dtype.
-        All give the reference's output to its tolerances (tests/test_pallas_decode_quant.py); which
-        is fastest is the GPU's call (experiments/kvq_kernel_sweep_gpu.py).
+        All give the reference's output to its tolerances (tests/test_pallas_decode_quant.py). ``None``:
+        ``"page_lowp"``, the fastest on an H200 (`TUNED`).
 
     Returns:
       ``[B, Hq, D]`` in q's dtype; with ``return_probs`` the pair ``(out, probs)``, ``probs``
@@ -628,6 +646,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
       ValueError: on bad shapes/dtypes, and (for concrete arrays) ids out of range, counts
         beyond the list, duplicate ids, lengths out of range.
     """
+    block_k, num_warps, num_stages, dequant = tuned(k.dtype, block_k, num_warps, num_stages, dequant)
     if page_table is not None:
         return _decode_attention_pool(q, k, v, lengths, page_table, page_size=page_size, page_ids=page_ids,
                                       page_counts=page_counts, bias=bias, layer=layer, scale=scale,
