@@ -28,12 +28,16 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import functools
 import gc
 import json
 import math
+import os
+import subprocess
 import sys
+import tempfile
 from typing import Any
 
 import jax
@@ -233,8 +237,37 @@ def quant_decode_cache(cfg: Any, policy: Any, context: int, batch: int, steps: i
     return cache, jax.random.uniform(key, (L, B, H, context), jnp.float32)
 
 
+def split_specs(specs: str) -> list[str]:
+    """The policy specs of a comma-separated ``specs``, each as written (commas inside calls kept)."""
+    text = f"({specs},)"
+    return [ast.get_source_segment(text, node) for node in ast.parse(text, mode="eval").body.elts]
+
+
+def run_e2e_isolated(model: str, contexts: list[int], batches: list[int], specs: str, steps: int, iters: int,
+                     out: str | None, kv_dtypes: tuple[str, ...] = KV) -> list:
+    """`run_e2e` with each (context, cache dtype, policy) search in its own process: a search that ends
+    in an allocation failure (on a GPU, after near-full allocations) leaves the allocator fragmented, and
+    on 2026-11-27 an H200 then refused batch 1 of the next search (docs/results/kvq_e2e_h200_2026-11-27)."""
+    rows: list[dict[str, Any]] = []
+    for T in contexts:
+        for kv_dtype in kv_dtypes:
+            for spec in split_specs(specs):
+                with tempfile.TemporaryDirectory() as tmp:
+                    part = os.path.join(tmp, "rows.json")
+                    cmd = [sys.executable, os.path.abspath(__file__), "e2e", "--in-process", "--model", model,
+                           "--contexts", str(T), "--kv-dtypes", kv_dtype, "--policies", spec,
+                           "--batches", ",".join(map(str, batches)), "--decode-steps", str(steps),
+                           "--iters", str(iters), "--out", part]
+                    subprocess.run(cmd, check=False)
+                    if os.path.exists(part):
+                        with open(part) as fh:
+                            for row in json.load(fh):
+                                _emit(rows, row, out)
+    return rows
+
+
 def run_e2e(model: str, contexts: list[int], batches: list[int], specs: str, steps: int, iters: int,
-            out: str | None) -> list:
+            out: str | None, kv_dtypes: tuple[str, ...] = KV) -> list:
     from sparsekv_jax.backend import Backend
     from sparsekv_jax.bench.e2e import decode_fn, median_time_carry, memory_bytes, why
     from sparsekv_jax.models import config as mc
@@ -250,7 +283,7 @@ def run_e2e(model: str, contexts: list[int], batches: list[int], specs: str, ste
         limit = 1 << 62
     rows: list[dict[str, Any]] = []
     for T in contexts:
-        for kv_dtype in KV:
+        for kv_dtype in kv_dtypes:
             backend = Backend(kv_dtype=None if kv_dtype == "bfloat16" else kv_dtype).resolve(params)
             for policy in parse_policies(specs):
                 pol = policy.bind(Setup(cfg, prompt_len=T, max_new_tokens=steps, backend=backend))
@@ -359,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--policies", default="fullkv, snapkv(0.25)")
     e.add_argument("--decode-steps", type=int, default=16)
     e.add_argument("--iters", type=int, default=3)
+    e.add_argument("--kv-dtypes", default=",".join(KV), help="cache dtypes to search (comma-separated)")
+    e.add_argument("--in-process", action="store_true",
+                   help="every search in this process (default: one process per context, dtype and policy)")
     f = sub.add_parser("fidelity")
     f.add_argument("--model", default="qwen2.5-coder-1.5b")
     f.add_argument("--lengths", default="8k,32k")
@@ -382,8 +418,12 @@ def main(argv: list[str] | None = None) -> int:
                 if getattr(a, name)}
         run_kernel(_tokens(a.contexts), a.batch, [float(x) for x in a.rhos.split(",") if x], a.trials, a.out, tune)
     elif a.what == "e2e":
-        run_e2e(a.model, _tokens(a.contexts), [int(x) for x in a.batches.split(",")], a.policies, a.decode_steps,
-                a.iters, a.out)
+        dtypes = tuple(d.strip() for d in a.kv_dtypes.split(",") if d.strip())
+        if not dtypes or set(dtypes) - set(KV):
+            p.error(f"--kv-dtypes {a.kv_dtypes!r}: expected some of {', '.join(KV)}")
+        run = run_e2e if a.in_process else run_e2e_isolated
+        run(a.model, _tokens(a.contexts), [int(x) for x in a.batches.split(",")], a.policies, a.decode_steps,
+            a.iters, a.out, dtypes)
     else:
         run_fidelity(a.model, _tokens(a.lengths), a.policies, a.n,
                      [t.strip() for t in a.tasks.split(",")] if a.tasks else None, a.batch_size, a.out)
