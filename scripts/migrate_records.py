@@ -1,4 +1,4 @@
-"""Rewrite `sparsekv eval` records made before two default changes of 2026-11-27 (issue 36) so each
+"""Rewrite `sparsekv eval` records made before the default changes of 2026-11-27 (issue 36) so each
 says what made it.
 
 * **SemantiCache.** Until then ``SemantiCache(b)`` meant the digit-sentence rule (``keep_numbers=True,
@@ -33,7 +33,7 @@ are reported under what made them and a resumed run does not take them for the n
 Other records are copied unchanged; running it twice changes nothing.
 
     python scripts/migrate_records.py docs/results/qwen2.5-coder-1.5b_h200*/*/results.jsonl.gz
-    python scripts/migrate_records.py --classes BSER $(grep -l ... )   # only BSER's records (2026-11-27)
+    python scripts/migrate_records.py --classes BSER $(find docs/results -name 'results.jsonl*')  # BSER's only
 """
 
 from __future__ import annotations
