@@ -86,7 +86,8 @@ def relevances(params, tok, texts, chat: bool) -> tuple[dict[str, np.ndarray], t
         tokens[i, : len(c) + len(q)] = c + q
     lengths = np.asarray([len(c) + len(q) for c, q in rows], np.int32)
     qs = np.asarray([len(c) for c, _ in rows], np.int32)
-    runs = [setup(params, BSER(0.25, embedding=e), tokens, lengths, question_start=qs, max_new_tokens=1)
+    # B = 64: the block size the table's pairs were derived at (the default until 2026-11-27; now 128)
+    runs = [setup(params, BSER(0.25, embedding=e, block_size=64), tokens, lengths, question_start=qs, max_new_tokens=1)
             for e in ("input", "hidden")]
     seen = jax.jit(share_prefill)(params, runs)
     prompt = Prompt(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths), question_start=jnp.asarray(qs))

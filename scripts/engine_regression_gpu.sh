@@ -55,12 +55,13 @@ for point, c in sorted(cells.items()):
 EOF
   ;;
 ruler)
-  # old spec | new spec of the same behaviour (BSER's and SemantiCache's defaults changed since ac1b02c)
+  # old spec | new spec of the same behaviour (BSER's and SemantiCache's defaults changed since ac1b02c; BSER's
+  # again on 2026-11-27: token embeddings and B = 128 now, so the old default is bser(0.25, block_size=64))
   PAIRS=(
     "fullkv|fullkv" "streamingllm(0.25)|streamingllm(0.25)" "snapkv(0.25)|snapkv(0.25)" "h2o(0.25)|h2o(0.25)"
     "quest(0.25)|quest(0.25)" "chess('moderate', calibration='smollm2')|chess('moderate', calibration='smollm2')"
     "stem|stem" "semanticache(0.25, keep_numbers=False)|semanticache(0.25)"
-    "bser(0.25)|bser(0.25, embedding='input')" "s3hybrid(0.25)|s3hybrid(0.25)" "bm25(0.25)|bm25(0.25)"
+    "bser(0.25)|bser(0.25, block_size=64)" "s3hybrid(0.25)|s3hybrid(0.25)" "bm25(0.25)|bm25(0.25)"
   )
   old_p=""; new_p=""; pair_args=()
   for p in "${PAIRS[@]}"; do o=${p%%|*}; n=${p#*|}; old_p+="${old_p:+, }$o"; new_p+="${new_p:+, }$n"

@@ -257,6 +257,41 @@ def test_budget_mode_takes_retain_then_refine_then_the_rest(budget, fill, order)
         np.testing.assert_array_equal(order, orders[b])
 
 
+def test_defaults_are_the_papers():
+    """The defaults are the paper's (token embeddings, (0.3, 0.7) on any model, B = 128; docs/BSER.md
+    "Defaults are the paper's since 2026-11-27"); hidden states and B = 64 stay as options. Budget
+    mode at the default B against the brute force's order (three 128-token blocks; thresholds at the
+    s quantiles so that some blocks retain, some refine, some are discarded)."""
+    import types
+
+    policy = BSER(0.25)
+    assert (policy.embedding, policy.block_size, policy.gates) == ("input", 128, (0.3, 0.7))
+    assert policy.anchors == 13  # round(0.5 · 128 / 5), the fixed count of fill=False
+    qwen = types.SimpleNamespace(family="qwen2", num_layers=28, hidden_size=1536, num_heads=12, num_kv_heads=2,
+                                 vocab_size=151936)
+    assert policy.bind(Setup(qwen, prompt_len=8192)).gates == (0.3, 0.7)
+    assert policy.bind(Setup(qwen, prompt_len=8192)).embedding_layer == 0
+    old = BSER(0.25, embedding="hidden", block_size=64).bind(Setup(qwen, prompt_len=8192))
+    assert (old.gates, old.block_size, old.embedding_layer) == (QWEN, 64, 24)
+    rng = seeded_rng()
+    T = 3 * policy.block_size
+    lengths, qs = np.array([T, T - 37]), np.array([T - 30, T - 80])
+    base = _bound(budget=0.35, radius=1, sinks=2, window=4, max_question=16)
+    assert base.block_size == 128 and base.embedding == "input"
+    a, obs, prompt = _random_case(rng, base, lengths, qs, T)
+    s = np.asarray(base.select(obs, prompt)["s"])
+    assert s.shape == (2, 3)
+    fin = np.sort(s[np.isfinite(s)])
+    policy = base.replace(alpha=float((fin[0] + fin[1]) / 2), beta=float((fin[-2] + fin[-1]) / 2))
+    sel = policy.select(obs, prompt)
+    assert set(np.asarray(sel["tier"]).ravel().tolist()) == {0, 1, 2}
+    orders = np_order(policy, a, s, lengths, qs, T)
+    for b in range(2):
+        assert int(sel["keep"][b]) == budget_tokens(0.35, int(lengths[b]))
+        order = np.argsort(-np.asarray(sel["scores"][b, : lengths[b]]), kind="stable")
+        np.testing.assert_array_equal(order, orders[b])
+
+
 def _blocks_with_cosines(cosines, bs, a, qs, T):
     """Observations whose block s are exactly ``cosines``: every token of block i has the unit
     embedding cos_i·u + sin_i·v_i (v_i ⟂ u), the question's is u; ``a`` is ā."""
@@ -328,7 +363,7 @@ def test_default_thresholds_gate_hand_made_cosines(embedding, model_gates, gates
     table) or the bound model's (Qwen2.5-Coder-1.5B's here); token embeddings the paper's (0.3, 0.7)
     on any model. Blocks with exactly known cosines on both sides of each pair are discarded,
     refined and retained as the gates by hand say."""
-    assert BSER().embedding == "hidden" and BSER().gates == (0.853, 0.942)
+    assert BSER(embedding="hidden").gates == (0.853, 0.942)  # unbound: SmolLM2's
     T, bs, qs = 128, 4, 112
     cosines = [0.1, 0.29, 0.31, 0.5, 0.59, 0.61, 0.69, 0.71, 0.84, 0.86, 0.87, 0.88, 0.9, 0.935, 0.95, 0.99]
     a = np.ones(T)
@@ -358,21 +393,25 @@ def test_hidden_thresholds_follow_the_bound_model(key, gates):
     names = ("family", "num_layers", "hidden_size", "num_heads", "num_kv_heads", "vocab_size")
     bind = lambda p, cfg: p.bind(Setup(cfg, prompt_len=256))  # noqa: E731
     cfg = types.SimpleNamespace(**dict(zip(names, key, strict=True)))
-    assert bind(BSER(0.25), cfg).gates == gates
-    assert bind(BSER(0.25, embedding="input"), cfg).gates == (0.3, 0.7)
-    assert bind(BSER(0.25, alpha=0.5), cfg).gates == (0.5, gates[1])
-    assert bind(BSER(0.25, alpha=0.1, beta=0.2), cfg).gates == (0.1, 0.2)
+    hidden = BSER(0.25, embedding="hidden")
+    assert bind(hidden, cfg).gates == gates
+    assert bind(BSER(0.25), cfg).gates == (0.3, 0.7)  # the default: token embeddings
+    assert bind(hidden.replace(alpha=0.5), cfg).gates == (0.5, gates[1])
+    assert bind(hidden.replace(alpha=0.1, beta=0.2), cfg).gates == (0.1, 0.2)
     other = types.SimpleNamespace(**dict(zip(names, key, strict=True)))
     other.hidden_size += 64
     with pytest.warns(UserWarning, match=r"no hidden-state thresholds .*" + str(other.hidden_size)):
-        assert bind(BSER(0.25), other).gates == (0.853, 0.942)
+        assert bind(hidden, other).gates == (0.853, 0.942)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        assert bind(BSER(0.25), other).gates == (0.3, 0.7)
         assert bind(BSER(0.25, embedding="input"), other).gates == (0.3, 0.7)
-        assert bind(BSER(0.25, alpha=0.1, beta=0.2), other).gates == (0.1, 0.2)
+        assert bind(hidden.replace(alpha=0.1, beta=0.2), other).gates == (0.1, 0.2)
     qwen = types.SimpleNamespace(**dict(zip(names, ("qwen2", 28, 1536, 12, 2, 151936), strict=True)))
     with pytest.raises(ValueError, match="alpha=0.9 must be <= beta=0.877"):  # a given α above the model's β
-        bind(BSER(0.25, alpha=0.9), qwen)
+        bind(BSER(0.25, embedding="hidden", alpha=0.9), qwen)
+    with pytest.raises(ValueError, match="alpha=0.9 must be <= beta=0.7"):  # token embeddings: the paper's β
+        BSER(0.25, alpha=0.9)
 
 
 def test_threshold_derivation_matches_block_shares():

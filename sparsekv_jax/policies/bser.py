@@ -1,9 +1,22 @@
 """BSER (Block-aware Semantic Efficient Retention): question-guided block probing, (α, β) gating and
 local expansion, as a question-aware compressor after one prefill pass (docs/BSER.md: ablations).
 
+**Defaults are the paper's** (since 2026-11-27): token embeddings as ``E`` with (α, β) = (0.3, 0.7)
+and blocks of 128 tokens. Measured on the real model (Qwen2.5-Coder-1.5B-Instruct, H200, RULER 8k
+question-aware, n = 25 per task, paired bootstrap 95% intervals on the shared samples; records in
+``docs/results/qwen2.5-coder-1.5b_h200/aware_8k``, docs/BSER.md "Defaults are the paper's since
+2026-11-27"), at 25%: B = 128 over B = 64, +9.38 points [+5.39, +13.15] with hidden states (42.50
+vs 33.12, 11 tasks) and +11.64 [+8.22, +14.89] with token embeddings (46.98 vs 35.35, 13 tasks);
+token embeddings over hidden states at B = 128, +4.79 [+0.92, +8.57] (46.98 vs 42.20). Hidden
+states at B = 64 had been the default (issue 36) from SmolLM2 ablations; on Gemma 3 270M the two
+``E`` were not separated. Both stay as opt-ins: ``embedding="hidden"`` (with
+per-model gates) and ``block_size=64``. BSER still trails SnapKV on Qwen (46.98 vs 63.73 at 25%):
+experiments/bser_qwen_diagnosis.md.
+
 * **Stage I.** The context (the prompt before ``question_start``) is cut into blocks of
-  ``block_size`` tokens from position 0 (paper: 128; default 64 for SmolLM2-sized models, whose
-  8k window holds 64 blocks at 4k: a needle-sized span is less diluted in 64 tokens).
+  ``block_size`` tokens from position 0 (default 128, the paper's; ``block_size=64`` was the default
+  before 2026-11-27, chosen for SmolLM2's 8k window: on Qwen a refined 64-token block kept too few
+  tokens for a needle's digits, experiments/bser_qwen_diagnosis.md).
 * **Stage II.** The question ``Q``: the last ``min(m, max_question)`` tokens from
   ``question_start`` on; a question shorter than ``min_question`` (32) tokens reaches back into
   the context to that length (an instruction with no content, e.g. LongBench lcc's 6-token "Next
@@ -17,10 +30,11 @@ local expansion, as a question-aware compressor after one prefill pass (docs/BSE
   softmax of log-attention; ``"softmax"`` = the softmax of ``ā`` itself, as Eq. 4 is written —
   attention probabilities are ≪ 1, so that is uniform to 3 decimals (= mean pooling, measured);
   ``"mean"`` = uniform (the "without Stage II" ablation). ``R = Σ w·E`` (Eq. 5) and relevance
-  ``s = cos(R, mean E of Q)``. ``E`` (``embedding``): ``"hidden"`` (default) = the hidden states
-  entering the first probed layer, scaled to unit RMS; ``"input"`` = the token embeddings (the
-  input of layer 0; the default until issue #36: in the full-size ablation, docs/BSER.md, hidden
-  states kept 85.7% of full on RULER 4k at 25% against 71.6%). ``stage1="tokens"`` is the paper's
+  ``s = cos(R, mean E of Q)``. ``E`` (``embedding``): ``"input"`` (default, the paper's) = the
+  token embeddings (the input of layer 0); ``"hidden"`` = the hidden states entering the first
+  probed layer, scaled to unit RMS (the default from issue #36 to 2026-11-27: in the SmolLM2
+  full-size ablation, docs/BSER.md, it kept 85.7% of full on RULER 4k at 25% against 71.6%; on
+  Qwen it lost, above). ``stage1="tokens"`` is the paper's
   "w/o Stage I" ablation: every context token is its own block (``s`` per token, ``w`` = 1, gated
   and ordered token by token; Stage III has nothing to expand in a one-token block, so a refined
   token is kept). ``centred`` subtracts the context's mean ``E`` first (spreads the
@@ -37,7 +51,7 @@ local expansion, as a question-aware compressor after one prefill pass (docs/BSE
   largest ``ā`` within ``radius``, ties by own ``ā``). The question attends to a fact's key words,
   not to its unknown value, so the key words are the anchors and the value after them comes in
   with the share. ``fill=False`` is the first version: a fixed ``anchors = round(ρ · block_size /
-  (2·radius + 1))`` (6 for 64 tokens); their neighbourhoods overlap on the key words and the
+  (2·radius + 1))`` (6 for 64 tokens, 13 for 128); their neighbourhoods overlap on the key words and the
   value was lost (RULER niah_single_1, docs/BSER.md). ``refine="drop"``/``"keep"``: refined blocks
   discarded / kept whole (the "without Stage III" ablations). The question, the first ``sinks`` and the last
   ``window`` prompt tokens are always kept (when a budget is short: sinks, window, then the
@@ -207,11 +221,12 @@ class BSER(Policy):
       budget: ``None`` = threshold mode (the paper's); a fraction or token count = budget mode.
       alpha, beta: gating thresholds on the cosine relevance; ``None``: token embeddings the
         paper's 0.3, 0.7; hidden states re-derived for their cosine scale per model (`HIDDEN_THRESHOLDS`).
-      block_size: tokens per block (paper 128; 64 for SmolLM2-sized models).
+      block_size: tokens per block (default 128, the paper's; 64 = the default before 2026-11-27).
       probe_layers: the top ``L`` layers probed (paper: 4; all layers of a shallower model).
       expansion: ρ, the share of a refined block kept at most (paper: 0.5).
       radius: neighbourhood radius around anchors, inside the block.
-      embedding: ``E``: ``"hidden"`` (entering the first probed layer, the default) or ``"input"`` (token embeddings).
+      embedding: ``E``: ``"input"`` (token embeddings, the default, the paper's) or ``"hidden"`` (entering the
+        first probed layer, with the model's gates; the default before 2026-11-27).
       salience: ``"attention"`` (ā renormalised per block), ``"softmax"`` (Eq. 4 on ā) or ``"mean"``.
       centred: centre ``E`` on the context's mean before the cosine.
       refine: ``"expand"`` (Stage III), ``"drop"`` or ``"keep"`` (ablations).
@@ -231,11 +246,11 @@ class BSER(Policy):
     budget: float | int | None = struct.field(pytree_node=False, default=None)
     alpha: float | None = struct.field(pytree_node=False, default=None)
     beta: float | None = struct.field(pytree_node=False, default=None)
-    block_size: int = struct.field(pytree_node=False, default=64)
+    block_size: int = struct.field(pytree_node=False, default=128)
     probe_layers: int = struct.field(pytree_node=False, default=4)
     expansion: float = struct.field(pytree_node=False, default=0.5)
     radius: int = struct.field(pytree_node=False, default=2)
-    embedding: str = struct.field(pytree_node=False, default="hidden")
+    embedding: str = struct.field(pytree_node=False, default="input")
     salience: str = struct.field(pytree_node=False, default="attention")
     refine: str = struct.field(pytree_node=False, default="expand")
     max_kept: float = struct.field(pytree_node=False, default=0.5)

@@ -39,6 +39,9 @@ def pair(a: str, b: str) -> None:
           f"higher on {a_up} prompts, lower on {b_up}")
 
 
-H, I, T, S = "bser(0.25)", "bser(0.25, embedding='input')", "bser(0.25, stage1='tokens')", "snapkv(0.25)"
+# the record's labels under today's defaults (scripts/migrate_records.py; run when hidden states and B = 64 were
+# the defaults, as bser(0.25), bser(0.25, embedding='input') and bser(0.25, stage1='tokens'))
+H, I, T, S = ("bser(0.25, embedding='hidden', block_size=64)", "bser(0.25, block_size=64)",
+              "bser(0.25, embedding='hidden', block_size=64, stage1='tokens')", "snapkv(0.25)")
 for a, b in ((H, I), (H, T), (I, T), (H, S)):
     pair(a, b)
