@@ -185,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=4, help="samples (indices 0..n-1)")
     p.add_argument("--indices", default=None, help="comma-separated sample indices (instead of 0..n-1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--specs", default="snapkv(0.25); bser(0.25)", help="';'-separated policy specs")
+    p.add_argument("--specs", default="snapkv(0.25); bser(0.25); bser(0.25, embedding='hidden', block_size=64)",
+                   help="';'-separated policy specs")
     p.add_argument("--generate", action="store_true", help="also decode and score each policy's answer")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--out", default=None, help="append JSON rows to this file")

@@ -8,7 +8,8 @@ Variants (``--variants``, default all), at ``--budget`` (default 25%) unless "th
 
     full                 full attention (the reference)
     snapkv               SnapKV at the budget (the question-aware peer)
-    bser                 BSER at the budget, defaults (E = hidden states since issue #36)
+    bser                 BSER at the budget, defaults (the paper's: token embeddings, blocks of 128, since
+                         2026-11-27; docs/BSER.md)
     thresholds           BSER's threshold mode at its default (α, β), cache sized for 50% of the prompt
     thresholds-uncapped  the same with a cache sized for the whole prompt: the budget the thresholds give
     no-stage1            the paper's "w/o Stage I": each token its own block (token-level screening)
@@ -17,8 +18,10 @@ Variants (``--variants``, default all), at ``--budget`` (default 25%) unless "th
     softmax              the paper's literal Eq. 4: softmax over the averaged attention probabilities
     no-stage3-drop       refine blocks discarded (threshold mode)
     no-stage3-keep       refine blocks kept whole (threshold mode)
-    input                E = token embeddings with the paper's (0.3, 0.7) (the default before issue #36)
-    input-thresholds     the same in threshold mode
+    hidden               E = the hidden states entering the first probed layer, with their derived gates
+                         (the default from issue #36 to 2026-11-27)
+    hidden-thresholds    the same in threshold mode
+    b64                  blocks of 64 tokens (the default before 2026-11-27) instead of the paper's 128
     centred              E centred on the context's mean
     L1, L2               probing the top 1 / 2 layers (default 4)
     v1, v1-thresholds    the first version's Stage III at the budget / at the thresholds: fixed anchors,
@@ -27,7 +30,7 @@ Variants (``--variants``, default all), at ``--budget`` (default 25%) unless "th
     block-order          the budget with refined tokens ranked by their block's s, not their salience
     question-as-given    thresholds without reaching a short question back into the context
 
-    python scripts/bser_ablation.py --variants bser,no-stage1,input --print     # the specs only
+    python scripts/bser_ablation.py --variants bser,no-stage1,hidden --print     # the specs only
     python scripts/bser_ablation.py --model /tmp/smollm2.gguf --dtype bfloat16 --suite ruler --lengths 4k \\
         --n 25 --batch-size 25 --question aware --out $OUT/bser_ablation_ruler4k
 """
@@ -48,7 +51,8 @@ def variants(budget: float) -> dict[str, str]:
         "no-stage1": f"{b}, stage1='tokens')", "no-stage1-thresholds": "bser(stage1='tokens')",
         "no-stage2": f"{b}, salience='mean')", "softmax": f"{b}, salience='softmax')",
         "no-stage3-drop": "bser(refine='drop')", "no-stage3-keep": "bser(refine='keep')",
-        "input": f"{b}, embedding='input')", "input-thresholds": "bser(embedding='input')",
+        "hidden": f"{b}, embedding='hidden')", "hidden-thresholds": "bser(embedding='hidden')",
+        "b64": f"{b}, block_size=64)",
         "centred": f"{b}, centred=True)", "L1": f"{b}, probe_layers=1)", "L2": f"{b}, probe_layers=2)",
         "v1": f"{b}, {V1})", "v1-thresholds": f"bser({V1})", "fixed-anchors": "bser(fill=False)",
         "block-order": f"{b}, refine_order='block')", "question-as-given": "bser(min_question=1)",
