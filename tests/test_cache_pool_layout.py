@@ -235,3 +235,23 @@ def test_bad_input_is_refused(rng):
     z = jnp.zeros((B, H), jnp.int32)
     with pytest.raises(ValueError, match="k_new/v_new"):
         append_token_pool(pool, 0, jnp.zeros((B, D)), jnp.zeros((B, D)), jnp.zeros((B,), jnp.int32), z, z)
+
+
+def test_decode_step_under_jit_scans_the_layers(rng):
+    """The engine's shape of a decode step: one `reserve_token`, then a traced layer index (`lax.fori_loop`)
+    writing each layer's token, all under `jax.jit`, gives the eager per-layer appends' pool (which the test
+    above checks against the uniform cache), on a shuffled int8 pool."""
+    _, ident = _prefill(rng, "int8")
+    pool = _permute(ident, rng)
+    kn, vn = (jnp.asarray(rng.standard_normal((L, B, H, D)), jnp.bfloat16) for _ in range(2))
+    pos = jnp.asarray(LENGTHS)
+
+    def step(pool):
+        pool, page, offset = reserve_token(pool, jnp.ones((B,), bool))
+        return jax.lax.fori_loop(0, L, lambda l, p: append_token_pool(p, l, kn[l], vn[l], pos, page[l], offset[l]),
+                                 pool)
+
+    eager, page, offset = reserve_token(pool, jnp.ones((B,), bool))
+    for l in range(L):
+        eager = append_token_pool(eager, l, kn[l], vn[l], pos, page[l], offset[l])
+    _assert_same_heads(jax.jit(step)(pool), eager, "jit + fori_loop")
