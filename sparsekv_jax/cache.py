@@ -44,6 +44,8 @@ Capacity is fixed at creation: every shape is static.
 This module holds the structs, `init_cache` and `layer_view`, and is the public face of the cache:
 it re-exports the names of `cache_pages` (page counts and summaries), `cache_quant` (codes and
 scales) and `cache_write` (prefill chunks, appends, token runs), which import from it only for types.
+The same cache as one page pool with per-head page tables (issue 38, docs/PAGE_POOL.md; not yet used by
+the engine) is `sparsekv_jax.cache_pooled`.
 """
 
 from __future__ import annotations
