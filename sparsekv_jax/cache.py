@@ -44,6 +44,8 @@ Capacity is fixed at creation: every shape is static.
 This module holds the structs, `init_cache` and `layer_view`, and is the public face of the cache:
 it re-exports the names of `cache_pages` (page counts and summaries), `cache_quant` (codes and
 scales) and `cache_write` (prefill chunks, appends, token runs), which import from it only for types.
+The same cache as one page pool with per-head page tables (issue 38, docs/PAGE_POOL.md; not yet used by
+the engine) is `sparsekv_jax.cache_pooled`.
 """
 
 from __future__ import annotations
@@ -189,15 +191,9 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int, *, page_size: int = 
     n_pages = pages_for(capacity, page_size)
     S = n_pages * page_size
     L, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-    local = None
-    if ring is not None:
-        if not cfg.interleaved:
-            raise ValueError(f"ring={ring}: the {cfg.family} config has no interleaved local and global layers")
-        if ring < cfg.sliding_window:
-            raise ValueError(f"ring={ring} is smaller than the sliding window {cfg.sliding_window}")
-        Ll, L = len(cfg.local_layer_ids()), len(cfg.global_layer_ids())
-        local = LocalKV(k=jnp.zeros((Ll, batch, H, ring, D), dtype), v=jnp.zeros((Ll, batch, H, ring, D), dtype),
-                        positions=jnp.full((Ll, batch, ring), -1, jnp.int32), window=cfg.sliding_window)
+    local = init_local(cfg, batch, ring, dtype)
+    if local is not None:
+        L = len(cfg.global_layer_ids())
     quantized = is_quantized(store)
     layers = LayerKV(
         k=jnp.zeros((L, batch, H, S, D), store),
@@ -211,6 +207,20 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int, *, page_size: int = 
     )
     zeros = jnp.zeros((batch,), jnp.int32)
     return KVCache(layers=layers, length=zeros, next_position=zeros, local=local, page_size=page_size)
+
+
+def init_local(cfg: ModelConfig, batch: int, ring: int | None, dtype: jnp.dtype) -> LocalKV | None:
+    """Empty ring buffers of ``ring`` slots for the local layers of ``cfg`` (``None`` when ``ring`` is ``None``);
+    ``ValueError`` when the model has no local layers or the ring is shorter than the window."""
+    if ring is None:
+        return None
+    if not cfg.interleaved:
+        raise ValueError(f"ring={ring}: the {cfg.family} config has no interleaved local and global layers")
+    if ring < cfg.sliding_window:
+        raise ValueError(f"ring={ring} is smaller than the sliding window {cfg.sliding_window}")
+    Ll, H, D = len(cfg.local_layer_ids()), cfg.num_kv_heads, cfg.head_dim
+    return LocalKV(k=jnp.zeros((Ll, batch, H, ring, D), dtype), v=jnp.zeros((Ll, batch, H, ring, D), dtype),
+                   positions=jnp.full((Ll, batch, ring), -1, jnp.int32), window=cfg.sliding_window)
 
 
 def layer_view(tree: Any, layer: jax.Array) -> Any:

@@ -101,16 +101,22 @@ def _slot_valid(length: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def page_counts(length: jax.Array, num_pages: int, page_size: int) -> jax.Array:
-    """``[B, P]`` number of valid slots in each page."""
+    """``[B, P]`` number of valid slots in each page; with per-head lengths ``[B, H]`` (a page pool's,
+    `sparsekv_jax.cache_pooled`) ``[B, H, P]``, and so on for any leading shape."""
     starts = jnp.arange(num_pages) * page_size
-    return jnp.clip(length[:, None] - starts[None, :], 0, page_size)
+    return jnp.clip(length[..., None] - starts, 0, page_size)
 
 
 def page_mean(kv: LayerKV, length: jax.Array, page_size: int) -> jax.Array:
-    """``[..., B, H, P, D]`` mean key of each page (zero for empty pages); ``kv`` must hold ``page_sum``."""
+    """``[..., B, H, P, D]`` mean key of each page (zero for empty pages); ``kv`` must hold ``page_sum``.
+
+    ``length``: ``[B]`` (the uniform cache's, one per row) or ``[B, H]`` (one per head: a page pool's
+    layer, `sparsekv_jax.cache_pooled.layer_pages`)."""
     if kv.page_sum is None:
         raise ValueError("page_mean: this cache holds no page_sum (build it with init_cache(summaries=...) "
                          "naming 'page_sum', or from a policy whose page_summaries include it)")
-    counts = page_counts(length, kv.page_sum.shape[-2], page_size)  # [B, P]
-    denom = jnp.maximum(counts, 1).astype(jnp.float32)[:, None, :, None]
+    counts = page_counts(length, kv.page_sum.shape[-2], page_size)  # [B, P] or [B, H, P]
+    if length.ndim == 1:
+        counts = counts[:, None, :]
+    denom = jnp.maximum(counts, 1).astype(jnp.float32)[..., None]
     return kv.page_sum / denom

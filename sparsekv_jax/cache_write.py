@@ -132,17 +132,30 @@ def append_token(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slot: jax.Arra
             keys = jnp.take_along_axis(pick(k), in_page[..., None], axis=2).astype(jnp.float32)  # [B, H, ps, D]
         else:
             keys = page_keys
-        valid = live[..., None]
-        # representable in the summaries' dtype (min/max are in the keys', or the model's when quantised)
-        big = jnp.finfo(k.dtype if page_keys is None else kv.page_min.dtype if kv.page_min is not None
-                        else kv.page_max.dtype if kv.page_max is not None else jnp.float32).max
-        if "page_sum" in held:
-            new["page_sum"] = _write(kv.page_sum, layer, page, jnp.where(valid, keys, 0.0).sum(-2))
-        if "page_min" in held:
-            new["page_min"] = _write(kv.page_min, layer, page, jnp.where(valid, keys, big).min(-2))
-        if "page_max" in held:
-            new["page_max"] = _write(kv.page_max, layer, page, jnp.where(valid, keys, -big).max(-2))
+
+        def put(name: str, value: jax.Array) -> None:
+            new[name] = _write(getattr(kv, name), layer, page, value)
+
+        _page_key_summaries(kv, keys, live, k.dtype if page_keys is None else None, put)
     return kv.replace(k=k, v=v, positions=pos, bias=bias, **new, **scales)
+
+
+def _page_key_summaries(kv: LayerKV, keys: jax.Array, live: jax.Array, key_dtype: Any, put: Any) -> None:
+    """The key summaries ``kv`` holds (sum, min, max) of one page per (row, head): ``keys`` ``[B, H, ps, D]`` over
+    the ``live`` ``[B, H, ps]`` slots, each ``[B, H, D]`` handed to ``put(name, value)`` in that order (the
+    uniform and the pooled append write them their own way). ``key_dtype``: the stored keys' dtype, or
+    ``None`` for a quantised cache's float32 keys (min/max are then in the model's dtype)."""
+    held = kv.summaries
+    valid = live[..., None]
+    # representable in the summaries' dtype (min/max are in the keys', or the model's when quantised)
+    big = jnp.finfo(key_dtype if key_dtype is not None else kv.page_min.dtype if kv.page_min is not None
+                    else kv.page_max.dtype if kv.page_max is not None else jnp.float32).max
+    if "page_sum" in held:
+        put("page_sum", jnp.where(valid, keys, 0.0).sum(-2))
+    if "page_min" in held:
+        put("page_min", jnp.where(valid, keys, big).min(-2))
+    if "page_max" in held:
+        put("page_max", jnp.where(valid, keys, -big).max(-2))
 
 
 def _append_quantized(kv: LayerKV, layer: jax.Array | None, slot: jax.Array, k_new: jax.Array, v_new: jax.Array,
@@ -163,15 +176,26 @@ def _append_quantized(kv: LayerKV, layer: jax.Array | None, slot: jax.Array, k_n
         _read(kv.k, layer, first, page_size), _read(kv.v, layer, first, page_size),
         _read(kv.k_scale, layer, page), _read(kv.k_zero, layer, page), _read(kv.v_scale, layer, page),
         _read(kv.k_zero, layer, jnp.maximum(page - 1, 0))))
-    old_k, old_v, old_ks, old_kz, old_vs, prev = old
-    fresh_zero = jnp.where((page > 0)[..., None], prev.astype(jnp.float32), k_new.astype(jnp.float32))
-    keys, _, kq, vq, ks, kz, vs = _rescale_pages(old_k, old_ks, old_kz, old_v, old_vs, k_new[:, :, None],
-                                                 v_new[:, :, None], new, fresh, fresh_zero)
+    keys, kq, vq, ks, kz, vs = _rescale_append(old, page > 0, k_new, v_new, new, fresh)
     k = _write(kv.k, layer, first, kq, window=page_size)
     v = _write(kv.v, layer, first, vq, window=page_size)
     scales = {"k_scale": _write(kv.k_scale, layer, page, ks), "k_zero": _write(kv.k_zero, layer, page, kz),
               "v_scale": _write(kv.v_scale, layer, page, vs)}
     return k, v, scales, keys
+
+
+def _rescale_append(old: tuple, has_prev: jax.Array, k_new: jax.Array, v_new: jax.Array, new: jax.Array,
+                    fresh: jax.Array) -> tuple:
+    """One token into its page, quantised (the math `append_token` and the pooled append share):
+    ``old`` = the page's ``(k, v, k_scale, k_zero, v_scale)`` ``[B, H, ps, D]``/``[B, H, D]``/``[B, H]`` and the
+    previous page's ``k_zero`` ``[B, H, D]`` (read where ``has_prev`` ``[B, H]``); ``new`` ``[B, H, ps]`` the
+    token's slot, ``fresh`` ``[B, H]`` the append opens the page (it takes the previous page's zero points,
+    on a first page the token's own key) -> ``(keys f32, k codes, v codes, k_scale, k_zero, v_scale)``."""
+    old_k, old_v, old_ks, old_kz, old_vs, prev = old
+    fresh_zero = jnp.where(has_prev[..., None], prev.astype(jnp.float32), k_new.astype(jnp.float32))
+    keys, _, kq, vq, ks, kz, vs = _rescale_pages(old_k, old_ks, old_kz, old_v, old_vs, k_new[:, :, None],
+                                                 v_new[:, :, None], new, fresh, fresh_zero)
+    return keys, kq, vq, ks, kz, vs
 
 
 def write_tokens(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slots: jax.Array, written: jax.Array,
