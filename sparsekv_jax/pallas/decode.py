@@ -51,10 +51,12 @@ Design (why it looks like this):
   alternatives exist (``dequant=``, `DEQUANT`): one scale row per *page* broadcast to its lanes, in float32
   (``page_f32``) or bf16 (``page_lowp``), and the key scale folded into the query per page
   (``page_q``: ``(q·s_p)·codes + q·z_p``, no key tile scaled). experiments/kvq_kernel_sweep_gpu.py picks.
-  ``page_magic`` is ``page_f32`` with int8 codes (keys and values) turned into floats without the GPU's
-  int-to-float instruction (I2F, a quarter of the FP32 rate on Hopper), by the bit trick of
-  `magic_int8_to_f32`: integer ALU ops and one full-rate FADD, the same numbers bit for bit (issue 39's
-  hypothesis that I2F bounds ``page_lowp``, untimed yet).
+  ``page_magic`` is ``page_f32`` with int8 key codes turned into float32 without the GPU's int-to-float
+  instruction (I2F, a quarter of the FP32 rate on Hopper), by the bit trick of `magic_int8_to_f32`: integer
+  ALU ops and one full-rate FADD, the same numbers bit for bit (issue 39; untimed yet). Value codes take the
+  trick only for float32 queries: Triton lowers int8 -> bf16 without I2F already (packed ``prmt`` / ``and``
+  / ``sub.bf16x2``, seen in the PTX of an H100-target compile), which is also why ``page_lowp``'s PTX holds
+  no I2F at all, while ``page_f32``'s key conversion is one I2F per element.
 
 * **Page pool** (``page_table=``, issue 38, docs/PAGE_POOL.md): K/V, bias and scales are one pool of
   head-free pages ``[N, ps, …]``; each (row, kv head) has a page table ``[M]`` and its own length. The
@@ -180,9 +182,9 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
     key scale into the query instead: per page ``p`` of the tile, ``q·s_p`` ``[block_h, D]`` meets the
     page's raw codes (exact in q's dtype) in one small dot, and the zero point adds ``q·z_p`` to the
     page's logits, so no key tile is ever scaled. The page-wise variants also cast the value codes
-    straight to q's dtype. ``"page_magic"`` is ``"page_f32"`` with int8 codes (keys and values) converted by
-    `magic_int8_to_f32` instead of an int-to-float instruction (the same float32 numbers, so the same
-    output bit for bit); with float8 codes it is ``"page_lowp"`` (the very same program).
+    straight to q's dtype. ``"page_magic"`` is ``"page_f32"`` with int8 key codes (and value codes, for float32
+    queries) converted by `magic_int8_to_f32` instead of an int-to-float instruction (the same float32
+    numbers, so the same output bit for bit); with float8 codes it is ``"page_lowp"`` (the very same program).
     """
     it = iter(refs)
     q_ref, k_ref, v_ref, len_ref = next(it), next(it), next(it), next(it)
@@ -668,8 +670,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         ``code·scale`` being exact and the zero point's sum rounding once. ``"page_q"``: the key scale
         folded into the query per page (``(q·s_p)·codes + q·z_p``), no key is scaled: the logits are
         those of the exact dequantised keys, without the reference's rounding of each key to q's dtype.
-        ``"page_magic"``: ``"page_f32"`` with int8 codes converted without the int-to-float instruction
-        (`magic_int8_to_f32`: integer ops and one FADD), bit for bit ``"page_f32"``'s output; float8 codes
+        ``"page_magic"``: ``"page_f32"`` with int8 key codes (values too for float32 queries) converted
+        without the int-to-float instruction (`magic_int8_to_f32`: integer ops and one FADD), bit for bit
+        ``"page_f32"``'s output; float8 codes
         fall back to ``"page_lowp"``. Untimed (issue 39: for the next GPU sweep). All give the reference's
         output to its tolerances (tests/test_pallas_decode_quant.py). ``None``: ``"page_lowp"``, the fastest
         on an H200 (`TUNED`).
