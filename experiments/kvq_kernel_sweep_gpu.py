@@ -8,7 +8,8 @@ scales and key zero points per page and channel and a value scale per page (as s
 ``kernel`` builds them; zero points up to a few dozen code steps).
 
 1. **Screen** (first batch, each context): every ``dequant`` x ``block_k`` x ``num_warps`` x ``num_stages``
-   on int8 dense (then fp8 dense on each variant's ``--fp8-top`` best int8 configs). A config that fails to
+   on int8 dense (then fp8 dense on each variant's ``--fp8-top`` best int8 configs; not ``page_magic``, whose
+   fp8 program is ``page_lowp``'s). A config that fails to
    compile is printed with why and skipped; one that compiles is checked against
    `decode_attention_reference` on the GPU (max |error| and relative error printed; ``--tol``), and only a
    passing one is timed: one jitted program of ``n`` calls, median over ``--screen-trials``, divided by
@@ -198,8 +199,8 @@ class Point:
             kvs = self.caches[kv_dtype]
             ref = decode_attention_reference(self.qs[0], *kvs[0][:2], self.lengths, page_size=PS, k_scale=kvs[0][2],
                                              k_zero=kvs[0][3], v_scale=kvs[0][4]).astype(jnp.float32)
-            todo = grid if kv_dtype == "int8" else [
-                c for v in variants for _, c in sorted(ranked.get((v, "int8"), []))[:a.fp8_top]]
+            todo = grid if kv_dtype == "int8" else [  # page_magic on fp8 is page_lowp's very program: not timed twice
+                c for v in variants if v != "page_magic" for _, c in sorted(ranked.get((v, "int8"), []))[:a.fp8_top]]
             for cfg in todo:
                 tune = _tune(cfg)
                 row = {**self.base, "phase": "screen", "kv_dtype": kv_dtype, "mode": "dense", **tune}

@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from sparsekv_jax.pallas.decode import DEQUANT, decode_attention, decode_attention_reference
+from sparsekv_jax.pallas.decode import DEQUANT, decode_attention, decode_attention_reference, magic_int8_to_f32
 from sparsekv_jax.pallas.testing import random_page_lists, rel_err
 
 VARIANTS = tuple(d for d in DEQUANT if d != "tile_f32")
@@ -72,7 +72,9 @@ CASES = [  # kv dtype, page-sparse, stacked, q dtype, zero points, block_k (page
 ]
 
 
-@pytest.mark.parametrize("dequant", VARIANTS)
+# page_magic: int8 in test_page_magic_is_page_f32_bit_for_bit (page_f32's output bit for bit, so tile_f32's), fp8
+# in test_page_magic_on_fp8_is_page_lowp (page_lowp's very program)
+@pytest.mark.parametrize("dequant", [d for d in VARIANTS if d != "page_magic"])
 @pytest.mark.parametrize("kv_dtype,sparse,stacked,q_dtype,zero,block_k", CASES)
 def test_variant_matches_reference(rng, dequant, kv_dtype, sparse, stacked, q_dtype, zero, block_k):
     B, Hq, Hkv, D, P, ps = 3, 8, 2, 32, 6, 16
@@ -169,3 +171,81 @@ def test_dequant_leaves_an_unquantised_call_alone():
                 q, k, k, jnp.array([50, 64]), page_size=16, interpret=True, block_k=32, dequant=d, **kw))(q, k))
         base = text("tile_f32")
         assert all(text(d) == base for d in VARIANTS)
+
+
+def test_magic_int8_to_f32_every_code():
+    """The bit trick maps each of the 256 int8 codes to exactly ``float32(code)`` (compared as bits: -0.0
+    or a rounding would show), eagerly and under jit; other dtypes are refused."""
+    codes = np.arange(-128, 128).astype(np.int8).reshape(16, 16)
+    want = codes.astype(np.float32).view(np.uint32)
+    for f in (magic_int8_to_f32, jax.jit(magic_int8_to_f32)):
+        got = np.asarray(f(jnp.asarray(codes)))
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got.view(np.uint32), want)
+    with pytest.raises(ValueError, match="int8 codes, got uint8"):
+        magic_int8_to_f32(jnp.zeros((2,), jnp.uint8))
+
+
+@pytest.mark.parametrize("q_dtype", [jnp.bfloat16, jnp.float32])
+def test_page_magic_is_page_f32_bit_for_bit(rng, q_dtype):
+    """int8 ``page_magic`` against ``page_f32`` (the same float32 codes, the same arithmetic after) bit for bit:
+    dense, page-sparse with probabilities, and a stacked cache (layer 1; layer 0's scales NaN), with zero
+    points, NaN scales on unread pages, every code -128..127 in use and random junk codes past each length.
+    Scales here are *not* powers of two: the identity does not depend on an exact ``code·scale``."""
+    B, Hq, Hkv, D, P, ps = 2, 8, 2, 32, 4, 16
+    q, kc, vc, ks, vs, kz, lengths, _, _ = _inputs(rng, "int8", B, Hq, Hkv, D, P, ps, q_dtype, True)
+    S = P * ps
+    past = np.arange(S)[None, None, :, None] >= lengths[:, None, None, None]
+    kc, vc = (np.where(past, rng.integers(-128, 128, c.shape), c).astype(np.int8) for c in (kc, vc))
+    kc[0, 0, :8, :] = np.arange(-128, 128, dtype=np.int8).reshape(8, D)  # every code, in a slot that is read
+    vc[0, 1, :8, :] = np.arange(-128, 128, dtype=np.int8).reshape(8, D)
+    wobble = lambda x: (np.asarray(x, np.float32) * rng.uniform(0.6, 1.4, x.shape)).astype(x.dtype)  # noqa: E731
+    ks, vs = wobble(ks), wobble(vs)  # NaN stays NaN on unread pages
+    ids, counts = random_page_lists(rng, lengths, Hkv, P, ps, list_len=P - 1)
+    counts[1, 0] = 0
+    ks_s, vs_s, kz_s = _poison_unselected(ks, vs, kz, ids, counts)
+    ln = jnp.asarray(lengths)
+
+    def both(**kw):
+        return [jax.tree.map(lambda x: np.asarray(x, np.float32), decode_attention(
+            q, page_size=ps, interpret=True, block_k=32, dequant=d, **kw)) for d in ("page_magic", "page_f32")]
+    a = lambda *x: [None if y is None else jnp.asarray(y) for y in x]  # noqa: E731
+    k, v, k_scale, v_scale, k_zero = a(kc, vc, ks, vs, kz)
+    magic, f32 = both(k=k, v=v, lengths=ln, k_scale=k_scale, v_scale=v_scale, k_zero=k_zero)
+    np.testing.assert_array_equal(magic, f32)
+    ref = decode_attention_reference(q, k, v, ln, page_size=ps, k_scale=k_scale, v_scale=v_scale, k_zero=k_zero)
+    assert np.isfinite(magic).all() and rel_err(magic, np.asarray(ref, np.float32)) <= (
+        1e-5 if q_dtype == jnp.float32 else 2e-2)
+    sk, sv, sz = a(ks_s, vs_s, kz_s)
+    (mo, mp), (fo, fp) = both(k=k, v=v, lengths=ln, page_ids=jnp.asarray(ids), page_counts=jnp.asarray(counts),
+                              return_probs=True, k_scale=sk, v_scale=sv, k_zero=sz)
+    np.testing.assert_array_equal(mo, fo)
+    np.testing.assert_array_equal(mp, fp)
+    assert np.isfinite(mo).all() and not mo[1, :Hq // Hkv].any()  # the empty selection: zeros
+    stack = lambda x: jnp.stack([jnp.full_like(x, jnp.nan), x]) if x.dtype == jnp.bfloat16 else jnp.stack([x, x])  # noqa
+    magic, f32 = both(k=stack(k), v=stack(v), lengths=ln, layer=1, k_scale=stack(k_scale), v_scale=stack(v_scale),
+                      k_zero=stack(k_zero))
+    np.testing.assert_array_equal(magic, f32)
+    assert np.isfinite(magic).all()
+
+
+def test_page_magic_on_fp8_is_page_lowp():
+    """float8 codes have no bit trick: ``page_magic`` traces ``page_lowp``'s very program (dense and sparse);
+    the numbers are checked with the other variants in `test_variant_matches_reference`."""
+    q = jnp.zeros((2, 8, 32), jnp.bfloat16)
+    k = jnp.zeros((2, 2, 64, 32), jnp.float8_e4m3fn)
+    ks, vs = jnp.ones((2, 2, 4, 32), jnp.bfloat16), jnp.ones((2, 2, 4), jnp.bfloat16)
+    ids = jnp.broadcast_to(jnp.array([2, 0, 1], jnp.int32), (2, 2, 3))
+    for kw in ({}, dict(page_ids=ids, return_probs=True, k_zero=ks)):
+        def text(d, kw=kw):
+            return str(jax.make_jaxpr(lambda q, k: decode_attention(
+                q, k, k, jnp.array([50, 64]), page_size=16, interpret=True, block_k=32, k_scale=ks, v_scale=vs,
+                dequant=d, **kw))(q, k))
+        assert text("page_magic") == text("page_lowp")
+        assert text("page_magic") != text("page_f32")  # the comparison can tell programs apart
+    k8 = k.astype(jnp.int8)  # int8: a program of its own
+
+    def text8(d):
+        return str(jax.make_jaxpr(lambda q, k: decode_attention(
+            q, k, k, jnp.array([50, 64]), page_size=16, interpret=True, k_scale=ks, v_scale=vs, dequant=d))(q, k8))
+    assert text8("page_magic") != text8("page_lowp")

@@ -51,6 +51,12 @@ Design (why it looks like this):
   alternatives exist (``dequant=``, `DEQUANT`): one scale row per *page* broadcast to its lanes, in float32
   (``page_f32``) or bf16 (``page_lowp``), and the key scale folded into the query per page
   (``page_q``: ``(q·s_p)·codes + q·z_p``, no key tile scaled). experiments/kvq_kernel_sweep_gpu.py picks.
+  ``page_magic`` is ``page_f32`` with int8 key codes turned into float32 without the GPU's int-to-float
+  instruction (I2F, a quarter of the FP32 rate on Hopper), by the bit trick of `magic_int8_to_f32`: integer
+  ALU ops and one full-rate FADD, the same numbers bit for bit (issue 39; untimed yet). Value codes take the
+  trick only for float32 queries: Triton lowers int8 -> bf16 without I2F already (packed ``prmt`` / ``and``
+  / ``sub.bf16x2``, seen in the PTX of an H100-target compile), which is also why ``page_lowp``'s PTX holds
+  no I2F at all, while ``page_f32``'s key conversion is one I2F per element.
 
 * **Page pool** (``page_table=``, issue 38, docs/PAGE_POOL.md): K/V, bias and scales are one pool of
   head-free pages ``[N, ps, …]``; each (row, kv head) has a page table ``[M]`` and its own length. The
@@ -87,16 +93,40 @@ from sparsekv_jax.pallas._common import (
 )
 from sparsekv_jax.pallas.validation import check_decode_args, check_pool_decode_args, is_concrete
 
-__all__ = ["DEQUANT", "decode_attention", "decode_attention_reference", "decode_plan", "pool_slot_mask"]
+__all__ = ["DEQUANT", "decode_attention", "decode_attention_reference", "decode_plan", "magic_int8_to_f32",
+           "pool_slot_mask"]
 
 #: `decode_attention`'s ways of dequantising a quantised cache's keys (``dequant=``; see its docstring).
-DEQUANT = ("tile_f32", "page_f32", "page_lowp", "page_q")
+DEQUANT = ("tile_f32", "page_f32", "page_lowp", "page_q", "page_magic")
 # (block_k, num_warps, num_stages, dequant) by cache storage: bf16 the 12-point grid of
 # experiments/diary/BENCHMARKS_DIARY.md; int8 / fp8 the fastest screened configs of
 # experiments/kvq_kernel_sweep_gpu.py on an H200 (2026-11-27, docs/results/kvq_sweep_h200_2026-11-27: int8 dense
 # 32k batch 8 310-314 us against 553-566 for the first quantised kernel's tile_f32 at its best tiles)
 TUNED = {"bfloat16": (128, 8, 3, "tile_f32"), "int8": (64, 4, 3, "page_lowp"),
          "float8_e4m3fn": (32, 4, 3, "page_lowp")}
+
+
+# float32 bits 0x4B000000 are 2^23, whose ulp is 1: 0x4B000000 | u (u < 2^23) is exactly 2^23 + u
+_MAGIC_BITS = 0x4B000080  # 2^23 + 128, as float32 bits
+_MAGIC = 8388736.0  # 2^23 + 128
+
+
+def magic_int8_to_f32(codes: jax.Array) -> jax.Array:
+    """int8 ``codes`` as float32, exactly, without an int-to-float conversion (``dequant="page_magic"``).
+
+    For a code ``c`` in [-128, 127], ``int32(c) + 0x4B000080`` has the float32 bits ``0x4B000000 | (c + 128)``
+    (``c + 128`` in [0, 255] never carries past bit 8): the float ``2^23 + c + 128``, exact because floats
+    in [2^23, 2^24) are the integers. Subtracting ``2^23 + 128`` is exact as well (both operands are
+    integers below 2^24; so is their difference), so the result is ``float32(c)`` bit for bit -- a sign
+    extension, an integer add, a bitcast (free) and one FADD, where ``codes.astype(float32)`` is one I2F
+    (``cvt.rn.f32.s8``), a quarter of the FP32 rate on Hopper. A scale must multiply the *result*: folding
+    the ``- (2^23 + 128)`` into a zero point (``f·s + (z - (2^23 + 128)·s)``) would round ``f·s`` or that
+    constant and lose bit-identity.
+    """
+    if codes.dtype != jnp.int8:
+        raise ValueError(f"magic_int8_to_f32 converts int8 codes, got {codes.dtype}")
+    bits = codes.astype(jnp.int32) + jnp.int32(_MAGIC_BITS)
+    return lax.bitcast_convert_type(bits, jnp.float32) - jnp.float32(_MAGIC)
 
 
 def tuned(k_dtype: Any, block_k: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
@@ -152,7 +182,9 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
     key scale into the query instead: per page ``p`` of the tile, ``q·s_p`` ``[block_h, D]`` meets the
     page's raw codes (exact in q's dtype) in one small dot, and the zero point adds ``q·z_p`` to the
     page's logits, so no key tile is ever scaled. The page-wise variants also cast the value codes
-    straight to q's dtype.
+    straight to q's dtype. ``"page_magic"`` is ``"page_f32"`` with int8 key codes (and value codes, for float32
+    queries) converted by `magic_int8_to_f32` instead of an int-to-float instruction (the same float32
+    numbers, so the same output bit for bit); with float8 codes it is ``"page_lowp"`` (the very same program).
     """
     it = iter(refs)
     q_ref, k_ref, v_ref, len_ref = next(it), next(it), next(it), next(it)
@@ -171,6 +203,9 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
     o_ref, m_ref, l_ref = next(it), next(it), next(it)
     logit_ref = next(it) if store_logits else None
 
+    if dequant == "page_magic" and k_ref.dtype != jnp.int8:  # the bit trick is for int8 codes: fp8 as page_lowp
+        dequant = "page_lowp"
+    magic = dequant == "page_magic"
     b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     group, head_dim = q_ref.shape[-2:]
     block_k = ppb * page_size
@@ -296,8 +331,10 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
         kt = plgpu.load(k_ref.at[at], mask=valid[:, None], other=None)
         vt = plgpu.load(v_ref.at[at], mask=valid[:, None], other=None)
         # the values' codes straight to q's dtype (exact), zeroed where not read (a masked lane may hold a
-        # NaN code); a key lane not read only spoils its own logit, which finish_logits sets to -inf
-        vt = jnp.where(valid[:, None], vt.astype(q.dtype), 0.0)
+        # NaN code); a key lane not read only spoils its own logit, which finish_logits sets to -inf.
+        # page_magic: by the bit trick to float32 only: Triton's int8 -> bf16 / f16 is no I2F already
+        vt = jnp.where(valid[:, None], (magic_int8_to_f32(vt) if magic and q.dtype == jnp.float32 else vt).astype(
+            q.dtype), 0.0)
         at_p = (layer, page[:, None], cols) if stacked else (page[:, None], cols)
         ks = plgpu.load(ks_ref.at[at_p], mask=ok[:, None], other=0.0)  # [n, D]: one row per page
         kz = None if kz_ref is None else plgpu.load(kz_ref.at[at_p], mask=ok[:, None], other=0.0)
@@ -305,13 +342,14 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
         return to_lanes, logical, slot, valid, kt, vt, ks, kz, vs
 
     def body_pages(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
-        """``dequant="page_f32"/"page_lowp"``: one scale (and zero-point) row per page, broadcast to lanes."""
+        """``dequant="page_f32"/"page_lowp"/"page_magic"``: one scale (and zero-point) row per page, broadcast
+        to lanes; ``page_magic``: float32 math, the codes converted by `magic_int8_to_f32`."""
         acc, m_prev, l_prev = carry
         to_lanes, logical, slot, valid, kt, vt, ks, kz, vs = page_lanes(jnp.arange(ppb, dtype=jnp.int32), j)
         mdt = q.dtype if dequant == "page_lowp" and q.dtype == jnp.bfloat16 else jnp.float32  # the math dtype
         wide = lambda x: jnp.broadcast_to(x.astype(mdt)[:, None, :], (ppb, page_size, head_dim)).reshape(  # noqa
             block_k, head_dim)
-        kt = kt.astype(mdt) * wide(ks)
+        kt = (magic_int8_to_f32(kt) if magic else kt.astype(mdt)) * wide(ks)  # magic: astype's float32 codes
         if kz is not None:
             kt = kt + wide(kz)
         logits = plgpu.dot(q, kt.astype(q.dtype), trans_b=True, precision=precision) * qk_scale
@@ -632,8 +670,12 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         ``code·scale`` being exact and the zero point's sum rounding once. ``"page_q"``: the key scale
         folded into the query per page (``(q·s_p)·codes + q·z_p``), no key is scaled: the logits are
         those of the exact dequantised keys, without the reference's rounding of each key to q's dtype.
-        All give the reference's output to its tolerances (tests/test_pallas_decode_quant.py). ``None``:
-        ``"page_lowp"``, the fastest on an H200 (`TUNED`).
+        ``"page_magic"``: ``"page_f32"`` with int8 key codes (values too for float32 queries) converted
+        without the int-to-float instruction (`magic_int8_to_f32`: integer ops and one FADD), bit for bit
+        ``"page_f32"``'s output; float8 codes
+        fall back to ``"page_lowp"``. Untimed (issue 39: for the next GPU sweep). All give the reference's
+        output to its tolerances (tests/test_pallas_decode_quant.py). ``None``: ``"page_lowp"``, the fastest
+        on an H200 (`TUNED`).
 
     Returns:
       ``[B, Hq, D]`` in q's dtype; with ``return_probs`` the pair ``(out, probs)``, ``probs``

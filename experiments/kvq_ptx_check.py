@@ -1,0 +1,159 @@
+"""Issue 39, without a GPU: compile the decode kernel's ``dequant=`` variants for an H100 and count what their PTX does.
+
+A deviceless compile (`jax.experimental.topologies`, a described H100) runs Pallas' Triton lowering and XLA's
+Triton -> PTX, so a primitive Triton cannot lower fails here rather than on the GPU, and the PTX shows which
+conversions each variant really issues (e.g. whether int8 codes go through I2F, ``cvt.rn.f32.s*``, a quarter
+of the FP32 rate on Hopper). It needs the CUDA plugin of the installed jax's version in a private directory (not
+the project venv) and no GPU or driver:
+
+    pip install --no-deps --target /tmp/cudajax jax-cuda12-pjrt==$V jax-cuda12-plugin==$V   # V: jax.__version__
+    PYTHONPATH=$PWD:/tmp/cudajax python experiments/kvq_ptx_check.py
+    PYTHONPATH=$PWD:/tmp/cudajax python experiments/kvq_ptx_check.py --no-i2f page_lowp,page_magic  # exit 1 if any
+
+Prints one row per (variant, kv dtype, q dtype, mode): the kernel's PTX instruction count and classes of it.
+Static counts of one tile configuration's code (the loop body and its prologue), not a timing; ptxas is not run
+(register use and SASS are not seen). Llama-3.1-8B heads, page size 16, key zero points.
+
+Seen with jax 0.10.2's plugin (2026-11-27; the H200 timings ran jax 0.11.2, Python >= 3.12, not checkable on the
+3.11 dev machine), int8, bf16 queries, block_k 64 / 4 warps / 3 stages, dense, per thread per tile: every variant
+in every mode (dense, sparse, stacked, pool; int8 and fp8; bf16 and f32 queries) lowers and compiles. ``page_lowp``
+issues **no I2F**: Triton turns int8 into bf16 with a packed bit trick of its own (inline asm: 2 ``prmt``, 4
+``and``, 2 ``sub.bf16x2`` per 4 codes), keys and values alike, and scales / adds in scalar bf16 (128 ops).
+``page_f32`` issues 64 I2F (its keys to float32; values as page_lowp); ``page_magic`` 0 (+64 integer adds, +64
+FADDs). Instructions: bf16 kernel (no dequantisation) 768, page_lowp 1477, page_f32 1621, page_magic 1637; the
+quantised variants also pass their tiles through shared memory once more (66 ``ld.shared`` against 6).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import sys
+import tempfile
+
+DUMP = tempfile.mkdtemp(prefix="kvq_ptx_")
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={DUMP}".strip()
+os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver here
+
+import jax  # noqa: E402 -- after XLA_FLAGS
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+from jax.sharding import SingleDeviceSharding  # noqa: E402
+
+from sparsekv_jax.pallas.decode import DEQUANT, decode_attention  # noqa: E402
+
+H100 = """gpu_device_info { cuda_compute_capability { major: 9 minor: 0 } threads_per_block_limit: 1024
+threads_per_warp: 32 shared_memory_per_block: 49152 shared_memory_per_block_optin: 232448
+shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535 memory_bandwidth: 3352320000000
+l2_cache_size: 52428800 clock_rate_ghz: 1.98 device_memory_size: 84929347584 }
+platform_name: "CUDA" dnn_version_info { major: 9 minor: 3 patch: 0 } device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+# PTX instruction classes (regexes over the kernel's instruction lines)
+CLASSES = {
+    "I2F": r"cvt\.rn(\.[a-z]+)?\.(f32|f16|bf16)(x2)?\.[su](8|16|32)\b",  # int -> float: the quarter-rate one
+    "F2F_narrow": r"cvt\.rn(\.[a-z]+)?\.(bf16|f16)(x2)?\.f32\b",  # float32 -> bf16 / f16
+    "widen_bf16": r"cvt\.f32\.bf16\b",
+    "sext_s8": r"cvt\.s32\.s8\b",
+    "prmt": r"prmt\.b32",
+    "iadd": r"add\.s32",
+    "f32_add_sub": r"(add|sub)\.rn\.f32",
+    "f32_mul_fma": r"(mul|fma)\.rn\.f32",
+    "bf16_ops": r"(add|sub|mul|fma)(\.rn)?\.bf16(x2)?\b",
+    "mma": r"mma\.sync",
+    "ld_shared": r"ld\.shared",
+    "st_shared": r"st\.shared",
+}
+
+
+def ptx_counts(text: str) -> dict[str, int]:
+    """Instruction count and `CLASSES` counts of one PTX kernel's text."""
+    # instructions, inline asm included (Triton's int8 -> bf16 is an asm block: prmt / and / sub.bf16x2)
+    lines = [ln for ln in (x.strip() for x in text.splitlines()) if re.match(r"[a-z][\w.]*(\s|;)", ln)]
+    out = {"instr": len(lines)}
+    for name, pat in CLASSES.items():
+        out[name] = sum(bool(re.search(pat, ln)) for ln in lines)
+    out["magic_const"] = text.count("1258291328")  # 0x4B000080, magic_int8_to_f32's bias
+    return out
+
+
+def compile_one(dev, dequant: str, kv_dtype: str, q_dtype: str, mode: str, a: argparse.Namespace) -> str:
+    """Lower and compile one call for ``dev``; returns the decode kernel's PTX text."""
+    on = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=SingleDeviceSharding(dev))  # noqa: E731
+    B, Hq, Hkv, D, L, ps = a.batch, 32, 8, 128, a.context, 16
+    P = L // ps
+    kw = dict(page_size=ps, block_k=a.block_k, num_warps=a.warps, num_stages=a.stages, dequant=dequant)
+    lead = (2,) if mode == "stacked" else ()
+    if mode == "pool":
+        N = B * Hkv * P
+        args = [on((B, Hq, D), q_dtype), on((N, ps, D), kv_dtype), on((N, ps, D), kv_dtype), on((B, Hkv), jnp.int32),
+                on((N, D), jnp.bfloat16), on((N,), jnp.bfloat16), on((N, D), jnp.bfloat16),
+                on((B, Hkv, P), jnp.int32), on((B, Hkv, P // 4), jnp.int32)]
+    else:
+        args = [on((B, Hq, D), q_dtype), on((*lead, B, Hkv, L, D), kv_dtype), on((*lead, B, Hkv, L, D), kv_dtype),
+                on((B,), jnp.int32), on((*lead, B, Hkv, P, D), jnp.bfloat16), on((*lead, B, Hkv, P), jnp.bfloat16),
+                on((*lead, B, Hkv, P, D), jnp.bfloat16)]
+        if mode == "sparse":
+            args.append(on((B, Hkv, P // 4), jnp.int32))
+
+    def f(q, k, v, n, ks, vs, kz, *rest):
+        extra = {"layer": 1} if mode == "stacked" else {}
+        if mode == "sparse":
+            extra = {"page_ids": rest[0], "return_probs": True}
+        if mode == "pool":
+            extra = {"page_table": rest[0], "page_ids": rest[1], "return_probs": True}
+        return decode_attention(q, k, v, n, k_scale=ks, v_scale=vs, k_zero=kz, **kw, **extra)
+
+    tag = f"kvq_{dequant}_{kv_dtype}_{q_dtype}_{mode}"
+    f.__name__ = tag
+    jax.jit(f).lower(*args).compile()
+    for path in sorted(glob.glob(os.path.join(DUMP, f"*jit_{tag}*.ptx"))):
+        text = open(path).read()
+        if re.search(r"\.entry sparsekv_decode", text):
+            return text
+    raise RuntimeError(f"{tag}: compiled, but no sparsekv_decode kernel among the dumped PTX in {DUMP}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variants", default=",".join(DEQUANT))
+    p.add_argument("--kv-dtypes", default="int8")
+    p.add_argument("--q-dtypes", default="bfloat16")
+    p.add_argument("--modes", default="dense", help="of dense,sparse,stacked,pool")
+    p.add_argument("--block-k", type=int, default=64)
+    p.add_argument("--warps", type=int, default=4)
+    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--no-i2f", default="", help="variants whose PTX must hold no I2F (exit 1 otherwise)")
+    a = p.parse_args(argv)
+    split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
+    bad = [v for v in split(a.variants) + split(a.no_i2f) if v not in DEQUANT]
+    if bad:
+        p.error(f"{bad} not in {DEQUANT}")
+    dev = topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=H100).devices[0]
+    print(f"jax {jax.__version__}, target {dev.device_kind}, bk{a.block_k} w{a.warps} s{a.stages}, PTX in {DUMP}")
+    cols = ["instr", *CLASSES, "magic_const"]
+    print(f"{'variant':<11} {'kv':<13} {'q':<8} {'mode':<7} " + " ".join(f"{c:>11}" for c in cols))
+    failed = []
+    for v in split(a.variants):
+        for kvd in split(a.kv_dtypes):
+            for qd in split(a.q_dtypes):
+                for mode in split(a.modes):
+                    try:
+                        c = ptx_counts(compile_one(dev, v, kvd, qd, mode, a))
+                    except Exception as e:  # noqa: BLE001 -- a lowering error is the finding: print it, go on
+                        print(f"{v:<11} {kvd:<13} {qd:<8} {mode:<7} FAILED: {type(e).__name__}: {str(e)[:500]}")
+                        failed.append((v, kvd, qd, mode))
+                        continue
+                    print(f"{v:<11} {kvd:<13} {qd:<8} {mode:<7} " + " ".join(f"{c[k]:>11}" for k in cols), flush=True)
+                    if v in split(a.no_i2f) and c["I2F"]:
+                        failed.append((v, kvd, qd, mode, "I2F"))
+    if failed:
+        print("failed:", failed)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
