@@ -32,16 +32,15 @@ import re
 import sys
 import tempfile
 
-DUMP = tempfile.mkdtemp(prefix="kvq_ptx_")
-os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={DUMP}".strip()
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver here
+import jax
+import jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import SingleDeviceSharding
 
-import jax  # noqa: E402 -- after XLA_FLAGS
-import jax.numpy as jnp  # noqa: E402
-from jax.experimental import topologies  # noqa: E402
-from jax.sharding import SingleDeviceSharding  # noqa: E402
+from sparsekv_jax.pallas.decode import DEQUANT, decode_attention
 
-from sparsekv_jax.pallas.decode import DEQUANT, decode_attention  # noqa: E402
+DUMP = ""  # where XLA dumps the PTX: set by `main` before the first compile (not at import: importing this
+# module, e.g. from the tests, must not make every later compile of the process dump its programs)
 
 H100 = """gpu_device_info { cuda_compute_capability { major: 9 minor: 0 } threads_per_block_limit: 1024
 threads_per_warp: 32 shared_memory_per_block: 49152 shared_memory_per_block_optin: 232448
@@ -128,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--no-i2f", default="", help="variants whose PTX must hold no I2F (exit 1 otherwise)")
     a = p.parse_args(argv)
+    global DUMP
+    DUMP = tempfile.mkdtemp(prefix="kvq_ptx_")  # read by XLA when the cuda backend first compiles, below
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={DUMP}".strip()
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver here
     split = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     bad = [v for v in split(a.variants) + split(a.no_i2f) if v not in DEQUANT]
     if bad:

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
 RECORD = ROOT / "docs" / "results" / "ruler4k"  # a committed `sparsekv eval` record
 GPU_ONLY = ("gemma3_speed", "gsc_gpu", "page_rope_gpu", "pool_decode_gpu", "sae_decode_gpu", "stem_routing_gpu",
-            "topk_gpu", "kvq_kernel_sweep_gpu")
+            "topk_gpu", "kvq_kernel_sweep_gpu", "kvq_ptx_check")
 REAL_MODEL = ("bser_qwen_diagnosis", "kv_quant_fp8_diagnosis")  # a real model's numerics: arguments parsed only
 RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "kv_quant_fp8_gpu_check", "kvq_quality_table", "readme_plot",
               "semanticache_audit")

@@ -46,11 +46,13 @@ Design (why it looks like this):
   (``k_zero``, laid out and gathered as ``k_scale``; one FMA, the product being exact) and cast
   to the query's dtype before the dot; a value's per-page scale (``v_scale`` ``[P]``) is folded
   into the probabilities (``p * v_scale[page]``) before the second dot, so the values need only a
-  cast. The running softmax sums use the unscaled ``p``. That is ``dequant="tile_f32"``, the default; issue
-  39 measured it 2.4x *slower* than bf16 (dequantisation bound, not memory bound), so three static
-  alternatives exist (``dequant=``, `DEQUANT`): one scale row per *page* broadcast to its lanes, in float32
-  (``page_f32``) or bf16 (``page_lowp``), and the key scale folded into the query per page
-  (``page_q``: ``(q·s_p)·codes + q·z_p``, no key tile scaled). experiments/kvq_kernel_sweep_gpu.py picks.
+  cast. The running softmax sums use the unscaled ``p``. That is ``dequant="tile_f32"``, the first quantised
+  kernel; issue 39 measured it 2.4x *slower* than bf16 (dequantisation bound, not memory bound), so three
+  static alternatives exist (``dequant=``, `DEQUANT`): one scale row per *page* broadcast to its lanes, in
+  float32 (``page_f32``) or bf16 (``page_lowp``), and the key scale folded into the query per page
+  (``page_q``: ``(q·s_p)·codes + q·z_p``, no key tile scaled). experiments/kvq_kernel_sweep_gpu.py picked
+  ``page_lowp`` on an H200 (the default now, `TUNED`: 2.1x faster than ``tile_f32``, still 0.88-0.92x the bf16
+  kernel).
   ``page_magic`` is ``page_f32`` with int8 key codes turned into float32 without the GPU's int-to-float
   instruction (I2F, a quarter of the FP32 rate on Hopper), by the bit trick of `magic_int8_to_f32`: integer
   ALU ops and one full-rate FADD, the same numbers bit for bit (issue 39; untimed yet). Value codes take the
@@ -664,8 +666,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         they are never read. Under ``jit`` (no value checks) an entry outside ``[0, N)`` reads
         nothing rather than another page.
       dequant: quantised caches only (ignored otherwise): how the kernel dequantises keys, one of
-        `DEQUANT`. ``"tile_f32"`` (default): per-lane ``[block_k, D]`` scale / zero-point tiles, float32
-        arithmetic (the first quantised kernel). ``"page_f32"``: one scale row per page broadcast to its lanes, float32.
+        `DEQUANT`. ``"tile_f32"``: per-lane ``[block_k, D]`` scale / zero-point tiles, float32
+        arithmetic (the first quantised kernel's). ``"page_f32"``: one scale row per page broadcast to its lanes, float32.
         ``"page_lowp"``: the same in q's dtype when q is bf16 (float32 otherwise): the same numbers,
         ``code·scale`` being exact and the zero point's sum rounding once. ``"page_q"``: the key scale
         folded into the query per page (``(q·s_p)·codes + q·z_p``), no key is scaled: the logits are
