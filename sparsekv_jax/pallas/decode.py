@@ -667,7 +667,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         nothing rather than another page.
       dequant: quantised caches only (ignored otherwise): how the kernel dequantises keys, one of
         `DEQUANT`. ``"tile_f32"``: per-lane ``[block_k, D]`` scale / zero-point tiles, float32
-        arithmetic (the first quantised kernel's). ``"page_f32"``: one scale row per page broadcast to its lanes, float32.
+        arithmetic (the first quantised kernel's). ``"page_f32"``: one scale row per page broadcast to
+        its lanes, float32.
         ``"page_lowp"``: the same in q's dtype when q is bf16 (float32 otherwise): the same numbers,
         ``code·scale`` being exact and the zero point's sum rounding once. ``"page_q"``: the key scale
         folded into the query per page (``(q·s_p)·codes + q·z_p``), no key is scaled: the logits are
