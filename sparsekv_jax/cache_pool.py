@@ -52,7 +52,7 @@ from flax import struct
 from sparsekv_jax.pallas.validation import is_concrete
 
 __all__ = ["PagePool", "allocate_after_compression", "allocate_rows", "append_slots", "empty_pool", "free_rows",
-           "grow", "owned", "pages_needed"]
+           "grow", "owned", "pages_needed", "pool_pages_needed"]
 
 
 @struct.dataclass
@@ -81,6 +81,22 @@ class PagePool:
 def pages_needed(lengths: jax.Array, page_size: int) -> jax.Array:
     """``ceil(lengths / page_size)``: pages holding ``lengths`` tokens (int32, any shape)."""
     return ((jnp.asarray(lengths, jnp.int32) + page_size - 1) // page_size).astype(jnp.int32)
+
+
+def pool_pages_needed(counts: jax.Array, page_size: int) -> jax.Array:
+    """Pages a compression occupies: ``sum(ceil(counts / page_size))`` over every entry of ``counts`` (any
+    shape, e.g. ``[L, B, Hkv]`` tokens kept per (layer, row, head)), an int32 scalar (traceable). A pool of
+    exactly that many pages holds the compression with no page to spare (`allocate_after_compression`
+    leaves the stack empty); for ``n`` more tokens per head afterwards, pass ``counts + n``. ``ValueError``
+    for a negative count or a bad ``page_size`` (concrete values)."""
+    if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) or page_size <= 0:
+        raise ValueError(f"page_size={page_size!r} must be a positive int")
+    c = jnp.asarray(counts)
+    if not jnp.issubdtype(c.dtype, jnp.integer):
+        raise ValueError(f"counts must be an int array, got {c.dtype}")
+    if is_concrete(c) and c.size and int(c.min()) < 0:
+        raise ValueError(f"counts must be >= 0, got a minimum of {int(c.min())}")
+    return pages_needed(c, page_size).sum(dtype=jnp.int32)
 
 
 def owned(pool: PagePool) -> jax.Array:

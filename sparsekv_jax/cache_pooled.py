@@ -34,8 +34,16 @@ mode arguments.
 re-scales it with `append_token`'s math (`cache_write._rescale_append`). Freed pages are not cleared, so
 an append writes its slot's bias (0), and a page it opens is treated as empty whatever it held.
 
+**Compaction** (docs/PAGE_POOL.md, Lifecycle → Compaction; step 3): `decode_pool` is a fresh decode pool
+whose (layer, row, head)s own ``ceil(count / ps)`` pages each (`cache_pool.allocate_after_compression`, prefix
+sum), `put_pages` scatters heads' packed pages into their pages by the table (one scatter per leaf, the
+sentinel dropped), `take_logical` reads a pool's leaves at logical slots (the gather of a compaction from a
+pool). The per-page math (quantisation, summaries) is the policies' (`policies.common.write_entries_pool`,
+`write_kept_pool`, which use these). `pool_nbytes` sizes a decode pool without allocating it;
+`cache_pool.pool_pages_needed` counts the pages a compression occupies.
+
 Not here yet (docs/PAGE_POOL.md, step 2's entry): in-place overwrites (H2O), `write_tokens` (extend),
-compaction into a pool, the group axes of a mesh; the engine and the policies still use the uniform cache.
+the group axes of a mesh; the engine and the policies still use the uniform cache.
 """
 
 from __future__ import annotations
@@ -53,9 +61,10 @@ from sparsekv_jax.cache_quant import SCALE_DTYPE, check_kv_dtype, is_quantized
 from sparsekv_jax.cache_write import _page_key_summaries, _rescale_append
 from sparsekv_jax.models.config import ModelConfig
 
-__all__ = ["PoolCache", "append_token_pool", "decode_kernel_args", "init_pool", "layer_kv", "layer_lengths",
-           "layer_pages", "layer_tables", "pool_from_stack", "pool_page_counts", "pool_page_mean", "reserve_token",
-           "stack_view", "summarize_pool", "with_stack"]
+__all__ = ["PoolCache", "append_token_pool", "decode_kernel_args", "decode_pool", "init_pool", "layer_kv",
+           "layer_lengths", "layer_pages", "layer_tables", "pool_from_stack", "pool_nbytes", "pool_page_counts",
+           "pool_page_mean", "put_pages", "reserve_token", "stack_view", "summarize_pool", "take_logical",
+           "with_stack"]
 
 # what a page nobody owns reads as (`layer_pages`): an empty cache's values (`init_cache`)
 _FILL = {"positions": -1, "page_max_bias": -jnp.inf}
@@ -72,7 +81,8 @@ class PoolCache:
     next_position: jax.Array  # [B] int32 RoPE position of the next token
     local: LocalKV | None = None  # the local layers' rings (Gemma 3), never paged
     num_layers: int = struct.field(pytree_node=False, default=1)  # L (the paged layers)
-    prompt_pages: int = struct.field(pytree_node=False, default=1)  # P: pages per head of the prefill's view
+    # P: pages per head of the prefill's view (0: no such view, a decode pool from `decode_pool`)
+    prompt_pages: int = struct.field(pytree_node=False, default=1)
 
     @property
     def page_size(self) -> int:
@@ -176,7 +186,11 @@ def stack_view(cache: PoolCache) -> LayerKV:
     """The prefill pool's pages as `init_cache`'s stacked layout: every leaf ``[:L·B·Hkv·P]`` reshaped to
     ``[L, B, Hkv, P·ps, ...]`` (slots) or ``[L, B, Hkv, P, ...]`` (page summaries and scales). A view of the
     *identity* layout `init_pool` and `pool_from_stack` make; after a decode step opened pages or pages
-    were moved it no longer shows what the heads hold (read through the tables then: `layer_pages`)."""
+    were moved it no longer shows what the heads hold (read through the tables then: `layer_pages`). A
+    decode pool (`decode_pool`, ``prompt_pages == 0``) has no such view: ``ValueError``."""
+    if cache.prompt_pages < 1:
+        raise ValueError("stack_view: this pool has no prefill view (prompt_pages=0: a decode pool from compaction); "
+                         "read it through its tables (layer_pages, layer_kv)")
     L, B, H, P, ps = cache.num_layers, cache.batch, cache.heads, cache.prompt_pages, cache.page_size
     n = L * B * H * P
 
@@ -429,3 +443,92 @@ def append_token_pool(cache: PoolCache, layer: int | jax.Array, k_new: jax.Array
 
         _page_key_summaries(kv, keys, live, key_dtype, put)
     return cache.replace(pages=kv.replace(k=k, v=v, positions=pos, bias=bias, **new))
+
+
+def _summary_dtype(like: LayerKV) -> jnp.dtype:
+    """The dtype of ``like``'s page min/max (a quantised cache's model dtype; else its K dtype)."""
+    held = [x.dtype for x in (like.page_min, like.page_max) if x is not None]
+    return held[0] if held else (jnp.dtype(jnp.float32) if like.quantized else like.k.dtype)
+
+
+def decode_pool(like: LayerKV, counts: jax.Array, *, page_size: int, max_pages_per_head: int, num_pages: int,
+                next_position: jax.Array, local: LocalKV | None = None) -> PoolCache:
+    """A fresh decode pool (docs/PAGE_POOL.md, Lifecycle → Compaction step 1) of ``num_pages`` empty pages with
+    ``like``'s leaves (its K/V dtype or codes, summaries, scales: a uniform cache's `LayerKV` or a pool's
+    pages), each (layer, row, head) owning the ``ceil(counts / page_size)`` pages for its ``counts``
+    ``[L, B, Hkv]`` tokens (`cache_pool.allocate_after_compression` over the ``[L·B, Hkv]`` rows: prefix-sum
+    ids, the rest on the free stack), ``length = counts``. ``max_pages_per_head`` (``M``) bounds a head for
+    good, appends included. Nothing is written yet (`put_pages`). A pool too small, or a count over
+    ``M·page_size``, sets ``alloc.overflow`` for the rows concerned and cuts their lengths to the pages they
+    got: check ``alloc.overflow.any()`` outside jit. ``prompt_pages`` is 0 (no prefill view)."""
+    c = jnp.asarray(counts)
+    if c.ndim != 3 or not jnp.issubdtype(c.dtype, jnp.integer):
+        raise ValueError(f"counts must be an int array [L, B, Hkv], got {c.dtype} of shape {tuple(c.shape)}")
+    L, B, H = c.shape
+    if tuple(jnp.shape(next_position)) != (B,):
+        raise ValueError(f"next_position must be [B={B}], got shape {tuple(jnp.shape(next_position))}")
+    alloc = allocate_after_compression(c.reshape(L * B, H).astype(jnp.int32), page_size, num_pages,
+                                       max_pages_per_head=max_pages_per_head)
+    pages = _empty_pages(num_pages, page_size, like.k.shape[-1], like.k.dtype, _summary_dtype(like), like.summaries)
+    return PoolCache(pages=pages, alloc=alloc, next_position=jnp.asarray(next_position, jnp.int32), local=local,
+                     num_layers=L, prompt_pages=0)
+
+
+def pool_nbytes(like: LayerKV, num_layers: int, batch: int, heads: int, *, page_size: int, max_pages_per_head: int,
+                num_pages: int, local: LocalKV | None = None) -> int:
+    """Device bytes of the `decode_pool` of ``num_pages`` pages for ``[num_layers, batch, heads]`` (layer, row,
+    head)s and ``like``'s leaves (`PoolCache.nbytes`: pages, tables, allocator, ``next_position``, the rings of
+    ``local``), computed from shapes alone (`jax.eval_shape`, nothing allocated). With ``num_pages =
+    cache_pool.pool_pages_needed(counts, page_size)``: the memory a compression keeping ``counts`` occupies."""
+    def build() -> PoolCache:
+        return decode_pool(like, jnp.zeros((num_layers, batch, heads), jnp.int32), page_size=page_size,
+                           max_pages_per_head=max_pages_per_head, num_pages=num_pages,
+                           next_position=jnp.zeros((batch,), jnp.int32), local=local)
+
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(build)))
+
+
+def put_pages(cache: PoolCache, packed: LayerKV) -> PoolCache:
+    """Write each (layer, row, head)'s packed pages into the pool pages its table names (docs/PAGE_POOL.md,
+    Lifecycle → Compaction step 3): ``packed`` holds the pool's leaves stacked per head, slot leaves
+    ``[L, B, Hkv, Mk·ps, ...]`` (logical slot ``s`` of the head at ``[..., s, ...]``) and per-page leaves
+    ``[L, B, Hkv, Mk, ...]``, ``Mk <= M``; logical page ``m`` goes to ``table[l, b, h, m]``, one scatter per
+    leaf (``mode="drop"``: pages a head does not own carry the sentinel and are dropped). Ownership and
+    lengths are left as they are (`decode_pool` set them); the pages nobody owns are not touched."""
+    L, B, H, ps = cache.num_layers, cache.batch, cache.heads, cache.page_size
+    S = packed.k.shape[3] if packed.k.ndim == 5 else -1
+    if packed.k.ndim != 5 or tuple(packed.k.shape[:3]) != (L, B, H) or S % ps or S // ps > cache.max_pages_per_head:
+        raise ValueError(f"packed.k must be [L, B, Hkv, Mk·ps, D] with L, B, Hkv = {L}, {B}, {H} and Mk <= "
+                         f"max_pages_per_head={cache.max_pages_per_head} pages of {ps}, got {tuple(packed.k.shape)}")
+    for f in _FIELDS:
+        if (getattr(packed, f) is None) != (getattr(cache.pages, f) is None):
+            raise ValueError(f"packed.{f} is {'absent' if getattr(packed, f) is None else 'given'}; the pool "
+                             f"{'holds' if getattr(cache.pages, f) is not None else 'does not hold'} it")
+    Mk = S // ps
+    table = cache.tables[..., :Mk]  # [L, B, H, Mk]
+
+    def put(name: str) -> jax.Array | None:
+        a, x = getattr(cache.pages, name), getattr(packed, name)
+        if a is None:
+            return None
+        if name in _SLOT_FIELDS:  # [L, B, H, Mk·ps, ...] -> [L, B, H, Mk, ps, ...]
+            x = x.reshape(L, B, H, Mk, ps, *x.shape[4:])
+        return a.at[table].set(x.astype(a.dtype), mode="drop")
+
+    return cache.replace(pages=cache.pages.replace(**{f: put(f) for f in _FIELDS}))
+
+
+def take_logical(cache: PoolCache, leaf: jax.Array, at: jax.Array, per_page: bool = False) -> jax.Array:
+    """A pool leaf (one of ``cache.pages``') read at logical slots ``at`` ``[L, B, Hkv, K]`` of each (layer, row,
+    head) (``per_page``: at logical pages, for the per-page leaves): slot ``s`` is pool page
+    ``table[l, b, h, s // ps]``, offset ``s % ps``. An index past the table or on a page the head does not
+    own reads as an empty cache's (position -1, zeros). ``[L, B, Hkv, K, ...]``: the gather of a compaction
+    from a pool (`policies.common.write_kept_pool`)."""
+    ps, M = cache.page_size, cache.max_pages_per_head
+    page = at if per_page else at // ps
+    phys = jnp.take_along_axis(cache.tables, jnp.clip(page, 0, M - 1), axis=-1)
+    phys = jnp.where((page >= 0) & (page < M), phys, cache.num_pages)
+    fill = -1 if leaf.dtype == jnp.int32 and not per_page else 0
+    if per_page:
+        return leaf.at[phys].get(mode="fill", fill_value=fill)
+    return leaf.at[phys, at % ps].get(mode="fill", fill_value=fill)

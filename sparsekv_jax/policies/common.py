@@ -1,5 +1,11 @@
 """Mechanics every policy shares: budgets, forced slots (sinks, recent window), compaction of the
 cache to the kept entries, page top-k. Written once here; policies only score.
+
+Compaction has two targets. The uniform cache (`write_entries`, `write_kept`, `compact`: what the engine
+runs today) gives every head the row's largest count and leaves holes. The page pool (issue 38,
+docs/PAGE_POOL.md, migration step 3; not yet called by the engine or the policies) writes each head's
+entries into pages of its own, no holes: `write_entries_pool`, `write_kept_pool`, with the same per-page
+math (`_entry_pages`).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from sparsekv_jax.cache import (
     quantize,
     summarize_pages,
 )
+from sparsekv_jax.cache_pooled import PoolCache, decode_pool, put_pages, take_logical
 
 KEEP = 1e30  # score that forces an entry to be kept (finite: sorts above everything else)
 
@@ -147,6 +154,25 @@ def write_entries(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Arr
     slot = jnp.arange(K)
     live = slot < counts[..., None]  # [L, B, H, K]
     hole = ~live & (slot < length[None, :, None, None])
+    layers, keys = _entry_pages(cache.layers, k, v, positions, bias, live, hole, new_S, cache.page_size, k_zero)
+    layers = summarize_pages(layers, length, cache.page_size, keys=keys if cache.layers.quantized else None)
+    # the local layers' ring buffers (if any) are the policy's to leave alone
+    return KVCache(layers=layers, length=length, next_position=cache.next_position, local=cache.local,
+                   page_size=cache.page_size)
+
+
+def _entry_pages(old: LayerKV, k: jax.Array, v: jax.Array, positions: jax.Array, bias: jax.Array, live: jax.Array,
+                 hole: jax.Array | None, width: int, page_size: int,
+                 k_zero: jax.Array | None) -> tuple[LayerKV, jax.Array]:
+    """The per-page math of a compaction write, shared by `write_entries` (the uniform cache) and
+    `write_entries_pool` (a page pool): the entries ``[L, B, H, K, ...]`` (the ``live`` ``[L, B, H, K]`` ones
+    kept, the rest emptied) laid out over ``width`` slots per head (``K <= width``, whole pages of
+    ``page_size``), stored as ``old``'s leaves (codes, scales and zero points when quantised: `page_zeros`,
+    `page_scales`, `quantize`). ``hole`` ``[L, B, H, K]`` (or None: no holes) marks slots whose bias is
+    ``-inf``. Returns ``(layers [L, B, H, width, ...], keys)``, the page summaries still empty (the caller
+    recomputes them from ``keys``, the float keys before quantisation)."""
+    L, B, H, K, D = k.shape
+    new_S = width
 
     def pad(x: jax.Array, fill) -> jax.Array:
         widths = [(0, 0)] * x.ndim
@@ -154,38 +180,35 @@ def write_entries(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Arr
         return jnp.pad(x, widths, constant_values=fill)
 
     zero = jnp.zeros((), k.dtype)
-    old = cache.layers
     quantized = old.quantized
     keys = pad(jnp.where(live[..., None], k, zero), 0)
     values = pad(jnp.where(live[..., None], v, zero), 0)
-    n_pages = new_S // cache.page_size
+    n_pages = new_S // page_size
     scales = {}
     if quantized:  # summaries in the model's dtype (the min/max the cache holds), K/V as codes
         summary_dtype = next((x.dtype for x in (old.page_min, old.page_max) if x is not None), jnp.float32)
-        kz = page_zeros(keys, pad(live, False), cache.page_size)
+        kz = page_zeros(keys, pad(live, False), page_size)
         if k_zero is not None:  # a page whose live entries share their old zero points keeps them
-            ps, big = cache.page_size, jnp.finfo(jnp.float32).max
+            ps, big = page_size, jnp.finfo(jnp.float32).max
             hint = pad(k_zero.astype(jnp.float32), 0).reshape(L, B, H, n_pages, ps, D)
             lp = pad(live, False).reshape(L, B, H, n_pages, ps, 1)
             hi, lo = jnp.where(lp, hint, -big).max(4), jnp.where(lp, hint, big).min(4)
             kz = jnp.where(hi == lo, hi, kz.astype(jnp.float32)).astype(SCALE_DTYPE)
-        ks, vs = page_scales(keys, values, pad(live, False), cache.page_size, old.k.dtype, old.v.dtype, k_zero=kz)
+        ks, vs = page_scales(keys, values, pad(live, False), page_size, old.k.dtype, old.v.dtype, k_zero=kz)
         scales = {"k_scale": ks.astype(SCALE_DTYPE), "k_zero": kz, "v_scale": vs.astype(SCALE_DTYPE)}
-        stored_k = quantize(keys, jnp.repeat(ks, cache.page_size, axis=-2), old.k.dtype,
-                            jnp.repeat(kz, cache.page_size, axis=-2))
-        stored_v = quantize(values, jnp.repeat(vs, cache.page_size, axis=-1)[..., None], old.v.dtype)
+        stored_k = quantize(keys, jnp.repeat(ks, page_size, axis=-2), old.k.dtype,
+                            jnp.repeat(kz, page_size, axis=-2))
+        stored_v = quantize(values, jnp.repeat(vs, page_size, axis=-1)[..., None], old.v.dtype)
     else:
         summary_dtype = old.k.dtype
         stored_k, stored_v = keys.astype(old.k.dtype), values.astype(old.v.dtype)
     layers = LayerKV(
         k=stored_k, v=stored_v,
         positions=pad(jnp.where(live, positions, -1).astype(jnp.int32), -1),
-        bias=pad(jnp.where(live, bias, jnp.where(hole, -jnp.inf, 0.0)).astype(jnp.float32), 0.0),
+        bias=pad(jnp.where(live, bias, 0.0 if hole is None else jnp.where(hole, -jnp.inf, 0.0)).astype(jnp.float32),
+                 0.0),
         **empty_summaries(old.summaries, (L, B, H, n_pages, D), summary_dtype), **scales)
-    layers = summarize_pages(layers, length, cache.page_size, keys=keys if quantized else None)
-    # the local layers' ring buffers (if any) are the policy's to leave alone
-    return KVCache(layers=layers, length=length, next_position=cache.next_position, local=cache.local,
-                   page_size=cache.page_size)
+    return layers, keys
 
 
 def compact(cache: KVCache, scores: jax.Array, keep: jax.Array, capacity: int) -> KVCache:
@@ -206,19 +229,97 @@ def write_kept(cache: KVCache, idx: jax.Array, counts: jax.Array, capacity: int)
     ``idx`` ``[L, B, H, K]`` (in slot order; the first ``counts`` of them are kept: ``counts`` ``[B]``
     or ``[L, B, H]``), with their RoPE positions and biases, written by `write_entries` (a quantised
     cache's entries are dequantised exactly with their pages' scales, then re-quantised there)."""
-    old = cache.layers
-
-    def take(x: jax.Array, at: jax.Array = idx) -> jax.Array:
+    def take(x: jax.Array, at: jax.Array, per_page: bool) -> jax.Array:
         return jnp.take_along_axis(x, at.reshape(at.shape + (1,) * (x.ndim - 4)), axis=3)
 
-    k, v = take(old.k), take(old.v)
+    k, v, positions, bias, k_zero = _kept_entries(cache.layers, idx, cache.page_size, take)
+    return write_entries(cache, k, v, positions, bias, counts, capacity, k_zero)
+
+
+def _kept_entries(old: LayerKV, idx: jax.Array, page_size: int, take) -> tuple[jax.Array, ...]:
+    """The entries at slots ``idx`` ``[L, B, H, K]`` of the cache whose leaves are ``old``: ``(k, v, positions,
+    bias, k_zero)``, a quantised cache's dequantised exactly with their pages' scales and key zero points
+    (keys in float32, exact with their zero points; values exact in bf16; ``k_zero`` the zero points, else
+    None). ``take(leaf, at, per_page)`` reads ``leaf`` at the slots (``per_page`` false) or pages
+    ``at`` ``[L, B, H, K]``: along the slot axis of a uniform cache (`write_kept`), through the tables of a
+    pool (`write_kept_pool`)."""
+    k, v = take(old.k, idx, False), take(old.v, idx, False)
     k_zero = None
-    if old.quantized:  # the kept entries dequantised with their pages' scales and key zero points (keys in
-        page = idx // cache.page_size  # float32, exact with their zero points; values exact in bf16)
-        k_zero = take(old.k_zero, page)
-        k = dequantize(k, take(old.k_scale, page), jnp.float32, k_zero)
-        v = dequantize(v, take(old.v_scale, page)[..., None], jnp.bfloat16)
-    return write_entries(cache, k, v, take(old.positions), take(old.bias), counts, capacity, k_zero)
+    if old.quantized:
+        page = idx // page_size
+        k_zero = take(old.k_zero, page, True)
+        k = dequantize(k, take(old.k_scale, page, True), jnp.float32, k_zero)
+        v = dequantize(v, take(old.v_scale, page, True)[..., None], jnp.bfloat16)
+    return k, v, take(old.positions, idx, False), take(old.bias, idx, False), k_zero
+
+
+def write_entries_pool(cache: KVCache | PoolCache, k: jax.Array, v: jax.Array, positions: jax.Array,
+                       bias: jax.Array, counts: jax.Array, capacity: int, num_pages: int | None = None,
+                       k_zero: jax.Array | None = None) -> PoolCache:
+    """`write_entries` into a fresh decode pool (docs/PAGE_POOL.md, Lifecycle → Compaction; issue 38, step 3):
+    each (layer, row, KV head) keeps its first ``counts`` entries in pages of its own, no holes.
+
+    ``k``, ``v``, ``positions``, ``bias``, ``counts`` (``[L, B, H]`` or ``[B]``), ``k_zero``: as `write_entries`.
+    ``cache`` (a uniform `KVCache` or a `PoolCache`, e.g. the prefill pool) gives the leaves' dtypes and the
+    summaries held, ``page_size``, ``next_position`` and ``local``; its contents are not read. ``capacity``: the
+    most tokens a head may ever hold (appends included): ``max_pages_per_head = pages_for(capacity,
+    page_size)`` (``M``), and ``K <= M·page_size``. ``num_pages``: the pool's size ``N`` (static; default
+    ``L·B·H·M``, the uniform cache's size, which never overflows); size it exactly with
+    `cache_pool.pool_pages_needed` (``counts`` plus the tokens still to come).
+
+    Steps (docs/PAGE_POOL.md): (1) ``counts`` → `cache_pooled.decode_pool` (the allocator's prefix sum over the
+    ``[L·B, H]`` rows); (2) the entries packed per head, ``[L, B, H, Mk·ps, ...]`` with ``Mk = pages_for(K)``;
+    (3) per page exactly `write_entries`' math (`_entry_pages`: zero points, scales, codes; then
+    `summarize_pages` over the live entries), then one scatter per leaf by the table (`cache_pooled.put_pages`).
+    So logical page ``m`` of a head holds what page ``m`` of that head holds after `write_entries` (which puts
+    the same entries in the same first ``count`` slots), byte for byte; the head's ``length`` is its count
+    (clipped to ``K``). A pool too small sets ``alloc.overflow`` (check it outside jit): the heads concerned
+    keep a prefix of their entries."""
+    L, B, H, K, D = k.shape
+    ps = cache.page_size
+    like = cache.layers if isinstance(cache, KVCache) else cache.pages
+    M = pages_for(capacity, ps)
+    if K > M * ps:
+        raise ValueError(f"write_entries_pool: {K} entries per head do not fit a head of capacity {capacity} "
+                         f"({M} pages of {ps})")
+    if tuple(cache.next_position.shape) != (B,):
+        raise ValueError(f"write_entries_pool: the entries' batch {B} is not the cache's "
+                         f"{cache.next_position.shape[0]}")
+    c = jnp.asarray(counts)
+    if tuple(c.shape) not in ((B,), (L, B, H)):
+        raise ValueError(f"counts must be [B]={[B]} or [L, B, H]={[L, B, H]}, got shape {tuple(c.shape)}")
+    c = jnp.broadcast_to(c[None, :, None] if c.ndim == 1 else c, (L, B, H))
+    c = jnp.minimum(c.astype(jnp.int32), K)
+    width = pages_for(K, ps) * ps
+    live = jnp.arange(K) < c[..., None]
+    layers, keys = _entry_pages(like, k, v, positions, bias, live, None, width, ps, k_zero)
+    layers = summarize_pages(layers, jnp.full((B,), width, jnp.int32), ps, keys=keys if like.quantized else None)
+    pool = decode_pool(like, c, page_size=ps, max_pages_per_head=M, num_pages=L * B * H * M if num_pages is None
+                       else num_pages, next_position=cache.next_position, local=cache.local)
+    return put_pages(pool, layers)
+
+
+def write_kept_pool(cache: KVCache | PoolCache, idx: jax.Array, counts: jax.Array, capacity: int,
+                    num_pages: int | None = None) -> PoolCache:
+    """`write_kept` into a fresh decode pool: per (layer, row, KV head), the entries at slots ``idx``
+    ``[L, B, H, K]`` (the first ``counts`` of them: ``[B]`` or ``[L, B, H]``) gathered from ``cache`` as
+    `write_kept` gathers them (a quantised cache's dequantised exactly with their pages' scales and zero
+    points), then written by `write_entries_pool` (``capacity``, ``num_pages`` as there). ``cache``: a uniform
+    `KVCache` (slots along its slot axis) or a `PoolCache` (logical slots through its tables,
+    `cache_pooled.take_logical`: the prefill pool, or any pool). Any scored compressor's ``idx``/``counts``
+    (`compact`'s, `adakv.keep_counts`') give the same entries as `write_kept`, each head in its own pages."""
+    if isinstance(cache, KVCache):
+        def take(x: jax.Array, at: jax.Array, per_page: bool) -> jax.Array:
+            return jnp.take_along_axis(x, at.reshape(at.shape + (1,) * (x.ndim - 4)), axis=3)
+        old = cache.layers
+    else:
+        def take(x: jax.Array, at: jax.Array, per_page: bool) -> jax.Array:
+            return take_logical(cache, x, at, per_page)
+        old = cache.pages
+    if jnp.ndim(idx) != 4 or tuple(jnp.shape(idx)[1:2]) != (cache.next_position.shape[0],):
+        raise ValueError(f"idx must be [L, B, H, K] with B={cache.next_position.shape[0]}, got shape {jnp.shape(idx)}")
+    k, v, positions, bias, k_zero = _kept_entries(old, jnp.asarray(idx, jnp.int32), cache.page_size, take)
+    return write_entries_pool(cache, k, v, positions, bias, counts, capacity, num_pages, k_zero)
 
 
 def top_pages(page_scores: jax.Array, used_pages: jax.Array, k: int,
