@@ -85,8 +85,8 @@ from sparsekv_jax.cache_write import append_token, write_chunk, write_tokens
 from sparsekv_jax.models.config import ModelConfig
 
 # every name this module has exported (the cache's public face)
-__all__ = ["KV_DTYPES", "SCALE_DTYPE", "SUMMARIES", "KVCache", "LayerKV", "LocalKV", "append_token",
-           "check_kv_dtype", "check_summaries", "dequantize", "dequantize_kv", "empty_summaries", "init_cache",
+__all__ = ["KV_DTYPES", "SCALE_DTYPE", "SUMMARIES", "KVCache", "LayerKV", "LocalKV", "append_token", "check_kv_dtype",
+           "check_sizes", "check_summaries", "dequantize", "dequantize_kv", "empty_summaries", "init_cache",
            "is_quantized", "layer_view", "mid_range", "page_counts", "page_mean", "page_scales", "page_zeros",
            "pages_for", "pow2_scale", "quantize", "slot_scales", "slot_zeros", "summarize_pages", "write_chunk",
            "write_tokens"]
@@ -166,6 +166,17 @@ class KVCache:
         return 2 * self.layers.k.size * self.layers.k.dtype.itemsize + ring + scales
 
 
+def check_sizes(batch: int, capacity: int, page_size: int) -> None:
+    """Refuse (before any allocation, naming the value) a cache of no rows, no capacity, or pages that are
+    not a positive power of two; `init_cache` and `cache_pooled.init_pool` share it."""
+    if batch <= 0:
+        raise ValueError(f"batch={batch} must be positive")
+    if capacity <= 0:
+        raise ValueError(f"capacity={capacity} must be positive")
+    if page_size <= 0 or page_size & (page_size - 1):
+        raise ValueError(f"page_size={page_size} must be a positive power of two")
+
+
 def init_cache(cfg: ModelConfig, batch: int, capacity: int, *, page_size: int = 16,
                dtype: jnp.dtype = jnp.bfloat16, ring: int | None = None,
                summaries: Iterable[str] = SUMMARIES, kv_dtype: str | None = None) -> KVCache:
@@ -182,12 +193,7 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int, *, page_size: int = 
     """
     summaries = check_summaries(summaries)
     store = dtype if check_kv_dtype(kv_dtype) is None else jnp.dtype(kv_dtype)
-    if batch <= 0:
-        raise ValueError(f"batch={batch} must be positive")
-    if capacity <= 0:
-        raise ValueError(f"capacity={capacity} must be positive")
-    if page_size <= 0 or page_size & (page_size - 1):
-        raise ValueError(f"page_size={page_size} must be a positive power of two")
+    check_sizes(batch, capacity, page_size)
     n_pages = pages_for(capacity, page_size)
     S = n_pages * page_size
     L, H, D = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim

@@ -48,13 +48,14 @@ the group axes of a mesh; the engine and the policies still use the uniform cach
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from sparsekv_jax.cache import LayerKV, LocalKV, init_local
+from sparsekv_jax.cache import LayerKV, LocalKV, check_sizes, init_local
 from sparsekv_jax.cache_pages import SUMMARIES, _key_summaries, check_summaries, empty_summaries, page_mean, pages_for
 from sparsekv_jax.cache_pool import PagePool, allocate_after_compression, append_slots, owned
 from sparsekv_jax.cache_quant import SCALE_DTYPE, check_kv_dtype, is_quantized
@@ -63,8 +64,8 @@ from sparsekv_jax.models.config import ModelConfig
 
 __all__ = ["PoolCache", "append_token_pool", "decode_kernel_args", "decode_pool", "init_pool", "layer_kv",
            "layer_lengths", "layer_pages", "layer_tables", "pool_from_stack", "pool_nbytes", "pool_page_counts",
-           "pool_page_mean", "put_pages", "reserve_token", "stack_view", "summarize_pool", "take_logical",
-           "with_stack"]
+           "pool_page_mean", "put_pages", "reserve_token", "shuffle_pages", "stack_view", "summarize_pool",
+           "take_logical", "with_stack"]
 
 # what a page nobody owns reads as (`layer_pages`): an empty cache's values (`init_cache`)
 _FILL = {"positions": -1, "page_max_bias": -jnp.inf}
@@ -162,14 +163,9 @@ def init_pool(cfg: ModelConfig, batch: int, capacity: int, *, prompt: int | None
     """
     summaries = check_summaries(summaries)
     store = dtype if check_kv_dtype(kv_dtype) is None else jnp.dtype(kv_dtype)
-    if batch <= 0:
-        raise ValueError(f"batch={batch} must be positive")
-    if capacity <= 0:
-        raise ValueError(f"capacity={capacity} must be positive")
+    check_sizes(batch, capacity, page_size)
     if prompt is not None and prompt <= 0:
         raise ValueError(f"prompt={prompt} must be positive")
-    if page_size <= 0 or page_size & (page_size - 1):
-        raise ValueError(f"page_size={page_size} must be a positive power of two")
     local = init_local(cfg, batch, ring, dtype)
     L = cfg.num_layers if local is None else len(cfg.global_layer_ids())
     H, D = cfg.num_kv_heads, cfg.head_dim
@@ -532,3 +528,30 @@ def take_logical(cache: PoolCache, leaf: jax.Array, at: jax.Array, per_page: boo
     if per_page:
         return leaf.at[phys].get(mode="fill", fill_value=fill)
     return leaf.at[phys, at % ps].get(mode="fill", fill_value=fill)
+
+
+def shuffle_pages(cache: PoolCache, perm: np.ndarray,
+                  junk: Callable[[np.ndarray], np.ndarray] | None = None) -> PoolCache:
+    """The same pool with page ``i`` moved to ``perm[i]`` (a permutation of ``[0, N)``), its tables and free
+    stack relabelled: it holds the same tokens, so every reader through the tables gives what it gave before.
+    ``junk(leaf)``: an array shaped as the (moved, host) ``leaf`` that replaces every page no (layer, row,
+    head) owns -- NaN or random codes, so that a reader that looks past the tables shows it (tests). On the
+    host; not for use inside ``jit``."""
+    N = cache.num_pages
+    perm = np.asarray(perm)
+    if sorted(perm.tolist()) != list(range(N)):
+        raise ValueError(f"perm must be a permutation of range({N}), got shape {perm.shape}")
+    to = jnp.asarray(perm, jnp.int32)
+    relabel = lambda t: jnp.where(t < N, to[jnp.minimum(t, N - 1)], N)  # noqa: E731 -- the sentinel N stays
+    alloc = cache.alloc.replace(table=relabel(cache.alloc.table), free=relabel(cache.alloc.free))
+    own = np.zeros(N, bool)
+    own[np.asarray(alloc.table)[np.asarray(owned(alloc))]] = True
+    inv = np.argsort(perm)
+
+    def move(a: jax.Array) -> jax.Array:
+        a = np.asarray(a)[inv]
+        if junk is None:
+            return jnp.asarray(a)
+        return jnp.asarray(np.where(~own.reshape(-1, *(1,) * (a.ndim - 1)), junk(a), a))
+
+    return cache.replace(pages=jax.tree.map(move, cache.pages), alloc=alloc)

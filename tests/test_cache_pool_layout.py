@@ -32,12 +32,14 @@ from sparsekv_jax.cache_pooled import (
     pool_from_stack,
     pool_page_mean,
     reserve_token,
+    shuffle_pages,
     stack_view,
     summarize_pool,
     with_stack,
 )
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.pallas.decode import decode_attention
+from sparsekv_jax.pallas.testing import junk_like
 
 L, B, H, D, ps = 2, 2, 2, 32, 16
 P, M = 2, 4  # the prompt's pages per head, the most a head may hold
@@ -74,28 +76,11 @@ def _prefill(rng, kv_dtype):
 
 
 def _permute(pool: PoolCache, rng: np.random.Generator) -> PoolCache:
-    """The same pool with its pages at random places (page ``i`` moved to ``perm[i]``, tables and free stack
-    relabelled) and junk in every page no (layer, row, head) owns."""
-    perm = rng.permutation(N)
-    relabel = lambda t: jnp.where(t < N, jnp.asarray(perm, jnp.int32)[jnp.minimum(t, N - 1)], N)  # noqa: E731
-    alloc = pool.alloc.replace(table=relabel(pool.alloc.table), free=relabel(pool.alloc.free))
-    own = np.zeros(N, bool)
-    own[np.asarray(alloc.table)[np.asarray(owned(alloc))]] = True
-    inv = np.argsort(perm)
-
-    def move(a: jax.Array) -> jax.Array:
-        a = np.asarray(a)[inv]
-        mask = ~own.reshape(-1, *(1,) * (a.ndim - 1))
-        if a.dtype == np.int8:
-            junk = rng.integers(-127, 128, a.shape).astype(np.int8)
-        elif a.dtype == np.int32:
-            junk = rng.integers(0, 1000, a.shape).astype(np.int32)
-        else:
-            junk = np.full(a.shape, np.nan, a.dtype)
-        return jnp.asarray(np.where(mask, junk, a))
-
-    assert own.sum() == L * B * H * P and (~own).any()
-    return pool.replace(pages=jax.tree.map(move, pool.pages), alloc=alloc)
+    """The same pool with its pages at random places and junk in every page no (layer, row, head) owns."""
+    shuffled = shuffle_pages(pool, rng.permutation(N), junk_like(rng))
+    held = np.asarray(owned(shuffled.alloc)).sum()
+    assert held == L * B * H * P and held < N
+    return shuffled
 
 
 def _assert_tree_equal(got, want, what):

@@ -30,10 +30,12 @@ from sparsekv_jax.cache_pooled import (
     pool_from_stack,
     pool_nbytes,
     put_pages,
+    shuffle_pages,
     stack_view,
 )
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.pallas.decode import decode_attention
+from sparsekv_jax.pallas.testing import junk_like
 from sparsekv_jax.policies import AdaKV, SnapKV
 from sparsekv_jax.policies.base import Prompt, Setup
 from sparsekv_jax.policies.common import write_entries, write_entries_pool, write_kept, write_kept_pool
@@ -82,22 +84,9 @@ def _shuffled(cache, rng: np.random.Generator) -> PoolCache:
     """The uniform prefill cache as a pool whose pages sit at random places, NaN / junk in the unowned ones."""
     pool = pool_from_stack(cache.layers, cache.length, cache.next_position, page_size=ps,
                            num_pages=L * B * H * (T // ps) + 3)
-    N = pool.num_pages
-    perm = rng.permutation(N)
-    relabel = lambda t: jnp.where(t < N, jnp.asarray(perm, jnp.int32)[jnp.minimum(t, N - 1)], N)  # noqa: E731
-    alloc = pool.alloc.replace(table=relabel(pool.alloc.table), free=relabel(pool.alloc.free))
-    own = np.zeros(N, bool)
-    own[np.asarray(alloc.table)[np.asarray(owned(alloc))]] = True
-    inv = np.argsort(perm)
-
-    def move(a):
-        a = np.asarray(a)[inv]
-        junk = (rng.integers(-127, 128, a.shape).astype(a.dtype) if a.dtype in (np.int8, np.int32)
-                else np.full(a.shape, np.nan, a.dtype))
-        return jnp.asarray(np.where(~own.reshape(-1, *(1,) * (a.ndim - 1)), junk, a))
-
-    assert (~own).sum() == 3
-    return pool.replace(pages=jax.tree.map(move, pool.pages), alloc=alloc)
+    shuffled = shuffle_pages(pool, rng.permutation(pool.num_pages), junk_like(rng))
+    assert pool.num_pages - np.asarray(owned(shuffled.alloc)).sum() == 3
+    return shuffled
 
 
 def _compactions(rng: np.random.Generator, kv_dtype: str | None, source: str, dtype=jnp.bfloat16):

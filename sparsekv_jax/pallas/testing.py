@@ -138,3 +138,13 @@ def poisoned_pool(x: np.ndarray, lengths: np.ndarray, table: np.ndarray, held: n
     inside = (np.arange(S) < lengths[..., None]).reshape(B, H, S, *(1,) * (x.ndim - 3))
     per_page = np.where(inside, x, np.nan).reshape(B, H, M, ps, *x.shape[3:])
     return place_pages(per_page, table, held, np.full((num_pages, ps, *x.shape[3:]), np.nan))
+
+
+def junk_like(rng: np.random.Generator):
+    """A function ``a -> junk`` shaped and typed as ``a``: random codes for integer arrays (int8 codes, int32
+    positions), NaN for float ones -- what a page nobody owns may hold, so a reader that uses it shows."""
+    def junk(a: np.ndarray) -> np.ndarray:
+        if np.issubdtype(a.dtype, np.integer):
+            return rng.integers(-127, 128, a.shape).astype(a.dtype)
+        return np.full(a.shape, np.nan, a.dtype)
+    return junk
