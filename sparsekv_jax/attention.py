@@ -13,9 +13,11 @@ import jax.numpy as jnp
 
 from sparsekv_jax.backend import Backend, resolved
 from sparsekv_jax.cache import dequantize_kv, layer_view
+from sparsekv_jax.cache_pooled import PoolCache, decode_kernel_args, layer_kv, layer_lengths
 from sparsekv_jax.pallas import dispatch
 
-__all__ = ["Backend", "blocked_causal_attention", "cached_attention", "decode", "dense_causal_attention", "prefill"]
+__all__ = ["Backend", "blocked_causal_attention", "cached_attention", "decode", "decode_pool", "dense_causal_attention",
+           "prefill"]
 
 NEG_INF = -1e30  # finite: a fully masked row gives zeros, never NaN
 
@@ -282,6 +284,36 @@ def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size
         out, probs = res
         return out[:, :, 0], read.astype(jnp.float32), probs[:, :, 0]
     return res[:, :, 0], read.astype(jnp.float32)
+
+
+def decode_pool(q: jax.Array, q_position: jax.Array, cache: PoolCache, layer: int | jax.Array, *,
+                sliding_window: int | jax.Array | None = None,
+                backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
+    """`decode` of every page in use of layer ``layer`` of a page pool (``Options(pool=True)``, experimental;
+    full attention only, no page selection, no probabilities): one query per row ``[B, Hq, D]`` at RoPE
+    ``q_position`` ``[B]`` against each (row, KV head)'s first ``length[layer, b, h]`` logical slots.
+
+    ``backend.decode_attention == "pallas"`` runs the decode kernel's pool mode (`pallas.decode.decode_attention`
+    with ``page_table=``, through `cache_pooled.decode_kernel_args`: the pool leaves as stored, read through the
+    layer's tables); else (and for a sliding window, which the kernel lacks) the jnp path: the layer gathered
+    through its tables (`cache_pooled.layer_kv`, ``[B, Hkv, M·ps, ...]`` at logical slots) and `cached_attention`
+    with the per-head lengths. Slots past a head's length are zeroed before the products (a pool page is not
+    cleared when it is freed or opened, so they may hold anything, NaN included), so an unread slot weighs
+    exactly 0, as in `decode`. Returns ``(out [B, Hq, D], read [B])``, ``read`` = 1 (every page in use)."""
+    backend = resolved(backend)
+    read = jnp.ones((q.shape[0],), jnp.float32)
+    if backend.decode_attention == "pallas" and sliding_window is None:
+        args = decode_kernel_args(cache, layer)
+        out = dispatch.decode_attention(backend, q, args.pop("k"), args.pop("v"), args.pop("lengths"),
+                                        page_size=cache.page_size, **args)
+        return out, read
+    kv, length = layer_kv(cache, layer), layer_lengths(cache, layer)
+    valid = jnp.arange(kv.k.shape[-2])[None, None, :] < length[..., None]  # [B, Hkv, M·ps]
+    k, v = dequantize_kv(kv, q.dtype)
+    k, v = (jnp.where(valid[..., None], x, jnp.zeros((), x.dtype)) for x in (k, v))
+    out = cached_attention(q[:, :, None], k, v, q_position[:, None], kv.positions, valid[:, :, None, :], bias=kv.bias,
+                           sliding_window=sliding_window)
+    return out[:, :, 0], read
 
 
 def block_fraction(pattern, T: int) -> jax.Array:

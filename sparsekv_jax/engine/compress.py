@@ -11,6 +11,7 @@ from flax import struct
 
 from sparsekv_jax import local_layers, sharding
 from sparsekv_jax.cache import KVCache
+from sparsekv_jax.cache_pooled import PoolCache
 from sparsekv_jax.engine.prefill import Prefilled, extend, prefill_run
 from sparsekv_jax.engine.run import Run
 from sparsekv_jax.models.params import Params
@@ -45,7 +46,10 @@ def stored_entries(cache: KVCache) -> tuple[jax.Array, int]:
     """``([B] live KV entries per row summed over layers and KV heads, the number of (layer, head)
     pairs summed)``: their ratio is the row's mean (holes not counted). A local layer's ring counts
     the entries inside the window of the next token (`local_layers`), once per layer. Integer sums,
-    so a full cache's fraction of the prompt is exactly 1 (a float mean came out 1.0000001)."""
+    so a full cache's fraction of the prompt is exactly 1 (a float mean came out 1.0000001). A `PoolCache`
+    (``Options(pool=True)``, experimental) holds no holes: its heads' lengths summed."""
+    if isinstance(cache, PoolCache):
+        return cache.lengths.sum((0, 2), dtype=jnp.int32), cache.num_layers * cache.heads
     live = (cache.layers.positions >= 0) & (jnp.arange(cache.capacity) < cache.length[None, :, None, None])
     L, _, H = live.shape[:3]
     total, pairs = live.sum((0, 2, 3), dtype=jnp.int32), L * H

@@ -12,6 +12,8 @@ from flax import struct
 from sparsekv_jax import attention, local_layers, sharding
 from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import KVCache, append_token, layer_view
+from sparsekv_jax.cache_pooled import PoolCache
+from sparsekv_jax.engine import pooled
 from sparsekv_jax.engine.compress import Ready
 from sparsekv_jax.engine.prefill import _resolved, window_of
 from sparsekv_jax.engine.run import Decoding, Sampling
@@ -130,12 +132,20 @@ def _layers(params: Params, cache: KVCache, token: jax.Array, layer_state: Any, 
     return hidden, layers, layer_state, local, pages[None], new_length, outs
 
 
-def decode_step(params: Params, policy: Policy, cache: KVCache, token: jax.Array, state: tuple[Any, Any],
-                *, backend: Backend | None = None, collect_attention: bool = False) -> StepOut:
+def decode_step(params: Params, policy: Policy, cache: KVCache | PoolCache, token: jax.Array, state: tuple[Any, Any],
+                *, backend: Backend | None = None, collect_attention: bool = False,
+                active: jax.Array | None = None) -> StepOut:
     """Feed one token per row ``[B]``; ``state`` is the decode stage's ``(layer_state, shared_state)``.
 
-    Returns a `StepOut` (its ``attention`` filled with ``collect_attention``)."""
+    Returns a `StepOut` (its ``attention`` filled with ``collect_attention``). A `PoolCache`
+    (``Options(pool=True)``, experimental, full attention only) decodes from the page pool
+    (`pooled.decode_step_pool`); there ``active`` ``[B]`` bool (``None``: all) marks the rows that write
+    their token (a stopped row writes nothing). The uniform cache ignores ``active``: every row writes."""
     backend = _resolved(backend, params)
+    if isinstance(cache, PoolCache):
+        logits, cache, state, pages, outs = pooled.decode_step_pool(params, policy, cache, token, state, backend,
+                                                                    active, collect_attention)
+        return StepOut(logits, cache, state, pages, outs if collect_attention else None)
     dec = policy.stage("decode")
     layer_state, shared_state = state
     attend = _attend(dec, cache, shared_state, window_of(params.config, cache), backend.decode_carry,
@@ -177,6 +187,9 @@ def decode_loop(params: Params, policy: Policy, ready: Ready, key: jax.Array, de
     Each row keeps its own output count, so a policy may take back a row's last tokens
     (the `Policy.decode_rewind` hook of any decode policy): they are dropped from the output and the cache
     and generated again; the loop then runs up to ``policy.max_rewind_tokens`` extra steps.
+
+    On a page pool (``Options(pool=True)``, experimental) a stopped row writes nothing, and a row whose
+    pool ran out stops without recording the token of the step that lacked a page (`pooled`).
     """
     dec, n_new, stops = policy.stage("decode"), decoding.max_new_tokens, decoding.stop_tokens
     B = ready.logits.shape[0]
@@ -193,10 +206,18 @@ def decode_loop(params: Params, policy: Policy, ready: Ready, key: jax.Array, de
         step, done = carry[0], carry[3]
         return (step < max_steps) & ~jnp.all(done)
 
+    pool = isinstance(ready.cache, PoolCache)
+
     def body(carry):
         step, cache, n, done, out, key, state, read, steps = carry
         active = ~done
-        logits, cache, after, pages = decode_step(params, policy, cache, out[rows, n - 1], state, backend=backend)
+        if pool:  # a stopped row writes nothing; a row whose pool ran out stops without this step's token
+            logits, cache, after, pages = decode_step(params, policy, cache, out[rows, n - 1], state,
+                                                      backend=backend, active=active)
+            done = done | (active & pooled.row_overflow(cache))
+            active = ~done
+        else:
+            logits, cache, after, pages = decode_step(params, policy, cache, out[rows, n - 1], state, backend=backend)
         state = (after[0], hold_stopped_rows(state[1], after[1], active))
         key, sub = jax.random.split(key)
         nxt = sample(logits, sub, decoding.sampling)

@@ -20,7 +20,8 @@ from sparsekv_jax.cache import (
     write_chunk,
     write_tokens,
 )
-from sparsekv_jax.engine.run import Run
+from sparsekv_jax.cache_pooled import PoolCache, init_pool, stack_view, with_stack
+from sparsekv_jax.engine.run import Run, prefill_width
 from sparsekv_jax.models.params import Params
 from sparsekv_jax.models.transformer import LayerStack, attention_window, last_token_logits
 from sparsekv_jax.policies.base import Dense, Policy, Prompt
@@ -30,10 +31,11 @@ from sparsekv_jax.policies.base import Dense, Policy, Prompt
 class Prefilled:
     """What the prefill leaves: ``logits`` ``[B, V]`` fp32 at each row's last prompt token, the
     filled ``cache``, ``observations`` (``{stage: what that stage's policy observed}``) and
-    ``block_fraction`` (attention blocks computed / causal blocks)."""
+    ``block_fraction`` (attention blocks computed / causal blocks). With ``Options(pool=True)``
+    (experimental) ``cache`` is a `PoolCache` (`prefill_run`)."""
 
     logits: jax.Array
-    cache: KVCache
+    cache: KVCache | PoolCache
     observations: dict[str, Any]
     block_fraction: jax.Array
 
@@ -83,11 +85,36 @@ def empty_cache(params: Params, run: Run, rewind: int | None = None,
 
 
 def prefill_run(params: Params, run: Run) -> Prefilled:
-    """The prefill of ``run`` into a fresh cache (traceable: call it under `jax.jit`)."""
+    """The prefill of ``run`` into a fresh cache (traceable: call it under `jax.jit`); with ``run.pool``
+    into a fresh page pool (`prefill_pool`)."""
+    if run.pool:
+        return prefill_pool(params, run)
     logits, cache, observations, fraction = prefill(params, run.policy, run.tokens, run.lengths,
                                                     empty_cache(params, run), chunk=run.prefill_chunk,
                                                     question_start=run.question_start, backend=run.backend)
     return Prefilled(logits, cache, observations, fraction)
+
+
+def prefill_pool(params: Params, run: Run) -> Prefilled:
+    """The prefill of ``run`` into a fresh page pool (``Options(pool=True)``, experimental; docs/PAGE_POOL.md,
+    Lifecycle → Prefill): `cache_pooled.init_pool` of ``run.pool_pages`` pages (default today's cache size)
+    whose (layer, row, head)s own the prompt's ``P = pages_for(prompt)`` pages in the identity layout; the
+    prefill writes its `stack_view` (``[L, B, Hkv, P·ps, ...]``, a `KVCache` of capacity ``P·ps``) exactly as
+    it writes today's cache, and `with_stack` puts it back, every head's length its row's. No copy when the
+    pool is exactly the prompt's pages (``pool_pages = L·B·Hkv·P``: the view and ``with_stack`` are reshapes);
+    otherwise the view is a slice of the pool and ``with_stack`` writes the prompt's pages back into it
+    once (a ``dynamic_update_slice`` of the first ``L·B·Hkv·P`` pages)."""
+    pool = init_pool(params.config, run.tokens.shape[0], run.capacity,
+                     prompt=prefill_width(run.tokens.shape[1], run.prefill_chunk), num_pages=run.pool_pages,
+                     page_size=run.page_size, dtype=params.dtype, summaries=run.policy.page_summaries,
+                     kv_dtype=run.backend.kv_dtype)
+    zero = jnp.zeros((run.tokens.shape[0],), jnp.int32)
+    view = KVCache(layers=stack_view(pool), length=zero, next_position=zero, local=None, page_size=run.page_size)
+    logits, cache, observations, fraction = prefill(params, run.policy, run.tokens, run.lengths, view,
+                                                    chunk=run.prefill_chunk, question_start=run.question_start,
+                                                    backend=run.backend)
+    pool = with_stack(pool, cache.layers, cache.length).replace(next_position=cache.next_position)
+    return Prefilled(logits, pool, observations, fraction)
 
 
 def share_prefill(params: Params, runs: list[Run]) -> list[Prefilled]:

@@ -14,8 +14,10 @@ from flax import struct
 from sparsekv_jax import attention
 from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import KVCache
+from sparsekv_jax.cache_pooled import PoolCache
 from sparsekv_jax.engine.compress import Ready, prepare
 from sparsekv_jax.engine.decode import Decoded, decode_loop, decode_step
+from sparsekv_jax.engine.pooled import check_overflow
 from sparsekv_jax.engine.run import Run, _open, options_of, validate_prompt
 from sparsekv_jax.models.params import Params
 from sparsekv_jax.models.transformer import attention_window, forward, logits_from_hidden
@@ -31,11 +33,13 @@ class GenerateOutput:
     ``kv_stored_fraction`` [B] (entries kept / prompt length), ``kv_read_fraction`` [B] (pages
     read / pages in use, mean over decode steps; NaN for a row that stopped at its first token),
     ``prefill_block_fraction`` (blocks computed / causal blocks), ``cache_bytes``,
-    ``cache_capacity``."""
+    ``cache_capacity``. With ``Options(pool=True)`` (experimental) ``cache`` is the `PoolCache`,
+    ``cache_capacity`` its tokens per head (``max_pages_per_head · page_size``) and ``cache_pages`` its
+    pages."""
 
     tokens: jax.Array
     num_generated: jax.Array
-    cache: KVCache
+    cache: KVCache | PoolCache
     stats: dict[str, Any]
 
     def sequences(self) -> list[list[int]]:
@@ -57,9 +61,14 @@ def output(stats: dict[str, Any], decoded: Decoded) -> GenerateOutput:
 
 def finish(run: Run, out: GenerateOutput) -> GenerateOutput:
     """The host-side stats: sizes as Python ints (inside jit they would overflow int32 past 2 GiB)
-    and the context stage's notes."""
+    and the context stage's notes. A pooled run whose pool ran out raises `ValueError` (`pooled.check_overflow`)."""
     out.stats["cache_bytes"] = out.cache.nbytes()
-    out.stats["cache_capacity"] = out.cache.capacity
+    if isinstance(out.cache, PoolCache):
+        check_overflow(run, out.cache)
+        out.stats["cache_capacity"] = out.cache.max_pages_per_head * out.cache.page_size
+        out.stats["cache_pages"] = out.cache.num_pages
+    else:
+        out.stats["cache_capacity"] = out.cache.capacity
     if run.context_info:
         out.stats["context"] = dict(run.context_info)
     return out
@@ -141,8 +150,11 @@ def _teacher_force(params: Params, run: Run, forced: jax.Array, collect_attentio
                           collect_attention=collect_attention)
         return (res.cache, res.state), (res.logits, res.attention)
 
-    _, (rest, outs) = jax.lax.scan(step, (ready.cache, ready.state), forced[:, :-1].T)
-    return jnp.concatenate([ready.logits[:, None], jnp.swapaxes(rest, 0, 1)], axis=1), outs
+    (cache, _), (rest, outs) = jax.lax.scan(step, (ready.cache, ready.state), forced[:, :-1].T)
+    logits = jnp.concatenate([ready.logits[:, None], jnp.swapaxes(rest, 0, 1)], axis=1)
+    if run.pool:  # the pool's final cache, for its overflow flags (`pooled.check_overflow`)
+        return logits, outs, cache
+    return logits, outs
 
 
 teacher_force_program = jax.jit(_teacher_force, static_argnames=("collect_attention",))
@@ -168,7 +180,11 @@ def teacher_force(params: Params, policy: Policy | None, tokens: Any, forced: An
                         prompt["suffix_lengths"], opts)
     if forced.shape[0] != run.tokens.shape[0]:
         raise ValueError(f"forced has batch {forced.shape[0]}, tokens has batch {run.tokens.shape[0]}")
-    return teacher_force_program(params, run, jnp.asarray(forced, jnp.int32), collect_attention=collect_attention)
+    res = teacher_force_program(params, run, jnp.asarray(forced, jnp.int32), collect_attention=collect_attention)
+    if run.pool:
+        check_overflow(run, res[2])
+        res = res[:2]
+    return res
 
 
 @functools.partial(jax.jit, static_argnames=("backend",))

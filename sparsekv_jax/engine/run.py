@@ -71,6 +71,17 @@ class Options:
         widest question, in tokens. A ``suffix`` given to `setup` takes its own width.
       backend: implementation choices (`sparsekv_jax.Backend`; default ``auto`` per platform).
       mesh: a ``data`` × ``model`` `jax.sharding.Mesh` (`sparsekv_jax.sharding.make_mesh`) to run on.
+      pool: **experimental** (issue 38, docs/PAGE_POOL.md, migration step 4's first slice): decode from a
+        page pool (`sparsekv_jax.cache_pooled.PoolCache`: head-free pages, a page table and a length per
+        layer, row and KV head) instead of the uniform cache, with the same tokens and logits. **Only full
+        attention (`FullKV`, i.e. `Dense`) supports it so far**: any other policy, a ``suffix``,
+        ``question_tokens``, a ``mesh``, or a model whose local layers keep rings (Gemma 3 with
+        ``Backend(local_cache="ring")``) is refused with a `ValueError` before jit. The prefill writes the
+        pool's identity layout (`cache_pooled.stack_view`), each decode step takes its pages from the pool's
+        free stack. ``GenerateOutput.cache`` is then the `PoolCache`.
+      pool_pages: with ``pool``: pages in the pool (``None``: ``L·B·Hkv·pages_for(capacity)``, today's cache
+        size). At least the prefill's ``L·B·Hkv·pages_for(prompt)``; a pool that runs out while decoding
+        raises a `ValueError` after the run, naming the pages the run needs (`engine.pooled`).
     """
 
     max_new_tokens: int = 64
@@ -83,6 +94,8 @@ class Options:
     question_tokens: int = 0
     backend: Backend | None = None
     mesh: Any = None
+    pool: bool = False
+    pool_pages: int | None = None
 
 
 class HostNotes(dict):
@@ -111,7 +124,8 @@ class Run:
     ``decoding`` (`Decoding`), ``backend`` (resolved), ``context_info`` (host notes) and
     ``policy_classes`` (`node_classes` of ``policy``: jax 0.10's tree structures of two
     ``register_dataclass`` nodes compare equal when their static fields do, whatever their classes,
-    so without it ``jax.jit`` may run a program traced for another policy class).
+    so without it ``jax.jit`` may run a program traced for another policy class). ``pool``, ``pool_pages``:
+    `Options`' (experimental; full attention only).
     """
 
     policy: Policy
@@ -129,6 +143,8 @@ class Run:
     backend: Backend = struct.field(pytree_node=False)
     context_info: HostNotes = struct.field(pytree_node=False)
     policy_classes: tuple[type, ...] = struct.field(pytree_node=False)
+    pool: bool = struct.field(pytree_node=False, default=False)  # experimental: decode from a page pool
+    pool_pages: int | None = struct.field(pytree_node=False, default=None)  # its pages (None: today's cache size)
 
     @property
     def extra_tokens(self) -> int:
@@ -325,10 +341,12 @@ def _open(params: Params, policy: Any, tokens: Any, lengths: Any, question_start
     # a model whose local layers keep rings is, to the policy, the model of its global layers
     bound = policy.bind(Setup(config=local_layers.policy_config(params.config, backend), prompt_len=tokens.shape[1],
                               max_new_tokens=opts.max_new_tokens + room, page_size=opts.page_size, backend=backend))
+    _check_pool(params, policy, tokens, capacity, suffix, room, opts, backend)
     run = Run(policy=bound, tokens=tokens, lengths=lengths, question_start=question_start,
               prompt_lengths=prompt_lengths, suffix=suffix, suffix_lengths=suffix_lengths, capacity=capacity,
               page_size=opts.page_size, prefill_chunk=opts.prefill_chunk, question_tokens=room, decoding=decoding,
-              backend=backend, context_info=HostNotes(info), policy_classes=node_classes(bound))
+              backend=backend, context_info=HostNotes(info), policy_classes=node_classes(bound),
+              pool=bool(opts.pool), pool_pages=opts.pool_pages)
     return params, sharding.place_rows(run)
 
 
@@ -374,3 +392,38 @@ def _sized(policy: Policy, T: int, capacity: int, opts: Options) -> int:
     if chunk is not None:
         capacity = max(capacity, pages_for(T, chunk) * chunk)
     return capacity
+
+
+def prefill_width(T: int, chunk: int | None) -> int:
+    """Slots the prefill writes: the prompt width ``T``, rounded up to whole chunks when chunked."""
+    return T if chunk is None or chunk >= T else pages_for(T, chunk) * chunk
+
+
+def _check_pool(params: Params, policy: Policy, tokens: jax.Array, capacity: int, suffix: Any, room: int,
+                opts: Options, backend: Backend) -> None:
+    """`Options.pool`/``pool_pages`` checked before jit (``ValueError`` naming what is not supported yet)."""
+    if not isinstance(opts.pool, bool):
+        raise ValueError(f"pool={opts.pool!r} must be True or False")
+    if not opts.pool:
+        if opts.pool_pages is not None:
+            raise ValueError(f"pool_pages={opts.pool_pages} without pool=True (the pages of a page pool)")
+        return
+    if type(policy) is not Dense:
+        raise ValueError(f"pool=True is experimental and only full attention (FullKV) decodes from a page pool so "
+                         f"far; policy {policy.name} does not (leave pool unset)")
+    if backend.mesh is not None:
+        raise ValueError("pool=True does not run on a mesh yet (the pool's group axes: docs/PAGE_POOL.md, Sharding)")
+    if suffix is not None or room:
+        raise ValueError("pool=True does not read a suffix or questions after the prompt yet (extend into a pool "
+                         "is migration step 4's next part); give the question inside tokens")
+    cfg = params.config
+    if local_layers.ring_slots(cfg, backend) is not None:
+        raise ValueError(f"pool=True does not page the rings of {cfg.family}'s local layers yet; use "
+                         "Backend(local_cache='full')")
+    if opts.pool_pages is not None:
+        B, T = tokens.shape
+        need = cfg.num_layers * B * cfg.num_kv_heads * pages_for(prefill_width(T, opts.prefill_chunk), opts.page_size)
+        if not isinstance(opts.pool_pages, int) or isinstance(opts.pool_pages, bool) or opts.pool_pages < need:
+            raise ValueError(f"pool_pages={opts.pool_pages!r} must be an int >= the prefill's pages L·B·Hkv·"
+                             f"pages_for(prompt) = {cfg.num_layers}·{B}·{cfg.num_kv_heads}·"
+                             f"{need // (cfg.num_layers * B * cfg.num_kv_heads)} = {need}")

@@ -81,15 +81,23 @@ def _interpret(backend: Backend | None) -> bool:
 def decode_attention(backend: Backend | None, q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array, *,
                      page_ids: jax.Array | None = None, page_counts: jax.Array | None = None,
                      bias: jax.Array | None = None, layer: Any = None, k_scale: jax.Array | None = None,
-                     v_scale: jax.Array | None = None, k_zero: jax.Array | None = None, **static: Any) -> Any:
+                     v_scale: jax.Array | None = None, k_zero: jax.Array | None = None,
+                     page_table: jax.Array | None = None, **static: Any) -> Any:
     """The Pallas decode kernel (`sparsekv_jax.pallas.decode.decode_attention`, same arguments; ``k``/
     ``v``/``bias`` stacked ``[L, ...]`` when ``layer`` is given), interpreted as ``backend`` says, per
     device on its mesh. A device's query heads are the groups of its KV heads (a group's heads are
     adjacent), so each device holds whole groups. Whether the kernel or `attention`'s jnp path runs
     is ``backend.decode_attention``. ``k_scale``/``v_scale``/``k_zero``: a quantised cache's scales and
-    key zero points (split as the cache)."""
+    key zero points (split as the cache). ``page_table``: the kernel's pool mode (``k``/``v`` a page pool,
+    `attention.decode_pool`; experimental), on one device only for now: ``ValueError`` with a mesh."""
     backend = resolved(backend)
     static = {"interpret": backend.interpret, **static}
+    if page_table is not None:
+        if backend.mesh is not None:
+            raise ValueError("decode_attention: the kernel's pool mode (page_table=) does not run on a mesh yet")
+        return _decode.decode_attention(q, k, v, lengths, page_ids=page_ids, page_counts=page_counts, bias=bias,
+                                        layer=layer, k_scale=k_scale, v_scale=v_scale, k_zero=k_zero,
+                                        page_table=page_table, **static)
     if backend.mesh is None:
         return _decode.decode_attention(q, k, v, lengths, page_ids=page_ids, page_counts=page_counts, bias=bias,
                                         layer=layer, k_scale=k_scale, v_scale=v_scale, k_zero=k_zero,

@@ -1,0 +1,97 @@
+"""Full attention decoding from a page pool: ``Options(pool=True)``, **experimental** (issue 38,
+docs/PAGE_POOL.md, migration step 4's first slice; only `FullKV`/`Dense` so far, `run._check_pool`).
+
+The prefill writes the pool's identity layout (`prefill.prefill_pool`); then each decode step
+(`decode_step_pool`) makes one allocator call for every layer before the layer scan
+(`cache_pooled.reserve_token`: a page from the free stack for each head whose last page is full),
+and each layer writes its token at its ``(page, offset)`` (`cache_pooled.append_token_pool`) and
+attends through its page tables (`attention.decode_pool`: the decode kernel's pool mode, or the jnp
+path through `cache_pooled.layer_kv`). The pool rides the layer scan's carry (whatever
+``Backend.decode_carry`` says); the step's pages and offsets are the scan's xs.
+
+A stopped row is inactive: it writes nothing more. A pool that runs out sets the allocator's sticky
+``overflow`` of the rows concerned (no host round trip in the loop): `decode_loop` stops such a row
+without recording the token of the step that lacked a page, and `check_overflow` (called by `generate`,
+`Session.decode` and `teacher_force` after their program) raises a `ValueError` naming the pages the run
+needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparsekv_jax import attention
+from sparsekv_jax.backend import Backend
+from sparsekv_jax.cache import pages_for
+from sparsekv_jax.cache_pooled import PoolCache, append_token_pool, reserve_token
+from sparsekv_jax.engine.prefill import window_of
+from sparsekv_jax.engine.run import Run, prefill_width
+from sparsekv_jax.models.params import Params
+from sparsekv_jax.models.transformer import forward, logits_from_hidden
+from sparsekv_jax.policies.base import Policy
+
+__all__ = ["check_overflow", "decode_step_pool", "pages_needed", "row_overflow"]
+
+
+def decode_step_pool(params: Params, policy: Policy, cache: PoolCache, token: jax.Array, state: tuple[Any, Any],
+                     backend: Backend, active: jax.Array | None, collect: bool):
+    """One decode step on a pool: ``(logits [B, V], cache, state, pages_read [B], outs or None)``, the
+    parts of `decode.StepOut`. ``active`` ``[B]`` bool (``None``: every row) marks the rows that write
+    their token. Only full attention (the decode stage's ``decode_write``/``decode_select`` are `Dense`'s:
+    append, read every page in use; refused for any other policy by `run._check_pool`)."""
+    B = token.shape[0]
+    pos = cache.next_position
+    act = jnp.ones((B,), jnp.bool_) if active is None else active
+    cache, page, offset = reserve_token(cache, act)  # [L, B, Hkv] each: the one allocator call of the step
+    window = window_of(params.config, cache)
+
+    def attend(q, k, v, layer, idx, hidden):
+        (pg, off), pages = layer
+        c = append_token_pool(cache.replace(pages=pages), idx, k[:, 0], v[:, 0], pos, pg, off)
+        out, _ = attention.decode_pool(q[:, 0], pos, c, idx, sliding_window=window(idx), backend=backend)
+        return out[:, None], ((pg, off), c.pages), out if collect else None
+
+    hidden, (_, pages), outs = forward(params, token[:, None], pos[:, None], (page, offset), attend,
+                                       carried=cache.pages, unroll=backend.decode_unroll,
+                                       weights_by_index=backend.decode_matmul == "pallas", interpret=backend.interpret,
+                                       mesh=backend.mesh)
+    logits = logits_from_hidden(params, hidden[:, 0])
+    cache = cache.replace(pages=pages, next_position=pos + 1)
+    layer_state, shared_state = state
+    shared_state = policy.stage("decode").decode_update(shared_state, cache, logits)
+    return logits, cache, (layer_state, shared_state), jnp.ones((B,), jnp.float32), outs
+
+
+def row_overflow(cache: PoolCache) -> jax.Array:
+    """``[B]`` bool: a row whose (layer, row) allocator rows ran out of pages (sticky)."""
+    return cache.alloc.overflow.reshape(cache.num_layers, cache.batch).any(0)
+
+
+def pages_needed(run: Run, heads: int, num_layers: int) -> int:
+    """Pages a pool needs for ``run`` to decode every row to ``max_new_tokens`` without a stop (host
+    arithmetic): ``L·Hkv·Σ_b max(P, pages_for(length_b + max_new_tokens - 1))``, ``P`` the prompt's pages
+    every head holds after the prefill (the decode writes ``max_new_tokens - 1`` tokens: the last one
+    sampled is never fed back)."""
+    ps = run.page_size
+    P = pages_for(prefill_width(run.tokens.shape[1], run.prefill_chunk), ps)
+    grown = [max(P, pages_for(int(n) + run.decoding.max_new_tokens - 1, ps)) for n in np.asarray(run.lengths)]
+    return num_layers * heads * sum(grown)
+
+
+def check_overflow(run: Run, cache: PoolCache) -> None:
+    """After a pooled run (on the host): ``ValueError`` if the pool ran out of pages, naming the rows, the
+    pool's size and the pages the run needs (`pages_needed`)."""
+    over = np.asarray(row_overflow(cache))
+    if not over.any():
+        return
+    need = pages_needed(run, cache.heads, cache.num_layers)
+    raise ValueError(f"the page pool ran out: rows {np.nonzero(over)[0].tolist()} needed a page that the pool of "
+                     f"pool_pages={cache.num_pages} pages ({cache.page_size} tokens of one layer, row and KV head "
+                     f"each) did not have, and stopped early. This run needs up to {need} pages "
+                     f"(L·Hkv·Σ_rows max(prompt pages, pages_for(length + max_new_tokens - 1)) = "
+                     f"{cache.num_layers}·{cache.heads}·{need // (cache.num_layers * cache.heads)}): pass "
+                     f"pool_pages >= {need}, or leave it unset (today's cache size)")
