@@ -129,7 +129,8 @@ def generate(params: Params, policy: Policy | None = None, tokens: Any = None, l
         ``sampling`` (greedy), ``seed`` (int or key), ``stop_tokens`` (the model's EOS ids),
         ``page_size`` (16), ``prefill_chunk``, ``capacity``, ``backend``, ``mesh`` (a ``data`` ×
         ``model`` mesh: rows over ``data``, heads / MLP / vocabulary over ``model``, the same
-        tokens as unsharded).
+        tokens as unsharded), ``pool``/``pool_pages`` (experimental, full attention only: decode
+        from a page pool, `sparsekv_jax.engine.pooled`).
 
     The context stage (if the policy has one) runs first, on the host; everything after it is one
     `jax.jit`. All checks on the inputs happen before tracing, with errors naming the bad value.
