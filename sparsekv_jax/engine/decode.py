@@ -178,6 +178,17 @@ def hold_stopped_rows(before: Any, after: Any, active: jax.Array) -> Any:
     return jax.tree.map(hold, before, after)
 
 
+def _loop_step(params: Params, policy: Policy, cache: KVCache | PoolCache, token: jax.Array, state: Any,
+               backend: Backend | None, active: jax.Array):
+    """`decode_step` as `decode_loop` runs it: ``(logits, cache, state, pages_read, lost)``. On a page pool
+    (experimental) a stopped row (``~active``) writes nothing and ``lost`` ``[B]`` marks the active rows whose
+    pool ran out (`pooled.row_overflow`); on the uniform cache ``lost`` is ``None``."""
+    if not isinstance(cache, PoolCache):
+        return (*decode_step(params, policy, cache, token, state, backend=backend), None)
+    out = decode_step(params, policy, cache, token, state, backend=backend, active=active)
+    return (*out, active & pooled.row_overflow(out.cache))
+
+
 def decode_loop(params: Params, policy: Policy, ready: Ready, key: jax.Array, decoding: Decoding,
                 backend: Backend | None = None) -> Decoded:
     """Sample the first token from ``ready.logits`` then decode until every row stopped.
@@ -206,18 +217,12 @@ def decode_loop(params: Params, policy: Policy, ready: Ready, key: jax.Array, de
         step, done = carry[0], carry[3]
         return (step < max_steps) & ~jnp.all(done)
 
-    pool = isinstance(ready.cache, PoolCache)
-
     def body(carry):
         step, cache, n, done, out, key, state, read, steps = carry
         active = ~done
-        if pool:  # a stopped row writes nothing; a row whose pool ran out stops without this step's token
-            logits, cache, after, pages = decode_step(params, policy, cache, out[rows, n - 1], state,
-                                                      backend=backend, active=active)
-            done = done | (active & pooled.row_overflow(cache))
-            active = ~done
-        else:
-            logits, cache, after, pages = decode_step(params, policy, cache, out[rows, n - 1], state, backend=backend)
+        logits, cache, after, pages, lost = _loop_step(params, policy, cache, out[rows, n - 1], state, backend, active)
+        if lost is not None:  # a row whose pool ran out stops without this step's token
+            done, active = done | lost, active & ~lost
         state = (after[0], hold_stopped_rows(state[1], after[1], active))
         key, sub = jax.random.split(key)
         nxt = sample(logits, sub, decoding.sampling)
