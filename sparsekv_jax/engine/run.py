@@ -346,10 +346,11 @@ def _open(params: Params, policy: Any, tokens: Any, lengths: Any, question_start
     capacity = _sized(policy, tokens.shape[1], capacity, opts)
     stops = params.config.eos_token_ids if opts.stop_tokens is None else opts.stop_tokens
     decoding = Decoding(opts.max_new_tokens, opts.sampling, tuple(int(t) for t in stops))
+    _check_pool(params, policy, suffix, room, opts, backend)  # before bind: a refused policy is named first
     # a model whose local layers keep rings is, to the policy, the model of its global layers
     bound = policy.bind(Setup(config=local_layers.policy_config(params.config, backend), prompt_len=tokens.shape[1],
                               max_new_tokens=opts.max_new_tokens + room, page_size=opts.page_size, backend=backend))
-    pool_pages = _check_pool(params, policy, bound, tokens, lengths, suffix, room, opts, backend)
+    pool_pages = _pool_pages(params, bound, tokens, lengths, opts) if opts.pool else None
     run = Run(policy=bound, tokens=tokens, lengths=lengths, question_start=question_start,
               prompt_lengths=prompt_lengths, suffix=suffix, suffix_lengths=suffix_lengths, capacity=capacity,
               page_size=opts.page_size, prefill_chunk=opts.prefill_chunk, question_tokens=room, decoding=decoding,
@@ -431,17 +432,15 @@ def pool_refusal(policy: Policy) -> str | None:
     return None
 
 
-def _check_pool(params: Params, policy: Policy, bound: Policy, tokens: jax.Array, lengths: jax.Array, suffix: Any,
-                room: int, opts: Options, backend: Backend) -> int | None:
-    """`Options.pool`/``pool_pages`` checked before jit (``ValueError`` naming what is not supported yet).
-    Returns `Run.pool_pages`: ``opts.pool_pages``, or for a compressor its decode pool's pages from the
-    policy (``bound``'s `Policy.compressed_pages`) when unset."""
+def _check_pool(params: Params, policy: Policy, suffix: Any, room: int, opts: Options, backend: Backend) -> None:
+    """`Options.pool` checked before jit (``ValueError`` naming what is not supported yet); ``pool_pages`` is
+    checked and resolved by `_pool_pages`."""
     if not isinstance(opts.pool, bool):
         raise ValueError(f"pool={opts.pool!r} must be True or False")
     if not opts.pool:
         if opts.pool_pages is not None:
             raise ValueError(f"pool_pages={opts.pool_pages} without pool=True (the pages of a page pool)")
-        return None
+        return
     why = pool_refusal(policy)
     if why is not None:
         raise ValueError(f"pool=True is experimental and policy {policy.name} does not decode from a page pool "
@@ -456,11 +455,12 @@ def _check_pool(params: Params, policy: Policy, bound: Policy, tokens: jax.Array
     if local_layers.ring_slots(cfg, backend) is not None:
         raise ValueError(f"pool=True does not page the rings of {cfg.family}'s local layers yet; use "
                          "Backend(local_cache='full')")
-    return _pool_pages(params, bound, tokens, lengths, opts)
 
 
 def _pool_pages(params: Params, bound: Policy, tokens: jax.Array, lengths: jax.Array, opts: Options) -> int | None:
-    """`Run.pool_pages` of a pooled run (docs/PAGE_POOL.md, Sizing), ``opts.pool_pages`` checked."""
+    """`Run.pool_pages` of a pooled run (docs/PAGE_POOL.md, Sizing), ``opts.pool_pages`` checked: as given, or
+    for a compressor its decode pool's pages from the policy (``bound``'s `Policy.compressed_pages`) when
+    unset; ``None`` (unset) for full attention, whose prefill pool then takes today's cache size."""
     cfg, given = params.config, opts.pool_pages
     B, T = tokens.shape
     # rows of unknown lengths (setup under a trace) are sized as full rows
