@@ -1,7 +1,11 @@
-"""Full attention decoding from a page pool: ``Options(pool=True)``, **experimental** (issue 38,
-docs/PAGE_POOL.md, migration step 4's first slice; only `FullKV`/`Dense` so far, `run._check_pool`).
+"""Decoding from a page pool: ``Options(pool=True)``, **experimental** (issue 38, docs/PAGE_POOL.md,
+migration step 4's first two slices: full attention, and the compressors whose compress stage writes
+through `policies.common.write_kept` with full attention's decode stage, `run.pool_refusal`).
 
-The prefill writes the pool's identity layout (`prefill.prefill_pool`); then each decode step
+The prefill writes the pool's identity layout (`prefill.prefill_pool`). A compressor then compresses the
+prefill pool's uniform view (`compress_target`: a `policies.common.PoolTarget`, whose `write_kept` writes a
+fresh decode pool, each head in pages of its own, sized by the policy: `policy_pages`), and the prefill pool
+is dropped; full attention decodes from the prefill pool itself. Then each decode step
 (`decode_step_pool`) makes one allocator call for every layer before the layer scan
 (`cache_pooled.reserve_token`: a page from the free stack for each head whose last page is full),
 and each layer writes its token at its ``(page, offset)`` (`cache_pooled.append_token_pool`) and
@@ -44,8 +48,8 @@ def decode_step_pool(params: Params, policy: Policy, cache: PoolCache, token: ja
                      backend: Backend, active: jax.Array | None, collect: bool):
     """One decode step on a pool: ``(logits [B, V], cache, state, pages_read [B], outs or None)``, the
     parts of `decode.StepOut`. ``active`` ``[B]`` bool (``None``: every row) marks the rows that write
-    their token. Only full attention (the decode stage's ``decode_write``/``decode_select`` are `Dense`'s:
-    append, read every page in use; refused for any other policy by `run._check_pool`)."""
+    their token. The decode stage must be full attention's (``decode_write``/``decode_select`` are `Dense`'s:
+    append, read every page in use; any other decode stage is refused by `run.pool_refusal`)."""
     B = token.shape[0]
     pos = cache.next_position
     act = jnp.ones((B,), jnp.bool_) if active is None else active
