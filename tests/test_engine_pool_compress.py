@@ -5,7 +5,8 @@ the default uniform path: the same tokens (`generate`) and `teacher_force` logit
 path and the interpreted kernel, fp32 and int8 (where the layouts quantise the same pages: below); the
 decode pool owns exactly ``Σ ceil(count / ps)`` pages after compression; AdaKV's pool is SnapKV's memory
 within a page per head while its uniform cache is several times larger; a pool one page short raises after
-the run; policies that cannot run on a pool are refused by name before jit.
+the run; HeadSplit and BSER, the other compressors admitted, run too; policies that cannot run on a pool are
+refused by name before jit.
 
 int8 with per-head counts (AdaKV, PyramidKV): the uniform cache appends every head's token at its row's
 length (after the holes), the pool at the head's own count, in the page of its last kept entries, so the
@@ -34,10 +35,12 @@ from sparsekv_jax.cache_pooled import PoolCache
 from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
-from sparsekv_jax.policies import FullKV, parse_policy
+from sparsekv_jax.policies import FullKV, SnapKV, parse_policy
+from sparsekv_jax.policies.bser import BSER
+from sparsekv_jax.policies.headsplit import HeadSplit
 
 CFG = ModelConfig(family="llama", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                  head_dim=16, intermediate_size=48, max_position_embeddings=128, eos_token_ids=(0,))
+                  head_dim=16, intermediate_size=48, max_position_embeddings=512, eos_token_ids=(0,))
 T, LENGTHS, NEW, PS = 40, np.array([40, 29]), 6, 8
 POLICIES = {"snapkv": "snapkv(0.25, window=4)", "streaming_llm": "streaming_llm(0.25, sinks=2)",
             "adakv": "adakv(snapkv(0.25, window=4))", "pyramidkv": "pyramidkv(snapkv(0.25, window=4))"}
@@ -106,7 +109,26 @@ def test_compressor_on_the_pool_gives_the_uniform_tokens_and_logits(params, rng,
 
 
 # 8 KV heads: AdaKV's uniform cache gives every head its largest head's bound, 8n - 7·floor(n/5) entries
-MEM_CFG = dataclasses.replace(CFG, num_heads=8, num_kv_heads=8, max_position_embeddings=256)
+def test_headsplit_and_bser_on_the_pool(params, rng):
+    """The other two compressors `run.pool_refusal` admits (their write is `write_kept`, their decode full
+    attention's): HeadSplit (random head scores: per-head counts) and BSER (one index set per row, from its
+    blocks) on a longer prompt, jnp fp32: `generate`'s tokens equal and `teacher_force`'s logits within 1e-5."""
+    tokens = rng.integers(1, CFG.vocab_size, (2, 256))
+    forced = rng.integers(1, CFG.vocab_size, (2, NEW))
+    kw = dict(lengths=np.array([256, 200]), page_size=PS, stop_tokens=())
+    for pol in (HeadSplit(SnapKV(0.25, window=4), sinks=2, window=4,
+                          head_scores=jnp.asarray(rng.normal(size=(CFG.num_layers, CFG.num_kv_heads)), jnp.float32)),
+                BSER(budget=0.25, block_size=16, window=4, tail=4, sinks=2, min_question=8, max_question=32)):
+        want = generate(params, pol, tokens, max_new_tokens=NEW, **kw)
+        got = generate(params, pol, tokens, max_new_tokens=NEW, pool=True, **kw)
+        assert isinstance(got.cache, PoolCache)
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+        want_logits, _ = teacher_force(params, pol, tokens, forced, **kw)
+        got_logits, _ = teacher_force(params, pol, tokens, forced, pool=True, **kw)
+        np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-5, rtol=1e-5)
+
+
+MEM_CFG = dataclasses.replace(CFG, num_heads=8, num_kv_heads=8)
 
 
 def test_adakv_pool_is_snapkv_memory(rng):
