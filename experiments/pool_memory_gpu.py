@@ -33,7 +33,8 @@ weights, two prefills of 8 × 32k tokens (~10 s each) and their compiles (~20 s 
 (~15 s each) and 2 × 512 decode steps (FullKV ~10 ms a step at 32k × 8, the compressors ~3 ms): ~1.5-2 min a
 policy, ~5 min in all (``--policies`` splits it over two calls if a command's limit is near). Memory: FullKV
 holds both layouts' caches at once while timing (~35 GB each at 32k × 8) beside the 16 GB of weights and the
-prefill's activations: H200 (141 GB); on an H100 pass ``--batch 4``.
+prefill's activations: H200 (141 GB); on an H100 pass ``--batch 4``. Each child runs with
+``XLA_PYTHON_CLIENT_MEM_FRACTION=0.95`` unless the environment sets it.
 """
 
 from __future__ import annotations
@@ -172,7 +173,9 @@ def run_isolated(a) -> list[dict]:
                    *(f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
                      if k in ("context", "batch", "decode_tokens", "steps", "page_size")),
                    *(["--tiny"] if a.tiny else []), *(["--interpret"] if a.interpret else [])]
-            done = subprocess.run(cmd, check=False)
+            env = dict(os.environ)  # FullKV holds two 32k x 8 caches at once: more than JAX's default 75%
+            env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+            done = subprocess.run(cmd, check=False, env=env)
             if os.path.exists(part):
                 with open(part) as fh:
                     rows += json.load(fh)
