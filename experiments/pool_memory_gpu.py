@@ -126,8 +126,7 @@ def run_policy(spec: str, a) -> list[dict]:
     import jax.numpy as jnp
 
     from sparsekv_jax.backend import Backend
-    from sparsekv_jax.bench.e2e import decode_fn, memory_bytes, random_weights
-    from sparsekv_jax.bench.timing import timed_call
+    from sparsekv_jax.bench.e2e import decode_fn, memory_bytes, random_weights, why
     from sparsekv_jax.models.config import llama31_8b_config
 
     cfg = tiny_config() if a.tiny else llama31_8b_config()
@@ -138,29 +137,45 @@ def run_policy(spec: str, a) -> list[dict]:
             "model": "tiny" if a.tiny else "llama3.1-8b (random bf16)", "page_size": a.page_size}
     rows, carries, fns = {}, {}, {}
     for layout in LAYOUTS:
-        run, cache, token, row = compress_layout(params, spec, layout, tokens, a, backend)
-        state = run.policy.stage("decode").decode_init(cache, None)
-        fns[layout] = decode_fn(params, run.policy, a.steps, backend=run.backend).lower(
-            params, cache, state, token).compile()
-        row["decode_program_bytes"] = memory_bytes(fns[layout])
-        rows[layout], carries[layout] = {**base, **row}, (cache, state, token)
-    times = {layout: [] for layout in LAYOUTS}
+        try:
+            run, cache, token, row = compress_layout(params, spec, layout, tokens, a, backend)
+            state = run.policy.stage("decode").decode_init(cache, None)
+            fns[layout] = decode_fn(params, run.policy, a.steps, backend=run.backend).lower(
+                params, cache, state, token).compile()
+            row["decode_program_bytes"] = memory_bytes(fns[layout])
+            rows[layout], carries[layout] = {**base, **row}, (cache, state, token)
+        except Exception as e:  # noqa: BLE001 - report the layout and time the other one alone
+            rows[layout] = {**base, "layout": layout, "error": why(e)}
+    try:
+        decode_both(params, fns, carries, rows, a)
+    except Exception as e:  # noqa: BLE001
+        for layout in carries:
+            rows[layout]["error"] = f"decode: {why(e)}"
+    return [rows["uniform"], rows["pool"]]
+
+
+def decode_both(params, fns: dict, carries: dict, rows: dict, a) -> None:
+    """``--decode-tokens`` tokens for each layout that compressed: two warm-up calls each, then calls
+    interleaved uniform, pool, pool, uniform; ms/token and memory after into ``rows``."""
+    from sparsekv_jax.bench.timing import timed_call
+
+    times = {layout: [] for layout in carries}
     calls = a.decode_tokens // a.steps
-    for layout in LAYOUTS:  # warm-up: two calls each
+    for layout in carries:  # warm-up: two calls each
         for _ in range(2):
             carries[layout], _ = timed_call(fns[layout], params, *carries[layout])
     for _ in range(calls // 2 - 1):
         for layout in ("uniform", "pool", "pool", "uniform"):
-            carries[layout], sec = timed_call(fns[layout], params, *carries[layout])
-            times[layout].append(sec)
+            if layout in carries:
+                carries[layout], sec = timed_call(fns[layout], params, *carries[layout])
+                times[layout].append(sec)
     in_use, peak = memory()
-    for layout in LAYOUTS:
-        cache = carries[layout][0]
+    for layout, carry in carries.items():
+        cache = carry[0]
         rows[layout].update(decode_tokens=calls * a.steps, decode_ms_per_token=1e3 * statistics.median(times[layout])
                             / a.steps, decode_call_s=times[layout], cache_bytes_after_decode=cache.nbytes(),
                             held_bytes_after_decode=held_bytes(cache), in_use_after_decode=in_use,
                             peak_bytes_in_use_after_decode=peak)
-    return [rows["uniform"], rows["pool"]]
 
 
 def run_isolated(a) -> list[dict]:
@@ -195,10 +210,10 @@ def table(rows: list[dict]) -> str:
     by = {(r.get("policy"), r.get("layout")): r for r in rows}
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['policy']} | error: {r['error']} |")
+            lines.append(f"| {r['policy']} | {r.get('layout', '-')} | error: {r['error']} |")
             continue
         uni = by.get((r["policy"], "uniform"), {})
-        ratio = r["decode_ms_per_token"] / uni["decode_ms_per_token"] if uni.get("decode_ms_per_token") else None
+        ratio = r["decode_ms_per_token"] / uni["decode_ms_per_token"] if "error" not in uni and uni else None
         lines.append(f"| {r['policy']} | {r['layout']} | {gib(r['prefill_cache_bytes'])} | {gib(r['cache_bytes'])} | "
                      f"{gib(r['held_bytes'])} | "
                      f"{gib(r['in_use_after_compress'])} | {gib(r['cache_bytes_after_decode'])} | "
