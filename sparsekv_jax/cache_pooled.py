@@ -43,8 +43,9 @@ pool). The per-page math (quantisation, summaries) is the policies' (`policies.c
 `cache_pool.pool_pages_needed` counts the pages a compression occupies.
 
 Not here yet (docs/PAGE_POOL.md, step 2's entry): in-place overwrites (H2O), `write_tokens` (extend),
-the group axes of a mesh. The engine decodes from a pool only for full attention with
-``Options(pool=True)`` (experimental, `sparsekv_jax.engine.pooled`); the policies still use the uniform cache.
+the group axes of a mesh. The engine decodes from a pool with ``Options(pool=True)`` (experimental,
+`sparsekv_jax.engine.pooled`): full attention from its prefill pool, the compressors whose write is
+`policies.common.write_kept` from a decode pool that write makes; by default the policies use the uniform cache.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ RECORD = ROOT / "docs" / "results" / "ruler4k"  # a committed `sparsekv eval` re
 GPU_ONLY = ("gemma3_speed", "gsc_gpu", "page_rope_gpu", "pool_decode_gpu", "sae_decode_gpu", "stem_routing_gpu",
             "topk_gpu", "kvq_kernel_sweep_gpu", "kvq_ptx_check")
 REAL_MODEL = ("bser_qwen_diagnosis", "kv_quant_fp8_diagnosis")  # a real model's numerics: arguments parsed only
-RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "kv_quant_fp8_gpu_check", "kvq_quality_table", "readme_plot",
-              "semanticache_audit")
+RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "kv_quant_fp8_gpu_check", "kvq_quality_table", "pool_memory_gpu",
+              "readme_plot", "semanticache_audit")
 TESTED_ELSEWHERE = {"stem_ablation": "tests/test_stem.py::test_ablation_script_core (toy model, CPU)"}
 
 
@@ -188,3 +188,22 @@ def test_kvq_quality_table_pairs_each_quantised_row_with_its_bf16_row(tmp_path):
     assert (sym["tasks"], sym["samples"], sym["quantised"], sym["bf16"]) == (1, 4, 100.0, 75.0)
     assert mod.main([str(tmp_path), "--out", str(tmp_path / "t.md")]) == 0
     assert "| snapkv(0.25) | int8 | 8k | 2 | 6 | 62.50 | 50.00 | 80.0 [" in (tmp_path / "t.md").read_text()
+
+
+def test_pool_memory_gpu_tiny(tmp_path, capsys):
+    """The GPU script's CPU smoke mode (a toy model, 256 tokens, batch 2) for AdaKV, in its child process: both
+    layouts recorded; the same entries kept; the pool, every head in its own pages, smaller than the uniform
+    cache (every head at the largest head's capacity) after the compress step and after the decode; the
+    decode timed over the tokens asked for; the table printed."""
+    mod = _module("pool_memory_gpu")
+    out = tmp_path / "rows.json"
+    assert mod.main(["--tiny", "--policies", "adakv(snapkv(0.25))", "--out", str(out)]) == 0
+    rows = {r["layout"]: r for r in json.loads(out.read_text())}
+    uni, pool = rows["uniform"], rows["pool"]
+    assert uni["kv_stored_fraction"] == pool["kv_stored_fraction"] == 0.25
+    assert pool["held_bytes"] <= pool["cache_bytes"] < uni["cache_bytes"]
+    assert pool["cache_bytes_after_decode"] == pool["cache_bytes"] < uni["cache_bytes_after_decode"]
+    assert pool["held_bytes"] < pool["held_bytes_after_decode"] <= pool["cache_bytes"]
+    for r in (uni, pool):
+        assert r["decode_tokens"] == 16 and len(r["decode_call_s"]) == 2 and r["decode_ms_per_token"] > 0
+    assert "| adakv(snapkv(0.25)) | pool |" in capsys.readouterr().out

@@ -12,8 +12,9 @@ from flax import struct
 from sparsekv_jax import local_layers, sharding
 from sparsekv_jax.cache import KVCache
 from sparsekv_jax.cache_pooled import PoolCache
+from sparsekv_jax.engine import pooled
 from sparsekv_jax.engine.prefill import Prefilled, extend, prefill_run
-from sparsekv_jax.engine.run import Run
+from sparsekv_jax.engine.run import Run, compressed_size
 from sparsekv_jax.models.params import Params
 from sparsekv_jax.policies.base import Prompt
 
@@ -63,14 +64,20 @@ def stored_entries(cache: KVCache) -> tuple[jax.Array, int]:
 def compress(params: Params, run: Run, prefilled: Prefilled) -> Compressed:
     """The compress stage of ``run`` on ``prefilled`` (from `prefill_run` or `share_prefill`): a new
     cache sized for the prompt's kept entries plus ``run.extra_tokens`` (the prefill cache is left as
-    it is). ``kv_stored_fraction`` is against the user's prompt lengths."""
+    it is). ``kv_stored_fraction`` is against the user's prompt lengths. On a page pool (``Options(pool=True)``,
+    experimental) the policy compresses the prefill pool's uniform view and its write makes a fresh decode
+    pool of ``run.pool_pages`` pages, each head in its own pages (`pooled.compress_target`)."""
     del params  # the compress stages read the cache and their observations only
     squeezer = run.policy.stage("compress")
     cache = prefilled.cache
-    compressed = squeezer.compressed_capacity(run.tokens.shape[1], run.extra_tokens, suffix_tokens=run.question_tokens)
+    compressed = compressed_size(run)
     if compressed is not None:
         prompt = Prompt(tokens=run.tokens, lengths=run.lengths, question_start=run.question_start, offset=0)
+        if isinstance(cache, PoolCache):  # into a fresh decode pool (`pooled.compress_target`)
+            cache = pooled.compress_target(cache, run.pool_pages)
         cache = squeezer.compress(cache, prefilled.observations.get("compress"), compressed, prompt)
+        if run.pool:
+            pooled.check_compressed(cache, squeezer)
         cache = sharding.constrain_cache(cache, run.backend.mesh)
     total, pairs = stored_entries(cache)
     stored = total.astype(jnp.float32) / (pairs * run.prompt_lengths).astype(jnp.float32)

@@ -138,7 +138,7 @@ def decode_step(params: Params, policy: Policy, cache: KVCache | PoolCache, toke
     """Feed one token per row ``[B]``; ``state`` is the decode stage's ``(layer_state, shared_state)``.
 
     Returns a `StepOut` (its ``attention`` filled with ``collect_attention``). A `PoolCache`
-    (``Options(pool=True)``, experimental, full attention only) decodes from the page pool
+    (``Options(pool=True)``, experimental; full attention's decode stage only) decodes from the page pool
     (`pooled.decode_step_pool`); there ``active`` ``[B]`` bool (``None``: all) marks the rows that write
     their token (a stopped row writes nothing). The uniform cache ignores ``active``: every row writes."""
     backend = _resolved(backend, params)

@@ -1,7 +1,11 @@
-"""Full attention decoding from a page pool: ``Options(pool=True)``, **experimental** (issue 38,
-docs/PAGE_POOL.md, migration step 4's first slice; only `FullKV`/`Dense` so far, `run._check_pool`).
+"""Decoding from a page pool: ``Options(pool=True)``, **experimental** (issue 38, docs/PAGE_POOL.md,
+migration step 4's first two slices: full attention, and the compressors whose compress stage writes
+through `policies.common.write_kept` with full attention's decode stage, `run.pool_refusal`).
 
-The prefill writes the pool's identity layout (`prefill.prefill_pool`); then each decode step
+The prefill writes the pool's identity layout (`prefill.prefill_pool`). A compressor then compresses the
+prefill pool's uniform view (`compress_target`: a `policies.common.PoolTarget`, whose `write_kept` writes a
+fresh decode pool, each head in pages of its own, sized by the policy: `policy_pages`), and the prefill pool
+is dropped; full attention decodes from the prefill pool itself. Then each decode step
 (`decode_step_pool`) makes one allocator call for every layer before the layer scan
 (`cache_pooled.reserve_token`: a page from the free stack for each head whose last page is full),
 and each layer writes its token at its ``(page, offset)`` (`cache_pooled.append_token_pool`) and
@@ -27,22 +31,25 @@ import numpy as np
 from sparsekv_jax import attention
 from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import pages_for
-from sparsekv_jax.cache_pooled import PoolCache, append_token_pool, reserve_token
+from sparsekv_jax.cache_pooled import PoolCache, append_token_pool, reserve_token, stack_view
 from sparsekv_jax.engine.prefill import window_of
 from sparsekv_jax.engine.run import Run, prefill_width
 from sparsekv_jax.models.params import Params
 from sparsekv_jax.models.transformer import forward, logits_from_hidden
+from sparsekv_jax.pallas.validation import is_concrete
 from sparsekv_jax.policies.base import Policy
+from sparsekv_jax.policies.common import PoolTarget
 
-__all__ = ["check_overflow", "decode_step_pool", "pages_needed", "row_overflow"]
+__all__ = ["check_compressed", "check_overflow", "compress_target", "decode_step_pool", "pages_needed", "policy_pages",
+           "row_overflow"]
 
 
 def decode_step_pool(params: Params, policy: Policy, cache: PoolCache, token: jax.Array, state: tuple[Any, Any],
                      backend: Backend, active: jax.Array | None, collect: bool):
     """One decode step on a pool: ``(logits [B, V], cache, state, pages_read [B], outs or None)``, the
     parts of `decode.StepOut`. ``active`` ``[B]`` bool (``None``: every row) marks the rows that write
-    their token. Only full attention (the decode stage's ``decode_write``/``decode_select`` are `Dense`'s:
-    append, read every page in use; refused for any other policy by `run._check_pool`)."""
+    their token. The decode stage must be full attention's (``decode_write``/``decode_select`` are `Dense`'s:
+    append, read every page in use; any other decode stage is refused by `run.pool_refusal`)."""
     B = token.shape[0]
     pos = cache.next_position
     act = jnp.ones((B,), jnp.bool_) if active is None else active
@@ -66,16 +73,44 @@ def decode_step_pool(params: Params, policy: Policy, cache: PoolCache, token: ja
     return logits, cache, (layer_state, shared_state), jnp.ones((B,), jnp.float32), outs
 
 
+def compress_target(pool: PoolCache, pool_pages: int) -> PoolTarget:
+    """What a compress stage is handed on a page pool: the prefill pool's uniform view (`stack_view`, a
+    reshape of the pool's leaves, no copy; row lengths, next positions as the prefill left them) as a
+    `policies.common.PoolTarget`, so the policy's `common.write_kept` writes its kept entries into a fresh
+    decode pool of ``pool_pages`` pages (`common.write_kept_pool`) and the prefill pool can be dropped."""
+    return PoolTarget(layers=stack_view(pool), length=pool.lengths[0, :, 0], next_position=pool.next_position,
+                      local=pool.local, page_size=pool.page_size, pool_pages=pool_pages)
+
+
+def check_compressed(cache: Any, squeezer: Policy) -> None:
+    """At trace time: a pooled compress stage must return a `PoolCache` (its write went through
+    `common.write_kept`), else ``TypeError`` naming the policy (`run.pool_refusal` admits only such)."""
+    if not isinstance(cache, PoolCache):
+        raise TypeError(f"{squeezer.name}'s compress stage declares writes_kept but returned a "
+                        f"{type(cache).__name__}, not a PoolCache: its write did not go through common.write_kept")
+
+
 def row_overflow(cache: PoolCache) -> jax.Array:
     """``[B]`` bool: a row whose (layer, row) allocator rows ran out of pages (sticky)."""
     return cache.alloc.overflow.reshape(cache.num_layers, cache.batch).any(0)
 
 
+def policy_pages(run: Run, heads: int, num_layers: int) -> int | None:
+    """The decode pool's size from the policy (docs/PAGE_POOL.md, Sizing): the compress stage's
+    `Policy.compressed_pages` for ``run``'s rows, or ``None`` if it does not compress (full attention)."""
+    lengths = np.asarray(run.lengths) if is_concrete(run.lengths) else np.full(run.lengths.shape, run.tokens.shape[1])
+    return run.policy.stage("compress").compressed_pages(lengths, run.tokens.shape[1], run.extra_tokens,
+                                                         run.page_size, num_layers, heads)
+
+
 def pages_needed(run: Run, heads: int, num_layers: int) -> int:
     """Pages a pool needs for ``run`` to decode every row to ``max_new_tokens`` without a stop (host
-    arithmetic): ``L·Hkv·Σ_b max(P, pages_for(length_b + max_new_tokens - 1))``, ``P`` the prompt's pages
-    every head holds after the prefill (the decode writes ``max_new_tokens - 1`` tokens: the last one
-    sampled is never fed back)."""
+    arithmetic). Full attention: ``L·Hkv·Σ_b max(P, pages_for(length_b + max_new_tokens - 1))``, ``P`` the
+    prompt's pages every head holds after the prefill (the decode writes ``max_new_tokens - 1`` tokens: the
+    last one sampled is never fed back). A compressor: its bound, `policy_pages`."""
+    bound = policy_pages(run, heads, num_layers)
+    if bound is not None:
+        return bound
     ps = run.page_size
     P = pages_for(prefill_width(run.tokens.shape[1], run.prefill_chunk), ps)
     grown = [max(P, pages_for(int(n) + run.decoding.max_new_tokens - 1, ps)) for n in np.asarray(run.lengths)]
@@ -89,9 +124,15 @@ def check_overflow(run: Run, cache: PoolCache) -> None:
     if not over.any():
         return
     need = pages_needed(run, cache.heads, cache.num_layers)
+    if policy_pages(run, cache.heads, cache.num_layers) is None:
+        how = (f"L·Hkv·Σ_rows max(prompt pages, pages_for(length + max_new_tokens - 1)) = {cache.num_layers}·"
+               f"{cache.heads}·{need // (cache.num_layers * cache.heads)}")
+        unset = "today's cache size"
+    else:
+        how = (f"{run.policy.stage('compress').name}.compressed_pages: every head's kept entries and max_new_tokens "
+               f"more, over {cache.num_layers} layers, {cache.batch} rows and {cache.heads} KV heads")
+        unset = "that bound"
     raise ValueError(f"the page pool ran out: rows {np.nonzero(over)[0].tolist()} needed a page that the pool of "
                      f"pool_pages={cache.num_pages} pages ({cache.page_size} tokens of one layer, row and KV head "
-                     f"each) did not have, and stopped early. This run needs up to {need} pages "
-                     f"(L·Hkv·Σ_rows max(prompt pages, pages_for(length + max_new_tokens - 1)) = "
-                     f"{cache.num_layers}·{cache.heads}·{need // (cache.num_layers * cache.heads)}): pass "
-                     f"pool_pages >= {need}, or leave it unset (today's cache size)")
+                     f"each) did not have, and stopped early. This run needs up to {need} pages ({how}): pass "
+                     f"pool_pages >= {need}, or leave it unset ({unset})")

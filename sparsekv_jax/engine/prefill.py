@@ -21,7 +21,7 @@ from sparsekv_jax.cache import (
     write_tokens,
 )
 from sparsekv_jax.cache_pooled import PoolCache, init_pool, stack_view, with_stack
-from sparsekv_jax.engine.run import Run, prefill_width
+from sparsekv_jax.engine.run import Run, compressed_size, prefill_width
 from sparsekv_jax.models.params import Params
 from sparsekv_jax.models.transformer import LayerStack, attention_window, last_token_logits
 from sparsekv_jax.policies.base import Dense, Policy, Prompt
@@ -103,9 +103,13 @@ def prefill_pool(params: Params, run: Run) -> Prefilled:
     it writes today's cache, and `with_stack` puts it back, every head's length its row's. No copy when the
     pool is exactly the prompt's pages (``pool_pages = L·B·Hkv·P``: the view and ``with_stack`` are reshapes);
     otherwise the view is a slice of the pool and ``with_stack`` writes the prompt's pages back into it
-    once (a ``dynamic_update_slice`` of the first ``L·B·Hkv·P`` pages)."""
-    pool = init_pool(params.config, run.tokens.shape[0], run.capacity,
-                     prompt=prefill_width(run.tokens.shape[1], run.prefill_chunk), num_pages=run.pool_pages,
+    once (a ``dynamic_update_slice`` of the first ``L·B·Hkv·P`` pages). A run that compresses decodes from a
+    fresh decode pool (`compress.compress`), so its prefill pool is exactly the prompt's pages (no room
+    for appends, no copy)."""
+    width = prefill_width(run.tokens.shape[1], run.prefill_chunk)
+    compressing = compressed_size(run) is not None
+    pool = init_pool(params.config, run.tokens.shape[0], width if compressing else run.capacity, prompt=width,
+                     num_pages=None if compressing else run.pool_pages,
                      page_size=run.page_size, dtype=params.dtype, summaries=run.policy.page_summaries,
                      kv_dtype=run.backend.kv_dtype)
     zero = jnp.zeros((run.tokens.shape[0],), jnp.int32)

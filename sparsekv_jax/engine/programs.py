@@ -129,8 +129,11 @@ def generate(params: Params, policy: Policy | None = None, tokens: Any = None, l
         ``sampling`` (greedy), ``seed`` (int or key), ``stop_tokens`` (the model's EOS ids),
         ``page_size`` (16), ``prefill_chunk``, ``capacity``, ``backend``, ``mesh`` (a ``data`` ×
         ``model`` mesh: rows over ``data``, heads / MLP / vocabulary over ``model``, the same
-        tokens as unsharded), ``pool``/``pool_pages`` (experimental, full attention only: decode
-        from a page pool, `sparsekv_jax.engine.pooled`).
+        tokens as unsharded), ``pool``/``pool_pages`` (experimental: decode from a page pool,
+        `sparsekv_jax.engine.pooled`; full attention, and the compressors whose compress stage writes
+        through `policies.common.write_kept` with full attention's decode: SnapKV, StreamingLLM,
+        AdaKV, PyramidKV, HeadSplit, BSER. A compressor writes each head's kept entries into a fresh
+        decode pool sized by the policy, ``Policy.compressed_pages``; other policies are refused).
 
     The context stage (if the policy has one) runs first, on the host; everything after it is one
     `jax.jit`. All checks on the inputs happen before tracing, with errors naming the bad value.

@@ -71,17 +71,24 @@ class Options:
         widest question, in tokens. A ``suffix`` given to `setup` takes its own width.
       backend: implementation choices (`sparsekv_jax.Backend`; default ``auto`` per platform).
       mesh: a ``data`` × ``model`` `jax.sharding.Mesh` (`sparsekv_jax.sharding.make_mesh`) to run on.
-      pool: **experimental** (issue 38, docs/PAGE_POOL.md, migration step 4's first slice): decode from a
-        page pool (`sparsekv_jax.cache_pooled.PoolCache`: head-free pages, a page table and a length per
-        layer, row and KV head) instead of the uniform cache, with the same tokens and logits. **Only full
-        attention (`FullKV`, i.e. `Dense`) supports it so far**: any other policy, a ``suffix``,
-        ``question_tokens``, a ``mesh``, or a model whose local layers keep rings (Gemma 3 with
-        ``Backend(local_cache="ring")``) is refused with a `ValueError` before jit. The prefill writes the
-        pool's identity layout (`cache_pooled.stack_view`), each decode step takes its pages from the pool's
-        free stack. ``GenerateOutput.cache`` is then the `PoolCache`.
-      pool_pages: with ``pool``: pages in the pool (``None``: ``L·B·Hkv·pages_for(capacity)``, today's cache
-        size). At least the prefill's ``L·B·Hkv·pages_for(prompt)``; a pool that runs out while decoding
-        raises a `ValueError` after the run, naming the pages the run needs (`engine.pooled`).
+      pool: **experimental** (issue 38, docs/PAGE_POOL.md, migration step 4): decode from a page pool
+        (`sparsekv_jax.cache_pooled.PoolCache`: head-free pages, a page table and a length per layer, row and
+        KV head) instead of the uniform cache, with the same tokens and logits. Supported so far: full
+        attention (`FullKV`, i.e. `Dense`), and the compressors whose compress stage writes through
+        `policies.common.write_kept` (``Policy.writes_kept``: `SnapKV`, `StreamingLLM`, `AdaKV`, `PyramidKV`,
+        `HeadSplit`, `BSER`) with full attention's prefill and decode stages; any other policy (by name), a
+        ``suffix``, ``question_tokens``, a ``mesh``, or a model whose local layers keep rings (Gemma 3 with
+        ``Backend(local_cache="ring")``) is refused with a `ValueError` before jit. The prefill writes a
+        prefill pool's identity layout (`cache_pooled.stack_view`); a compressor writes each head's kept
+        entries into a fresh decode pool (`policies.common.PoolTarget`, no holes) and the prefill pool is
+        dropped; each decode step takes its pages from the pool's free stack. ``GenerateOutput.cache`` is
+        then the `PoolCache`.
+      pool_pages: with ``pool``: pages of the pool the decode reads. Full attention decodes from its prefill
+        pool: ``None`` is ``L·B·Hkv·pages_for(capacity)``, today's cache size, and it must hold the prefill's
+        ``L·B·Hkv·pages_for(prompt)``. A compressor decodes from its decode pool (its prefill pool is exactly
+        the prompt's pages): ``None`` is the policy's bound, ``Policy.compressed_pages`` (docs/PAGE_POOL.md,
+        Sizing), which never runs out. A pool that runs out raises a `ValueError` after the run, naming the
+        pages the run needs (`engine.pooled`).
     """
 
     max_new_tokens: int = 64
@@ -125,7 +132,7 @@ class Run:
     ``policy_classes`` (`node_classes` of ``policy``: jax 0.10's tree structures of two
     ``register_dataclass`` nodes compare equal when their static fields do, whatever their classes,
     so without it ``jax.jit`` may run a program traced for another policy class). ``pool``, ``pool_pages``:
-    `Options`' (experimental; full attention only).
+    `Options`' (experimental), ``pool_pages`` resolved for a compressor (its decode pool's pages).
     """
 
     policy: Policy
@@ -144,7 +151,8 @@ class Run:
     context_info: HostNotes = struct.field(pytree_node=False)
     policy_classes: tuple[type, ...] = struct.field(pytree_node=False)
     pool: bool = struct.field(pytree_node=False, default=False)  # experimental: decode from a page pool
-    pool_pages: int | None = struct.field(pytree_node=False, default=None)  # its pages (None: today's cache size)
+    # the decode pool's pages (full attention: None is today's cache size; a compressor's: resolved by setup)
+    pool_pages: int | None = struct.field(pytree_node=False, default=None)
 
     @property
     def extra_tokens(self) -> int:
@@ -338,15 +346,16 @@ def _open(params: Params, policy: Any, tokens: Any, lengths: Any, question_start
     capacity = _sized(policy, tokens.shape[1], capacity, opts)
     stops = params.config.eos_token_ids if opts.stop_tokens is None else opts.stop_tokens
     decoding = Decoding(opts.max_new_tokens, opts.sampling, tuple(int(t) for t in stops))
+    _check_pool(params, policy, suffix, room, opts, backend)  # before bind: a refused policy is named first
     # a model whose local layers keep rings is, to the policy, the model of its global layers
     bound = policy.bind(Setup(config=local_layers.policy_config(params.config, backend), prompt_len=tokens.shape[1],
                               max_new_tokens=opts.max_new_tokens + room, page_size=opts.page_size, backend=backend))
-    _check_pool(params, policy, tokens, capacity, suffix, room, opts, backend)
+    pool_pages = _pool_pages(params, bound, tokens, lengths, opts) if opts.pool else None
     run = Run(policy=bound, tokens=tokens, lengths=lengths, question_start=question_start,
               prompt_lengths=prompt_lengths, suffix=suffix, suffix_lengths=suffix_lengths, capacity=capacity,
               page_size=opts.page_size, prefill_chunk=opts.prefill_chunk, question_tokens=room, decoding=decoding,
               backend=backend, context_info=HostNotes(info), policy_classes=node_classes(bound),
-              pool=bool(opts.pool), pool_pages=opts.pool_pages)
+              pool=bool(opts.pool), pool_pages=pool_pages)
     return params, sharding.place_rows(run)
 
 
@@ -399,18 +408,44 @@ def prefill_width(T: int, chunk: int | None) -> int:
     return T if chunk is None or chunk >= T else pages_for(T, chunk) * chunk
 
 
-def _check_pool(params: Params, policy: Policy, tokens: jax.Array, capacity: int, suffix: Any, room: int,
-                opts: Options, backend: Backend) -> None:
-    """`Options.pool`/``pool_pages`` checked before jit (``ValueError`` naming what is not supported yet)."""
+def compressed_size(run: Run) -> int | None:
+    """The compress stage's `Policy.compressed_capacity` for ``run`` (``None``: it keeps the prefill cache)."""
+    return run.policy.stage("compress").compressed_capacity(run.tokens.shape[1], run.extra_tokens,
+                                                            suffix_tokens=run.question_tokens)
+
+
+def pool_refusal(policy: Policy) -> str | None:
+    """Why ``policy`` cannot run on a page pool yet (``None``: it can): full attention, or a compress stage
+    that declares ``writes_kept`` (its write goes into a decode pool, `policies.common.PoolTarget`) with
+    full attention in every other stage (a decode stage must append and read every page: the pooled decode
+    step is `Dense`'s)."""
+    if type(policy) is Dense:
+        return None
+    for name in ("context", "prefill", "decode"):
+        stage = policy.stage(name)
+        if type(stage) is not Dense:
+            return f"its {name} stage ({stage.name}) is not full attention's"
+    squeezer = policy.stage("compress")
+    if not squeezer.writes_kept:
+        return (f"its compress stage ({squeezer.name}) does not write through policies.common.write_kept "
+                "(Policy.writes_kept)")
+    return None
+
+
+def _check_pool(params: Params, policy: Policy, suffix: Any, room: int, opts: Options, backend: Backend) -> None:
+    """`Options.pool` checked before jit (``ValueError`` naming what is not supported yet); ``pool_pages`` is
+    checked and resolved by `_pool_pages`."""
     if not isinstance(opts.pool, bool):
         raise ValueError(f"pool={opts.pool!r} must be True or False")
     if not opts.pool:
         if opts.pool_pages is not None:
             raise ValueError(f"pool_pages={opts.pool_pages} without pool=True (the pages of a page pool)")
         return
-    if type(policy) is not Dense:
-        raise ValueError(f"pool=True is experimental and only full attention (FullKV) decodes from a page pool so "
-                         f"far; policy {policy.name} does not (leave pool unset)")
+    why = pool_refusal(policy)
+    if why is not None:
+        raise ValueError(f"pool=True is experimental and policy {policy.name} does not decode from a page pool "
+                         f"yet: {why}. Supported: FullKV, and SnapKV, StreamingLLM, AdaKV, PyramidKV, HeadSplit, "
+                         "BSER (leave pool unset)")
     if backend.mesh is not None:
         raise ValueError("pool=True does not run on a mesh yet (the pool's group axes: docs/PAGE_POOL.md, Sharding)")
     if suffix is not None or room:
@@ -420,10 +455,29 @@ def _check_pool(params: Params, policy: Policy, tokens: jax.Array, capacity: int
     if local_layers.ring_slots(cfg, backend) is not None:
         raise ValueError(f"pool=True does not page the rings of {cfg.family}'s local layers yet; use "
                          "Backend(local_cache='full')")
-    if opts.pool_pages is not None:
-        B, T = tokens.shape
+
+
+def _pool_pages(params: Params, bound: Policy, tokens: jax.Array, lengths: jax.Array, opts: Options) -> int | None:
+    """`Run.pool_pages` of a pooled run (docs/PAGE_POOL.md, Sizing), ``opts.pool_pages`` checked: as given, or
+    for a compressor its decode pool's pages from the policy (``bound``'s `Policy.compressed_pages`) when
+    unset; ``None`` (unset) for full attention, whose prefill pool then takes today's cache size."""
+    cfg, given = params.config, opts.pool_pages
+    B, T = tokens.shape
+    # rows of unknown lengths (setup under a trace) are sized as full rows
+    rows = np.asarray(lengths) if is_concrete(lengths) else np.full((B,), T)
+    policy_pages = bound.stage("compress").compressed_pages(rows, T, opts.max_new_tokens, opts.page_size,
+                                                             cfg.num_layers, cfg.num_kv_heads)
+    if given is not None and (not isinstance(given, int) or isinstance(given, bool)):
+        raise ValueError(f"pool_pages={given!r} must be an int")
+    if policy_pages is not None:  # a compressor: its decode pool
+        if given is not None and given < 1:
+            raise ValueError(f"pool_pages={given} must be >= 1 (the decode pool's pages; unset: the policy's "
+                             f"bound, {policy_pages})")
+        return policy_pages if given is None else given
+    if given is not None:  # full attention decodes from its prefill pool
         need = cfg.num_layers * B * cfg.num_kv_heads * pages_for(prefill_width(T, opts.prefill_chunk), opts.page_size)
-        if not isinstance(opts.pool_pages, int) or isinstance(opts.pool_pages, bool) or opts.pool_pages < need:
-            raise ValueError(f"pool_pages={opts.pool_pages!r} must be an int >= the prefill's pages L·B·Hkv·"
+        if given < need:
+            raise ValueError(f"pool_pages={given!r} must be an int >= the prefill's pages L·B·Hkv·"
                              f"pages_for(prompt) = {cfg.num_layers}·{B}·{cfg.num_kv_heads}·"
                              f"{need // (cfg.num_layers * B * cfg.num_kv_heads)} = {need}")
+    return given

@@ -35,9 +35,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from sparsekv_jax.cache import KVCache
+from sparsekv_jax.cache import KVCache, pages_for
 from sparsekv_jax.policies.base import Policy, Prompt, Setup
 from sparsekv_jax.policies.common import (
     budget_tokens,
@@ -102,6 +103,7 @@ class BudgetAllocation(Policy):
     # whole prompt (StreamingLLM, the one scored compressor that would chunk, gives nothing to
     # allocate by: its scores do not depend on the head or the layer)
     needs_whole_prefill = True
+    writes_kept = True  # through `keep_counts`: the engine may send it into a page pool
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner, ScoredCompression):
@@ -210,6 +212,19 @@ class AdaKV(BudgetAllocation):
         a = as_fraction(self.alpha)
         H = self.num_kv_heads
         return H * n - (H - 1) * ((n * a.numerator) // a.denominator)
+
+    def compressed_pages(self, lengths: np.ndarray, prompt_len: int, max_new_tokens: int, page_size: int,
+                         num_layers: int, num_kv_heads: int) -> int | None:
+        """Per (layer, row) the heads keep ``Hkv·n_b`` entries in all and each the tokens to come, so at most
+        one partial page per head more than the tokens need: ``L·Σ_b min(pages_for(Hkv·(n_b + e)) + Hkv,
+        Hkv·pages_for(capacity))`` (``e`` = ``max_new_tokens``; the second term is the largest head's bound)."""
+        capacity = self.compressed_capacity(prompt_len, max_new_tokens)
+        if capacity is None:
+            return None
+        H, e = num_kv_heads, max_new_tokens
+        n = np.asarray(row_budgets(self.inner.budget, jnp.asarray(lengths, jnp.int32)))
+        return num_layers * sum(min(pages_for(H * (int(k) + e), page_size) + H, H * pages_for(capacity, page_size))
+                                for k in n)
 
     def allocate(self, scores: jax.Array, length: jax.Array, keep: jax.Array, floor: jax.Array) -> jax.Array:
         L, B, H, S = scores.shape

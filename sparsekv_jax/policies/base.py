@@ -27,6 +27,9 @@ inferred from which methods a class overrides:
 * ``needs_decode_probs``: the decode step computes attention probabilities for ``decode_observe``.
 * ``needs_question``: the policy scores with the question (``Prompt.question_start``); without a
   split it uses a documented fallback.
+* ``writes_kept``: the compress stage's one write is `common.write_kept` (through `common.compact` or
+  `adakv.keep_counts`) on the cache it is given, so the engine can point that write at a page pool
+  (``Options(pool=True)``, experimental: `common.PoolTarget`); its `compressed_pages` sizes the pool.
 * ``page_summaries``: the cache's page summaries (`sparsekv_jax.cache.SUMMARIES`: ``page_sum``,
   ``page_min``, ``page_max``, ``page_max_bias``) the policy reads, in any stage. The engine's cache
   holds only those (others are ``None``: no bytes, no work on append); default none.
@@ -48,7 +51,7 @@ import numpy as np
 from flax import struct
 
 from sparsekv_jax.backend import Backend
-from sparsekv_jax.cache import KVCache, LayerKV
+from sparsekv_jax.cache import KVCache, LayerKV, pages_for
 
 Selection = tuple[jax.Array, jax.Array] | None  # (page_ids [B, Hkv, P], counts [B, Hkv]) or all pages
 STAGES = ("context", "prefill", "compress", "decode")
@@ -102,6 +105,7 @@ class Policy:
     needs_observations: ClassVar[bool] = False
     needs_decode_probs: ClassVar[bool] = False
     needs_question: ClassVar[bool] = False
+    writes_kept: ClassVar[bool] = False
     page_summaries: ClassVar[frozenset[str]] = frozenset()
 
     @property
@@ -176,6 +180,19 @@ class Policy:
         the suffix's share of it.
         """
         return None
+
+    def compressed_pages(self, lengths: np.ndarray, prompt_len: int, max_new_tokens: int, page_size: int,
+                         num_layers: int, num_kv_heads: int) -> int | None:
+        """Pages of a page pool (docs/PAGE_POOL.md, Sizing) that the compressed cache of rows of ``lengths``
+        ``[B]`` (host ints) can occupy with ``max_new_tokens`` tokens still to come, each (layer, row, KV head)
+        in pages of its own (``page_size`` tokens): a bound over every allocation the policy can make, used
+        to size the decode pool of ``Options(pool=True)``. ``None`` where `compressed_capacity` is ``None``
+        (the prefill cache is kept). Default: every head at `compressed_capacity`, the uniform cache's
+        pages, ``B·L·Hkv·pages_for(capacity)``; a policy whose heads or layers keep less says so."""
+        capacity = self.compressed_capacity(prompt_len, max_new_tokens)
+        if capacity is None:
+            return None
+        return len(lengths) * num_layers * num_kv_heads * pages_for(capacity, page_size)
 
     def compress(self, cache: KVCache, observations: Any, capacity: int, prompt: Prompt) -> KVCache:
         return cache

@@ -1,11 +1,13 @@
 """Mechanics every policy shares: budgets, forced slots (sinks, recent window), compaction of the
 cache to the kept entries, page top-k. Written once here; policies only score.
 
-Compaction has two targets. The uniform cache (`write_entries`, `write_kept`, `compact`: what the engine
-runs today) gives every head the row's largest count and leaves holes. The page pool (issue 38,
-docs/PAGE_POOL.md, migration step 3; not yet called by the engine or the policies) writes each head's
-entries into pages of its own, no holes: `write_entries_pool`, `write_kept_pool`, with the same per-page
-math (`_entry_pages`).
+Compaction has two targets. The uniform cache (`write_entries`, `write_kept`, `compact`: the engine's
+default) gives every head the row's largest count and leaves holes. The page pool (issue 38,
+docs/PAGE_POOL.md, migration steps 3-4) writes each head's entries into pages of its own, no holes:
+`write_entries_pool`, `write_kept_pool`, with the same per-page math (`_entry_pages`). The engine picks the
+target, not the policy: with ``Options(pool=True)`` (experimental) a compress stage that declares
+``writes_kept`` is handed a `PoolTarget` (the prefill pool's uniform view), and `write_kept`, the one write of
+`compact` and `adakv.keep_counts`, then writes a fresh decode pool.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from sparsekv_jax.cache import (
     SCALE_DTYPE,
@@ -30,6 +33,17 @@ from sparsekv_jax.cache import (
 from sparsekv_jax.cache_pooled import PoolCache, decode_pool, put_pages, take_logical
 
 KEEP = 1e30  # score that forces an entry to be kept (finite: sorts above everything else)
+
+
+@struct.dataclass
+class PoolTarget(KVCache):
+    """A uniform cache (the prefill pool's `cache_pooled.stack_view`, no copy) whose compaction goes into a
+    fresh decode pool of ``pool_pages`` pages: `write_kept` given one writes `write_kept_pool`, so a
+    compress stage that ends in `compact` or `adakv.keep_counts` (``Policy.writes_kept``) returns a
+    `cache_pooled.PoolCache` unchanged. Made by the engine (``Options(pool=True)``, experimental,
+    `engine.pooled.compress_target`); the policy reads it as any `KVCache`."""
+
+    pool_pages: int = struct.field(pytree_node=False, default=0)
 
 
 def check_budget(budget: float | int, field: str = "budget") -> None:
@@ -211,12 +225,13 @@ def _entry_pages(old: LayerKV, k: jax.Array, v: jax.Array, positions: jax.Array,
     return layers, keys
 
 
-def compact(cache: KVCache, scores: jax.Array, keep: jax.Array, capacity: int) -> KVCache:
+def compact(cache: KVCache, scores: jax.Array, keep: jax.Array, capacity: int) -> KVCache | PoolCache:
     """A new, smaller cache holding, per (layer, row, KV head), the ``keep[b]`` best-scored slots.
 
     ``scores`` ``[L, B, H, S]`` (higher = keep); ``keep`` ``[B]``; ``capacity`` the new cache's
     size in tokens (rounded up to pages; must be >= max kept + the tokens still to decode).
-    Entries keep their RoPE positions and biases, in slot order; written by `write_entries`.
+    Entries keep their RoPE positions and biases, in slot order; written by `write_kept` (into a
+    page pool when ``cache`` is a `PoolTarget`).
     """
     L, B, H, S = scores.shape
     k_static = min(S, capacity)
@@ -224,11 +239,17 @@ def compact(cache: KVCache, scores: jax.Array, keep: jax.Array, capacity: int) -
     return write_kept(cache, jnp.minimum(slots, S - 1), jnp.minimum(keep, cache.length), capacity)
 
 
-def write_kept(cache: KVCache, idx: jax.Array, counts: jax.Array, capacity: int) -> KVCache:
+def write_kept(cache: KVCache, idx: jax.Array, counts: jax.Array, capacity: int) -> KVCache | PoolCache:
     """A new cache of ``capacity`` tokens holding, per (layer, row, KV head), the entries at slots
     ``idx`` ``[L, B, H, K]`` (in slot order; the first ``counts`` of them are kept: ``counts`` ``[B]``
     or ``[L, B, H]``), with their RoPE positions and biases, written by `write_entries` (a quantised
-    cache's entries are dequantised exactly with their pages' scales, then re-quantised there)."""
+    cache's entries are dequantised exactly with their pages' scales, then re-quantised there).
+
+    Given a `PoolTarget` (the engine's ``Options(pool=True)``), the same entries go into a fresh decode
+    pool of its ``pool_pages`` pages instead, each head in pages of its own (`write_kept_pool`; ``capacity``
+    is then each head's most tokens): a `PoolCache`."""
+    if isinstance(cache, PoolTarget):
+        return write_kept_pool(cache, idx, counts, capacity, cache.pool_pages)
     def take(x: jax.Array, at: jax.Array, per_page: bool) -> jax.Array:
         return jnp.take_along_axis(x, at.reshape(at.shape + (1,) * (x.ndim - 4)), axis=3)
 

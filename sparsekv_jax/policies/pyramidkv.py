@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
+from sparsekv_jax.cache import pages_for
 from sparsekv_jax.policies.adakv import BudgetAllocation, as_fraction
-from sparsekv_jax.policies.common import budget_tokens
+from sparsekv_jax.policies.common import budget_tokens, row_budgets
 
 
 def pyramid_counts(m: jax.Array, avail: jax.Array, num_layers: int, beta: float) -> jax.Array:
@@ -87,6 +89,19 @@ class PyramidKV(BudgetAllocation):
         m = n - min(n, sinks + window)  # the largest scored share a row can have (H2O's recent: 0 here)
         b = as_fraction(self.beta)
         return n + m - (m * b.denominator) // b.numerator
+
+    def compressed_pages(self, lengths: np.ndarray, prompt_len: int, max_new_tokens: int, page_size: int,
+                         num_layers: int, num_kv_heads: int) -> int | None:
+        """Each head of layer ``l`` keeps that layer's count (`allocate`'s, for each row's length) and the
+        tokens to come: ``Hkv·Σ_b Σ_l pages_for(n_lb + max_new_tokens)``."""
+        if self.compressed_capacity(prompt_len, max_new_tokens) is None:
+            return None
+        length = jnp.asarray(lengths, jnp.int32)
+        keep = row_budgets(self.inner.budget, length)
+        sinks, window = self.inner.forced_counts(keep)
+        floor = jnp.minimum(sinks + jnp.asarray(window, jnp.int32), keep)
+        counts = np.asarray(self.allocate(jnp.zeros((num_layers, len(lengths), 1, 1)), length, keep, floor))
+        return num_kv_heads * sum(pages_for(int(c) + max_new_tokens, page_size) for c in counts.ravel())
 
     def allocate(self, scores: jax.Array, length: jax.Array, keep: jax.Array, floor: jax.Array) -> jax.Array:
         L, B, H, _ = scores.shape

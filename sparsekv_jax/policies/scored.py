@@ -9,9 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from sparsekv_jax.cache import KVCache
+from sparsekv_jax.cache import KVCache, pages_for
 from sparsekv_jax.policies.base import Policy, Prompt, Setup
 from sparsekv_jax.policies.common import (
     budget_tokens,
@@ -36,6 +38,7 @@ class ScoredCompression(Policy):
     stages = ("compress",)
     needs_whole_prefill = True
     needs_observations = True
+    writes_kept = True  # through `compact`: the engine may send it into a page pool
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
@@ -59,6 +62,15 @@ class ScoredCompression(Policy):
     def compressed_capacity(self, prompt_len: int, max_new_tokens: int, suffix_tokens: int = 0) -> int | None:
         kept = budget_tokens(self.budget, prompt_len)
         return None if kept >= prompt_len else kept + max_new_tokens
+
+    def compressed_pages(self, lengths: np.ndarray, prompt_len: int, max_new_tokens: int, page_size: int,
+                         num_layers: int, num_kv_heads: int) -> int | None:
+        """Each head keeps its row's budget (`row_budgets`, as `compress` counts it) and the tokens to come:
+        ``L·Hkv·Σ_b pages_for(n_b + max_new_tokens)``."""
+        if self.compressed_capacity(prompt_len, max_new_tokens) is None:
+            return None
+        n = np.asarray(row_budgets(self.budget, jnp.asarray(lengths, jnp.int32)))
+        return num_layers * num_kv_heads * sum(pages_for(int(k) + max_new_tokens, page_size) for k in n)
 
     def compress(self, cache: KVCache, observations: Any, capacity: int, prompt: Prompt) -> KVCache:
         keep = row_budgets(self.budget, cache.length)
