@@ -18,7 +18,13 @@
   (of ``--batches``) whose decode program fits the device (XLA's memory analysis, then a timed run)
   at each context, and its decode throughput (tokens/s over ``--decode-steps`` steps). The cache is
   built holding the context as the policy leaves it (SnapKV(0.25): a quarter), as
-  `sparsekv_jax.bench.e2e` does for bf16.
+  `sparsekv_jax.bench.e2e` does for bf16. ``--layouts uniform,pool`` searches the page pool too
+  (``Options(pool=True)``, bf16: `bench.e2e.pool_decode_cache`, the engine's decode pool and pooled decode
+  step; issue 38's batching row, docs/PAGE_POOL.md step 4), e.g. on one H200 (~4 min)::
+
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python scripts/kv_quant_show.py e2e --contexts 32k \
+          --kv-dtypes bfloat16 --layouts uniform,pool --policies "fullkv, snapkv(0.25), adakv(snapkv(0.25))" \
+          --batches 24,32,64,96,128 --out $OUT/pool_batch.json
 * ``fidelity``: RULER prompts on a real model, teacher-forced along full attention's greedy answer on
   the bf16 cache: KL and top-1 agreement of each (policy, cache dtype) against full attention on
   the bf16 cache (`sparsekv_jax.eval.fidelity`). The scores come from ``sparsekv eval --kv-dtype``
@@ -467,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--layouts", default="uniform", help="cache layouts to search (comma-separated): uniform "
                    "(today's [B, Hkv, S, D] per layer), pool (the page pool of Options(pool=True); bfloat16 only)")
     e.add_argument("--in-process", action="store_true",
-                   help="every search in this process (default: one process per context, dtype and policy)")
+                   help="every search in this process (default: one process per context, dtype, layout and policy)")
     f = sub.add_parser("fidelity")
     f.add_argument("--model", default="qwen2.5-coder-1.5b")
     f.add_argument("--lengths", default="8k,32k")
