@@ -21,18 +21,21 @@ attention underflows to zero, in place; the tensors keep their size). A short ta
 kvpress 0.5.5 declares ``transformers<5.3`` and ``import kvpress`` pulls in datasets, pandas and more; this
 script loads only the modules it uses (``kvpress.presses.{snapkv,adakv}_press`` and
 ``kvpress.attention_patch``, which need torch and transformers alone) from the installed package without
-running its ``__init__``, and applies kvpress's attention patch itself. On the GPU machine (torch 2.11,
-transformers 5.17 preinstalled, no network) carry the wheels in the working tree:
+running its ``__init__``, and applies kvpress's attention patch itself. kvpress 0.5.5 does not run on
+transformers 5.17 (checked on a CPU: its forward hook reads ``kwargs["cache_position"]``, which 5.17 no longer
+passes: ``KeyError``), so on the GPU machine (torch 2.11, transformers 5.17 preinstalled, no network) kvpress
+runs with its own pin, transformers 5.2.0, which wants tokenizers <= 0.23.0: carry three wheels (13.8 MB) in
+the working tree and install them, without dependencies, into a folder put first on ``PYTHONPATH`` (it shadows
+5.17 for this process only; checked the same way on a CPU, over transformers 5.17 and tokenizers 0.23):
 
-    pip download --no-deps kvpress==0.5.5 transformers==5.2.0 -d wheels/kvpress    # here (PyPI)
+    pip download --no-deps kvpress==0.5.5 transformers==5.2.0 tokenizers==0.22.2 -d wheels/kvpress   # here
     # there:
-    pip install --no-deps --target /tmp/kvp wheels/kvpress/kvpress-0.5.5-py3-none-any.whl
+    python -m pip install --no-deps --target /tmp/kvp wheels/kvpress/*.whl
     PYTHONPATH=/tmp/kvp python experiments/kvpress_adakv_memory_gpu.py --out $OUT/kvpress_adakv.json
 
-If kvpress's modules fail against transformers 5.17, install ``transformers-5.2.0-py3-none-any.whl`` into the
-same ``--target`` too (it then shadows 5.17; kvpress's own pin). Do not commit ``wheels/``: an untracked
-folder travels to the device machine with the working tree (name it in ``carry`` if git ignores it).
-``prefill_s``/``decode_s`` are wall seconds of one pass each, for orientation only (no warm-up, not a timing).
+Do not commit ``wheels/``: an untracked folder travels to the device machine with the working tree (name it
+in ``carry`` if git ignores it). ``prefill_s``/``decode_s`` are wall seconds of one pass each, for orientation
+only (no warm-up, not a timing).
 
 Expected time on one H200 (not yet run; an estimate): ~10 s to build the random 8B model on the GPU, three
 32k prefills (~3 s each), 3 × 512 decode steps through transformers' eager Python loop (~20-30 ms each at
