@@ -20,11 +20,11 @@
   built holding the context as the policy leaves it (SnapKV(0.25): a quarter), as
   `sparsekv_jax.bench.e2e` does for bf16. ``--layouts uniform,pool`` searches the page pool too
   (``Options(pool=True)``, bf16: `bench.e2e.pool_decode_cache`, the engine's decode pool and pooled decode
-  step; issue 38's batching row, docs/PAGE_POOL.md step 4), e.g. on one H200 (~4 min)::
+  step; issue 38's batching row, docs/PAGE_POOL.md step 4), e.g. on one H200 (~4 min, estimated)::
 
       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python scripts/kv_quant_show.py e2e --contexts 32k \
           --kv-dtypes bfloat16 --layouts uniform,pool --policies "fullkv, snapkv(0.25), adakv(snapkv(0.25))" \
-          --batches 24,32,64,96,128 --out $OUT/pool_batch.json
+          --batches 24,64,96,128 --out $OUT/pool_batch.json
 * ``fidelity``: RULER prompts on a real model, teacher-forced along full attention's greedy answer on
   the bf16 cache: KL and top-1 agreement of each (policy, cache dtype) against full attention on
   the bf16 cache (`sparsekv_jax.eval.fidelity`). The scores come from ``sparsekv eval --kv-dtype``
