@@ -18,7 +18,13 @@
   (of ``--batches``) whose decode program fits the device (XLA's memory analysis, then a timed run)
   at each context, and its decode throughput (tokens/s over ``--decode-steps`` steps). The cache is
   built holding the context as the policy leaves it (SnapKV(0.25): a quarter), as
-  `sparsekv_jax.bench.e2e` does for bf16.
+  `sparsekv_jax.bench.e2e` does for bf16. ``--layouts uniform,pool`` searches the page pool too
+  (``Options(pool=True)``, bf16: `bench.e2e.pool_decode_cache`, the engine's decode pool and pooled decode
+  step; issue 38's batching row, docs/PAGE_POOL.md step 4), e.g. on one H200 (~4 min, estimated)::
+
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python scripts/kv_quant_show.py e2e --contexts 32k \
+          --kv-dtypes bfloat16 --layouts uniform,pool --policies "fullkv, snapkv(0.25), adakv(snapkv(0.25))" \
+          --batches 24,64,96,128 --out $OUT/pool_batch.json
 * ``fidelity``: RULER prompts on a real model, teacher-forced along full attention's greedy answer on
   the bf16 cache: KL and top-1 agreement of each (policy, cache dtype) against full attention on
   the bf16 cache (`sparsekv_jax.eval.fidelity`). The scores come from ``sparsekv eval --kv-dtype``
@@ -244,37 +250,56 @@ def split_specs(specs: str) -> list[str]:
 
 
 def run_e2e_isolated(model: str, contexts: list[int], batches: list[int], specs: str, steps: int, iters: int,
-                     out: str | None, kv_dtypes: tuple[str, ...] = KV) -> list:
-    """`run_e2e` with each (context, cache dtype, policy) search in its own process: a search that ends
+                     out: str | None, kv_dtypes: tuple[str, ...] = KV, layouts: tuple[str, ...] = ("uniform",)) -> list:
+    """`run_e2e` with each (context, cache dtype, layout, policy) search in its own process: a search that ends
     in an allocation failure (on a GPU, after near-full allocations) leaves the allocator fragmented, and
     on 2026-11-27 an H200 then refused batch 1 of the next search (docs/results/kvq_e2e_h200_2026-11-27)."""
     rows: list[dict[str, Any]] = []
     for T in contexts:
         for kv_dtype in kv_dtypes:
-            for spec in split_specs(specs):
-                with tempfile.TemporaryDirectory() as tmp:
-                    part = os.path.join(tmp, "rows.json")
-                    cmd = [sys.executable, os.path.abspath(__file__), "e2e", "--in-process", "--model", model,
-                           "--contexts", str(T), "--kv-dtypes", kv_dtype, "--policies", spec,
-                           "--batches", ",".join(map(str, batches)), "--decode-steps", str(steps),
-                           "--iters", str(iters), "--out", part]
-                    subprocess.run(cmd, check=False)
-                    if os.path.exists(part):
-                        with open(part) as fh:
-                            for row in json.load(fh):
-                                _emit(rows, row, out)
+            for layout in layouts:
+                for spec in split_specs(specs):
+                    with tempfile.TemporaryDirectory() as tmp:
+                        part = os.path.join(tmp, "rows.json")
+                        cmd = [sys.executable, os.path.abspath(__file__), "e2e", "--in-process", "--model", model,
+                               "--contexts", str(T), "--kv-dtypes", kv_dtype, "--layouts", layout,
+                               "--policies", spec, "--batches", ",".join(map(str, batches)),
+                               "--decode-steps", str(steps), "--iters", str(iters), "--out", part]
+                        subprocess.run(cmd, check=False)
+                        if os.path.exists(part):
+                            with open(part) as fh:
+                                for row in json.load(fh):
+                                    _emit(rows, row, out)
+                        else:
+                            _emit(rows, {"kind": "e2e", "model": model, "policy": spec, "kv_dtype": kv_dtype,
+                                         "layout": layout, "context": T, "error": "the search's process failed"}, out)
     return rows
 
 
 def run_e2e(model: str, contexts: list[int], batches: list[int], specs: str, steps: int, iters: int,
-            out: str | None, kv_dtypes: tuple[str, ...] = KV) -> list:
+            out: str | None, kv_dtypes: tuple[str, ...] = KV, layouts: tuple[str, ...] = ("uniform",)) -> list:
+    """The largest-batch search: for each context, cache dtype, layout (``uniform``: today's cache,
+    `quant_decode_cache`; ``pool``: the page pool of ``Options(pool=True)``, `bench.e2e.pool_decode_cache`,
+    bf16 only) and policy, the batches in increasing order until the first whose cache, program (XLA's
+    memory analysis against the device's limit) or timed run does not fit; one row per search, the largest
+    batch that fitted with its decode ms/step and tokens/s (`bench.e2e.decode_fn`: the engine's decode step,
+    the pooled one on a pool), cache bytes and program bytes, and the batch that stopped it and why."""
     from sparsekv_jax.backend import Backend
-    from sparsekv_jax.bench.e2e import decode_fn, median_time_carry, memory_bytes, why
+    from sparsekv_jax.bench.e2e import (
+        decode_fn,
+        median_time_carry,
+        memory_bytes,
+        pool_decode_cache,
+        restart_point,
+        why,
+    )
+    from sparsekv_jax.engine.run import pool_refusal
     from sparsekv_jax.models import config as mc
     from sparsekv_jax.models.params import random_params
     from sparsekv_jax.policies import parse_policies
     from sparsekv_jax.policies.base import Setup
 
+    check_layouts(layouts, kv_dtypes)
     cfg = {"llama3.1-8b": mc.llama31_8b_config, "smollm2": mc.smollm2_135m_config}[model]()
     params = random_params(cfg, jax.random.key(0), jnp.bfloat16)
     try:
@@ -285,46 +310,98 @@ def run_e2e(model: str, contexts: list[int], batches: list[int], specs: str, ste
     for T in contexts:
         for kv_dtype in kv_dtypes:
             backend = Backend(kv_dtype=None if kv_dtype == "bfloat16" else kv_dtype).resolve(params)
-            for policy in parse_policies(specs):
-                pol = policy.bind(Setup(cfg, prompt_len=T, max_new_tokens=steps, backend=backend))
-                best = None
-                for B in sorted(batches):
-                    stopped = None
-                    cache = state = obs = fn = compiled = carry = None
-                    try:
-                        cache, obs = quant_decode_cache(cfg, pol, T, B, steps, jax.random.key(2), kv_dtype)
-                        state = pol.decode_init(cache, obs)
-                        obs = None
-                        token = jnp.ones((B,), jnp.int32)
-                        fn = decode_fn(params, pol, steps, start=(cache.length, cache.next_position), backend=backend)
-                        compiled = fn.lower(params, cache, state, token).compile()
-                        mem = memory_bytes(compiled)
-                        if mem is not None and mem > limit:
-                            raise MemoryError(f"out of memory: {mem} > {limit}")
-                        sizes = (cache.nbytes(), cache.kv_nbytes())
-                        sec, carry = median_time_carry(compiled, params, (cache, state, token), iters=iters)
-                        best = {"kind": "e2e", "model": model, "policy": pol.name, "spec": repr(policy),
-                                "kv_dtype": kv_dtype, "context": T, "batch": B, "ms_per_step": sec * 1e3 / steps,
-                                "tokens_per_s": B * steps / sec, "cache_bytes": sizes[0], "kv_bytes": sizes[1],
-                                "memory_bytes": mem, "device": jax.devices()[0].device_kind}
-                        print(json.dumps(best), flush=True)
-                    except Exception as e:  # noqa: BLE001 - the first batch that does not fit ends the search
-                        stopped = why(e) if not isinstance(e, MemoryError) else str(e)
-                    finally:
-                        # the failed point's cache, state, program and the exception's frames (which hold
-                        # them) must go before the next search builds its cache, or every later point,
-                        # batch 1 included, "does not fit" in what this one left behind
-                        del cache, state, obs, fn, compiled, carry
-                        gc.collect()
-                    if stopped is not None:
-                        print(json.dumps({"kv_dtype": kv_dtype, "policy": pol.name, "context": T, "batch": B,
-                                          "stopped": stopped}), flush=True)
-                        jax.clear_caches()
-                        gc.collect()
-                        break
-                if best is not None:
-                    _emit(rows, {**best, "largest_batch_tried": max(batches)}, out)
+            for layout in layouts:
+                for policy in parse_policies(specs):
+                    pol = policy.bind(Setup(cfg, prompt_len=T, max_new_tokens=steps, backend=backend))
+                    refused = pool_refusal(pol) if layout == "pool" else None
+                    if refused is not None:
+                        _emit(rows, {"kind": "e2e", "model": model, "policy": pol.name, "kv_dtype": kv_dtype,
+                                     "layout": layout, "context": T, "error": f"not on a pool: {refused}"}, out)
+                        continue
+                    best, stopped = None, None
+                    for B in sorted(batches):
+                        cache = state = obs = fn = compiled = carry = None
+                        try:
+                            if layout == "pool":
+                                cache, obs = pool_decode_cache(cfg, pol, T, B, steps, jax.random.key(2))
+                                state = pol.stage("decode").decode_init(cache, None)
+                                kv_bytes = cache.pages.k.nbytes + cache.pages.v.nbytes
+                            else:
+                                cache, obs = quant_decode_cache(cfg, pol, T, B, steps, jax.random.key(2), kv_dtype)
+                                state = pol.decode_init(cache, obs)
+                                kv_bytes = cache.kv_nbytes()
+                            obs = None
+                            token = jnp.ones((B,), jnp.int32)
+                            fn = decode_fn(params, pol, steps, start=restart_point(cache), backend=backend)
+                            compiled = fn.lower(params, cache, state, token).compile()
+                            mem = memory_bytes(compiled)
+                            if mem is not None and mem > limit:
+                                raise MemoryError(f"out of memory: {mem} > {limit}")
+                            size = cache.nbytes()
+                            sec, carry = median_time_carry(compiled, params, (cache, state, token), iters=iters)
+                            best = {"kind": "e2e", "model": model, "policy": pol.name, "spec": repr(policy),
+                                    "kv_dtype": kv_dtype, "layout": layout, "context": T, "batch": B,
+                                    "ms_per_step": sec * 1e3 / steps, "tokens_per_s": B * steps / sec,
+                                    "cache_bytes": size, "kv_bytes": int(kv_bytes), "memory_bytes": mem,
+                                    "device": jax.devices()[0].device_kind}
+                            print(json.dumps(best), flush=True)
+                        except Exception as e:  # noqa: BLE001 - the first batch that does not fit ends the search
+                            stopped = {"stopped_at_batch": B, "stopped": why(e) if not isinstance(e, MemoryError)
+                                       else str(e)}
+                        finally:
+                            # the failed point's cache, state, program and the exception's frames (which hold
+                            # them) must go before the next search builds its cache, or every later point,
+                            # batch 1 included, "does not fit" in what this one left behind
+                            del cache, state, obs, fn, compiled, carry
+                            gc.collect()
+                        if stopped is not None:
+                            print(json.dumps({"kv_dtype": kv_dtype, "layout": layout, "policy": pol.name,
+                                              "context": T, "batch": B, "stopped": stopped["stopped"]}), flush=True)
+                            jax.clear_caches()
+                            gc.collect()
+                            break
+                    if best is not None:
+                        _emit(rows, {**best, "largest_batch_tried": max(batches), **(stopped or {})}, out)
+                    else:
+                        _emit(rows, {"kind": "e2e", "model": model, "policy": pol.name, "kv_dtype": kv_dtype,
+                                     "layout": layout, "context": T, "error": "no batch fits",
+                                     **(stopped or {})}, out)
     return rows
+
+
+LAYOUTS = ("uniform", "pool")
+
+
+def check_layouts(layouts: tuple[str, ...], kv_dtypes: tuple[str, ...]) -> None:
+    """``ValueError`` naming a bad layout, or the page pool asked of a quantised cache (the pool's builder
+    draws bf16 K/V only)."""
+    bad = [x for x in layouts if x not in LAYOUTS]
+    if not layouts or bad:
+        raise ValueError(f"layouts {','.join(layouts)!r}: {', '.join(map(repr, bad)) or 'none given'}; "
+                         f"expected some of {', '.join(LAYOUTS)}")
+    if "pool" in layouts and set(kv_dtypes) - {"bfloat16"}:
+        raise ValueError(f"the pool layout is searched with a bfloat16 cache only, not {', '.join(kv_dtypes)}: "
+                         "pass --kv-dtypes bfloat16")
+
+
+def e2e_table(rows: list[dict[str, Any]]) -> str:
+    """The search's short table: per context, dtype, policy and layout the largest batch, ms/step, tokens/s,
+    GiB of the cache and of the decode program, and what stopped the search."""
+    gib = 2.0**30
+    lines = ["| context | kv dtype | policy | layout | largest batch | ms/step | tokens/s | cache GiB | "
+             "program GiB | stopped at |", "|---" * 10 + "|"]
+    for r in rows:
+        if r.get("kind") != "e2e":
+            continue
+        head = f"| {r.get('context')} | {r.get('kv_dtype')} | {r.get('policy')} | {r.get('layout', 'uniform')} |"
+        stop = f"{r.get('stopped_at_batch', '-')}: {r.get('stopped', '')}" if "stopped_at_batch" in r else "-"
+        if "error" in r:
+            lines.append(f"{head} error: {r['error']} | | | | | {stop} |")
+            continue
+        mem = "-" if r.get("memory_bytes") is None else f"{r['memory_bytes'] / gib:.2f}"
+        lines.append(f"{head} {r['batch']} | {r['ms_per_step']:.2f} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['cache_bytes'] / gib:.2f} | {mem} | {stop} |")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------------------- fidelity
@@ -393,8 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--decode-steps", type=int, default=16)
     e.add_argument("--iters", type=int, default=3)
     e.add_argument("--kv-dtypes", default=",".join(KV), help="cache dtypes to search (comma-separated)")
+    e.add_argument("--layouts", default="uniform", help="cache layouts to search (comma-separated): uniform "
+                   "(today's [B, Hkv, S, D] per layer), pool (the page pool of Options(pool=True); bfloat16 only)")
     e.add_argument("--in-process", action="store_true",
-                   help="every search in this process (default: one process per context, dtype and policy)")
+                   help="every search in this process (default: one process per context, dtype, layout and policy)")
     f = sub.add_parser("fidelity")
     f.add_argument("--model", default="qwen2.5-coder-1.5b")
     f.add_argument("--lengths", default="8k,32k")
@@ -421,9 +500,16 @@ def main(argv: list[str] | None = None) -> int:
         dtypes = tuple(d.strip() for d in a.kv_dtypes.split(",") if d.strip())
         if not dtypes or set(dtypes) - set(KV):
             p.error(f"--kv-dtypes {a.kv_dtypes!r}: expected some of {', '.join(KV)}")
+        layouts = tuple(x.strip() for x in a.layouts.split(",") if x.strip())
+        try:
+            check_layouts(layouts, dtypes)
+        except ValueError as err:
+            p.error(f"--layouts: {err}")
         run = run_e2e if a.in_process else run_e2e_isolated
-        run(a.model, _tokens(a.contexts), [int(x) for x in a.batches.split(",")], a.policies, a.decode_steps,
-            a.iters, a.out, dtypes)
+        rows = run(a.model, _tokens(a.contexts), [int(x) for x in a.batches.split(",")], a.policies, a.decode_steps,
+                   a.iters, a.out, dtypes, layouts)
+        if not a.in_process:
+            print(e2e_table(rows))
     else:
         run_fidelity(a.model, _tokens(a.lengths), a.policies, a.n,
                      [t.strip() for t in a.tasks.split(",")] if a.tasks else None, a.batch_size, a.out)

@@ -8,6 +8,7 @@ import argparse
 import gzip
 import importlib.util
 import json
+import os
 import re
 from pathlib import Path
 
@@ -17,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
 RECORD = ROOT / "docs" / "results" / "ruler4k"  # a committed `sparsekv eval` record
 GPU_ONLY = ("gemma3_speed", "gsc_gpu", "page_rope_gpu", "pool_decode_gpu", "sae_decode_gpu", "stem_routing_gpu",
-            "topk_gpu", "kvq_kernel_sweep_gpu", "kvq_ptx_check")
+            "topk_gpu", "kvq_kernel_sweep_gpu", "kvq_ptx_check",
+            "kvpress_adakv_memory_gpu")  # PyTorch + kvpress; its --tiny runs in the kvpress venv (test below)
 REAL_MODEL = ("bser_qwen_diagnosis", "kv_quant_fp8_diagnosis")  # a real model's numerics: arguments parsed only
 RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "kv_quant_fp8_gpu_check", "kvq_quality_table", "pool_memory_gpu",
               "readme_plot", "semanticache_audit")
@@ -188,6 +190,36 @@ def test_kvq_quality_table_pairs_each_quantised_row_with_its_bf16_row(tmp_path):
     assert (sym["tasks"], sym["samples"], sym["quantised"], sym["bf16"]) == (1, 4, 100.0, 75.0)
     assert mod.main([str(tmp_path), "--out", str(tmp_path / "t.md")]) == 0
     assert "| snapkv(0.25) | int8 | 8k | 2 | 6 | 62.50 | 50.00 | 80.0 [" in (tmp_path / "t.md").read_text()
+
+
+def test_kvpress_adakv_memory_gpu_tiny(tmp_path):
+    """The kvpress script's CPU smoke mode, run as tests/test_kvpress_peer.py runs kvpress (its own venv,
+    ``$SPARSEKV_KVPRESS_PYTHON`` or ``.venv-kvpress``): a toy Llama (2 layers, 2 KV heads of 16, fp32), 256
+    prompt tokens, 8 new. The cache's bytes against the shapes: no press holds every token; SnapKVPress(0.75
+    removed) a quarter; kvpress's AdaKV the whole prompt (it masks 75% of each layer's entries, which stay in
+    memory). The prompt and weights come from a fixed seed (0): nothing random is asserted."""
+    import subprocess
+
+    py = Path(os.environ.get("SPARSEKV_KVPRESS_PYTHON", ROOT / ".venv-kvpress" / "bin" / "python"))
+    if not py.exists():
+        pytest.fail(f"kvpress peer environment missing at {py}: run `make peer-venv` (or set SPARSEKV_KVPRESS_PYTHON)")
+    out = tmp_path / "rows.json"
+    res = subprocess.run([str(py), str(EXPERIMENTS / "kvpress_adakv_memory_gpu.py"), "--tiny", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = {r["press"]: r for r in json.loads(out.read_text())}
+    L, Hkv, D, T, new, f32 = 2, 2, 16, 256, 8, 4
+    full = L * 2 * Hkv * T * D * f32  # keys and values of every layer
+    grown = L * 2 * Hkv * new * D * f32
+    assert rows["none"]["cache_bytes_after_compress"] == full
+    assert rows["snapkv"]["cache_bytes_after_compress"] == full // 4
+    assert rows["adakv"]["cache_bytes_after_compress"] == full
+    assert rows["adakv"]["masked_entries"] == L * Hkv * T * 3 // 4
+    for r in rows.values():
+        assert r["cache_bytes_after_decode"] == r["cache_bytes_after_compress"] + grown
+        assert r["memory_allocated_after_compress"] is None  # no CUDA here
+    assert rows["none"]["masked_entries"] == rows["snapkv"]["masked_entries"] == 0
+    assert "| AdaKVPress(" in res.stdout  # the table printed
 
 
 def test_pool_memory_gpu_tiny(tmp_path, capsys):

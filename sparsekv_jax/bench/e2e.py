@@ -48,10 +48,12 @@ def memory_bytes(compiled) -> int | None:
         return None
 
 
-def decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_size: int = 16, mesh=None):
+def decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_size: int = 16, mesh=None,
+                 dtype=None):
     """A cache holding ``context`` tokens as ``policy`` leaves it after prefill (+ room for steps; the
     page summaries it reads, as `generate` allocates them); on
-    ``mesh`` (`sparsekv_jax.sharding`) built split as `generate` splits it (no device holds it whole)."""
+    ``mesh`` (`sparsekv_jax.sharding`) built split as `generate` splits it (no device holds it whole).
+    ``dtype``: of K/V (default bfloat16)."""
     import jax
     import jax.numpy as jnp
 
@@ -61,12 +63,13 @@ def decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_si
     cap = policy.compressed_capacity(context, steps)
     kept = context if cap is None else cap - steps
     capacity = context + steps if cap is None else cap
+    dtype = jnp.bfloat16 if dtype is None else dtype
 
     # built inside one jit: the empty cache's zero K/V are overwritten, so XLA never allocates
     # them (built eagerly, zeros + random draws held twice the cache: out of memory at 8k x 32)
     @jax.jit
     def build(key):
-        cache = sharding.constrain_cache(init_cache(cfg, batch, capacity, page_size=page_size, dtype=jnp.bfloat16,
+        cache = sharding.constrain_cache(init_cache(cfg, batch, capacity, page_size=page_size, dtype=dtype,
                                                     summaries=policy.page_summaries), mesh)
         k1, k2, k3 = jax.random.split(key, 3)
         L, B, H, S, D = cache.layers.k.shape
@@ -76,7 +79,7 @@ def decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_si
         # one layer at a time: drawing the whole cache at once materialises 32-bit random bits of
         # the cache's size
         def draw(key):
-            out = jax.lax.map(lambda k: jax.random.normal(k, (B, H, S, D), jnp.bfloat16), jax.random.split(key, L))
+            out = jax.lax.map(lambda k: jax.random.normal(k, (B, H, S, D), dtype), jax.random.split(key, L))
             return sharding.constrain_layers_rows_heads(out, mesh)
 
         layers = cache.layers.replace(
@@ -91,6 +94,146 @@ def decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_si
                 sharding.constrain_layers_rows_heads(observations, mesh))
 
     return build(key)
+
+
+def policy_counts(cfg, policy, context: int, batch: int, steps: int, key):
+    """``[L, B, Hkv]`` int32: the entries each (layer, row, KV head) of rows of ``context`` tokens keeps after
+    ``policy`` (bound) compresses them, drawn without a prefill; ``None`` if it keeps the prompt (full attention).
+
+    `AdaKV`: its own allocation (`AdaKV.allocate`: the joint top-``Hkv·n`` of each (layer, row) with the
+    floor, after the inner's sinks and window are forced, exactly as `BudgetAllocation.compress` calls it) on
+    random scores, one layer at a time (a layer's scores ``[B, Hkv, context]``, never all layers'): per
+    (layer, row, head) ``u ** g``, ``u`` uniform per slot and ``g = exp(N(0, 1))`` per head, so heads differ
+    in how concentrated their scores are and the split is uneven, as real heads' are (iid scores for every
+    head would split ``Hkv·n`` almost evenly). Any other compressor that keeps a count per row: every head
+    its uniform count, ``compressed_capacity - steps`` (SnapKV: ``n``). Other per-head allocators (PyramidKV,
+    whose schedule needs every layer's scores at once) are refused."""
+    import jax
+    import jax.numpy as jnp
+
+    from sparsekv_jax.policies.adakv import AdaKV, BudgetAllocation
+    from sparsekv_jax.policies.common import force_sinks_and_window, row_budgets
+
+    stage = policy.stage("compress")
+    cap = stage.compressed_capacity(context, steps)
+    if cap is None:
+        return None
+    L, H = cfg.num_layers, cfg.num_kv_heads
+    if isinstance(stage, BudgetAllocation) and not isinstance(stage, AdaKV):
+        raise ValueError(f"policy_counts: {stage.name}'s allocation is not drawn here (AdaKV's is; its "
+                         "schedule needs every layer's scores at once); use fullkv, a scored compressor or adakv(...)")
+    if not isinstance(stage, AdaKV):
+        return jnp.full((L, batch, H), cap - steps, jnp.int32)
+    inner = stage.inner
+    length = jnp.full((batch,), context, jnp.int32)
+    keep = row_budgets(inner.budget, length)
+    sinks, window = inner.forced_counts(keep)
+    forced = jnp.minimum(sinks + jnp.asarray(window, jnp.int32), keep)
+
+    @jax.jit
+    def draw(key):
+        def one(key):
+            k1, k2 = jax.random.split(key)
+            g = jnp.exp(jax.random.normal(k1, (1, batch, H, 1), jnp.float32))
+            scores = jax.random.uniform(k2, (1, batch, H, context), jnp.float32) ** g
+            scores = force_sinks_and_window(scores, length, sinks, window)
+            return stage.allocate(scores, length, keep, forced)[0]
+
+        return jax.lax.map(one, jax.random.split(key, L))
+
+    return draw(key)
+
+
+def pool_decode_cache(cfg, policy, context: int, batch: int, steps: int, key, page_size: int = 16, counts=None,
+                      dtype=None):
+    """`decode_cache` on the page pool (``Options(pool=True)``, docs/PAGE_POOL.md): a `PoolCache` holding
+    ``context`` tokens per row as ``policy`` (bound) leaves it after compression, with room for ``steps``
+    decoded tokens, sized exactly as the engine sizes it:
+
+    * a compressor: the decode pool `cache_pooled.decode_pool` of ``policy.compressed_pages(...)`` pages (the
+      function the engine calls, `engine.run._pool_pages`), heads of capacity ``compressed_capacity``, each
+      (layer, row, head) owning the pages of its count (``counts`` ``[L, B, Hkv]``, default `policy_counts`:
+      SnapKV every head ``n``, AdaKV a random split of ``Hkv·n`` by its own allocation);
+    * full attention: the prefill pool it decodes from, `cache_pooled.init_pool` of the prompt in the
+      identity layout, today's cache size ``L·B·Hkv·pages_for(context + steps)`` (pool_pages unset), every
+      head's length the prompt.
+
+    Built in one jit: the pool allocated once and its K/V filled with random bf16 a layer's share of pages at
+    a time (``ceil(N / L)`` pages per draw, `lax.fori_loop` of in-place updates: no full-size temporary;
+    free pages get random values too, which no reader sees), live slots' positions as `decode_cache` gives
+    them (logical slot ``s`` at ``s·max(1, context // kept)``, the others -1), the page summaries the policy
+    holds (`summarize_pool`). ``ValueError`` if the pool overflowed (the counts do not fit the policy's
+    bound). ``dtype``: of K/V (default bfloat16). Returns ``(pool, None)`` (the pooled decode stage is full
+    attention's: no observations)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from sparsekv_jax.cache import init_cache, pages_for
+    from sparsekv_jax.cache_pooled import decode_pool, init_pool, summarize_pool
+
+    L, H, D, ps = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size
+    dtype = jnp.bfloat16 if dtype is None else dtype
+    cap = policy.stage("compress").compressed_capacity(context, steps)
+    kept = context if cap is None else cap - steps
+    stride = max(1, context // kept)
+    if cap is not None:
+        num_pages = policy.stage("compress").compressed_pages(np.full((batch,), context), context, steps, ps, L, H)
+        counts = policy_counts(cfg, policy, context, batch, steps, key) if counts is None else counts
+        counts = jnp.asarray(counts, jnp.int32)
+        if tuple(counts.shape) != (L, batch, H):
+            raise ValueError(f"counts must be [L, B, Hkv] = {[L, batch, H]}, got shape {tuple(counts.shape)}")
+        like = jax.eval_shape(lambda: init_cache(cfg, 1, ps, page_size=ps, dtype=dtype,
+                                                 summaries=policy.page_summaries)).layers
+
+    @jax.jit
+    def build(key, counts):
+        at = jnp.full((batch,), context, jnp.int32)
+        if cap is None:
+            pool = init_pool(cfg, batch, context + steps, prompt=context, page_size=ps, dtype=dtype,
+                             summaries=policy.page_summaries)
+            pool = pool.replace(alloc=pool.alloc.replace(length=jnp.full((L * batch, H), context, jnp.int32)))
+        else:
+            pool = decode_pool(like, counts, page_size=ps, max_pages_per_head=pages_for(cap, ps),
+                               num_pages=num_pages, next_position=at)
+        N = pool.num_pages
+        C = -(-N // L)
+        kk, kv = jax.random.split(key)
+
+        def fill(c, kv_pages):
+            start = jnp.minimum(c * C, N - C)
+            return tuple(jax.lax.dynamic_update_slice_in_dim(
+                a, jax.random.normal(jax.random.fold_in(k, c), (C, ps, D), a.dtype), start, axis=0)
+                for a, k in zip(kv_pages, (kk, kv), strict=True))
+
+        k, v = jax.lax.fori_loop(0, -(-N // C), fill, (pool.pages.k, pool.pages.v))
+        # each page's logical page and its head's length, through the tables (sentinel entries dropped)
+        table = pool.alloc.table
+        logical = jnp.full((N,), -1, jnp.int32).at[table].set(
+            jnp.broadcast_to(jnp.arange(table.shape[-1], dtype=jnp.int32), table.shape), mode="drop")
+        held = jnp.zeros((N,), jnp.int32).at[table].set(
+            jnp.broadcast_to(pool.alloc.length[..., None], table.shape), mode="drop")
+        slot = logical[:, None] * ps + jnp.arange(ps, dtype=jnp.int32)
+        positions = jnp.where((logical[:, None] >= 0) & (slot < held[:, None]), slot * stride, -1)
+        pool = pool.replace(pages=pool.pages.replace(k=k, v=v, positions=positions.astype(jnp.int32)),
+                            next_position=at)
+        return summarize_pool(pool)
+
+    pool = build(key, counts)
+    if bool(pool.alloc.overflow.any()):
+        raise ValueError(f"pool_decode_cache: {policy.name}'s counts do not fit its pool of {pool.num_pages} pages")
+    return pool, None
+
+
+def restart_point(cache):
+    """What `decode_fn`'s ``start`` resets ``cache`` to before every call: ``(length, next_position)`` of a
+    uniform cache; ``(held, length, next_position)`` of a `PoolCache` whose pages were allocated by prefix sum
+    (`decode_pool`, `init_pool`: `cache_pool.allocate_after_compression`), its alloc rebuilt from them."""
+    from sparsekv_jax.cache_pooled import PoolCache
+
+    if isinstance(cache, PoolCache):
+        return cache.alloc.held, cache.alloc.length, cache.next_position
+    return cache.length, cache.next_position
 
 
 def random_weights(cfg, mesh, dtype):
@@ -121,15 +264,26 @@ def random_weights(cfg, mesh, dtype):
 
 def decode_fn(params, policy, steps: int, start=None, backend=None):
     """Jitted ``steps`` greedy decode steps, cache and policy state donated and returned (feed them
-    back). With ``start = (length, next_position)`` every call decodes from there again, else from
-    where the last call ended. ``backend``: a `Backend` (default: auto)."""
+    back). With ``start`` (`restart_point` of the cache: ``(length, next_position)``, or for a page pool
+    ``(held, length, next_position)``) every call decodes from there again, else from where the last call
+    ended. A pool's restart rebuilds its allocator (`cache_pool.allocate_after_compression` of the held
+    pages, one prefix sum over the tables per call, outside the steps): the pages the last call took go
+    back to the free stack. A `PoolCache` decodes by the engine's pooled step (`decode_step` dispatches to
+    `engine.pooled.decode_step_pool`). ``backend``: a `Backend` (default: auto)."""
     import jax
     import jax.numpy as jnp
 
+    from sparsekv_jax.cache_pool import allocate_after_compression
+    from sparsekv_jax.cache_pooled import PoolCache
     from sparsekv_jax.engine import decode_step
 
     def run(params, cache, state, token):
-        if start is not None:
+        if start is not None and isinstance(cache, PoolCache):
+            held, length, position = start
+            alloc = allocate_after_compression(held * cache.page_size, cache.page_size, cache.num_pages,
+                                               max_pages_per_head=cache.max_pages_per_head)
+            cache = cache.replace(alloc=alloc.replace(length=length), next_position=position)
+        elif start is not None:
             cache = cache.replace(length=start[0], next_position=start[1])
 
         def body(i, carry):
@@ -223,7 +377,7 @@ def run_model(model: str, grid: Grid, backend=None) -> list[dict]:
                     token = jnp.ones((B,), jnp.int32)
 
                     # the cache is donated and fed back, as in generation: one copy in memory
-                    fn = decode_fn(params, pol, steps, start=(cache.length, cache.next_position), backend=backend)
+                    fn = decode_fn(params, pol, steps, start=restart_point(cache), backend=backend)
                     compiled = fn.lower(params, cache, state, token).compile()
                     sizes = (cache.nbytes(), cache.kv_nbytes())
                     sec, carry = median_time_carry(compiled, params, (cache, state, token), iters=iters)
