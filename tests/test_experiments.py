@@ -207,3 +207,36 @@ def test_pool_memory_gpu_tiny(tmp_path, capsys):
     for r in (uni, pool):
         assert r["decode_tokens"] == 16 and len(r["decode_call_s"]) == 2 and r["decode_ms_per_token"] > 0
     assert "| adakv(snapkv(0.25)) | pool |" in capsys.readouterr().out
+
+
+def test_pool_decode_gpu_interpreted(tmp_path):
+    """The pool-decode timing script end to end on the CPU at toy size (interpreted kernels, one trial): every
+    pool configuration's output is the uniform kernel's, bit for bit, and lands in the JSON rows."""
+    out = tmp_path / "pool.json"
+    assert _module("pool_decode_gpu").main(["--lengths", "32", "--batches", "2", "--rhos", "", "--trials", "1",
+                                            "--calls", "1", "--variants", "lanes,ahead2", "--tables", "shuffled",
+                                            "--interpret", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["table"], r["variant"]) for r in rows] == [("shuffled", "lanes"), ("shuffled", "ahead2")]
+    assert all(r["max_abs_diff"] == 0.0 for r in rows)
+
+
+def test_kvq_ptx_check_finds_the_kernel_by_name_or_by_elimination(tmp_path):
+    """`kernel_ptx` picks the decode kernel among one compile's dumped PTX files: by its name where the jax version
+    keeps it (0.10.2: ``sparsekv_decode``), else as the only entry with ``mma`` (0.11.2 names it otherwise); none
+    or two such entries are an error naming what was found."""
+    mod = _module("kvq_ptx_check")
+
+    def write(name: str, text: str) -> str:
+        (tmp_path / name).write_text(text)
+        return str(tmp_path / name)
+
+    fusion = write("a.ptx", ".visible .entry loop_add_fusion(\n\tadd.f32 %f1, %f2, %f3;\n}")
+    named = write("b.ptx", ".visible .entry sparsekv_decode_pool(\n\tmma.sync.aligned.m16n8k16 x;\n}")
+    other = write("c.ptx", ".visible .entry triton_kernel_7(\n\tmma.sync.aligned.m16n8k16 y;\n}")
+    assert "sparsekv_decode_pool" in mod.kernel_ptx([fusion, named], "t")
+    assert "triton_kernel_7" in mod.kernel_ptx([fusion, other], "t")
+    with pytest.raises(RuntimeError, match="loop_add_fusion"):
+        mod.kernel_ptx([fusion], "t")
+    with pytest.raises(RuntimeError, match="triton_kernel_7"):
+        mod.kernel_ptx([fusion, other, write("d.ptx", ".visible .entry triton_kernel_8(\n\tmma.sync z;\n}")], "t")
