@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsekv_jax.pallas.decode import decode_attention, decode_attention_reference, pool_slot_mask
+from sparsekv_jax.pallas.decode import POOL_VARIANTS, decode_attention, decode_attention_reference, pool_slot_mask
 from sparsekv_jax.pallas.testing import (
     place_pages,
     poisoned_pool,
@@ -194,10 +194,11 @@ def test_pool_quantized_int8_with_zero_points(rng):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(uniform, np.float32))
 
 
-def test_pool_unmapped_entry_under_jit_reads_nothing(rng):
+@pytest.mark.parametrize("variant", POOL_VARIANTS)
+def test_pool_unmapped_entry_under_jit_reads_nothing(rng, variant):
     """Under ``jit`` (no value checks) a table entry a length reaches but holding the sentinel (or any id outside
     the pool) reads nothing, nor does a length past ``M·ps`` or a listed page past the table: the kernel matches
-    the reference, which masks them, and never reads out of bounds."""
+    the reference, which masks them, and never reads out of bounds; in every ``pool_variant``."""
     B, Hq, D, M, ps = 1, 4, 64, 3, 16  # two kv heads
     N = 8
     k, v = (jnp.asarray(rng.standard_normal((N, ps, D)), jnp.float32) for _ in range(2))
@@ -205,7 +206,7 @@ def test_pool_unmapped_entry_under_jit_reads_nothing(rng):
     table = jnp.asarray([[[3, N, 5], [-2, 1, N + 4]]], jnp.int32)
     lengths = jnp.asarray([[M * ps + 5, M * ps]], jnp.int32)
     call = jax.jit(lambda n, t, i: decode_attention(q, k, v, n, page_size=ps, page_table=t, page_ids=i,
-                                                    interpret=True, block_k=16))
+                                                    interpret=True, block_k=16, pool_variant=variant))
     dense = call(lengths, table, None)
     _check(dense, decode_attention_reference(q, k, v, lengths, page_size=ps, page_table=table), jnp.float32)
     ids = jnp.asarray([[[2, M, 0, 1], [M + 1, 1, 0, 2]]], jnp.int32)
