@@ -31,8 +31,8 @@ Page pool (issue 38): an unquantised cache (``--kv-dtypes bfloat16``, ``dequant`
         --modes dense,listed,pool_dense,pool_listed --pool-variants lanes,ahead1,ahead2
 
 (docs/PAGE_POOL.md, step 1, has the counts and what they show). The kernel is found among the PTX files that
-compile dumped, by its name (``sparsekv_decode*``, jax 0.10.2) or else as the only entry with ``mma`` (`kernel_ptx`:
-jax 0.11.2 names the Triton kernel otherwise, and the name lookup alone failed there).
+compile dumped, by its name (``sparsekv_decode*``, jax 0.10.2) or else as the only entry with ``mma`` (`kernel_ptx`;
+the name-based lookup failed under jax 0.11.2).
 """
 from __future__ import annotations
 
@@ -99,23 +99,30 @@ MODES = ("dense", "sparse", "stacked", "pool", "listed", "pool_dense", "pool_lis
 
 
 def kernel_ptx(paths: list[str], tag: str) -> str:
-    """The decode kernel's PTX among ``paths`` (the files one compile dumped): the entry named
-    ``sparsekv_decode*`` if any, else -- jax versions name the Triton kernel differently (0.11.2 is not
-    ``sparsekv_decode``) -- the only entry with ``mma`` (the decode kernel has two dots, XLA's epilogue
-    fusions none)."""
+    """The decode kernel's PTX among ``paths`` (the files one compile dumped; those that are not PTX are skipped):
+    the entry named ``sparsekv_decode*`` if there is one, else the only entry with ``mma`` (the decode kernel
+    has two dots, XLA's epilogue fusions none). A file holding several entries is cut at each ``.entry``. Under
+    jax 0.11.2 the lookup by dump-file name (``*jit_<tag>*.ptx``) and entry name (``sparsekv_decode``) failed
+    (/tmp/ptx.log of the H200 run); which name changed is not known here, so neither is relied on."""
     entries = []
     for path in paths:
-        text = open(path).read()
-        for name in re.findall(r"\.entry\s+([\w$.]+)", text):
-            entries.append((name, text))
+        try:
+            text = open(path, errors="replace").read()
+        except (IsADirectoryError, OSError):
+            continue
+        if ".entry" not in text or not re.search(r"^\s*\.target\s+sm_", text, re.M):
+            continue
+        starts = [m for m in re.finditer(r"^[^\n]*\.entry\s+([\w$.]+)", text, re.M)]
+        for i, m in enumerate(starts):
+            entries.append((m.group(1), text[m.start():starts[i + 1].start() if i + 1 < len(starts) else None]))
     named = [t for n, t in entries if "sparsekv_decode" in n]
     if len(named) == 1:
         return named[0]
     with_mma = [(n, t) for n, t in entries if re.search(r"\bmma\.sync|\bwgmma\.", t)]
     if len(with_mma) == 1:
         return with_mma[0][1]
-    raise RuntimeError(f"{tag}: compiled, but no single decode kernel among the {len(paths)} dumped PTX files "
-                       f"in {DUMP}: entries {[n for n, _ in entries]}, with mma {[n for n, _ in with_mma]}")
+    raise RuntimeError(f"{tag}: compiled, but no single decode kernel among the {len(paths)} files it dumped "
+                       f"in {DUMP}: PTX entries {[n for n, _ in entries]}, with mma {[n for n, _ in with_mma]}")
 
 
 def compile_one(dev, dequant: str, kv_dtype: str, q_dtype: str, mode: str, a: argparse.Namespace,
@@ -161,9 +168,9 @@ def compile_one(dev, dequant: str, kv_dtype: str, q_dtype: str, mode: str, a: ar
 
     tag = f"kvq_{dequant if quant else 'none'}_{kv_dtype}_{q_dtype}_{mode}_{pool_variant or ''}"
     f.__name__ = tag
-    before = set(glob.glob(os.path.join(DUMP, "**", "*.ptx"), recursive=True))
+    before = set(glob.glob(os.path.join(DUMP, "**", "*"), recursive=True))
     jax.jit(f).lower(*args).compile()
-    new = sorted(set(glob.glob(os.path.join(DUMP, "**", "*.ptx"), recursive=True)) - before)
+    new = sorted(set(glob.glob(os.path.join(DUMP, "**", "*"), recursive=True)) - before)
     return kernel_ptx(new, tag)
 
 

@@ -222,21 +222,27 @@ def test_pool_decode_gpu_interpreted(tmp_path):
 
 
 def test_kvq_ptx_check_finds_the_kernel_by_name_or_by_elimination(tmp_path):
-    """`kernel_ptx` picks the decode kernel among one compile's dumped PTX files: by its name where the jax version
-    keeps it (0.10.2: ``sparsekv_decode``), else as the only entry with ``mma`` (0.11.2 names it otherwise); none
-    or two such entries are an error naming what was found."""
+    """`kernel_ptx` picks the decode kernel among one compile's dumped files: by its name where the jax version
+    keeps it (0.10.2: ``sparsekv_decode``), else as the only PTX entry with ``mma`` (the name lookup failed under
+    0.11.2); a file of several entries is cut at each; files that are not PTX are skipped; none or two such
+    entries are an error naming what was found."""
     mod = _module("kvq_ptx_check")
 
-    def write(name: str, text: str) -> str:
-        (tmp_path / name).write_text(text)
+    def write(name: str, *entries: str) -> str:
+        (tmp_path / name).write_text(".version 8.0\n.target sm_90a\n" + "".join(
+            f".visible .entry {e}(\n)\n{{\n\t{'mma.sync.aligned.m16n8k16 x;' if 'fusion' not in e else 'add.f32 a;'}"
+            f"\n\tret;\n}}\n" for e in entries))
         return str(tmp_path / name)
 
-    fusion = write("a.ptx", ".visible .entry loop_add_fusion(\n\tadd.f32 %f1, %f2, %f3;\n}")
-    named = write("b.ptx", ".visible .entry sparsekv_decode_pool(\n\tmma.sync.aligned.m16n8k16 x;\n}")
-    other = write("c.ptx", ".visible .entry triton_kernel_7(\n\tmma.sync.aligned.m16n8k16 y;\n}")
-    assert "sparsekv_decode_pool" in mod.kernel_ptx([fusion, named], "t")
-    assert "triton_kernel_7" in mod.kernel_ptx([fusion, other], "t")
+    (tmp_path / "hlo.txt").write_text("HloModule m .entry sparsekv_decode mma.sync")  # not PTX: skipped
+    hlo = str(tmp_path / "hlo.txt")
+    fusion = write("a.ptx", "loop_add_fusion")
+    named = write("b.ptx", "sparsekv_decode_pool")
+    assert "sparsekv_decode_pool" in mod.kernel_ptx([hlo, fusion, named], "t")
+    mixed = write("c.ptx", "loop_add_fusion_2", "triton_kernel_7")  # one module, two entries
+    got = mod.kernel_ptx([hlo, fusion, mixed], "t")
+    assert got.startswith(".visible .entry triton_kernel_7") and "add.f32" not in got
     with pytest.raises(RuntimeError, match="loop_add_fusion"):
-        mod.kernel_ptx([fusion], "t")
-    with pytest.raises(RuntimeError, match="triton_kernel_7"):
-        mod.kernel_ptx([fusion, other, write("d.ptx", ".visible .entry triton_kernel_8(\n\tmma.sync z;\n}")], "t")
+        mod.kernel_ptx([hlo, fusion], "t")
+    with pytest.raises(RuntimeError, match="triton_kernel_8"):
+        mod.kernel_ptx([fusion, mixed, write("d.ptx", "triton_kernel_8")], "t")
