@@ -40,6 +40,7 @@ import argparse
 import glob
 import os
 import re
+import subprocess
 import sys
 import tempfile
 
@@ -50,6 +51,7 @@ from jax.sharding import SingleDeviceSharding
 
 from sparsekv_jax.pallas.decode import DEQUANT, POOL_VARIANTS, decode_attention
 
+LAST_DUMP: list[str] = []  # the files the last `compile_one` dumped
 DUMP = ""  # where XLA dumps the PTX: set by `main` before the first compile (not at import: importing this
 # module, e.g. from the tests, must not make every later compile of the process dump its programs)
 
@@ -171,7 +173,37 @@ def compile_one(dev, dequant: str, kv_dtype: str, q_dtype: str, mode: str, a: ar
     before = set(glob.glob(os.path.join(DUMP, "**", "*"), recursive=True))
     jax.jit(f).lower(*args).compile()
     new = sorted(set(glob.glob(os.path.join(DUMP, "**", "*"), recursive=True)) - before)
+    LAST_DUMP[:] = new
     return kernel_ptx(new, tag)
+
+
+def resources(paths: list[str], kernel: str, ptxas: str, warps: int) -> dict[str, int]:
+    """Registers per thread and spills (``ptxas -v`` on the PTX file holding ``kernel``), dynamic shared memory
+    per program (the launch in XLA's dumped thunk sequence) and the programs per SM these allow on an H100 (64K
+    registers, allocated per warp in units of 256; 228 KB shared memory, 1 KB reserved per program; 64 warps):
+    a loop that keeps one tile in flight per program has as many tiles in flight per SM as that."""
+    src = next(p for p in paths if p.endswith(".ptx") and kernel[:200] in open(p, errors="replace").read())
+    with tempfile.TemporaryDirectory() as tmp:
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                           capture_output=True, text=True, check=True)
+    name = re.search(r"\.entry\s+([\w$.]+)", kernel).group(1)
+    info = r.stderr[r.stderr.find(name):]
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    spill = sum(int(x) for x in re.findall(r"(\d+) bytes spill", info.split("Compiling entry")[0]))
+    smem = 0
+    for p in paths:
+        if p.endswith("thunk_sequence.txt"):
+            smem = max([smem, *map(int, re.findall(r"shared_memory: (\d+) bytes", open(p).read()))])
+    return {"regs": regs, "spill_B": spill, "smem_KB": smem // 1024,
+            "progs_per_SM": programs_per_sm(regs, smem, warps)}
+
+
+def programs_per_sm(regs: int, smem: int, warps: int) -> int:
+    """Programs (CTAs) of ``warps`` warps, ``regs`` registers per thread and ``smem`` bytes of shared memory one
+    H100 SM holds at once: 64K registers allocated per warp in units of 256, 228 KB of shared memory with 1 KB
+    reserved per program, 64 warps."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return min(65536 // (per_warp * warps), 228 * 1024 // (smem + 1024), 64 // warps)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--no-i2f", default="", help="variants whose PTX must hold no I2F (exit 1 otherwise)")
+    p.add_argument("--ptxas", default="", help="a ptxas binary (pip install nvidia-cuda-nvcc-cu12): also report "
+                   "registers, spills, shared memory and programs per SM (`resources`)")
     a = p.parse_args(argv)
     global DUMP
     DUMP = tempfile.mkdtemp(prefix="kvq_ptx_")  # read by XLA when the cuda backend first compiles, below
@@ -201,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"{bad}: variants are of {DEQUANT}, modes of {MODES}, pool variants of {POOL_VARIANTS}")
     dev = topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=H100).devices[0]
     print(f"jax {jax.__version__}, target {dev.device_kind}, bk{a.block_k} w{a.warps} s{a.stages}, PTX in {DUMP}")
-    cols = ["instr", *CLASSES, "magic_const"]
+    cols = ["instr", *CLASSES, "magic_const"] + (["regs", "spill_B", "smem_KB", "progs_per_SM"] if a.ptxas else [])
     print(f"{'variant':<11} {'kv':<13} {'q':<8} {'mode':<19} " + " ".join(f"{c:>11}" for c in cols))
     failed = []
     runs = []
@@ -214,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     for v, kvd, qd, mode, pv in runs:
         label = f"{v:<11} {kvd:<13} {qd:<8} {mode + (':' + pv if pv else ''):<19}"
         try:
-            c = ptx_counts(compile_one(dev, v, kvd, qd, mode, a, pv))
+            text = compile_one(dev, v, kvd, qd, mode, a, pv)
+            c = ptx_counts(text)
+            if a.ptxas:
+                c.update(resources(LAST_DUMP, text, a.ptxas, a.warps))
         except Exception as e:  # noqa: BLE001 -- a lowering error is the finding: print it, go on
             print(f"{label} FAILED: {type(e).__name__}: {str(e)[:500]}")
             failed.append((v, kvd, qd, mode, pv))

@@ -246,3 +246,14 @@ def test_kvq_ptx_check_finds_the_kernel_by_name_or_by_elimination(tmp_path):
         mod.kernel_ptx([hlo, fusion], "t")
     with pytest.raises(RuntimeError, match="triton_kernel_8"):
         mod.kernel_ptx([fusion, mixed, write("d.ptx", "triton_kernel_8")], "t")
+
+
+def test_kvq_ptx_check_programs_per_sm():
+    """Occupancy by hand (H100: 64K registers in per-warp units of 256, 228 KB shared memory + 1 KB per program):
+    8 warps of 80 registers take 20480 -> 3 programs; 98 registers round to 104 -> 26624 -> 2; 160 -> 1;
+    72 KB of shared memory allows 3 (3 x 73 KB <= 228 KB), 76 KB only 2; 4 warps of 32 registers hit the
+    shared-memory bound (228 // 41 = 5) before the registers' (16)."""
+    per_sm = _module("kvq_ptx_check").programs_per_sm
+    assert [per_sm(r, 72 * 1024, 8) for r in (80, 98, 128, 160)] == [3, 2, 2, 1]
+    assert per_sm(80, 76 * 1024, 8) == 2
+    assert per_sm(32, 40 * 1024, 4) == 5
