@@ -257,3 +257,23 @@ def test_kvq_ptx_check_programs_per_sm():
     assert [per_sm(r, 72 * 1024, 8) for r in (80, 98, 128, 160)] == [3, 2, 2, 1]
     assert per_sm(80, 76 * 1024, 8) == 2
     assert per_sm(32, 40 * 1024, 4) == 5
+
+
+def test_pool_decode_gpu_records_a_failing_variant_and_times_the_rest(tmp_path, monkeypatch):
+    """A pool variant that fails (as one that does not lower would on a GPU) becomes an error row and exit 1; the
+    uniform kernel and the other variants are still checked and timed."""
+    mod = _module("pool_decode_gpu")
+    real = mod.decode_attention
+
+    def flaky(*args, **kw):
+        if kw.get("pool_variant") == "ahead1":
+            raise RuntimeError("does not lower (test)")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(mod, "decode_attention", flaky)
+    out = tmp_path / "pool.json"
+    assert mod.main(["--lengths", "32", "--batches", "2", "--rhos", "", "--trials", "1", "--calls", "1",
+                     "--variants", "lanes,ahead1", "--tables", "identity", "--interpret", "--out", str(out)]) == 1
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    assert "does not lower (test)" in rows["ahead1"]["error"] and rows["ahead1"]["pool_us"] is None
+    assert rows["lanes"]["error"] is None and rows["lanes"]["max_abs_diff"] == 0.0 and rows["lanes"]["pool_us"] > 0
