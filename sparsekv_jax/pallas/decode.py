@@ -68,10 +68,13 @@ Design (why it looks like this):
   (jax 0.11.2, Llama-3.1-8B heads, batch 8): 1.08-1.32x the uniform kernel dense at 32k, 1.01-1.07x at
   128k. The PTX of an H100-target compile shows why: the uniform loop issues tile ``j + 1``'s K/V copies
   (``cp.async``) straight after tile ``j``'s dots, the pool loop first waits there on that tile's table
-  loads (an L2 round trip per tile, in a loop that keeps one tile in flight). ``pool_variant=``
-  ``"ahead1"`` / ``"ahead2"`` look the table up once per *page*, one / two tiles ahead, carried by the
-  loop; with two the K/V copies depend on no load of their own iteration (`POOL_VARIANTS`; untimed:
-  experiments/pool_decode_gpu.py times them against ``"lanes"``, still the default).
+  loads (an L2 round trip per tile), and ptxas gives it 98 registers against 80, so an SM holds two of its
+  programs instead of three -- in a loop that keeps one tile in flight per program, a third fewer bytes in
+  flight. ``pool_variant=`` (`POOL_VARIANTS`): ``"ahead1"`` (the default) looks the table up once per
+  *page*, one tile ahead, carried by the loop: 80 registers, three programs per SM, as the uniform kernel;
+  ``"ahead2"`` two tiles ahead, so the K/V copies depend on no load of their own iteration, but at 128
+  registers (160 listed); ``"lanes"``, the first kernel. Untimed: experiments/pool_decode_gpu.py times
+  them on a GPU.
 
 Backend: Pallas' Triton lowering with explicit compiler params; ``interpret=True`` runs
 the same kernel on CPU for tests. A Mosaic GPU version can replace `_decode_call` behind
@@ -107,7 +110,7 @@ __all__ = ["DEQUANT", "POOL_VARIANTS", "decode_attention", "decode_attention_ref
 #: `decode_attention`'s ways of dequantising a quantised cache's keys (``dequant=``; see its docstring).
 DEQUANT = ("tile_f32", "page_f32", "page_lowp", "page_q", "page_magic")
 #: pool mode's ways of finding a tile's pool slots (``pool_variant=``; the first is the default).
-POOL_VARIANTS = ("lanes", "ahead1", "ahead2")
+POOL_VARIANTS = ("ahead1", "lanes", "ahead2")
 # (block_k, num_warps, num_stages, dequant) by cache storage: bf16 the 12-point grid of
 # experiments/diary/BENCHMARKS_DIARY.md; int8 / fp8 the fastest screened configs of
 # experiments/kvq_kernel_sweep_gpu.py on an H200 (2026-11-27, docs/results/kvq_sweep_h200_2026-11-27: int8 dense
@@ -455,7 +458,7 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
                  page_size: int, scale: float, interpret: bool, block_k: int,
                  num_splits: int | None, num_warps: int, num_stages: int,
                  return_probs: bool = False, dequant: str = "tile_f32",
-                 pool_variant: str = "lanes") -> jax.Array | tuple[jax.Array, jax.Array]:
+                 pool_variant: str = "ahead1") -> jax.Array | tuple[jax.Array, jax.Array]:
     B, Hq, D = q.shape
     pooled = page_table is not None
     if pooled:  # k, v: the pool [N, ps, D]; S: the logical slots of a head, M pages (the probabilities' width)
@@ -553,7 +556,7 @@ def _decode_call_pool(qg: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Ar
                       k_scale: jax.Array | None, v_scale: jax.Array | None, k_zero: jax.Array | None, *,
                       page_size: int, scale: float, interpret: bool, ppb: int, n_splits: int, pps: int,
                       num_warps: int, num_stages: int, return_probs: bool, dequant: str = "tile_f32",
-                      pool_variant: str = "lanes") -> jax.Array | tuple[jax.Array, jax.Array]:
+                      pool_variant: str = "ahead1") -> jax.Array | tuple[jax.Array, jax.Array]:
     """`_decode_call`'s page-pool branch (traced inside its ``jit``): the same kernel over the whole
     pool, its slots mapped through ``page_table`` ``[B, Hkv, M]``. Its own function so that the
     uniform branch traces exactly as before the pool existed."""
@@ -665,8 +668,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     are one pool ``[N, ps, D]`` of head-free pages, each (row, kv head) owns the pages its table
     lists, and each has its own length; the arguments below say what changes. Pool mode is a
     separate static branch (its own kernel specialisation): the uniform call compiles exactly as
-    before. **Pool mode is checked in interpret mode only; it is not yet timed on a GPU** (migration
-    step 1's gate: decode ms/token before/after at 32k and 128k).
+    before. **Pool mode is checked in interpret mode; its default (``pool_variant="ahead1"``) is not yet
+    timed on a GPU** (the first kernel, ``"lanes"``, was: 1.08-1.32x the uniform kernel dense at 32k;
+    migration step 1's gate is 5% at 32k and 128k, docs/PAGE_POOL.md).
 
     Args:
       q: ``[B, Hq, D]`` one query per row (bf16/f16/f32).
@@ -728,11 +732,12 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         output to its tolerances (tests/test_pallas_decode_quant.py). ``None``: ``"page_lowp"``, the fastest
         on an H200 (`TUNED`).
       pool_variant: pool mode only (`POOL_VARIANTS`), how the bf16 / ``"tile_f32"`` kernel finds a tile's
-        pool slots; the same output bit for bit, different PTX (docs/PAGE_POOL.md, step 1). ``"lanes"``
-        (``None``, step 1's first kernel): a table entry per *lane*, looked up in the tile that reads it.
-        ``"ahead1"`` / ``"ahead2"``: one table entry per *page*, looked up one / two tiles ahead and carried
-        by the loop. Which is fastest is for experiments/pool_decode_gpu.py to say on a GPU (not timed
-        yet). The page-wise ``dequant`` variants look their pages up per page in the tile either way.
+        pool slots; the same output bit for bit, different PTX (docs/PAGE_POOL.md, step 1). ``"ahead1"``
+        (``None``): one table entry per *page*, looked up one tile ahead and carried by the loop (the
+        uniform kernel's registers, hence its programs per SM). ``"ahead2"``: two tiles ahead (more
+        registers). ``"lanes"`` (step 1's first kernel): a table entry per *lane*, looked up in the tile
+        that reads it. Not yet timed against each other on a GPU (experiments/pool_decode_gpu.py). The
+        page-wise ``dequant`` variants look their pages up per page in the tile either way.
 
     Returns:
       ``[B, Hq, D]`` in q's dtype; with ``return_probs`` the pair ``(out, probs)``, ``probs``
@@ -785,7 +790,7 @@ def _decode_attention_pool(q: jax.Array, k: jax.Array, v: jax.Array, lengths: ja
                            num_splits: int | None, num_warps: int, num_stages: int, return_probs: bool,
                            k_scale: jax.Array | None, v_scale: jax.Array | None,
                            k_zero: jax.Array | None, dequant: str = "tile_f32",
-                           pool_variant: str = "lanes") -> jax.Array | tuple[jax.Array, jax.Array]:
+                           pool_variant: str = "ahead1") -> jax.Array | tuple[jax.Array, jax.Array]:
     """`decode_attention` in pool mode: the checks, then the jitted call."""
     if dequant not in DEQUANT:
         raise ValueError(f"dequant={dequant!r} must be one of {DEQUANT}")
