@@ -239,3 +239,73 @@ def test_pool_memory_gpu_tiny(tmp_path, capsys):
     for r in (uni, pool):
         assert r["decode_tokens"] == 16 and len(r["decode_call_s"]) == 2 and r["decode_ms_per_token"] > 0
     assert "| adakv(snapkv(0.25)) | pool |" in capsys.readouterr().out
+
+
+def test_pool_decode_gpu_interpreted(tmp_path):
+    """The pool-decode timing script end to end on the CPU at toy size (interpreted kernels, one trial): every
+    pool configuration's output is the uniform kernel's, bit for bit, and lands in the JSON rows."""
+    out = tmp_path / "pool.json"
+    assert _module("pool_decode_gpu").main(["--lengths", "32", "--batches", "2", "--rhos", "", "--trials", "1",
+                                            "--calls", "1", "--variants", "lanes,ahead2", "--tables", "shuffled",
+                                            "--interpret", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["table"], r["variant"]) for r in rows] == [("shuffled", "lanes"), ("shuffled", "ahead2")]
+    assert all(r["max_abs_diff"] == 0.0 for r in rows)
+
+
+def test_kvq_ptx_check_finds_the_kernel_by_name_or_by_elimination(tmp_path):
+    """`kernel_ptx` picks the decode kernel among one compile's dumped files: by its name where the jax version
+    keeps it (0.10.2: ``sparsekv_decode``), else as the only PTX entry with ``mma`` (the name lookup failed under
+    0.11.2); a file of several entries is cut at each; files that are not PTX are skipped; none or two such
+    entries are an error naming what was found."""
+    mod = _module("kvq_ptx_check")
+
+    def write(name: str, *entries: str) -> str:
+        (tmp_path / name).write_text(".version 8.0\n.target sm_90a\n" + "".join(
+            f".visible .entry {e}(\n)\n{{\n\t{'mma.sync.aligned.m16n8k16 x;' if 'fusion' not in e else 'add.f32 a;'}"
+            f"\n\tret;\n}}\n" for e in entries))
+        return str(tmp_path / name)
+
+    (tmp_path / "hlo.txt").write_text("HloModule m .entry sparsekv_decode mma.sync")  # not PTX: skipped
+    hlo = str(tmp_path / "hlo.txt")
+    fusion = write("a.ptx", "loop_add_fusion")
+    named = write("b.ptx", "sparsekv_decode_pool")
+    assert "sparsekv_decode_pool" in mod.kernel_ptx([hlo, fusion, named], "t")
+    mixed = write("c.ptx", "loop_add_fusion_2", "triton_kernel_7")  # one module, two entries
+    got = mod.kernel_ptx([hlo, fusion, mixed], "t")
+    assert got.startswith(".visible .entry triton_kernel_7") and "add.f32" not in got
+    with pytest.raises(RuntimeError, match="loop_add_fusion"):
+        mod.kernel_ptx([hlo, fusion], "t")
+    with pytest.raises(RuntimeError, match="triton_kernel_8"):
+        mod.kernel_ptx([fusion, mixed, write("d.ptx", "triton_kernel_8")], "t")
+
+
+def test_kvq_ptx_check_programs_per_sm():
+    """Occupancy by hand (H100: 64K registers in per-warp units of 256, 228 KB shared memory + 1 KB per program):
+    8 warps of 80 registers take 20480 -> 3 programs; 98 registers round to 104 -> 26624 -> 2; 160 -> 1;
+    72 KB of shared memory allows 3 (3 x 73 KB <= 228 KB), 76 KB only 2; 4 warps of 32 registers hit the
+    shared-memory bound (228 // 41 = 5) before the registers' (16)."""
+    per_sm = _module("kvq_ptx_check").programs_per_sm
+    assert [per_sm(r, 72 * 1024, 8) for r in (80, 98, 128, 160)] == [3, 2, 2, 1]
+    assert per_sm(80, 76 * 1024, 8) == 2
+    assert per_sm(32, 40 * 1024, 4) == 5
+
+
+def test_pool_decode_gpu_records_a_failing_variant_and_times_the_rest(tmp_path, monkeypatch):
+    """A pool variant that fails (as one that does not lower would on a GPU) becomes an error row and exit 1; the
+    uniform kernel and the other variants are still checked and timed."""
+    mod = _module("pool_decode_gpu")
+    real = mod.decode_attention
+
+    def flaky(*args, **kw):
+        if kw.get("pool_variant") == "ahead1":
+            raise RuntimeError("does not lower (test)")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(mod, "decode_attention", flaky)
+    out = tmp_path / "pool.json"
+    assert mod.main(["--lengths", "32", "--batches", "2", "--rhos", "", "--trials", "1", "--calls", "1",
+                     "--variants", "lanes,ahead1", "--tables", "identity", "--interpret", "--out", str(out)]) == 1
+    rows = {r["variant"]: r for r in json.loads(out.read_text())}
+    assert "does not lower (test)" in rows["ahead1"]["error"] and rows["ahead1"]["pool_us"] is None
+    assert rows["lanes"]["error"] is None and rows["lanes"]["max_abs_diff"] == 0.0 and rows["lanes"]["pool_us"] > 0

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsekv_jax.pallas.decode import decode_attention, decode_attention_reference, pool_slot_mask
+from sparsekv_jax.pallas.decode import POOL_VARIANTS, decode_attention, decode_attention_reference, pool_slot_mask
 from sparsekv_jax.pallas.testing import (
     place_pages,
     poisoned_pool,
@@ -194,10 +194,11 @@ def test_pool_quantized_int8_with_zero_points(rng):
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(uniform, np.float32))
 
 
-def test_pool_unmapped_entry_under_jit_reads_nothing(rng):
+@pytest.mark.parametrize("variant", POOL_VARIANTS)
+def test_pool_unmapped_entry_under_jit_reads_nothing(rng, variant):
     """Under ``jit`` (no value checks) a table entry a length reaches but holding the sentinel (or any id outside
     the pool) reads nothing, nor does a length past ``M·ps`` or a listed page past the table: the kernel matches
-    the reference, which masks them, and never reads out of bounds."""
+    the reference, which masks them, and never reads out of bounds; in every ``pool_variant``."""
     B, Hq, D, M, ps = 1, 4, 64, 3, 16  # two kv heads
     N = 8
     k, v = (jnp.asarray(rng.standard_normal((N, ps, D)), jnp.float32) for _ in range(2))
@@ -205,7 +206,7 @@ def test_pool_unmapped_entry_under_jit_reads_nothing(rng):
     table = jnp.asarray([[[3, N, 5], [-2, 1, N + 4]]], jnp.int32)
     lengths = jnp.asarray([[M * ps + 5, M * ps]], jnp.int32)
     call = jax.jit(lambda n, t, i: decode_attention(q, k, v, n, page_size=ps, page_table=t, page_ids=i,
-                                                    interpret=True, block_k=16))
+                                                    interpret=True, block_k=16, pool_variant=variant))
     dense = call(lengths, table, None)
     _check(dense, decode_attention_reference(q, k, v, lengths, page_size=ps, page_table=table), jnp.float32)
     ids = jnp.asarray([[[2, M, 0, 1], [M + 1, 1, 0, 2]]], jnp.int32)
@@ -248,3 +249,65 @@ def test_pool_bad_input_raises(kw, match):
     with pytest.raises(ValueError, match=match):
         _pool_call(**kw)
 
+
+
+@pytest.mark.parametrize("variant", ["ahead1", "ahead2"])
+@pytest.mark.parametrize("listed", [False, True])
+def test_pool_variants_match_lanes_bit_for_bit(rng, variant, listed):
+    """``pool_variant`` changes how a tile's pool slots are found (per page, one or two tiles ahead, carried by the
+    loop), not what is read: the output and the probabilities equal the first kernel's (``"lanes"``) bit for bit
+    and match the reference, on a shuffled, NaN-poisoned pool. Tiles of 2 pages, splits of up to 3 tiles
+    (``M = 11``, 2 splits, ragged lengths): the look-ahead crosses tiles and runs past a split's end and past a
+    short head's length, where it must read nothing."""
+    B, Hq, Hkv, D, M, ps = 2, 4, 2, 32, 11, 8
+    c = _pool_case(rng, B, Hq, Hkv, D, M, ps, jnp.float32, with_bias=True)
+    sel = {}
+    if listed:
+        ids, counts = random_page_lists(rng, c["lengths"].max(axis=1), Hkv, M, ps, list_len=M - 1)
+        sel = dict(page_ids=jnp.asarray(ids), page_counts=jnp.asarray(counts))
+    lengths, table = jnp.asarray(c["lengths"]), jnp.asarray(c["table"])
+    call = lambda v: decode_attention(c["q"], c["k_pool"], c["v_pool"], lengths, page_size=ps,  # noqa: E731
+                                      page_table=table, bias=c["bias_pool"], return_probs=True, interpret=True,
+                                      block_k=2 * ps, num_splits=2, pool_variant=v, **sel)
+    out, probs = call(variant)
+    ref_out, ref_probs = decode_attention_reference(c["q"], c["k_pool"], c["v_pool"], lengths, page_size=ps,
+                                                    page_table=table, bias=c["bias_pool"], return_probs=True, **sel)
+    _check(out, ref_out, jnp.float32)
+    _check(probs, ref_probs, jnp.float32)
+    base_out, base_probs = call("lanes")
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(base_out))
+    np.testing.assert_array_equal(np.asarray(probs), np.asarray(base_probs))
+
+
+def test_pool_variant_of_an_int8_pool_tile_f32(rng):
+    """``dequant="tile_f32"`` (the kernel's per-lane scale path) shares the variants' look-ahead: an int8 pool with
+    NaN scales on unheld pages gives ``"lanes"``'s output bit for bit with ``"ahead2"``."""
+    B, Hq, Hkv, D, M, ps = 1, 4, 2, 32, 6, 8
+    lengths = random_head_lengths(rng, B, Hkv, M, ps)
+    table, held, N = shuffled_page_table(rng, lengths, M, ps)
+    codes = lambda *s: rng.integers(-127, 128, s).astype(np.int8)  # noqa: E731
+    page = lambda x: x.reshape(B, Hkv, M, ps, D)  # noqa: E731
+    k = jnp.asarray(place_pages(page(codes(B, Hkv, M * ps, D)), table, held, codes(N, ps, D)))
+    v = jnp.asarray(place_pages(page(codes(B, Hkv, M * ps, D)), table, held, codes(N, ps, D)))
+    ks = jnp.asarray(place_pages(2.0 ** rng.integers(-9, -5, (B, Hkv, M, D)), table, held, np.full((N, D), np.nan)),
+                     jnp.float32)
+    vs = jnp.asarray(place_pages(2.0 ** rng.integers(-9, -5, (B, Hkv, M)), table, held, np.full(N, np.nan)),
+                     jnp.float32)
+    q = jnp.asarray(rng.standard_normal((B, Hq, D)), jnp.bfloat16)
+    la, ta = jnp.asarray(lengths), jnp.asarray(table)
+    call = lambda v_: decode_attention(q, k, v, la, page_size=ps, page_table=ta, k_scale=ks, v_scale=vs,  # noqa
+                                       dequant="tile_f32", interpret=True, block_k=2 * ps, num_splits=1,
+                                       pool_variant=v_)
+    out = call("ahead2")
+    _check(out, decode_attention_reference(q, k, v, la, page_size=ps, page_table=ta, k_scale=ks, v_scale=vs),
+           jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(call("lanes"), np.float32))
+
+
+def test_pool_variant_bad_value_raises():
+    with pytest.raises(ValueError, match="pool_variant='tiles' must be one of"):
+        _pool_call(pool_variant="tiles")
+    a = _pool_ok()
+    with pytest.raises(ValueError, match="pool_variant='ahead2' is for pool mode"):
+        decode_attention(a["q"], jnp.zeros((2, 2, 48, 64)), jnp.zeros((2, 2, 48, 64)), jnp.full((2,), 48),
+                         page_size=16, pool_variant="ahead2", interpret=True)

@@ -64,8 +64,17 @@ Design (why it looks like this):
   head-free pages ``[N, ps, …]``; each (row, kv head) has a page table ``[M]`` and its own length. The
   same kernel (flag ``pooled``) computes *logical* slots as above, maps each lane's page through the
   table (one more int load per lane) and loads at ``phys·ps + lane % ps``; probabilities are stored at
-  the logical slot. A separate static branch: the uniform call traces as before. Not yet timed on a
-  GPU.
+  the logical slot. A separate static branch: the uniform call traces as before. Timed on an H200
+  (jax 0.11.2, Llama-3.1-8B heads, batch 8): 1.08-1.32x the uniform kernel dense at 32k, 1.01-1.07x at
+  128k. The PTX of an H100-target compile shows why: the uniform loop issues tile ``j + 1``'s K/V copies
+  (``cp.async``) straight after tile ``j``'s dots, the pool loop first waits there on that tile's table
+  loads (an L2 round trip per tile), and ptxas gives it 98 registers against 80, so an SM holds two of its
+  programs instead of three -- in a loop that keeps one tile in flight per program, a third fewer bytes in
+  flight. ``pool_variant=`` (`POOL_VARIANTS`): ``"ahead1"`` (the default) looks the table up once per
+  *page*, one tile ahead, carried by the loop: 80 registers, three programs per SM, as the uniform kernel;
+  ``"ahead2"`` two tiles ahead, so the K/V copies depend on no load of their own iteration, but at 128
+  registers (160 listed); ``"lanes"``, the first kernel. Untimed: experiments/pool_decode_gpu.py times
+  them on a GPU.
 
 Backend: Pallas' Triton lowering with explicit compiler params; ``interpret=True`` runs
 the same kernel on CPU for tests. A Mosaic GPU version can replace `_decode_call` behind
@@ -95,11 +104,13 @@ from sparsekv_jax.pallas._common import (
 )
 from sparsekv_jax.pallas.validation import check_decode_args, check_pool_decode_args, is_concrete
 
-__all__ = ["DEQUANT", "decode_attention", "decode_attention_reference", "decode_plan", "magic_int8_to_f32",
-           "pool_slot_mask"]
+__all__ = ["DEQUANT", "POOL_VARIANTS", "decode_attention", "decode_attention_reference", "decode_plan",
+           "magic_int8_to_f32", "pool_slot_mask"]
 
 #: `decode_attention`'s ways of dequantising a quantised cache's keys (``dequant=``; see its docstring).
 DEQUANT = ("tile_f32", "page_f32", "page_lowp", "page_q", "page_magic")
+#: pool mode's ways of finding a tile's pool slots (``pool_variant=``; the first is the default).
+POOL_VARIANTS = ("ahead1", "lanes", "ahead2")
 # (block_k, num_warps, num_stages, dequant) by cache storage: bf16 the 12-point grid of
 # experiments/diary/BENCHMARKS_DIARY.md; int8 / fp8 the fastest screened configs of
 # experiments/kvq_kernel_sweep_gpu.py on an H200 (2026-11-27, docs/results/kvq_sweep_h200_2026-11-27: int8 dense
@@ -162,7 +173,7 @@ def decode_plan(num_listed_pages: int, page_size: int, batch: int, kv_heads: int
 def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool, page_size: int, ppb: int,
                    pages_per_split: int, qk_scale: float, f32_dot: bool, block_h: int, store_logits: bool,
                    quantized: bool = False, has_zero: bool = False, pooled: bool = False,
-                   dequant: str = "tile_f32") -> None:
+                   dequant: str = "tile_f32", pool_variant: str = "lanes") -> None:
     """One program = one (row b, kv head h, split s): online softmax over its chunk.
 
     With ``store_logits`` it also writes each valid slot's scaled logit (log2 units, bias
@@ -174,7 +185,9 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
     lengths are per (row, kv head), and a ``table_ref`` ``[M]`` (this head's page table) follows them:
     the slots the dense / listed branches compute are *logical*, each lane's page is mapped through
     the table (sentinel or out-of-range entries read nothing) and the loads use the physical slot;
-    the logits are stored at the logical slot.
+    the logits are stored at the logical slot. ``pool_variant`` (`POOL_VARIANTS`; bf16 and
+    ``"tile_f32"`` only): ``"lanes"`` maps each lane in the tile that reads it (`lanes`); ``"ahead1"`` /
+    ``"ahead2"`` map a tile's pages (`tile_pages`) one / two tiles ahead and carry them (`body_ahead`).
 
     ``dequant`` (quantised caches only, `DEQUANT`): how a key tile is dequantised. ``"tile_f32"``
     gathers the scales (and zero points) once per *lane* as ``[block_k, D]`` tiles and works in float32;
@@ -231,8 +244,9 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
         end = jnp.minimum(start + pages_per_split, count)
         n_iter = lax.div(jnp.maximum(end - start, 0) + ppb - 1, ppb)
 
-    def body(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
-        acc, m_prev, l_prev = carry
+    def lanes(j: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Tile ``j``'s lanes ``(slot, valid, logical)`` the per-lane way (pool mode: each lane's page looked
+        up in the table in this tile, ``pool_variant="lanes"``); ``logical``: the slot before the table."""
         if dense:
             slot = start + j * block_k + lane
             valid = slot < end
@@ -251,6 +265,15 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
             valid = valid & (phys >= 0) & (phys < n_pool)  # "no page" (the sentinel N) reads nothing
             slot = phys * page_size + lane % page_size
         slot = jnp.where(valid, slot, 0)
+        return slot, valid, logical if pooled else slot
+
+    def body(j: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]):
+        return attend(carry, *lanes(j))
+
+    def attend(carry: tuple[jax.Array, jax.Array, jax.Array], slot: jax.Array, valid: jax.Array,
+               logical: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One tile of the online softmax over the lanes ``slot`` (physical, 0 where not ``valid``)."""
+        acc, m_prev, l_prev = carry
         # Index with two broadcasting int arrays (not ``slot, :``): interpret mode only
         # discharges all-array gathers, and Triton sees the column iota as contiguous.
         rows = slot[:, None]
@@ -272,7 +295,7 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
             v_scale = plgpu.load(vs_ref.at[at_v], mask=valid, other=0.0).astype(jnp.float32)
             vt = jnp.where(valid[:, None], vt.astype(jnp.float32), 0.0).astype(q.dtype)
         logits = plgpu.dot(q, kt, trans_b=True, precision=precision) * qk_scale  # [block_h, block_k], log2 units
-        logits = finish_logits(logits, slot, valid, logical if pooled else slot)
+        logits = finish_logits(logits, slot, valid, logical)
         m_next = jnp.maximum(m_prev, logits.max(axis=-1))
         alpha = jnp.exp2(m_prev - m_next)
         p = jnp.exp2(logits - m_next[:, None])
@@ -280,6 +303,26 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
         pw = p * v_scale[None, :] if quantized else p
         pv = plgpu.dot(pw.astype(vt.dtype), vt, precision=precision)
         return acc * alpha[:, None] + pv, m_next, l_next
+
+    def pool_lanes(lpage: jax.Array, page: jax.Array, ok: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Pool mode, ``pool_variant="ahead*"``: a tile's lanes ``(slot, valid, logical)`` from its ``ppb``
+        pages as `tile_pages` gives them (one table entry per page, not per lane), broadcast to their lanes."""
+        to_lanes = lambda x: jnp.broadcast_to(x[:, None], (ppb, page_size)).reshape(block_k)  # noqa: E731
+        in_page = lane % page_size
+        logical = to_lanes(lpage) * page_size + in_page
+        valid = to_lanes(ok) & (logical < length)  # dense: a read page lies below the split's end
+        return jnp.where(valid, to_lanes(page) * page_size + in_page, 0), valid, logical
+
+    def body_ahead(j: jax.Array, carry: tuple[jax.Array, ...]):
+        """``pool_variant="ahead1"`` / ``"ahead2"``: tile ``j``'s lanes come in the carry (``carry[3:6]``), so
+        its K/V loads wait on no table load of this iteration. ``ahead1`` looks tile ``j + 1``'s pages up
+        here; ``ahead2`` carries tile ``j + 1``'s pages too (``carry[6:9]``), turns them into lanes here and
+        looks up tile ``j + 2``'s. Past the chunk nothing is valid and nothing is read."""
+        out = attend(carry[:3], *carry[3:6])
+        pages = jnp.arange(ppb, dtype=jnp.int32)
+        if len(carry) == 6:
+            return (*out, *pool_lanes(*tile_pages(j + 1, pages)))
+        return (*out, *pool_lanes(*carry[6:9]), *tile_pages(j + 2, pages))
 
     def finish_logits(logits: jax.Array, slot: jax.Array, valid: jax.Array, logical: jax.Array) -> jax.Array:
         """A tile's scaled logits ``[block_h, n]``: + bias, -inf where not ``valid``, stored (``return_probs``)
@@ -391,8 +434,15 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
             jnp.full((block_h,), M_INIT, jnp.float32),
             jnp.zeros((block_h,), jnp.float32))
     if quantized and dequant != "tile_f32":
-        body = body_q if dequant == "page_q" else body_pages
-    acc, m, l = lax.fori_loop(0, n_iter, body, init)
+        acc, m, l = lax.fori_loop(0, n_iter, body_q if dequant == "page_q" else body_pages, init)
+    elif pooled and pool_variant != "lanes":
+        pages = jnp.arange(ppb, dtype=jnp.int32)
+        ahead = [*pool_lanes(*tile_pages(jnp.int32(0), pages))]
+        if pool_variant == "ahead2":
+            ahead += tile_pages(jnp.int32(1), pages)
+        acc, m, l, *_ = lax.fori_loop(0, n_iter, body_ahead, (*init, *ahead))
+    else:
+        acc, m, l = lax.fori_loop(0, n_iter, body, init)
     o_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
@@ -400,14 +450,15 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
 
 @functools.partial(jax.jit, static_argnames=(
     "page_size", "scale", "interpret", "block_k", "num_splits", "num_warps", "num_stages", "return_probs",
-    "dequant"))
+    "dequant", "pool_variant"))
 def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
                  page_ids: jax.Array | None, page_counts: jax.Array | None, bias: jax.Array | None,
                  layer: jax.Array | None, k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
                  k_zero: jax.Array | None = None, page_table: jax.Array | None = None, *,
                  page_size: int, scale: float, interpret: bool, block_k: int,
                  num_splits: int | None, num_warps: int, num_stages: int,
-                 return_probs: bool = False, dequant: str = "tile_f32") -> jax.Array | tuple[jax.Array, jax.Array]:
+                 return_probs: bool = False, dequant: str = "tile_f32",
+                 pool_variant: str = "ahead1") -> jax.Array | tuple[jax.Array, jax.Array]:
     B, Hq, D = q.shape
     pooled = page_table is not None
     if pooled:  # k, v: the pool [N, ps, D]; S: the logical slots of a head, M pages (the probabilities' width)
@@ -428,7 +479,7 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
         return _decode_call_pool(qg, k, v, lengths, page_table, page_ids, page_counts, bias, k_scale, v_scale,
                                  k_zero, page_size=page_size, scale=scale, interpret=interpret, ppb=ppb,
                                  n_splits=n_splits, pps=pps, num_warps=num_warps, num_stages=num_stages,
-                                 return_probs=return_probs, dequant=dequant)
+                                 return_probs=return_probs, dequant=dequant, pool_variant=pool_variant)
     args = [qg, k, v, lengths.astype(jnp.int32)]
     if stacked:  # the block holds this (row, head) of every layer; the kernel picks the layer
         kv_spec = pl.BlockSpec((L, None, None, S, D), lambda b, h, s: (0, b, h, 0, 0))
@@ -504,8 +555,8 @@ def _decode_call_pool(qg: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Ar
                       page_ids: jax.Array | None, page_counts: jax.Array | None, bias: jax.Array | None,
                       k_scale: jax.Array | None, v_scale: jax.Array | None, k_zero: jax.Array | None, *,
                       page_size: int, scale: float, interpret: bool, ppb: int, n_splits: int, pps: int,
-                      num_warps: int, num_stages: int, return_probs: bool,
-                      dequant: str = "tile_f32") -> jax.Array | tuple[jax.Array, jax.Array]:
+                      num_warps: int, num_stages: int, return_probs: bool, dequant: str = "tile_f32",
+                      pool_variant: str = "ahead1") -> jax.Array | tuple[jax.Array, jax.Array]:
     """`_decode_call`'s page-pool branch (traced inside its ``jit``): the same kernel over the whole
     pool, its slots mapped through ``page_table`` ``[B, Hkv, M]``. Its own function so that the
     uniform branch traces exactly as before the pool existed."""
@@ -542,7 +593,7 @@ def _decode_call_pool(qg: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Ar
         _decode_kernel, dense=dense, has_bias=bias is not None, stacked=False, page_size=page_size, ppb=ppb,
         pages_per_split=pps, qk_scale=scale * LOG2E, f32_dot=qg.dtype == jnp.float32, block_h=block_h,
         store_logits=return_probs, quantized=quantized, has_zero=k_zero is not None, pooled=True,
-        dequant=dequant)
+        dequant=dequant, pool_variant=pool_variant)
     S = M * page_size  # a head's logical slots
     out_specs = [
         pl.BlockSpec((None, None, None, block_h, D), lambda b, h, s: (b, h, s, 0, 0)),
@@ -608,8 +659,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                      block_k: int | None = None, num_splits: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None, return_probs: bool = False, k_scale: jax.Array | None = None,
                      v_scale: jax.Array | None = None, k_zero: jax.Array | None = None,
-                     page_table: jax.Array | None = None,
-                     dequant: str | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+                     page_table: jax.Array | None = None, dequant: str | None = None,
+                     pool_variant: str | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
     """GQA decode attention over a per-(row, kv head) subset of cache pages.
 
     Two layouts. *Uniform* (``page_table=None``, today's cache): ``k``/``v`` ``[B, Hkv, S, D]``,
@@ -617,8 +668,9 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     are one pool ``[N, ps, D]`` of head-free pages, each (row, kv head) owns the pages its table
     lists, and each has its own length; the arguments below say what changes. Pool mode is a
     separate static branch (its own kernel specialisation): the uniform call compiles exactly as
-    before. **Pool mode is checked in interpret mode only; it is not yet timed on a GPU** (migration
-    step 1's gate: decode ms/token before/after at 32k and 128k).
+    before. **Pool mode is checked in interpret mode; its default (``pool_variant="ahead1"``) is not yet
+    timed on a GPU** (the first kernel, ``"lanes"``, was: 1.08-1.32x the uniform kernel dense at 32k;
+    migration step 1's gate is 5% at 32k and 128k, docs/PAGE_POOL.md).
 
     Args:
       q: ``[B, Hq, D]`` one query per row (bf16/f16/f32).
@@ -679,6 +731,13 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         fall back to ``"page_lowp"``. Untimed (issue 39: for the next GPU sweep). All give the reference's
         output to its tolerances (tests/test_pallas_decode_quant.py). ``None``: ``"page_lowp"``, the fastest
         on an H200 (`TUNED`).
+      pool_variant: pool mode only (`POOL_VARIANTS`), how the bf16 / ``"tile_f32"`` kernel finds a tile's
+        pool slots; the same output bit for bit, different PTX (docs/PAGE_POOL.md, step 1). ``"ahead1"``
+        (``None``): one table entry per *page*, looked up one tile ahead and carried by the loop (the
+        uniform kernel's registers, hence its programs per SM). ``"ahead2"``: two tiles ahead (more
+        registers). ``"lanes"`` (step 1's first kernel): a table entry per *lane*, looked up in the tile
+        that reads it. Not yet timed against each other on a GPU (experiments/pool_decode_gpu.py). The
+        page-wise ``dequant`` variants look their pages up per page in the tile either way.
 
     Returns:
       ``[B, Hq, D]`` in q's dtype; with ``return_probs`` the pair ``(out, probs)``, ``probs``
@@ -692,12 +751,15 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         beyond the list, duplicate ids, lengths out of range.
     """
     block_k, num_warps, num_stages, dequant = tuned(k.dtype, block_k, num_warps, num_stages, dequant)
+    if page_table is None and pool_variant is not None:
+        raise ValueError(f"pool_variant={pool_variant!r} is for pool mode (page_table=) only")
     if page_table is not None:
         return _decode_attention_pool(q, k, v, lengths, page_table, page_size=page_size, page_ids=page_ids,
                                       page_counts=page_counts, bias=bias, layer=layer, scale=scale,
                                       interpret=interpret, block_k=block_k, num_splits=num_splits,
                                       num_warps=num_warps, num_stages=num_stages, return_probs=return_probs,
-                                      k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, dequant=dequant)
+                                      k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, dequant=dequant,
+                                      pool_variant=POOL_VARIANTS[0] if pool_variant is None else pool_variant)
     if dequant not in DEQUANT:
         raise ValueError(f"dequant={dequant!r} must be one of {DEQUANT}")
     k_like, v_like = _check_quantized(q, k, v, k_scale, v_scale, page_size, k_zero)
@@ -727,11 +789,13 @@ def _decode_attention_pool(q: jax.Array, k: jax.Array, v: jax.Array, lengths: ja
                            bias: jax.Array | None, layer: Any, scale: float | None, interpret: bool, block_k: int,
                            num_splits: int | None, num_warps: int, num_stages: int, return_probs: bool,
                            k_scale: jax.Array | None, v_scale: jax.Array | None,
-                           k_zero: jax.Array | None,
-                           dequant: str = "tile_f32") -> jax.Array | tuple[jax.Array, jax.Array]:
+                           k_zero: jax.Array | None, dequant: str = "tile_f32",
+                           pool_variant: str = "ahead1") -> jax.Array | tuple[jax.Array, jax.Array]:
     """`decode_attention` in pool mode: the checks, then the jitted call."""
     if dequant not in DEQUANT:
         raise ValueError(f"dequant={dequant!r} must be one of {DEQUANT}")
+    if pool_variant not in POOL_VARIANTS:
+        raise ValueError(f"pool_variant={pool_variant!r} must be one of {POOL_VARIANTS}")
     if layer is not None:
         raise ValueError("layer= indexes a stacked uniform cache; with page_table the pool holds every layer: "
                          "pass that layer's tables and lengths (table[l], length[l]) instead")
@@ -745,7 +809,8 @@ def _decode_attention_pool(q: jax.Array, k: jax.Array, v: jax.Array, lengths: ja
     return _decode_call(q, k, v, lengths, page_ids, page_counts, bias, None, k_scale, v_scale, k_zero, page_table,
                         page_size=page_size, scale=float(scale), interpret=interpret, block_k=block_k,
                         num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-                        return_probs=bool(return_probs), **({"dequant": dequant} if k_scale is not None else {}))
+                        return_probs=bool(return_probs), pool_variant=pool_variant,
+                        **({"dequant": dequant} if k_scale is not None else {}))
 
 
 def _check_quantized_pool(q: jax.Array, k: jax.Array, v: jax.Array, k_scale: jax.Array | None,
