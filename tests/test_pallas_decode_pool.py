@@ -279,6 +279,29 @@ def test_pool_variants_match_lanes_bit_for_bit(rng, variant, listed):
     np.testing.assert_array_equal(np.asarray(probs), np.asarray(base_probs))
 
 
+@pytest.mark.parametrize("listed", [False, True])
+def test_default_pool_variant_is_the_faster_measured_one(rng, listed):
+    """``pool_variant=None`` compiles the variant the H200 measured faster for the call's mode (2026-11-27,
+    docs/PAGE_POOL.md step 1): ``"ahead1"`` reading every page, ``"lanes"`` reading listed pages -- the program
+    (jaxpr) of the default call is the named variant's and differs from the other's."""
+    B, Hq, Hkv, D, M, ps = 1, 4, 2, 32, 6, 8
+    c = _pool_case(rng, B, Hq, Hkv, D, M, ps, jnp.float32, with_bias=False)
+    sel = {}
+    if listed:
+        ids, counts = random_page_lists(rng, c["lengths"].max(axis=1), Hkv, M, ps, list_len=M - 1)
+        sel = dict(page_ids=jnp.asarray(ids), page_counts=jnp.asarray(counts))
+    lengths, table = jnp.asarray(c["lengths"]), jnp.asarray(c["table"])
+
+    def program(**variant):
+        return str(jax.make_jaxpr(lambda q: decode_attention(q, c["k_pool"], c["v_pool"], lengths, page_size=ps,
+                                                             page_table=table, interpret=True, block_k=2 * ps,
+                                                             num_splits=1, **variant, **sel))(c["q"]))
+
+    chosen, other = ("lanes", "ahead1") if listed else ("ahead1", "lanes")
+    assert program() == program(pool_variant=chosen)
+    assert program() != program(pool_variant=other)
+
+
 def test_pool_variant_of_an_int8_pool_tile_f32(rng):
     """``dequant="tile_f32"`` (the kernel's per-lane scale path) shares the variants' look-ahead: an int8 pool with
     NaN scales on unheld pages gives ``"lanes"``'s output bit for bit with ``"ahead2"``."""

@@ -70,11 +70,11 @@ Design (why it looks like this):
   (``cp.async``) straight after tile ``j``'s dots, the pool loop first waits there on that tile's table
   loads (an L2 round trip per tile), and ptxas gives it 98 registers against 80, so an SM holds two of its
   programs instead of three -- in a loop that keeps one tile in flight per program, a third fewer bytes in
-  flight. ``pool_variant=`` (`POOL_VARIANTS`): ``"ahead1"`` (the default) looks the table up once per
+  flight. ``pool_variant=`` (`POOL_VARIANTS`; `default_pool_variant`): ``"ahead1"`` looks the table up once per
   *page*, one tile ahead, carried by the loop: 80 registers, three programs per SM, as the uniform kernel;
   ``"ahead2"`` two tiles ahead, so the K/V copies depend on no load of their own iteration, but at 128
-  registers (160 listed); ``"lanes"``, the first kernel. Untimed: experiments/pool_decode_gpu.py times
-  them on a GPU.
+  registers (160 listed); ``"lanes"``, the first kernel. Timed on an H200 (experiments/pool_decode_gpu.py,
+  2026-11-27): ``"ahead1"`` is the faster reading every page, ``"lanes"`` reading listed pages.
 
 Backend: Pallas' Triton lowering with explicit compiler params; ``interpret=True`` runs
 the same kernel on CPU for tests. A Mosaic GPU version can replace `_decode_call` behind
@@ -105,12 +105,21 @@ from sparsekv_jax.pallas._common import (
 from sparsekv_jax.pallas.validation import check_decode_args, check_pool_decode_args, is_concrete
 
 __all__ = ["DEQUANT", "POOL_VARIANTS", "decode_attention", "decode_attention_reference", "decode_plan",
+           "default_pool_variant",
            "magic_int8_to_f32", "pool_slot_mask"]
 
 #: `decode_attention`'s ways of dequantising a quantised cache's keys (``dequant=``; see its docstring).
 DEQUANT = ("tile_f32", "page_f32", "page_lowp", "page_q", "page_magic")
-#: pool mode's ways of finding a tile's pool slots (``pool_variant=``; the first is the default).
+#: pool mode's ways of finding a tile's pool slots (``pool_variant=``; `default_pool_variant` picks one).
 POOL_VARIANTS = ("ahead1", "lanes", "ahead2")
+
+
+def default_pool_variant(page_ids: jax.Array | None) -> str:
+    """Pool mode's ``pool_variant`` when none is given, by what an H200 measured (2026-11-27,
+    docs/PAGE_POOL.md step 1): ``"ahead1"`` reading every page (dense: 1.04-1.05x the uniform kernel at
+    32k against ``"lanes"``' 1.06-1.08x), ``"lanes"`` reading listed pages (at 128k, 25% of pages:
+    1.05-1.06x against ``"ahead1"``'s 1.21-1.33x)."""
+    return "ahead1" if page_ids is None else "lanes"
 # (block_k, num_warps, num_stages, dequant) by cache storage: bf16 the 12-point grid of
 # experiments/diary/BENCHMARKS_DIARY.md; int8 / fp8 the fastest screened configs of
 # experiments/kvq_kernel_sweep_gpu.py on an H200 (2026-11-27, docs/results/kvq_sweep_h200_2026-11-27: int8 dense
@@ -668,9 +677,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
     are one pool ``[N, ps, D]`` of head-free pages, each (row, kv head) owns the pages its table
     lists, and each has its own length; the arguments below say what changes. Pool mode is a
     separate static branch (its own kernel specialisation): the uniform call compiles exactly as
-    before. **Pool mode is checked in interpret mode; its default (``pool_variant="ahead1"``) is not yet
-    timed on a GPU** (the first kernel, ``"lanes"``, was: 1.08-1.32x the uniform kernel dense at 32k;
-    migration step 1's gate is 5% at 32k and 128k, docs/PAGE_POOL.md).
+    before. On an H200 pool mode costs 1.02-1.08x the uniform kernel on the same bytes (dense and 25% of
+    pages, 32k and 128k; `default_pool_variant`; migration step 1's gate is 5%, docs/PAGE_POOL.md).
 
     Args:
       q: ``[B, Hq, D]`` one query per row (bf16/f16/f32).
@@ -732,12 +740,13 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
         output to its tolerances (tests/test_pallas_decode_quant.py). ``None``: ``"page_lowp"``, the fastest
         on an H200 (`TUNED`).
       pool_variant: pool mode only (`POOL_VARIANTS`), how the bf16 / ``"tile_f32"`` kernel finds a tile's
-        pool slots; the same output bit for bit, different PTX (docs/PAGE_POOL.md, step 1). ``"ahead1"``
-        (``None``): one table entry per *page*, looked up one tile ahead and carried by the loop (the
-        uniform kernel's registers, hence its programs per SM). ``"ahead2"``: two tiles ahead (more
-        registers). ``"lanes"`` (step 1's first kernel): a table entry per *lane*, looked up in the tile
-        that reads it. Not yet timed against each other on a GPU (experiments/pool_decode_gpu.py). The
-        page-wise ``dequant`` variants look their pages up per page in the tile either way.
+        pool slots; the same output bit for bit, different PTX (docs/PAGE_POOL.md, step 1). ``"ahead1"``:
+        one table entry per *page*, looked up one tile ahead and carried by the loop (the uniform kernel's
+        registers, hence its programs per SM). ``"ahead2"``: two tiles ahead (more registers). ``"lanes"``
+        (step 1's first kernel): a table entry per *lane*, looked up in the tile that reads it. ``None``:
+        `default_pool_variant` (``"ahead1"`` dense, ``"lanes"`` with ``page_ids``: the faster of each on
+        an H200, experiments/pool_decode_gpu.py). The page-wise ``dequant`` variants look their pages up
+        per page in the tile either way.
 
     Returns:
       ``[B, Hq, D]`` in q's dtype; with ``return_probs`` the pair ``(out, probs)``, ``probs``
@@ -759,7 +768,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Arra
                                       interpret=interpret, block_k=block_k, num_splits=num_splits,
                                       num_warps=num_warps, num_stages=num_stages, return_probs=return_probs,
                                       k_scale=k_scale, v_scale=v_scale, k_zero=k_zero, dequant=dequant,
-                                      pool_variant=POOL_VARIANTS[0] if pool_variant is None else pool_variant)
+                                      pool_variant=default_pool_variant(page_ids) if pool_variant is None
+                                      else pool_variant)
     if dequant not in DEQUANT:
         raise ValueError(f"dequant={dequant!r} must be one of {DEQUANT}")
     k_like, v_like = _check_quantized(q, k, v, k_scale, v_scale, page_size, k_zero)
