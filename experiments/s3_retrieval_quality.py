@@ -283,12 +283,14 @@ def markdown(summary: dict[str, Any], methods: Sequence[str], note: str = "") ->
 
 def gpu_command(lengths: Sequence[int] = (16384, 32768)) -> str:
     """The Qwen2.5-Coder-1.5B runs of issue 37's Show (bf16, its SAEs as a .safetensors path)."""
-    cmds = []
+    cmds = ["# needs Qwen2.5-Coder-1.5B SAEs (head_dim 128) as SAES_QWEN.safetensors (none are shipped yet)",
+            "# and, for the DenseRAG row, pip install 'sparsekv-jax[rag]'; --max-minutes 8 fits a 10-minute",
+            "# device call: rerun a line (it resumes) until its summary.md shows n = 10 for every task"]
     for n in lengths:
         k = n // 1024
         cmds.append(f"python experiments/s3_retrieval_quality.py --model qwen2.5-coder-1.5b --dtype bfloat16 "
                     f"--length {n} --ruler-length {n} --n 10 --budget 2048 --chunk 4096 --pad 1024 "
-                    f"--saes paper=SAES_QWEN.safetensors --max-minutes 150 "
+                    f"--saes paper=SAES_QWEN.safetensors --max-minutes 8 "
                     f"--out docs/results/s3_retrieval_qwen2.5-coder-1.5b_{k}k_h200")
     return "\n".join(cmds)
 

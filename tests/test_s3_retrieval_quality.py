@@ -54,12 +54,13 @@ def test_recall_kl_and_arguments():
 
 @pytest.mark.usefixtures("optimized_xla")  # a real model: its programs compiled optimized
 def test_toy_run_on_smollm2(tmp_path):
-    """One RULER needle sample (512 tokens, seed 0) with a 96-token budget, two names for the shipped SAEs."""
+    """One RULER needle sample (512 tokens, seed 0) with a 96-token budget, two names for the shipped SAEs.
+    Every prompt is padded to one width (``--pad 1024``): each program compiles once."""
     mod = _module()
     out = tmp_path / "run"
     args = ["--longbench", "", "--ruler", "niah_single_1@words", "--length", "512", "--n", "1", "--seed", "0",
             "--budget", "96", "--max-new", "8", "--saes", "a=shipped:smollm2", "--saes", "b=shipped:smollm2",
-            "--rag-passage", "0", "--pad", "128", "--no-progress", "--out", str(out)]
+            "--rag-passage", "0", "--pad", "1024", "--no-progress", "--out", str(out)]
     assert mod.main(args) == 0
     (rec,) = [json.loads(line) for line in (out / "records.jsonl").open()]
     assert rec["task"] == "niah_single_1@words" and rec["full"]["recall"] == 1.0  # the needle is in the prompt
@@ -90,7 +91,7 @@ def test_toy_run_on_smollm2(tmp_path):
     from sparsekv_jax.policies import BM25Retrieval
 
     params, tok = load("smollm2", progress=False)
-    setting = mod.Setting(params, tok, 128, 8)
+    setting = mod.Setting(params, tok, 1024, 8)
     (group,) = build_groups("ruler", ["niah_single_1@words"], [512], 1, 0, tok, setting.limit, None, None)[1]
     prep = mod.Prepared(setting, group.samples[0])
     assert prep.full == rec["full"]
