@@ -20,9 +20,11 @@ needle value type (``--ruler``; ``niah_single_2@words`` etc., `sparsekv_jax.eval
 Samples are taken round-robin over the tasks, so a run cut by ``--max-minutes`` still covers every
 task; each record is appended to ``records.jsonl`` and a rerun with the same ``--out`` resumes.
 ``summary.md`` / ``summary.json``: per group (LongBench QA, RULER QA, needles per value type, all)
-each method's mean score / recall / KL / NLL / kept tokens, and per SAE set the paired bootstrap
-95% interval of S3Hybrid's recall minus BM25's (`sparsekv_jax.eval.report.paired_bootstrap`,
-stratified by task; in points of recall x 100).
+each method's mean score / recall / KL / NLL / kept tokens; paired bootstrap 95% intervals
+(`sparsekv_jax.eval.report.paired_bootstrap`, in points of recall x 100) of S3Hybrid's recall minus
+BM25's per SAE set and, with several sets, of each set's S3Pure / S3Hybrid recall minus the first
+set's. The group's samples are resampled as one column (not stratified by task: a task with one
+sample would add no variance), so the estimate is the table's plain mean over samples.
 
 CPU (SmolLM2 fp32, shipped against another SAE set; docs/results/s3_saes_smollm2_cpu):
 
@@ -223,12 +225,21 @@ def evaluate_sample(setting: Setting, sample: Any, methods: dict[str, Any],
     return rec
 
 
-def summarize(records: Sequence[dict[str, Any]], methods: Sequence[str], sae_names: Sequence[str],
-              resamples: int = 2000, seed: int = 0) -> dict[str, Any]:
-    """Per group: n, full context's score / NLL / recall, each method's means, and per SAE set the
-    paired bootstrap of S3Hybrid's recall minus BM25's (columns: the group's tasks)."""
+def recall_interval(records: Sequence[dict[str, Any]], policy: str, reference: str, resamples: int = 2000,
+                    seed: int = 0) -> dict[str, list[float]]:
+    """Paired bootstrap 95% interval of ``policy``'s answer recall minus ``reference``'s over
+    ``records`` (one column: the samples resampled together), in points (recall x 100)."""
     from sparsekv_jax.eval.report import paired_bootstrap
 
+    bs = paired_bootstrap({"recall": [r[policy]["recall"] for r in records]},
+                          {"recall": [r[reference]["recall"] for r in records]}, resamples=resamples, seed=seed)
+    return {"difference": bs["difference"], "policy": bs["average"], "reference": bs["reference"]}
+
+
+def summarize(records: Sequence[dict[str, Any]], methods: Sequence[str], sae_names: Sequence[str],
+              resamples: int = 2000, seed: int = 0) -> dict[str, Any]:
+    """Per group: n, full context's score / NLL / recall, each method's means, and paired bootstrap
+    intervals of recall differences (see the module docstring), keyed ``"POLICY - REFERENCE"``."""
     groups = sorted({group_of(r["task"]) for r in records})
     niah = [g for g in groups if g.startswith("niah")]
     out: dict[str, Any] = {}
@@ -245,23 +256,16 @@ def summarize(records: Sequence[dict[str, Any]], methods: Sequence[str], sae_nam
             if len(have) == len(rs):
                 row[m] = {k: float(np.mean([h[k] for h in have])) for k in ("score", "recall", "kl", "nll",
                                                                              "kept_tokens")}
-        row["hybrid_minus_bm25"] = {}
-        for name in sae_names:
-            hyb = f"s3hybrid[{name}]"
-            if hyb not in row or "bm25" not in row:
-                continue
-            tasks = sorted({r["task"] for r in rs})
-            pol = {t: [r[hyb]["recall"] for r in rs if r["task"] == t] for t in tasks}
-            ref = {t: [r["bm25"]["recall"] for r in rs if r["task"] == t] for t in tasks}
-            bs = paired_bootstrap(pol, ref, resamples=resamples, seed=seed)
-            row["hybrid_minus_bm25"][name] = {"difference": bs["difference"], "hybrid": bs["average"],
-                                              "bm25": bs["reference"]}
+        pairs = [(f"s3hybrid[{n}]", "bm25") for n in sae_names]
+        pairs += [(f"{m}[{n}]", f"{m}[{sae_names[0]}]") for n in sae_names[1:] for m in ("s3pure", "s3hybrid")]
+        row["intervals"] = {f"{pol} - {ref}": recall_interval(rs, pol, ref, resamples, seed)
+                            for pol, ref in pairs if pol in row and ref in row}
         out[grp] = row
     return out
 
 
 def markdown(summary: dict[str, Any], methods: Sequence[str], note: str = "") -> str:
-    """The summary as markdown: one table per group, then the S3Hybrid - BM25 recall intervals."""
+    """The summary as markdown: per group, the methods' means, then the recall differences' intervals."""
     lines = [note] if note else []
     for grp, row in summary.items():
         f = row["full"]
@@ -274,10 +278,13 @@ def markdown(summary: dict[str, Any], methods: Sequence[str], note: str = "") ->
                 r = row[m]
                 lines.append(f"| {m} | {100 * r['score']:.1f} | {r['recall']:.2f} | {r['kl']:.3f} | {r['nll']:.3f} | "
                              f"{r['kept_tokens']:.0f} |")
-        for name, d in row["hybrid_minus_bm25"].items():
-            diff, hyb, bm = d["difference"], d["hybrid"], d["bm25"]
-            lines.append(f"\nS3Hybrid[{name}] − BM25 recall (x100, task-stratified paired bootstrap 95%): "
-                         f"{diff[0]:+.1f} [{diff[1]:+.1f}, {diff[2]:+.1f}] ({hyb[0]:.1f} vs {bm[0]:.1f})")
+        if row["intervals"]:
+            lines += ["", "| recall difference (x100) | estimate | 95% interval | policy | reference |",
+                      "|---|---:|---|---:|---:|"]
+        for label, d in row["intervals"].items():
+            diff, pol, ref = d["difference"], d["policy"], d["reference"]
+            lines.append(f"| {label} | {diff[0]:+.1f} | [{diff[1]:+.1f}, {diff[2]:+.1f}] | {pol[0]:.1f} | "
+                         f"{ref[0]:.1f} |")
     return "\n".join(lines) + "\n"
 
 

@@ -78,10 +78,11 @@ def test_toy_run_on_smollm2(tmp_path):
     for grp in ("niah@words", "all"):
         row = summary[grp]
         assert row["n"] == 1 and row["bm25"]["recall"] == rec["bm25"]["recall"]
-        diff = row["hybrid_minus_bm25"]["a"]["difference"]
+        diff = row["intervals"]["s3hybrid[a] - bm25"]["difference"]
         expected = 100 * (rec["s3hybrid[a]"]["recall"] - rec["bm25"]["recall"])
         assert diff == [pytest.approx(expected)] * 3  # one sample: the interval is a point
-    assert "S3Hybrid[b] − BM25 recall" in (out / "summary.md").read_text()
+        assert row["intervals"]["s3pure[b] - s3pure[a]"]["difference"] == [0.0] * 3
+    assert "| s3hybrid[b] - bm25 |" in (out / "summary.md").read_text()
     assert mod.main(args) == 0  # resumed: nothing left to run, nothing appended
     assert len((out / "records.jsonl").read_text().splitlines()) == 1
 
@@ -98,3 +99,16 @@ def test_toy_run_on_smollm2(tmp_path):
     row = mod.method_row(setting, prep, BM25Retrieval(budget=10**6).with_tokenizer(tok))
     assert row["kl"] == 0.0 and row["nll"] == prep.full["nll"] and row["recall"] == 1.0
     assert row["score"] == prep.full["score"] and row["kept_tokens"] == prep.full["context_tokens"]
+
+
+def test_recall_interval_against_a_numpy_replay():
+    """The summary's interval is the report's paired bootstrap on one column: replayed here with numpy."""
+    mod = _module()
+    pol, ref = [1.0, 1.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 1.0, 1.0]
+    recs = [{"x": {"recall": p}, "y": {"recall": r}} for p, r in zip(pol, ref, strict=True)]
+    got = mod.recall_interval(recs, "x", "y", resamples=500, seed=3)
+    idx = np.random.default_rng(3).integers(0, 5, size=(500, 5))
+    draws = 100 * (np.asarray(pol)[idx].mean(1) - np.asarray(ref)[idx].mean(1))
+    lo, hi = np.percentile(draws, [2.5, 97.5])
+    assert got["difference"] == [pytest.approx(0.0), pytest.approx(lo, abs=1e-3), pytest.approx(hi, abs=1e-3)]
+    assert got["policy"][0] == pytest.approx(60.0) and got["reference"][0] == pytest.approx(60.0)
