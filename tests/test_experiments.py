@@ -23,7 +23,8 @@ GPU_ONLY = ("gemma3_speed", "gsc_gpu", "page_rope_gpu", "pool_decode_gpu", "sae_
 REAL_MODEL = ("bser_qwen_diagnosis", "kv_quant_fp8_diagnosis")  # a real model's numerics: arguments parsed only
 RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "kv_quant_fp8_gpu_check", "kvq_quality_table", "pool_memory_gpu",
               "readme_plot", "semanticache_audit")
-TESTED_ELSEWHERE = {"stem_ablation": "tests/test_stem.py::test_ablation_script_core (toy model, CPU)"}
+TESTED_ELSEWHERE = {"stem_ablation": "tests/test_stem.py::test_ablation_script_core (toy model, CPU)",
+                    "s3_retrieval_quality": "tests/test_s3_retrieval_quality.py (SmolLM2, one RULER sample, CPU)"}
 
 
 def _module(name: str):

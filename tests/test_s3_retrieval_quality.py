@@ -1,0 +1,114 @@
+"""`experiments/s3_retrieval_quality.py` (issue 37's retrieval table): its measures against hand-computed
+values, and a CPU run at toy size on SmolLM2 (one RULER needle sample, seed 0, two copies of the shipped
+SAE set: their rows must agree) checked row by row."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("experiments_s3_retrieval_quality",
+                                                  ROOT / "experiments" / "s3_retrieval_quality.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_recall_kl_and_arguments():
+    mod = _module()
+    ctx = "The special magic number for jolly-cat is: 4810273. Other text."
+    assert mod.answer_recall(ctx, ["4810273"], all_needed=False) == 1.0
+    assert mod.answer_recall(ctx.replace("4810273", ""), ["4810273"], all_needed=False) == 0.0
+    assert mod.answer_recall(ctx, ["nope", "JOLLY-CAT"], all_needed=False) == 1.0  # alternatives, any case
+    assert mod.answer_recall(ctx, ["4810273", "9999"], all_needed=True) == 0.5  # several needle values
+    with pytest.raises(ValueError, match="no non-empty gold answer"):
+        mod.answer_recall(ctx, [" "], all_needed=False)
+    p, q = np.log([0.5, 0.5]), np.log([0.9, 0.1])
+    assert mod.kl_divergence(p, p) == 0.0
+    assert mod.kl_divergence(p, q) == pytest.approx(0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1), rel=1e-12)
+    assert np.allclose(np.exp(mod.log_softmax(np.array([[1.0, 2.0, 3.0]]))).sum(-1), 1.0)
+    assert [mod.group_of(t) for t in ("niah_single_2@words", "niah_multikey_1", "qa_2", "hotpotqa")] == [
+        "niah@words", "niah@numbers", "ruler_qa", "longbench_qa"]
+    assert mod.parse_saes("shipped=shipped:smollm2") == ("shipped", "smollm2")
+    for bad, msg in (("nosep", "NAME=SPEC"), ("a=model.bin", "neither"), ("a=/no/such.safetensors", "no file")):
+        with pytest.raises(argparse.ArgumentTypeError, match=msg):
+            mod.parse_saes(bad)
+    with pytest.raises(SystemExit) as exit_:  # refused by the parser, before any model is loaded
+        mod.main(["--saes", "a=model.bin"])
+    assert exit_.value.code == 2
+    with pytest.raises(SystemExit) as exit_:
+        mod.main(["--model", "qwen2.5-coder-1.5b"])  # no shipped SAEs for it: --saes is required
+    assert exit_.value.code == 2
+    assert "--model qwen2.5-coder-1.5b" in mod.gpu_command() and "--length 32768" in mod.gpu_command()
+
+
+@pytest.mark.usefixtures("optimized_xla")  # a real model: its programs compiled optimized
+def test_toy_run_on_smollm2(tmp_path):
+    """One RULER needle sample (512 tokens, seed 0) with a 96-token budget, two names for the shipped SAEs.
+    Every prompt is padded to one width (``--pad 1024``): each program compiles once."""
+    mod = _module()
+    out = tmp_path / "run"
+    args = ["--longbench", "", "--ruler", "niah_single_1@words", "--length", "512", "--n", "1", "--seed", "0",
+            "--budget", "96", "--max-new", "8", "--saes", "a=shipped:smollm2", "--saes", "b=shipped:smollm2",
+            "--rag-passage", "0", "--pad", "1024", "--no-progress", "--out", str(out)]
+    assert mod.main(args) == 0
+    (rec,) = [json.loads(line) for line in (out / "records.jsonl").open()]
+    assert rec["task"] == "niah_single_1@words" and rec["full"]["recall"] == 1.0  # the needle is in the prompt
+    methods = ["s3pure[a]", "s3hybrid[a]", "s3pure[b]", "s3hybrid[b]", "bm25"]
+    assert [k for k in rec if k in methods] == methods and "rag" not in rec
+    for m in methods:
+        row = rec[m]
+        assert 0 < row["kept_tokens"] <= 96 and row["recall"] in (0.0, 1.0)
+        assert row["kl"] >= 0 and math.isfinite(row["nll"]) and row["nll"] > 0
+    for m in ("s3pure", "s3hybrid"):  # the same SAEs under two names: the same rows (timings aside)
+        a, b = (dict(rec[f"{m}[{n}]"]) for n in "ab")
+        a.pop("seconds"), b.pop("seconds")
+        assert a == b
+    summary = json.loads((out / "summary.json").read_text())["summary"]
+    for grp in ("niah@words", "all"):
+        row = summary[grp]
+        assert row["n"] == 1 and row["bm25"]["recall"] == rec["bm25"]["recall"]
+        diff = row["intervals"]["s3hybrid[a] - bm25"]["difference"]
+        expected = 100 * (rec["s3hybrid[a]"]["recall"] - rec["bm25"]["recall"])
+        assert diff == [pytest.approx(expected)] * 3  # one sample: the interval is a point
+        assert row["intervals"]["s3pure[b] - s3pure[a]"]["difference"] == [0.0] * 3
+    assert "| s3hybrid[b] - bm25 |" in (out / "summary.md").read_text()
+    assert mod.main(args) == 0  # resumed: nothing left to run, nothing appended
+    assert len((out / "records.jsonl").read_text().splitlines()) == 1
+
+    # a budget covering the context keeps the prompt as it is: recall of full, KL 0, full's NLL and score
+    from sparsekv_jax.eval.suites import build_groups
+    from sparsekv_jax.models.embedded import load
+    from sparsekv_jax.policies import BM25Retrieval
+
+    params, tok = load("smollm2", progress=False)
+    setting = mod.Setting(params, tok, 1024, 8)
+    (group,) = build_groups("ruler", ["niah_single_1@words"], [512], 1, 0, tok, setting.limit, None, None)[1]
+    prep = mod.Prepared(setting, group.samples[0])
+    assert prep.full == rec["full"]
+    row = mod.method_row(setting, prep, BM25Retrieval(budget=10**6).with_tokenizer(tok))
+    assert row["kl"] == 0.0 and row["nll"] == prep.full["nll"] and row["recall"] == 1.0
+    assert row["score"] == prep.full["score"] and row["kept_tokens"] == prep.full["context_tokens"]
+
+
+def test_recall_interval_against_a_numpy_replay():
+    """The summary's interval is the report's paired bootstrap on one column: replayed here with numpy."""
+    mod = _module()
+    pol, ref = [1.0, 1.0, 0.0, 1.0, 0.0], [1.0, 0.0, 0.0, 1.0, 1.0]
+    recs = [{"x": {"recall": p}, "y": {"recall": r}} for p, r in zip(pol, ref, strict=True)]
+    got = mod.recall_interval(recs, "x", "y", resamples=500, seed=3)
+    idx = np.random.default_rng(3).integers(0, 5, size=(500, 5))
+    draws = 100 * (np.asarray(pol)[idx].mean(1) - np.asarray(ref)[idx].mean(1))
+    lo, hi = np.percentile(draws, [2.5, 97.5])
+    assert got["difference"] == [pytest.approx(0.0), pytest.approx(lo, abs=1e-3), pytest.approx(hi, abs=1e-3)]
+    assert got["policy"][0] == pytest.approx(60.0) and got["reference"][0] == pytest.approx(60.0)
