@@ -251,6 +251,18 @@ def test_pool_bad_input_raises(kw, match):
 
 
 
+def _variant_case(rng, B, M, ps, listed, with_bias):
+    """A shuffled fp32 pool case (4 query / 2 KV heads, D 32) for the ``pool_variant`` tests, with random listed
+    pages when ``listed``: ``(case, lengths, table, page selection kwargs)``."""
+    Hkv = 2
+    c = _pool_case(rng, B, 4, Hkv, 32, M, ps, jnp.float32, with_bias=with_bias)
+    sel = {}
+    if listed:
+        ids, counts = random_page_lists(rng, c["lengths"].max(axis=1), Hkv, M, ps, list_len=M - 1)
+        sel = dict(page_ids=jnp.asarray(ids), page_counts=jnp.asarray(counts))
+    return c, jnp.asarray(c["lengths"]), jnp.asarray(c["table"]), sel
+
+
 @pytest.mark.parametrize("variant", ["ahead1", "ahead2"])
 @pytest.mark.parametrize("listed", [False, True])
 def test_pool_variants_match_lanes_bit_for_bit(rng, variant, listed):
@@ -259,13 +271,8 @@ def test_pool_variants_match_lanes_bit_for_bit(rng, variant, listed):
     and match the reference, on a shuffled, NaN-poisoned pool. Tiles of 2 pages, splits of up to 3 tiles
     (``M = 11``, 2 splits, ragged lengths): the look-ahead crosses tiles and runs past a split's end and past a
     short head's length, where it must read nothing."""
-    B, Hq, Hkv, D, M, ps = 2, 4, 2, 32, 11, 8
-    c = _pool_case(rng, B, Hq, Hkv, D, M, ps, jnp.float32, with_bias=True)
-    sel = {}
-    if listed:
-        ids, counts = random_page_lists(rng, c["lengths"].max(axis=1), Hkv, M, ps, list_len=M - 1)
-        sel = dict(page_ids=jnp.asarray(ids), page_counts=jnp.asarray(counts))
-    lengths, table = jnp.asarray(c["lengths"]), jnp.asarray(c["table"])
+    ps = 8
+    c, lengths, table, sel = _variant_case(rng, B=2, M=11, ps=ps, listed=listed, with_bias=True)
     call = lambda v: decode_attention(c["q"], c["k_pool"], c["v_pool"], lengths, page_size=ps,  # noqa: E731
                                       page_table=table, bias=c["bias_pool"], return_probs=True, interpret=True,
                                       block_k=2 * ps, num_splits=2, pool_variant=v, **sel)
@@ -284,13 +291,8 @@ def test_default_pool_variant_is_the_faster_measured_one(rng, listed):
     """``pool_variant=None`` compiles the variant the H200 measured faster for the call's mode (2026-11-27,
     docs/PAGE_POOL.md step 1): ``"ahead1"`` reading every page, ``"lanes"`` reading listed pages -- the program
     (jaxpr) of the default call is the named variant's and differs from the other's."""
-    B, Hq, Hkv, D, M, ps = 1, 4, 2, 32, 6, 8
-    c = _pool_case(rng, B, Hq, Hkv, D, M, ps, jnp.float32, with_bias=False)
-    sel = {}
-    if listed:
-        ids, counts = random_page_lists(rng, c["lengths"].max(axis=1), Hkv, M, ps, list_len=M - 1)
-        sel = dict(page_ids=jnp.asarray(ids), page_counts=jnp.asarray(counts))
-    lengths, table = jnp.asarray(c["lengths"]), jnp.asarray(c["table"])
+    ps = 8
+    c, lengths, table, sel = _variant_case(rng, B=1, M=6, ps=ps, listed=listed, with_bias=False)
 
     def program(**variant):
         return str(jax.make_jaxpr(lambda q: decode_attention(q, c["k_pool"], c["v_pool"], lengths, page_size=ps,
