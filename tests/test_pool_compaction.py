@@ -234,7 +234,9 @@ def test_adakv_pool_is_snapkv_memory_in_miniature(rng):
     n_row = np.floor(0.25 * lengths + 1e-6).astype(int)  # SnapKV's per-head budget of each row
     np.testing.assert_array_equal(counts["snapkv"], np.broadcast_to(n_row[None, :, None], (Ln, Bn, Hkv)))
     np.testing.assert_array_equal(counts["adakv"].sum(-1), counts["snapkv"].sum(-1))  # the same budget
-    assert (counts["adakv"].max(-1) >= 2 * n_row).any(), "AdaKV moved budget between heads"
+    # the premise of the comparison: AdaKV's largest head keeps well over the uniform budget (1.98-2.45x over
+    # seeds; a 2x bound failed at seed 800230632, 1.98x)
+    assert (counts["adakv"].max(-1) >= 1.5 * n_row).any(), "AdaKV moved budget between heads"
     pages = {name: -(-c // ps) for name, c in counts.items()}  # [L, B, H] pages each head occupies
     diff = pages["adakv"].sum(-1) - pages["snapkv"].sum(-1)  # per (layer, row)
     assert (np.abs(diff) <= Hkv).all(), f"more than a page per head apart: {diff}"
