@@ -1,10 +1,10 @@
 """Decoding from a page pool: ``Options(pool=True)``, **experimental** (issue 38, docs/PAGE_POOL.md,
-migration step 4's first two slices: full attention, and the compressors whose compress stage writes
-through `policies.common.write_kept` with full attention's decode stage, `run.pool_refusal`).
+migration step 4's first slices: full attention, and the compressors whose compress stage writes through
+`policies.common.write_entries` with full attention's decode stage, `run.pool_refusal`).
 
 The prefill writes the pool's identity layout (`prefill.prefill_pool`). A compressor then compresses the
-prefill pool's uniform view (`compress_target`: a `policies.common.PoolTarget`, whose `write_kept` writes a
-fresh decode pool, each head in pages of its own, sized by the policy: `policy_pages`), and the prefill pool
+prefill pool's uniform view (`compress_target`: a `policies.common.PoolTarget`, whose `write_entries` writes
+a fresh decode pool, each head in pages of its own, sized by the policy: `policy_pages`), and the prefill pool
 is dropped; full attention decodes from the prefill pool itself. Then each decode step
 (`decode_step_pool`) makes one allocator call for every layer before the layer scan
 (`cache_pooled.reserve_token`: a page from the free stack for each head whose last page is full),
@@ -76,18 +76,19 @@ def decode_step_pool(params: Params, policy: Policy, cache: PoolCache, token: ja
 def compress_target(pool: PoolCache, pool_pages: int) -> PoolTarget:
     """What a compress stage is handed on a page pool: the prefill pool's uniform view (`stack_view`, a
     reshape of the pool's leaves, no copy; row lengths, next positions as the prefill left them) as a
-    `policies.common.PoolTarget`, so the policy's `common.write_kept` writes its kept entries into a fresh
-    decode pool of ``pool_pages`` pages (`common.write_kept_pool`) and the prefill pool can be dropped."""
+    `policies.common.PoolTarget`, so the policy's `common.write_entries` writes its entries into a fresh
+    decode pool of ``pool_pages`` pages (`common.write_entries_pool`) and the prefill pool can be dropped."""
     return PoolTarget(layers=stack_view(pool), length=pool.lengths[0, :, 0], next_position=pool.next_position,
                       local=pool.local, page_size=pool.page_size, pool_pages=pool_pages)
 
 
 def check_compressed(cache: Any, squeezer: Policy) -> None:
     """At trace time: a pooled compress stage must return a `PoolCache` (its write went through
-    `common.write_kept`), else ``TypeError`` naming the policy (`run.pool_refusal` admits only such)."""
+    `common.write_entries`), else ``TypeError`` naming the policy (`run.pool_refusal` admits only such)."""
     if not isinstance(cache, PoolCache):
-        raise TypeError(f"{squeezer.name}'s compress stage declares writes_kept but returned a "
-                        f"{type(cache).__name__}, not a PoolCache: its write did not go through common.write_kept")
+        raise TypeError(f"{squeezer.name}'s compress stage declares writes_entries but returned a "
+                        f"{type(cache).__name__}, not a PoolCache: its write did not go through "
+                        "common.write_entries")
 
 
 def row_overflow(cache: PoolCache) -> jax.Array:

@@ -75,8 +75,9 @@ class Options:
         (`sparsekv_jax.cache_pooled.PoolCache`: head-free pages, a page table and a length per layer, row and
         KV head) instead of the uniform cache, with the same tokens and logits. Supported so far: full
         attention (`FullKV`, i.e. `Dense`), and the compressors whose compress stage writes through
-        `policies.common.write_kept` (``Policy.writes_kept``: `SnapKV`, `StreamingLLM`, `AdaKV`, `PyramidKV`,
-        `HeadSplit`, `BSER`) with full attention's prefill and decode stages; any other policy (by name), a
+        `policies.common.write_entries` (``Policy.writes_entries``: `SnapKV`, `StreamingLLM`, `AdaKV`,
+        `PyramidKV`, `HeadSplit`, `BSER` through `write_kept`, `SemantiCache` directly) with full attention's
+        prefill and decode stages; any other policy (by name), a
         ``suffix``, ``question_tokens``, a ``mesh``, or a model whose local layers keep rings (Gemma 3 with
         ``Backend(local_cache="ring")``) is refused with a `ValueError` before jit. The prefill writes a
         prefill pool's identity layout (`cache_pooled.stack_view`); a compressor writes each head's kept
@@ -416,9 +417,9 @@ def compressed_size(run: Run) -> int | None:
 
 def pool_refusal(policy: Policy) -> str | None:
     """Why ``policy`` cannot run on a page pool yet (``None``: it can): full attention, or a compress stage
-    that declares ``writes_kept`` (its write goes into a decode pool, `policies.common.PoolTarget`) with
-    full attention in every other stage (a decode stage must append and read every page: the pooled decode
-    step is `Dense`'s)."""
+    that declares ``writes_entries`` (its one write is `policies.common.write_entries`, directly or through
+    `write_kept`, so it goes into a decode pool: `policies.common.PoolTarget`) with full attention in every
+    other stage (a decode stage must append and read every page: the pooled decode step is `Dense`'s)."""
     if type(policy) is Dense:
         return None
     for name in ("context", "prefill", "decode"):
@@ -426,9 +427,9 @@ def pool_refusal(policy: Policy) -> str | None:
         if type(stage) is not Dense:
             return f"its {name} stage ({stage.name}) is not full attention's"
     squeezer = policy.stage("compress")
-    if not squeezer.writes_kept:
-        return (f"its compress stage ({squeezer.name}) does not write through policies.common.write_kept "
-                "(Policy.writes_kept)")
+    if not squeezer.writes_entries:
+        return (f"its compress stage ({squeezer.name}) does not write through policies.common.write_entries "
+                "(Policy.writes_entries)")
     return None
 
 
@@ -445,7 +446,7 @@ def _check_pool(params: Params, policy: Policy, suffix: Any, room: int, opts: Op
     if why is not None:
         raise ValueError(f"pool=True is experimental and policy {policy.name} does not decode from a page pool "
                          f"yet: {why}. Supported: FullKV, and SnapKV, StreamingLLM, AdaKV, PyramidKV, HeadSplit, "
-                         "BSER (leave pool unset)")
+                         "BSER, SemantiCache (leave pool unset)")
     if backend.mesh is not None:
         raise ValueError("pool=True does not run on a mesh yet (the pool's group axes: docs/PAGE_POOL.md, Sharding)")
     if suffix is not None or room:
