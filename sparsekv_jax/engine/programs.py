@@ -132,7 +132,8 @@ def generate(params: Params, policy: Policy | None = None, tokens: Any = None, l
         tokens as unsharded), ``pool``/``pool_pages`` (experimental: decode from a page pool,
         `sparsekv_jax.engine.pooled`; full attention, and the compressors whose compress stage writes
         through `policies.common.write_entries` with full attention's decode: SnapKV, StreamingLLM,
-        AdaKV, PyramidKV, HeadSplit, BSER, SemantiCache. A compressor writes each head's kept or merged
+        AdaKV, PyramidKV, HeadSplit, BSER, SemantiCache; and Quest, whose decode stage selects logical
+        pages from summaries read through the page tables. A compressor writes each head's kept or merged
         entries into a fresh decode pool sized by the policy, ``Policy.compressed_pages``; other policies
         are refused).
 

@@ -352,19 +352,22 @@ def top_pages(page_scores: jax.Array, used_pages: jax.Array, k: int,
               forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Top-``k`` pages per (row, KV head) among the pages in use.
 
-    ``page_scores`` ``[B, H, P]``; ``used_pages`` ``[B]``; ``forced`` ``[B, H, P]`` bool pages
-    always selected. Returns ``(page_ids [B, H, k], counts [B, H])`` (ids past ``count`` unused).
+    ``page_scores`` ``[B, H, P]``; ``used_pages`` ``[B]``, or ``[B, H]`` (a page pool's heads, each with its
+    own length: the pages are then its logical pages); ``forced`` ``[B, H, P]`` bool pages always selected.
+    Returns ``(page_ids [B, H, k], counts [B, H])`` (ids past ``count`` unused).
     """
     P = page_scores.shape[-1]
     k = min(k, P)
     page = jnp.arange(P)
-    in_use = page < used_pages[:, None, None]
+    per_head = used_pages.ndim == 2
+    in_use = page < (used_pages[..., None] if per_head else used_pages[:, None, None])
     s = page_scores.astype(jnp.float32)
     if forced is not None:
         s = jnp.where(forced, KEEP + page, s)
     s = jnp.where(in_use, s, -jnp.inf)
     _, ids = top_k(s, k)
-    counts = jnp.broadcast_to(jnp.minimum(used_pages, k)[:, None], ids.shape[:2]).astype(jnp.int32)
+    fewer = jnp.minimum(used_pages, k)
+    counts = jnp.broadcast_to(fewer if per_head else fewer[:, None], ids.shape[:2]).astype(jnp.int32)
     return ids.astype(jnp.int32), counts
 
 
