@@ -286,29 +286,42 @@ def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size
     return res[:, :, 0], read.astype(jnp.float32)
 
 
-def decode_pool(q: jax.Array, q_position: jax.Array, cache: PoolCache, layer: int | jax.Array, *,
-                sliding_window: int | jax.Array | None = None,
+def decode_pool(q: jax.Array, q_position: jax.Array, cache: PoolCache, layer: int | jax.Array,
+                selection: tuple[jax.Array, jax.Array] | None = None, *, sliding_window: int | jax.Array | None = None,
                 backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
-    """`decode` of every page in use of layer ``layer`` of a page pool (``Options(pool=True)``, experimental;
-    full attention only, no page selection, no probabilities): one query per row ``[B, Hq, D]`` at RoPE
-    ``q_position`` ``[B]`` against each (row, KV head)'s first ``length[layer, b, h]`` logical slots.
+    """`decode` of layer ``layer`` of a page pool (``Options(pool=True)``, experimental; no probabilities): one
+    query per row ``[B, Hq, D]`` at RoPE ``q_position`` ``[B]`` against each (row, KV head)'s first
+    ``length[layer, b, h]`` logical slots. ``selection``: ``None`` (every page in use) or ``(page_ids [B, Hkv, P],
+    counts [B, Hkv])`` of *logical* pages in ``[0, M)`` (Quest's `Policy.decode_select` on the pool), each
+    mapped through the head's table.
 
     ``backend.decode_attention == "pallas"`` runs the decode kernel's pool mode (`pallas.decode.decode_attention`
     with ``page_table=``, through `cache_pooled.decode_kernel_args`: the pool leaves as stored, read through the
-    layer's tables); else (and for a sliding window, which the kernel lacks) the jnp path: the layer gathered
-    through its tables (`cache_pooled.layer_kv`, ``[B, Hkv, M·ps, ...]`` at logical slots) and `cached_attention`
-    with the per-head lengths. Slots past a head's length are zeroed before the products (a pool page is not
+    layer's tables; the listed logical pages as its ``page_ids``); else (and for a sliding window, which the
+    kernel lacks) the jnp path: the layer gathered through its tables (`cache_pooled.layer_kv`, ``[B, Hkv, M·ps,
+    ...]`` at logical slots) and `cached_attention` with the per-head lengths and the listed logical pages'
+    mask. Slots past a head's length or off its list are zeroed before the products (a pool page is not
     cleared when it is freed or opened, so they may hold anything, NaN included), so an unread slot weighs
-    exactly 0, as in `decode`. Returns ``(out [B, Hq, D], read [B])``, ``read`` = 1 (every page in use)."""
+    exactly 0, as in `decode`. Returns ``(out [B, Hq, D], read [B])``, ``read`` the row's pages read over its
+    pages in use, summed over its heads (1 without a selection; with equal heads `decode`'s fraction)."""
     backend = resolved(backend)
-    read = jnp.ones((q.shape[0],), jnp.float32)
+    ps = cache.page_size
+    length = layer_lengths(cache, layer)  # [B, Hkv]
+    if selection is None:
+        read = jnp.ones((q.shape[0],), jnp.float32)
+    else:  # page lists hold distinct in-use pages, so the count is what is read
+        used = -(-length // ps)
+        read = (jnp.minimum(selection[1], used).sum(1) / jnp.maximum(used, 1).sum(1)).astype(jnp.float32)
     if backend.decode_attention == "pallas" and sliding_window is None:
         args = decode_kernel_args(cache, layer)
+        ids, counts = (None, None) if selection is None else selection
         out = dispatch.decode_attention(backend, q, args.pop("k"), args.pop("v"), args.pop("lengths"),
-                                        page_size=cache.page_size, **args)
+                                        page_size=ps, page_ids=ids, page_counts=counts, **args)
         return out, read
-    kv, length = layer_kv(cache, layer), layer_lengths(cache, layer)
+    kv = layer_kv(cache, layer)
     valid = jnp.arange(kv.k.shape[-2])[None, None, :] < length[..., None]  # [B, Hkv, M·ps]
+    if selection is not None:
+        valid = valid & jnp.repeat(page_mask(selection[0], selection[1], kv.k.shape[-2] // ps), ps, axis=-1)
     k, v = dequantize_kv(kv, q.dtype)
     k, v = (jnp.where(valid[..., None], x, jnp.zeros((), x.dtype)) for x in (k, v))
     out = cached_attention(q[:, :, None], k, v, q_position[:, None], kv.positions, valid[:, :, None, :], bias=kv.bias,

@@ -36,6 +36,7 @@ from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
 from sparsekv_jax.policies import FullKV, SnapKV, parse_policy
+from sparsekv_jax.policies.base import Policy
 from sparsekv_jax.policies.bser import BSER
 from sparsekv_jax.policies.headsplit import HeadSplit
 
@@ -43,12 +44,15 @@ CFG = ModelConfig(family="llama", vocab_size=97, hidden_size=32, num_layers=2, n
                   head_dim=16, intermediate_size=48, max_position_embeddings=512, eos_token_ids=(0,))
 T, LENGTHS, NEW, PS = 40, np.array([40, 29]), 6, 8
 POLICIES = {"snapkv": "snapkv(0.25, window=4)", "streaming_llm": "streaming_llm(0.25, sinks=2)",
-            "adakv": "adakv(snapkv(0.25, window=4))", "pyramidkv": "pyramidkv(snapkv(0.25, window=4))"}
-PER_HEAD = ("adakv", "pyramidkv")  # heads (or layers) keep different counts
+            "adakv": "adakv(snapkv(0.25, window=4))", "pyramidkv": "pyramidkv(snapkv(0.25, window=4))",
+            # merges (its write is common.write_entries itself): fixed blocks, no tokenizer's delimiters needed
+            "semanticache": "semanticache(0.5, sinks=2, window=4, chunking='fixed', chunk_size=16)"}
+PER_HEAD = ("adakv", "pyramidkv", "semanticache")  # heads (or layers) keep different counts
 CASES = {"jnp-fp32": Backend(), "kernel-fp32": Backend.kernels(),
          "kernel-int8": dataclasses.replace(Backend.kernels(), kv_dtype="int8")}
 # each policy on the jnp path in fp32 and on the interpreted kernel in int8; AdaKV on the kernel in fp32 too
-RUNS = [(p, "jnp-fp32") for p in POLICIES] + [(p, "kernel-int8") for p in POLICIES] + [("adakv", "kernel-fp32")]
+RUNS = ([(p, "jnp-fp32") for p in POLICIES] + [(p, "kernel-int8") for p in POLICIES]
+        + [("adakv", "kernel-fp32"), ("semanticache", "kernel-fp32")])
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +82,8 @@ def _check_decode_pool(pool: PoolCache, counts: np.ndarray) -> None:
 def test_compressor_on_the_pool_gives_the_uniform_tokens_and_logits(params, rng, policy, case):
     """`generate` and `teacher_force` with ``pool=True``: the default path's tokens and logits (within 1e-5;
     int8 with per-head counts: the module docstring); on the jnp fp32 path, the decode pool after the
-    compress stage holds each head's count of the uniform cache's live entries in exactly its pages."""
+    compress stage holds each head's count of the uniform cache's live entries in exactly its pages (for
+    SemantiCache, whose heads keep different counts of merged entries, also within its `compressed_pages`)."""
     pol, backend = parse_policy(POLICIES[policy]), CASES[case]
     kw = dict(lengths=LENGTHS, page_size=PS, backend=backend, stop_tokens=())
     tokens = rng.integers(1, CFG.vocab_size, (2, T))
@@ -89,6 +94,9 @@ def test_compressor_on_the_pool_gives_the_uniform_tokens_and_logits(params, rng,
         session = engine.Session.start(params, pol, tokens, max_new_tokens=NEW, pool=True, **kw)
         counts = _live_counts(want.cache) - (NEW - 1)  # every head appended the NEW - 1 tokens fed back
         _check_decode_pool(session.compress().cache, counts)
+        if policy == "semanticache":  # merged: heads keep different counts, some fewer than the budget
+            assert len(np.unique(counts)) > 1, counts
+            assert session.run.pool_pages >= (-(-(counts + NEW - 1) // PS)).sum()
         got = session.decode()
     else:
         got = generate(params, pol, tokens, max_new_tokens=NEW, pool=True, **kw)
@@ -179,20 +187,31 @@ def test_a_compressed_pool_one_page_short_raises_after_the_run(params, rng):
             generate(params, pol, tokens, pool_pages=short, **kw)
 
 
+class _OwnWrite(Policy):
+    """A compress stage that writes its cache itself (no ``writes_entries``): the pool must refuse it."""
+
+    stages = ("compress",)
+
+
 def test_policies_that_cannot_run_on_a_pool_are_refused_by_name(params, rng):
-    """Before jit: a decode stage that is not full attention's (H2O, Quest, a pipeline's), a prefill stage
-    (Stem), a compress stage that does not write through `write_kept` (SemantiCache), a bad pool_pages."""
+    """Before jit: a decode stage that is not full attention's nor only selects pages (H2O, CHESS, a pipeline's),
+    a compressor followed by Quest (not tested on a pool), a prefill stage
+    (Stem), a compress stage that does not declare its write is `write_entries` (every shipped compressor
+    does: a stand-in), a bad pool_pages."""
     tokens = rng.integers(1, CFG.vocab_size, (2, T))
     for spec, why in [("h2o(0.5)", r"policy H2O .*its decode stage \(H2O\)"),
-                      ("quest(0.5)", r"policy Quest .*its decode stage \(Quest\)"),
-                      ("pipeline(compress=snapkv(0.5, window=4), decode=quest(0.5))", r"its decode stage \(Quest\)"),
+                      ("chess()", r"policy CHESS.* .*its decode stage \(CHESS.*\) is not full attention's nor "
+                                     r"one that only selects pages"),
+                      ("pipeline(compress=snapkv(0.5, window=4), decode=h2o(0.5))", r"its decode stage \(H2O\)"),
+                      ("pipeline(compress=snapkv(0.5, window=4), decode=quest(0.5))",
+                       r"its compress stage \(SnapKV\) followed by a page-selecting decode stage \(Quest\) is not "
+                       "tested"),
                       ("stem()", r"policy Stem .*its prefill stage \(Stem\)"),
-                      ("semanticache(0.5, chunking='fixed')",
-                       r"policy SemantiCache.* its compress stage \(SemantiCache.*\) does not write through "
-                       "policies.common.write_kept")]:
+                      (_OwnWrite(), r"policy _OwnWrite .*its compress stage \(_OwnWrite\) does not write through "
+                                    r"policies.common.write_entries")]:
         with pytest.raises(ValueError, match=rf"pool=True is experimental and {why}" if why.startswith("policy")
                            else why):
-            engine.setup(params, parse_policy(spec), tokens, pool=True)
+            engine.setup(params, parse_policy(spec) if isinstance(spec, str) else spec, tokens, pool=True)
     snap = parse_policy(POLICIES["snapkv"])
     with pytest.raises(ValueError, match="pool_pages=0 must be >= 1"):
         engine.setup(params, snap, tokens, pool=True, pool_pages=0)

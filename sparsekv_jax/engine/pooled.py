@@ -1,10 +1,10 @@
 """Decoding from a page pool: ``Options(pool=True)``, **experimental** (issue 38, docs/PAGE_POOL.md,
-migration step 4's first two slices: full attention, and the compressors whose compress stage writes
-through `policies.common.write_kept` with full attention's decode stage, `run.pool_refusal`).
+migration step 4's first slices: full attention, and the compressors whose compress stage writes through
+`policies.common.write_entries` with full attention's decode stage, `run.pool_refusal`).
 
 The prefill writes the pool's identity layout (`prefill.prefill_pool`). A compressor then compresses the
-prefill pool's uniform view (`compress_target`: a `policies.common.PoolTarget`, whose `write_kept` writes a
-fresh decode pool, each head in pages of its own, sized by the policy: `policy_pages`), and the prefill pool
+prefill pool's uniform view (`compress_target`: a `policies.common.PoolTarget`, whose `write_entries` writes
+a fresh decode pool, each head in pages of its own, sized by the policy: `policy_pages`), and the prefill pool
 is dropped; full attention decodes from the prefill pool itself. Then each decode step
 (`decode_step_pool`) makes one allocator call for every layer before the layer scan
 (`cache_pooled.reserve_token`: a page from the free stack for each head whose last page is full),
@@ -30,8 +30,15 @@ import numpy as np
 
 from sparsekv_jax import attention
 from sparsekv_jax.backend import Backend
-from sparsekv_jax.cache import pages_for
-from sparsekv_jax.cache_pooled import PoolCache, append_token_pool, reserve_token, stack_view
+from sparsekv_jax.cache import layer_view, pages_for
+from sparsekv_jax.cache_pooled import (
+    PoolCache,
+    append_token_pool,
+    layer_kv,
+    layer_lengths,
+    reserve_token,
+    stack_view,
+)
 from sparsekv_jax.engine.prefill import window_of
 from sparsekv_jax.engine.run import Run, prefill_width
 from sparsekv_jax.models.params import Params
@@ -48,10 +55,14 @@ def decode_step_pool(params: Params, policy: Policy, cache: PoolCache, token: ja
                      backend: Backend, active: jax.Array | None, collect: bool):
     """One decode step on a pool: ``(logits [B, V], cache, state, pages_read [B], outs or None)``, the
     parts of `decode.StepOut`. ``active`` ``[B]`` bool (``None``: every row) marks the rows that write
-    their token. The decode stage must be full attention's (``decode_write``/``decode_select`` are `Dense`'s:
-    append, read every page in use; any other decode stage is refused by `run.pool_refusal`)."""
+    their token. The decode stage appends (``decode_write`` is `Dense`'s) and reads every page in use, or
+    the logical pages its ``decode_select`` lists from the layer read through its tables
+    (`cache_pooled.layer_kv`) and each head's length (``Policy.selects_pages``: Quest); any other decode stage
+    is refused by `run.pool_refusal`. ``pages_read`` is the layers' mean, as on the uniform cache."""
     B = token.shape[0]
     pos = cache.next_position
+    dec = policy.stage("decode")
+    layer_state, shared_state = state
     act = jnp.ones((B,), jnp.bool_) if active is None else active
     cache, page, offset = reserve_token(cache, act)  # [L, B, Hkv] each: the one allocator call of the step
     window = window_of(params.config, cache)
@@ -59,35 +70,40 @@ def decode_step_pool(params: Params, policy: Policy, cache: PoolCache, token: ja
     def attend(q, k, v, layer, idx, hidden):
         (pg, off), pages = layer
         c = append_token_pool(cache.replace(pages=pages), idx, k[:, 0], v[:, 0], pos, pg, off)
-        out, _ = attention.decode_pool(q[:, 0], pos, c, idx, sliding_window=window(idx), backend=backend)
-        return out[:, None], ((pg, off), c.pages), out if collect else None
+        selection = None
+        if dec.selects_pages:
+            selection = dec.decode_select(q[:, 0], layer_kv(c, idx), layer_lengths(c, idx),
+                                          layer_view(layer_state, idx), shared_state, idx, c.page_size)
+        out, read = attention.decode_pool(q[:, 0], pos, c, idx, selection, sliding_window=window(idx),
+                                          backend=backend)
+        return out[:, None], ((pg, off), c.pages), (read, out if collect else None)
 
-    hidden, (_, pages), outs = forward(params, token[:, None], pos[:, None], (page, offset), attend,
-                                       carried=cache.pages, unroll=backend.decode_unroll,
-                                       weights_by_index=backend.decode_matmul == "pallas", interpret=backend.interpret,
-                                       mesh=backend.mesh)
+    hidden, (_, pages), (reads, outs) = forward(params, token[:, None], pos[:, None], (page, offset), attend,
+                                                carried=cache.pages, unroll=backend.decode_unroll,
+                                                weights_by_index=backend.decode_matmul == "pallas",
+                                                interpret=backend.interpret, mesh=backend.mesh)
     logits = logits_from_hidden(params, hidden[:, 0])
     cache = cache.replace(pages=pages, next_position=pos + 1)
-    layer_state, shared_state = state
-    shared_state = policy.stage("decode").decode_update(shared_state, cache, logits)
-    return logits, cache, (layer_state, shared_state), jnp.ones((B,), jnp.float32), outs
+    shared_state = dec.decode_update(shared_state, cache, logits)
+    return logits, cache, (layer_state, shared_state), reads.mean(0), outs
 
 
 def compress_target(pool: PoolCache, pool_pages: int) -> PoolTarget:
     """What a compress stage is handed on a page pool: the prefill pool's uniform view (`stack_view`, a
     reshape of the pool's leaves, no copy; row lengths, next positions as the prefill left them) as a
-    `policies.common.PoolTarget`, so the policy's `common.write_kept` writes its kept entries into a fresh
-    decode pool of ``pool_pages`` pages (`common.write_kept_pool`) and the prefill pool can be dropped."""
+    `policies.common.PoolTarget`, so the policy's `common.write_entries` writes its entries into a fresh
+    decode pool of ``pool_pages`` pages (`common.write_entries_pool`) and the prefill pool can be dropped."""
     return PoolTarget(layers=stack_view(pool), length=pool.lengths[0, :, 0], next_position=pool.next_position,
                       local=pool.local, page_size=pool.page_size, pool_pages=pool_pages)
 
 
 def check_compressed(cache: Any, squeezer: Policy) -> None:
     """At trace time: a pooled compress stage must return a `PoolCache` (its write went through
-    `common.write_kept`), else ``TypeError`` naming the policy (`run.pool_refusal` admits only such)."""
+    `common.write_entries`), else ``TypeError`` naming the policy (`run.pool_refusal` admits only such)."""
     if not isinstance(cache, PoolCache):
-        raise TypeError(f"{squeezer.name}'s compress stage declares writes_kept but returned a "
-                        f"{type(cache).__name__}, not a PoolCache: its write did not go through common.write_kept")
+        raise TypeError(f"{squeezer.name}'s compress stage declares writes_entries but returned a "
+                        f"{type(cache).__name__}, not a PoolCache: its write did not go through "
+                        "common.write_entries")
 
 
 def row_overflow(cache: PoolCache) -> jax.Array:

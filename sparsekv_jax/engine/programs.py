@@ -131,9 +131,11 @@ def generate(params: Params, policy: Policy | None = None, tokens: Any = None, l
         ``model`` mesh: rows over ``data``, heads / MLP / vocabulary over ``model``, the same
         tokens as unsharded), ``pool``/``pool_pages`` (experimental: decode from a page pool,
         `sparsekv_jax.engine.pooled`; full attention, and the compressors whose compress stage writes
-        through `policies.common.write_kept` with full attention's decode: SnapKV, StreamingLLM,
-        AdaKV, PyramidKV, HeadSplit, BSER. A compressor writes each head's kept entries into a fresh
-        decode pool sized by the policy, ``Policy.compressed_pages``; other policies are refused).
+        through `policies.common.write_entries` with full attention's decode: SnapKV, StreamingLLM,
+        AdaKV, PyramidKV, HeadSplit, BSER, SemantiCache; and Quest, whose decode stage selects logical
+        pages from summaries read through the page tables. A compressor writes each head's kept or merged
+        entries into a fresh decode pool sized by the policy, ``Policy.compressed_pages``; other policies
+        are refused).
 
     The context stage (if the policy has one) runs first, on the host; everything after it is one
     `jax.jit`. All checks on the inputs happen before tracing, with errors naming the bad value.

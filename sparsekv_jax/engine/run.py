@@ -75,13 +75,15 @@ class Options:
         (`sparsekv_jax.cache_pooled.PoolCache`: head-free pages, a page table and a length per layer, row and
         KV head) instead of the uniform cache, with the same tokens and logits. Supported so far: full
         attention (`FullKV`, i.e. `Dense`), and the compressors whose compress stage writes through
-        `policies.common.write_kept` (``Policy.writes_kept``: `SnapKV`, `StreamingLLM`, `AdaKV`, `PyramidKV`,
-        `HeadSplit`, `BSER`) with full attention's prefill and decode stages; any other policy (by name), a
-        ``suffix``, ``question_tokens``, a ``mesh``, or a model whose local layers keep rings (Gemma 3 with
-        ``Backend(local_cache="ring")``) is refused with a `ValueError` before jit. The prefill writes a
-        prefill pool's identity layout (`cache_pooled.stack_view`); a compressor writes each head's kept
-        entries into a fresh decode pool (`policies.common.PoolTarget`, no holes) and the prefill pool is
-        dropped; each decode step takes its pages from the pool's free stack. ``GenerateOutput.cache`` is
+        `policies.common.write_entries` (``Policy.writes_entries``: `SnapKV`, `StreamingLLM`, `AdaKV`,
+        `PyramidKV`, `HeadSplit`, `BSER` through `write_kept`, `SemantiCache` directly) with full attention's
+        prefill and decode stages, and `Quest` (``Policy.selects_pages``: its page selection reads the
+        summaries through the page tables and lists logical pages) without a compress stage; any other
+        policy (by name), a ``suffix``, ``question_tokens``, a ``mesh``, or a model whose local layers keep
+        rings (Gemma 3 with ``Backend(local_cache="ring")``) is refused with a `ValueError` before jit. The
+        prefill writes a prefill pool's identity layout (`cache_pooled.stack_view`); a compressor writes each
+        head's kept entries into a fresh decode pool (`policies.common.PoolTarget`, no holes) and the prefill
+        pool is dropped; each decode step takes its pages from the pool's free stack. ``GenerateOutput.cache`` is
         then the `PoolCache`.
       pool_pages: with ``pool``: pages of the pool the decode reads. Full attention decodes from its prefill
         pool: ``None`` is ``L·B·Hkv·pages_for(capacity)``, today's cache size, and it must hold the prefill's
@@ -415,20 +417,28 @@ def compressed_size(run: Run) -> int | None:
 
 
 def pool_refusal(policy: Policy) -> str | None:
-    """Why ``policy`` cannot run on a page pool yet (``None``: it can): full attention, or a compress stage
-    that declares ``writes_kept`` (its write goes into a decode pool, `policies.common.PoolTarget`) with
-    full attention in every other stage (a decode stage must append and read every page: the pooled decode
-    step is `Dense`'s)."""
+    """Why ``policy`` cannot run on a page pool yet (``None``: it can): full attention's context and prefill
+    stages, and either a compress stage that declares ``writes_entries`` (its one write is
+    `policies.common.write_entries`, directly or through `write_kept`, so it goes into a decode pool:
+    `policies.common.PoolTarget`) with full attention's decode (append, read every page), or full attention's
+    compress stage with a decode stage that declares ``selects_pages`` (its one hook is ``decode_select``,
+    read through the tables: Quest). A compressor followed by a selecting decode stage is not tested yet."""
     if type(policy) is Dense:
         return None
-    for name in ("context", "prefill", "decode"):
+    for name in ("context", "prefill"):
         stage = policy.stage(name)
         if type(stage) is not Dense:
             return f"its {name} stage ({stage.name}) is not full attention's"
-    squeezer = policy.stage("compress")
-    if not squeezer.writes_kept:
-        return (f"its compress stage ({squeezer.name}) does not write through policies.common.write_kept "
-                "(Policy.writes_kept)")
+    squeezer, dec = policy.stage("compress"), policy.stage("decode")
+    if type(dec) is not Dense and not dec.selects_pages:
+        return (f"its decode stage ({dec.name}) is not full attention's nor one that only selects pages "
+                "(Policy.selects_pages)")
+    if type(squeezer) is not Dense and not squeezer.writes_entries:
+        return (f"its compress stage ({squeezer.name}) does not write through policies.common.write_entries "
+                "(Policy.writes_entries)")
+    if type(squeezer) is not Dense and type(dec) is not Dense:
+        return (f"its compress stage ({squeezer.name}) followed by a page-selecting decode stage ({dec.name}) is "
+                "not tested on a pool yet")
     return None
 
 
@@ -445,7 +455,7 @@ def _check_pool(params: Params, policy: Policy, suffix: Any, room: int, opts: Op
     if why is not None:
         raise ValueError(f"pool=True is experimental and policy {policy.name} does not decode from a page pool "
                          f"yet: {why}. Supported: FullKV, and SnapKV, StreamingLLM, AdaKV, PyramidKV, HeadSplit, "
-                         "BSER (leave pool unset)")
+                         "BSER, SemantiCache, Quest (leave pool unset)")
     if backend.mesh is not None:
         raise ValueError("pool=True does not run on a mesh yet (the pool's group axes: docs/PAGE_POOL.md, Sharding)")
     if suffix is not None or room:

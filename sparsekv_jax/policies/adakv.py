@@ -103,7 +103,7 @@ class BudgetAllocation(Policy):
     # whole prompt (StreamingLLM, the one scored compressor that would chunk, gives nothing to
     # allocate by: its scores do not depend on the head or the layer)
     needs_whole_prefill = True
-    writes_kept = True  # through `keep_counts`: the engine may send it into a page pool
+    writes_entries = True  # through `keep_counts`: the engine may send it into a page pool
 
     def __post_init__(self) -> None:
         if not isinstance(self.inner, ScoredCompression):

@@ -27,9 +27,14 @@ inferred from which methods a class overrides:
 * ``needs_decode_probs``: the decode step computes attention probabilities for ``decode_observe``.
 * ``needs_question``: the policy scores with the question (``Prompt.question_start``); without a
   split it uses a documented fallback.
-* ``writes_kept``: the compress stage's one write is `common.write_kept` (through `common.compact` or
-  `adakv.keep_counts`) on the cache it is given, so the engine can point that write at a page pool
-  (``Options(pool=True)``, experimental: `common.PoolTarget`); its `compressed_pages` sizes the pool.
+* ``writes_entries``: the compress stage's one write is `common.write_entries` on the cache it is given
+  (directly, as SemantiCache's merge, or through `common.write_kept`: `common.compact`,
+  `adakv.keep_counts`), so the engine can point that write at a page pool (``Options(pool=True)``,
+  experimental: `common.PoolTarget`); its `compressed_pages` sizes the pool.
+* ``selects_pages``: the decode stage's one hook is ``decode_select`` (no ``decode_write``, probabilities,
+  state or rewinds), which reads the layer's page summaries and lengths, ``[B]`` or a page pool's per-head
+  ``[B, Hkv]``, and returns logical page ids, so the engine can run it on a page pool
+  (``Options(pool=True)``, experimental: `engine.pooled.decode_step_pool`).
 * ``page_summaries``: the cache's page summaries (`sparsekv_jax.cache.SUMMARIES`: ``page_sum``,
   ``page_min``, ``page_max``, ``page_max_bias``) the policy reads, in any stage. The engine's cache
   holds only those (others are ``None``: no bytes, no work on append); default none.
@@ -105,7 +110,8 @@ class Policy:
     needs_observations: ClassVar[bool] = False
     needs_decode_probs: ClassVar[bool] = False
     needs_question: ClassVar[bool] = False
-    writes_kept: ClassVar[bool] = False
+    writes_entries: ClassVar[bool] = False
+    selects_pages: ClassVar[bool] = False
     page_summaries: ClassVar[frozenset[str]] = frozenset()
 
     @property

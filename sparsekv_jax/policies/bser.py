@@ -271,7 +271,7 @@ class BSER(Policy):
     needs_whole_prefill = True
     needs_observations = True
     needs_question = True
-    writes_kept = True  # through `common.compact`: the engine may send it into a page pool
+    writes_entries = True  # through `common.compact`: the engine may send it into a page pool
 
     def __post_init__(self) -> None:
         if self.budget is not None:

@@ -6,8 +6,9 @@ default) gives every head the row's largest count and leaves holes. The page poo
 docs/PAGE_POOL.md, migration steps 3-4) writes each head's entries into pages of its own, no holes:
 `write_entries_pool`, `write_kept_pool`, with the same per-page math (`_entry_pages`). The engine picks the
 target, not the policy: with ``Options(pool=True)`` (experimental) a compress stage that declares
-``writes_kept`` is handed a `PoolTarget` (the prefill pool's uniform view), and `write_kept`, the one write of
-`compact` and `adakv.keep_counts`, then writes a fresh decode pool.
+``writes_entries`` is handed a `PoolTarget` (the prefill pool's uniform view), and `write_entries`, the one
+write of every compressor (directly: SemantiCache's merge; through `write_kept`: `compact`,
+`adakv.keep_counts`), then writes a fresh decode pool (`write_entries_pool`).
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ KEEP = 1e30  # score that forces an entry to be kept (finite: sorts above everyt
 @struct.dataclass
 class PoolTarget(KVCache):
     """A uniform cache (the prefill pool's `cache_pooled.stack_view`, no copy) whose compaction goes into a
-    fresh decode pool of ``pool_pages`` pages: `write_kept` given one writes `write_kept_pool`, so a
-    compress stage that ends in `compact` or `adakv.keep_counts` (``Policy.writes_kept``) returns a
-    `cache_pooled.PoolCache` unchanged. Made by the engine (``Options(pool=True)``, experimental,
-    `engine.pooled.compress_target`); the policy reads it as any `KVCache`."""
+    fresh decode pool of ``pool_pages`` pages: `write_entries` given one writes `write_entries_pool`, so a
+    compress stage whose one write is `write_entries` (directly, or through `write_kept`, `compact` or
+    `adakv.keep_counts`: ``Policy.writes_entries``) returns a `cache_pooled.PoolCache` unchanged. Made by
+    the engine (``Options(pool=True)``, experimental, `engine.pooled.compress_target`); the policy reads it
+    as any `KVCache`."""
 
     pool_pages: int = struct.field(pytree_node=False, default=0)
 
@@ -158,7 +160,13 @@ def write_entries(cache: KVCache, k: jax.Array, v: jax.Array, positions: jax.Arr
     `write_kept`) keep their zero points where a new page's live entries all share them (a page
     kept whole, or in part), so they too move losslessly unless the page needs a larger scale;
     elsewhere the new page's mid-range re-rounds them (at most half a step of it, for int8).
+
+    Given a `PoolTarget` (the engine's ``Options(pool=True)``), the same entries go into a fresh decode
+    pool of its ``pool_pages`` pages instead, each head in pages of its own, no holes (`write_entries_pool`;
+    ``capacity`` is then each head's most tokens): a `PoolCache`.
     """
+    if isinstance(cache, PoolTarget):
+        return write_entries_pool(cache, k, v, positions, bias, counts, capacity, cache.pool_pages, k_zero)
     L, B, H, K, D = k.shape
     new_S = pages_for(capacity, cache.page_size) * cache.page_size
     if K > new_S:
@@ -245,11 +253,8 @@ def write_kept(cache: KVCache, idx: jax.Array, counts: jax.Array, capacity: int)
     or ``[L, B, H]``), with their RoPE positions and biases, written by `write_entries` (a quantised
     cache's entries are dequantised exactly with their pages' scales, then re-quantised there).
 
-    Given a `PoolTarget` (the engine's ``Options(pool=True)``), the same entries go into a fresh decode
-    pool of its ``pool_pages`` pages instead, each head in pages of its own (`write_kept_pool`; ``capacity``
-    is then each head's most tokens): a `PoolCache`."""
-    if isinstance(cache, PoolTarget):
-        return write_kept_pool(cache, idx, counts, capacity, cache.pool_pages)
+    Given a `PoolTarget` (the engine's ``Options(pool=True)``), `write_entries` writes them into a fresh
+    decode pool instead, each head in pages of its own (as `write_kept_pool` would): a `PoolCache`."""
     def take(x: jax.Array, at: jax.Array, per_page: bool) -> jax.Array:
         return jnp.take_along_axis(x, at.reshape(at.shape + (1,) * (x.ndim - 4)), axis=3)
 
@@ -347,19 +352,22 @@ def top_pages(page_scores: jax.Array, used_pages: jax.Array, k: int,
               forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Top-``k`` pages per (row, KV head) among the pages in use.
 
-    ``page_scores`` ``[B, H, P]``; ``used_pages`` ``[B]``; ``forced`` ``[B, H, P]`` bool pages
-    always selected. Returns ``(page_ids [B, H, k], counts [B, H])`` (ids past ``count`` unused).
+    ``page_scores`` ``[B, H, P]``; ``used_pages`` ``[B]``, or ``[B, H]`` (a page pool's heads, each with its
+    own length: the pages are then its logical pages); ``forced`` ``[B, H, P]`` bool pages always selected.
+    Returns ``(page_ids [B, H, k], counts [B, H])`` (ids past ``count`` unused).
     """
     P = page_scores.shape[-1]
     k = min(k, P)
     page = jnp.arange(P)
-    in_use = page < used_pages[:, None, None]
+    per_head = used_pages.ndim == 2
+    in_use = page < (used_pages[..., None] if per_head else used_pages[:, None, None])
     s = page_scores.astype(jnp.float32)
     if forced is not None:
         s = jnp.where(forced, KEEP + page, s)
     s = jnp.where(in_use, s, -jnp.inf)
     _, ids = top_k(s, k)
-    counts = jnp.broadcast_to(jnp.minimum(used_pages, k)[:, None], ids.shape[:2]).astype(jnp.int32)
+    fewer = jnp.minimum(used_pages, k)
+    counts = jnp.broadcast_to(fewer if per_head else fewer[:, None], ids.shape[:2]).astype(jnp.int32)
     return ids.astype(jnp.int32), counts
 
 

@@ -40,6 +40,7 @@ class Quest(Policy):
     prompt_len: int = struct.field(pytree_node=False, default=0)  # set by `bind` before jit
 
     stages = ("decode",)
+    selects_pages = True  # its decode stage only selects pages (`decode_select`): it runs on a page pool
     page_summaries = frozenset({"page_min", "page_max", "page_max_bias"})  # the bound reads these alone
 
     def __post_init__(self) -> None:
@@ -65,6 +66,10 @@ class Quest(Policy):
 
     def decode_select(self, q: jax.Array, kv: LayerKV, length: jax.Array, layer_state: Any, shared_state: Any,
                       layer_index: jax.Array, page_size: int) -> Selection:
+        """The pages to read: ``None`` (an exact budget) or ``(page_ids [B, Hkv, P], counts [B, Hkv])``. ``kv``'s
+        page summaries ``[B, Hkv, P, D]`` and ``length`` ``[B]``, or on a page pool (``Options(pool=True)``,
+        experimental) the layer's logical pages read through its tables (`cache_pooled.layer_kv`) and each
+        head's length ``[B, Hkv]``: the ids are then logical pages of each head, ``[0, M)``."""
         if self.exact:
             return None
         missing = self.page_summaries - kv.summaries
@@ -80,15 +85,17 @@ class Quest(Policy):
         bound = jnp.maximum(qg[:, :, :, None] * lo[:, :, None], qg[:, :, :, None] * hi[:, :, None]).sum(-1)
         bias = kv.page_max_bias.reshape(B, Hkv, Pq, m).max(3)  # [B, Hkv, Pq]
         score = bound.max(2) / jnp.sqrt(jnp.float32(D)) + bias  # [B, Hkv, Pq]
+        per_head = length.ndim == 2  # a page pool's [B, Hkv] lengths: each head's own pages in use
         used = -(-length // self.page_size)
-        newest = (jnp.arange(Pq) == (used - 1)[:, None, None])
+        newest = (jnp.arange(Pq) == ((used - 1)[..., None] if per_head else (used - 1)[:, None, None]))
         k = min(self.pages_read(self.prompt_len), Pq)
         ids, counts = top_pages(score, used, k, forced=newest)
         # dense layers: every page in use (list padded to the same static length)
         dense = layer_index < self.dense_layers
         all_ids = jnp.broadcast_to(jnp.arange(Pq, dtype=jnp.int32), (B, Hkv, Pq))
         ids = jnp.where(dense, all_ids, jnp.pad(ids, ((0, 0), (0, 0), (0, Pq - k))))
-        counts = jnp.where(dense, jnp.broadcast_to(used[:, None], counts.shape), counts).astype(jnp.int32)
+        counts = jnp.where(dense, jnp.broadcast_to(used if per_head else used[:, None], counts.shape),
+                           counts).astype(jnp.int32)
         if m > 1:  # expand Quest pages to the cache's pages
             ids = (ids[..., None] * m + jnp.arange(m)).reshape(B, Hkv, Pq * m)
             counts = counts * m

@@ -38,7 +38,7 @@ class ScoredCompression(Policy):
     stages = ("compress",)
     needs_whole_prefill = True
     needs_observations = True
-    writes_kept = True  # through `compact`: the engine may send it into a page pool
+    writes_entries = True  # through `compact`: the engine may send it into a page pool
 
     def __post_init__(self) -> None:
         check_budget(self.budget)

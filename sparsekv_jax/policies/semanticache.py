@@ -35,10 +35,11 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 from flax import struct
 
 from sparsekv_jax.backend import Backend
-from sparsekv_jax.cache import KVCache
+from sparsekv_jax.cache import KVCache, pages_for
 from sparsekv_jax.models.rope import inverse_frequencies
 from sparsekv_jax.policies import clustering, semanticache_merge, semanticache_tokens
 from sparsekv_jax.policies.base import Policy, Prompt, Setup
@@ -122,6 +123,7 @@ class SemantiCache(Policy):
     # the delimiters and protected slots come from the prompt's ids: nothing observed, chunked prefill works
     needs_whole_prefill = False
     needs_observations = False
+    writes_entries = True  # its merge's one write is `common.write_entries`: the engine may send it into a page pool
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
@@ -207,6 +209,19 @@ class SemantiCache(Policy):
             return None  # the budget covers the prompt: nothing merges (tau = 1 fits)
         return kept + max_new_tokens
 
+    def compressed_pages(self, lengths: np.ndarray, prompt_len: int, max_new_tokens: int, page_size: int,
+                         num_layers: int, num_kv_heads: int) -> int | None:
+        """A head keeps at most ``min(length_b, n)`` entries (``n`` = `budget_tokens` of the prompt's width,
+        `semanticache_merge.cluster`'s static count: `clustering.merge_clusters` clips to it and makes at most
+        one entry per live slot), then the tokens to come: ``L·Hkv·Σ_b pages_for(min(length_b, n) +
+        max_new_tokens)``. Not the row budget: a row whose sinks, window and anchors exceed it merges past
+        it (`clustering.first_fitting` falls back to the last layout)."""
+        if self.compressed_capacity(prompt_len, max_new_tokens) is None:
+            return None
+        n = min(prompt_len, budget_tokens(self.budget, prompt_len))
+        return num_layers * num_kv_heads * sum(pages_for(min(int(b), n) + max_new_tokens, page_size)
+                                               for b in np.asarray(lengths))
+
     # -- compress -----------------------------------------------------------------------
     def _width(self, T: int) -> int:
         return T if self.chunking == "none" else min(self.chunk_size, T)
@@ -240,7 +255,8 @@ class SemantiCache(Policy):
 
     def compress_with_choices(self, cache: KVCache, observations: Any, capacity: int,
                               prompt: Prompt) -> tuple[KVCache, tuple[jax.Array, jax.Array]]:
-        """`compress` and `choices` from one clustering (``observations``: none, `compress`'s signature)."""
+        """`compress` and `choices` from one clustering (``observations``: none, `compress`'s signature). Given
+        a `common.PoolTarget` (``Options(pool=True)``), `write_entries` writes a fresh decode pool."""
         (k, v, pos, bias, counts), chosen = self._cluster(cache, prompt)
         return write_entries(cache, k, v, pos, bias, counts, capacity), chosen
 
