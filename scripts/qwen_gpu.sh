@@ -77,18 +77,22 @@ hf() {  # transformers' model on the same rows (torch takes what the JAX jobs le
     --batch-size "$2" --out "$RUNS/transformers"
 }
 SAES="$SAE_DIR/paper_$MODEL.safetensors"
-sae_then_s3() {  # issue 37: the paper's SAE run for this model, then S3 with its SAEs (S3 needs its own model's SAEs)
-  if [ ! -f "$SAES" ]; then
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 CARRY="${CARRY:-}" PHASE=run MODEL="$MODEL" RUN=/tmp/paper_$MODEL OUT="$SAE_DIR" \
-      DEADLINE="$(left)" EXTRA="--max-minutes ${SAE_MINUTES:-10}" bash scripts/sae_paper_gpu.sh || return 1
-  fi
-  [ -f "$SAES" ] || return 1
+sae_train() {  # issue 37: the paper's SAE run for this model (its schedule fitted into SAE_MINUTES)
+  [ -f "$SAES" ] && return 0
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${SAE_MEM:-0.3} CARRY="${CARRY:-}" PHASE=run MODEL="$MODEL" RUN=/tmp/paper_$MODEL \
+    OUT="$SAE_DIR" DEADLINE="$(left)" EXTRA="--max-minutes ${SAE_MINUTES:-10}" bash scripts/sae_paper_gpu.sh
+  [ -f "$SAES" ]
+}
+s3_retrieval() {  # S3 with this model's SAEs: answer recall, KL and NLL against BM25 (experiments/s3_retrieval_quality.py)
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout "$(left)" python experiments/s3_retrieval_quality.py --model "$MODEL" \
     --dtype bfloat16 --length 16384 --ruler-length 16384 --n 10 --budget 2048 --chunk 4096 --pad 1024 \
     --saes paper="$SAES" --max-minutes "${S3_MINUTES:-6}" --no-progress --out "$RUNS/s3_retrieval_16k"
+}
+s3_ruler() {  # S3's RULER rows, question-aware at 8k, beside BM25 at the same budget
   ev 0.3 aware_8k aware 8k "s3hybrid(0.25, saes='$SAES'), s3pure(0.25, saes='$SAES'), bm25(0.25)" --suite ruler \
     --no-fullkv
 }
+sae_then_s3() { sae_train && { s3_retrieval; s3_ruler; }; }
 case "$STAGE" in
   1)
     ev 0.3 full agnostic 4k,8k,16k,32k fullkv --suite ruler > "$RUNS/full.log" 2>&1 &
@@ -191,6 +195,13 @@ case "$STAGE" in
     ev 0.1 aware_32k aware 32k "snapkv(0.25), bser(0.25)" --suite ruler --no-fullkv > "$RUNS/aware32k.log" 2>&1 &
     ev 0.1 chess_32k agnostic 32k "chess('moderate', calibration='qwen2.5-coder-1.5b')" --suite ruler --no-fullkv \
       > "$RUNS/chess32k.log" 2>&1 &
+    ;;
+  8)  # DETACH=1 (a second machine, 2026-11-28): stage 7's SAE run got 5 steps/s beside six eval jobs and 24 alone, and
+      # did not finish before the machine went back; here it runs alone, then S3's two jobs and Stem at 32k (which ran
+      # out of memory at 0.1 in stage 7) share the GPU.
+    { sae_train && { s3_retrieval > "$RUNS/s3_retrieval.log" 2>&1 & s3_ruler > "$RUNS/s3_ruler.log" 2>&1 &
+      ev 0.25 stem agnostic 32k stem --suite ruler --no-fullkv > "$RUNS/stem32k.log" 2>&1 & wait; }; } \
+      > "$RUNS/sae_s3.log" 2>&1 &
     ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
