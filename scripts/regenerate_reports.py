@@ -34,6 +34,15 @@ REPORTS: dict[str, tuple[str, ...]] = {
     "qwen2.5-coder-1.5b_h200": ("qwen2.5-coder-1.5b_h200",),
 }
 
+# record folder -> (policy A, policy B) pairs compared on their shared samples (experiments/policy_pairs.py)
+_CHESS = "chess('moderate', calibration='qwen2.5-coder-1.5b')"
+PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
+    "qwen2.5-coder-1.5b_h200": (
+        ("adakv(snapkv(0.25))", "snapkv(0.25)"), ("pyramidkv(snapkv(0.25))", "snapkv(0.25)"),
+        ("adakv(snapkv(0.1))", "snapkv(0.1)"), ("pyramidkv(snapkv(0.1))", "snapkv(0.1)"),
+        ("semanticache(0.25)", "snapkv(0.25)"), ("streamingllm(0.25)", "snapkv(0.25)"),
+        ("bser(0.25)", "snapkv(0.25)"), (_CHESS, "quest(0.25)")),
+}
 
 # the fields of a report row that are results (a newer report may add fields, e.g. coverage, and its prose
 # may change, without changing a result)
@@ -85,9 +94,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{run}: {committed.relative_to(ROOT)}")
     if not args.check and not args.only:
         sys.path.insert(0, str(ROOT / "experiments"))
+        import policy_pairs
         import readme_plot
 
         readme_plot.main([])
+        for run, pairs in PAIRS.items():  # policy against policy, where docs claim one beats another
+            with contextlib.redirect_stdout(io.StringIO()):
+                policy_pairs.main([str(RESULTS / run), *(f"--pair={a}::{b}" for a, b in pairs),
+                                   "--out", str(RESULTS / run / "policy_pairs.md")])
+            print(f"{run}: {(RESULTS / run / 'policy_pairs.md').relative_to(ROOT)}")
     return 1 if differ else 0
 
 

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import re
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -21,8 +22,8 @@ GPU_ONLY = ("gemma3_speed", "gsc_gpu", "page_rope_gpu", "pool_decode_gpu", "sae_
             "topk_gpu", "kvq_kernel_sweep_gpu", "kvq_ptx_check",
             "kvpress_adakv_memory_gpu")  # PyTorch + kvpress; its --tiny runs in the kvpress venv (test below)
 REAL_MODEL = ("bser_qwen_diagnosis", "kv_quant_fp8_diagnosis")  # a real model's numerics: arguments parsed only
-RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "kv_quant_fp8_gpu_check", "kvq_quality_table", "pool_memory_gpu",
-              "readme_plot", "semanticache_audit")
+RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "kv_quant_fp8_gpu_check", "kvq_quality_table", "policy_pairs",
+              "pool_memory_gpu", "readme_plot", "semanticache_audit")
 TESTED_ELSEWHERE = {"stem_ablation": "tests/test_stem.py::test_ablation_script_core (toy model, CPU)",
                     "s3_retrieval_quality": "tests/test_s3_retrieval_quality.py (SmolLM2, one RULER sample, CPU)"}
 
@@ -191,6 +192,41 @@ def test_kvq_quality_table_pairs_each_quantised_row_with_its_bf16_row(tmp_path):
     assert (sym["tasks"], sym["samples"], sym["quantised"], sym["bf16"]) == (1, 4, 100.0, 75.0)
     assert mod.main([str(tmp_path), "--out", str(tmp_path / "t.md")]) == 0
     assert "| snapkv(0.25) | int8 | 8k | 2 | 6 | 62.50 | 50.00 | 80.0 [" in (tmp_path / "t.md").read_text()
+
+
+def test_policy_pairs_pairs_two_policies_on_their_shared_samples(tmp_path):
+    """Means by hand on the shared samples: A (1, 0, 1 | 1) -> task means 2/3 and 1 -> 83.33; B (0, 0, 1 | 0) -> 1/3
+    and 0 -> 16.67; A − B = +66.67 points, A = 500% of B. A's extra sample (index 3) has no B and is left out; a
+    LongBench record with A's label stays in its own suite; a pair with no shared sample says so."""
+    mod = _module("policy_pairs")
+
+    def rec(policy, task, index, score, suite="ruler"):
+        return {"policy": policy, "suite": suite, "task": task, "length": 32768, "question": "agnostic", "seed": 0,
+                "index": index, "score": score}
+
+    rows = [rec("adakv(snapkv(0.25))", "a", i, s) for i, s in enumerate([1, 0, 1, 1])]
+    rows += [rec("snapkv(0.25)", "a", i, s) for i, s in enumerate([0, 0, 1])]
+    rows += [rec("adakv(snapkv(0.25))", "b", 0, 1.0), rec("snapkv(0.25)", "b", 0, 0.0)]
+    rows += [rec("adakv(snapkv(0.25))", "qasper", 0, 0.5, "longbench"), rec("snapkv(0.25)", "qasper", 0, 0.25,
+                                                                            "longbench")]
+    _write_records(tmp_path / "run", rows)
+    table = mod.table(tmp_path, [("adakv(snapkv(0.25))", "snapkv(0.25)"), ("quest(0.25)", "snapkv(0.25)")])
+    by = {(r.get("suite"), r["a"]): r for r in table}
+    r = by["ruler", "adakv(snapkv(0.25))"]
+    assert (r["tasks"], r["samples"]) == (2, 4)
+    near = partial(pytest.approx, abs=1e-3)  # the report's bootstrap rounds to 3 decimals
+    assert r["a_average"] == near(250 / 3) and r["b_average"] == near(50 / 3)
+    assert r["difference"][0] == near(200 / 3) and r["ratio"][0] == near(500.0)
+    assert r["difference"][1] <= 200 / 3 <= r["difference"][2]
+    lb = by["longbench", "adakv(snapkv(0.25))"]
+    assert (lb["samples"], lb["a_average"], lb["difference"][0]) == (1, 50.0, pytest.approx(25.0))
+    assert by[None, "quest(0.25)"]["samples"] == 0
+    with pytest.raises(argparse.ArgumentTypeError, match="POLICY_A::POLICY_B"):
+        mod.parse_pair("snapkv(0.25)")
+    out = tmp_path / "p.md"
+    assert mod.main([str(tmp_path), "--pair", "adakv(snapkv(0.25))::snapkv(0.25)", "--out", str(out)]) == 0
+    assert "| adakv(snapkv(0.25)) | snapkv(0.25) | ruler | agnostic | 32k | 2 | 4 | 83.33 | 16.67 | +66.67 [" in (
+        out.read_text())
 
 
 def test_kvpress_adakv_memory_gpu_tiny(tmp_path):
