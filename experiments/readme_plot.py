@@ -1,6 +1,6 @@
 """The README's plot: Qwen2.5-Coder-1.5B-Instruct's score (95% interval) against the KV kept or read per
 decode step, from the records in docs/results/qwen2.5-coder-1.5b_h200 (H200, 2026-11-27, 25 samples per
-task): RULER at 8k (13 tasks) and RULER's value-type needles at 16k (numbers, words, uuids), both
+task): RULER at 8k and at 32k (13 tasks) and RULER's value-type needles at 16k (numbers, words, uuids), all
 question-agnostic, complete rows only. The records are read and summarised by the functions the report
 uses (:mod:`sparsekv_jax.eval.report`), so every number here is the report's.
 
@@ -19,7 +19,8 @@ RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 RECORDS = RESULTS / "qwen2.5-coder-1.5b_h200"
 MODEL = "qwen2.5-coder-1.5b"
 PANELS = (("ruler", 8192, "RULER at 8k: 13 tasks"),
-          ("ruler-variants", 16384, "RULER value-type needles at 16k: 17 tasks (numbers, words, uuids)"))
+          ("ruler", 32768, "RULER at 32k: 13 tasks"),
+          ("ruler-variants", 16384, "value-type needles at 16k: 17 tasks\n(numbers, words, uuids)"))
 
 
 def records(source: Path = RECORDS) -> list[dict[str, Any]]:
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     recs = records()
     styles = report.policy_styles([r["policy"] for r in recs])  # the report's colours and markers
     plt = report.pyplot()
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5.4 * len(PANELS), 4.1), layout="constrained", squeeze=False)
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(5.8 * len(PANELS), 4.6), layout="constrained", squeeze=False)
     handles: dict[str, Any] = {}
     for ax, (suite, length, title) in zip(axes[0], PANELS, strict=True):
         summ = summary(recs, suite, length)
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
                 ax.annotate("stem: at 1, it saves prefill\ncompute, not KV", (x, y), xytext=(0.5, y - 22),
                             fontsize="small", color="0.25", arrowprops={"arrowstyle": "->", "color": "0.5"})
             else:
-                ax.annotate(", ".join(names), (x, y), xytext=(9, 0), textcoords="offset points", va="center",
+                ax.annotate(",\n".join(names), (x, y), xytext=(9, 0), textcoords="offset points", va="center",
                             fontsize="small", color="0.25")
         partial = sum(not report.is_complete(r) for r in summ["rows"])
         if partial:
