@@ -7,6 +7,7 @@
 #   PART=4 bash scripts/gpu_pending.sh   # the decode kernel on a page pool vs the uniform cache (issue 38 step 1)
 #   PART=5 bash scripts/gpu_pending.sh   # int8/fp8 kernel variants sweep + the quantised decode step again (issue 39)
 #   PART=6 bash scripts/gpu_pending.sh   # the tuned quantised kernel at 128k + largest batch per cache dtype (issue 39)
+#   PART=7 bash scripts/gpu_pending.sh   # issue 35's speed rows: every policy on Qwen2.5-Coder-1.5B's shapes at 32k
 # Each command has its share of DEADLINE seconds; logs and JSON land in $OUT; a short table is printed last.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -48,6 +49,17 @@ case "$PART" in
      step kvq_kernel128k 70 python scripts/kv_quant_show.py kernel --contexts 128k --out "$OUT/kvq_kernel_128k.json"
      step kvq_e2e 400 python scripts/kv_quant_show.py e2e --contexts 32k --batches "${E2E_BATCHES:-1,16,32,64,128}" \
        --policies "${E2E_POLICIES:-fullkv, snapkv(0.25)}" --out "$OUT/kvq_e2e.json" ;;
+  7) # issue 35's speed rows on Qwen2.5-Coder-1.5B's shapes (random bf16 weights; the model's quality rows are
+     # docs/RESULTS.md): prefill s at 32k (batch 1), decode ms/token and memory at 32k for batch 1 and large batches,
+     # every policy of the quality tables (SemantiCache with fixed chunks: random weights have no tokenizer to find
+     # delimiters; its decode reads the same merged cache); run twice (a, b) so one favourable run is not the result
+     Q="fullkv, snapkv(0.25), h2o(0.25), streamingllm(0.25), quest(0.25), semanticache(0.25, chunking='fixed'), adakv(snapkv(0.25)), \
+pyramidkv(snapkv(0.25)), bser(0.25), chess('moderate', calibration='qwen2.5-coder-1.5b')"
+     for run in a b; do
+       step "qwen_e2e_$run" 270 python -m sparsekv_jax.bench.e2e --models qwen2.5-coder-1.5b --prefill-contexts 32k \
+         --prefill-policies "fullkv, stem" --contexts 32k --batches "${E2E_BATCHES:-1,64,128}" --policies "$Q" \
+         --out "$OUT/qwen_e2e_$run.json"
+     done ;;
   *) echo "unknown PART=$PART"; exit 2 ;;
 esac
 # the device returns at most 8 files a call: everything also travels as one archive

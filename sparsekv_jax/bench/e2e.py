@@ -1,6 +1,6 @@
 """End-to-end speed: prefill tokens/s, decode ms/token and memory, per policy.
 
-Random bf16 weights of real model shapes (SmolLM2-135M, Llama-3.1-8B): speed does not depend on
+Random bf16 weights of real model shapes (SmolLM2-135M, Llama-3.1-8B, Qwen2.5-Coder-1.5B): speed does not depend on
 the weights' values. Each model's points run in one process (weights built once); each point is
 compiled ahead of time, so its memory is read from XLA's memory analysis (arguments + outputs +
 temporaries of the compiled step, an upper bound of what it holds at once) and its time is the
@@ -28,7 +28,8 @@ import sys
 
 from sparsekv_jax.bench.timing import median_time, median_time_carry  # noqa: F401 (re-exported)
 
-MODELS = {"smollm2": "smollm2_135m_config", "llama3.1-8b": "llama31_8b_config"}
+MODELS = {"smollm2": "smollm2_135m_config", "llama3.1-8b": "llama31_8b_config",
+          "qwen2.5-coder-1.5b": "qwen25_coder_15b_config"}
 
 
 def parse_tokens(text: str) -> list[int]:

@@ -334,6 +334,16 @@ def llama31_8b_config() -> ModelConfig:
     )
 
 
+def qwen25_coder_15b_config() -> ModelConfig:
+    """Qwen2.5-Coder-1.5B-Instruct's shapes (for speed work with random weights; the config `load` reads from the
+    GGUF of ``"qwen2.5-coder-1.5b"``): 28 layers, 12 query / 2 KV heads of 128, q/k/v biases, untied head."""
+    return ModelConfig(
+        family="qwen2", vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12,
+        num_kv_heads=2, head_dim=128, intermediate_size=8960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        qkv_bias=True, max_position_embeddings=32768, bos_token_id=151643, eos_token_ids=(151645,),
+    )
+
+
 def smollm2_135m_config() -> ModelConfig:
     """SmolLM2-135M-Instruct's shapes (the embedded model)."""
     return ModelConfig(
