@@ -359,3 +359,56 @@ def test_a_killed_cli_run_resumes_to_the_uninterrupted_weights_and_curves(smol, 
     a, b = _weights(out / "smoke.safetensors"), _weights(tmp_path / "whole" / "smoke.safetensors")
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=str(key))
+
+
+def test_a_failed_evaluation_keeps_the_exported_saes_and_resume_evaluates_them(tmp_path, monkeypatch):
+    """The Qwen paper run's loss (2026-11-27): all steps trained, the held-out evaluation ran out of GPU
+    memory, and nothing was exported. Now the SAEs are exported before the evaluation: when it raises,
+    NAME.safetensors holds the trained weights (record ``heldout: null``, no half-written file) and the
+    error names that file and --resume. --resume of the finished run trains no step and goes straight to
+    the evaluation and the export, here with --change eval_batch_rows (3: a last batch padded): the
+    record's metrics equal an uninterrupted run's to fp32 rounding, its weights bit for bit."""
+    import sparsekv_jax.sae.evaluate as sae_evaluate
+    import sparsekv_jax.sae.run as sae_run
+
+    params = random_params(TINY, jax.random.key(7), jnp.float32, scale=0.1)
+    tok = CharTokenizer()
+    whole = run(_tiny_run_config(tmp_path / "whole"), progress=False, params=params, tokenizer=tok)
+    cfg = _tiny_run_config(tmp_path / "run")
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 97.13GiB (simulated)")
+
+    monkeypatch.setattr(sae_evaluate, "evaluate", out_of_memory)
+    with pytest.raises(RuntimeError, match=r"exported at \S*/run/tiny\.safetensors .*checkpoint 12 .*--resume") as e:
+        run(cfg, progress=False, params=params, tokenizer=tok)
+    assert "RESOURCE_EXHAUSTED" in str(e.value.__cause__)
+    out = tmp_path / "run"
+    assert sorted(p.name for p in out.iterdir()) == ["checkpoints", "config.yaml", "curves.csv", "curves.png",
+                                                     "tiny.json", "tiny.safetensors"]
+    saes, record = load_saes(out / "tiny.safetensors")
+    assert record == json.loads((out / "tiny.json").read_text())
+    assert record["heldout"] is None and record["steps"] == 12 and record["layers"] == [2, 0]
+    want = _weights(tmp_path / "whole" / "tiny.safetensors")
+    for key, value in _weights(out / "tiny.safetensors").items():
+        np.testing.assert_array_equal(value, want[key], err_msg=str(key))
+    monkeypatch.undo()
+
+    curves = (out / "curves.csv").read_bytes()
+
+    def no_step(*args, **kwargs):
+        raise AssertionError("a finished run trained a step on --resume")
+
+    monkeypatch.setattr(sae_run, "_buffered_step", no_step)
+    resumed = run(dataclasses.replace(cfg, eval_batch_rows=3), resume=True, change=("eval_batch_rows",),
+                  progress=False, params=params, tokenizer=tok)
+    assert (out / "curves.csv").read_bytes() == curves
+    assert json.loads((out / "tiny.json").read_text()) == resumed
+    assert {k: v for k, v in resumed.items() if k not in ("heldout", "train_seconds")} == \
+        {k: v for k, v in whole.items() if k not in ("heldout", "train_seconds")}
+    for got, ref in zip(resumed["heldout"], whole["heldout"], strict=True):
+        assert got.keys() == ref.keys() and got["layer"] == ref["layer"]
+        for key in ref:
+            np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, err_msg=f"{key} of layer {ref['layer']}")
+    for key, value in _weights(out / "tiny.safetensors").items():
+        np.testing.assert_array_equal(value, want[key], err_msg=str(key))

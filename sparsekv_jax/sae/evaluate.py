@@ -23,10 +23,53 @@ from sparsekv_jax.models.params import Params
 from sparsekv_jax.sae.keys import projections
 from sparsekv_jax.sae.model import TopKSAE, decode, encode
 
+# A chunk's encoder temporaries: the fp32 pre-activations ``[L, chunk, width]`` and about as much again
+# for the top-k (an H200 OOM of the unchunked evaluation asked 97.13 GiB for 48 GiB of query pre-activations;
+# XLA's CPU top-k, memory_analysis: ~3x). `default_chunk` keeps ``4 x`` that under `EVAL_CHUNK_BYTES`.
+EVAL_CHUNK_BYTES = 1 << 30
+_TEMP_FACTOR = 4
 
-@partial(jax.jit, static_argnames=("layers", "drop_first", "method", "attention"))
+
+def default_chunk(n_layers: int, width: int, budget_bytes: int = EVAL_CHUNK_BYTES) -> int:
+    """Vectors per layer encoded at once by `evaluate`: the most whose ``[n_layers, chunk, width]`` fp32
+    pre-activations, times a factor for the top-k's temporaries, fit ``budget_bytes`` (at least 1).
+    Qwen2.5-Coder-1.5B's paper SAEs (4 layers, width 16,384): 1,024 vectors (~0.5 GiB of scores and top-k)."""
+    return max(1, budget_bytes // (n_layers * width * 4 * _TEMP_FACTOR))
+
+
+def _encoded_stats(sae: TopKSAE, x: jax.Array, w: jax.Array, chunk: int, method: str,
+                   fired: bool) -> dict[str, jax.Array]:
+    """``sse`` [L] and ``active`` [L] (weighted by ``w`` [N]) of ``x`` [L, N, D] through the SAEs, and with
+    ``fired`` the latents ``[L, width]`` active on a vector of weight > 0: ``chunk`` vectors per layer at a
+    time (`lax.scan`; the last chunk padded with zero vectors of weight 0), so the ``[L, chunk, width]``
+    scores are the largest temporaries whatever N."""
+    L, N, D = x.shape
+    c = min(chunk, N)
+    n_chunks = -(-N // c)
+    pad = n_chunks * c - N
+    xs = jnp.pad(x, ((0, 0), (0, pad), (0, 0))).reshape(L, n_chunks, c, D).swapaxes(0, 1)
+    ws = jnp.pad(w, (0, pad)).reshape(n_chunks, c)
+
+    def body(acc, xw):
+        xc, wc = xw  # [L, c, D], [c]
+        ids, acts = encode(sae, xc, method=method)
+        err = jnp.sum(jnp.square(xc - decode(sae, ids, acts)), axis=-1)
+        new = {"sse": acc["sse"] + err @ wc,
+               "active": acc["active"] + jnp.sum(acts > 0, axis=-1).astype(jnp.float32) @ wc}
+        if fired:
+            hits = (acts > 0) & (wc[None, :, None] > 0)
+            new["fired"] = jax.vmap(lambda f, i, h: f.at[i.reshape(-1)].max(h.reshape(-1)))(acc["fired"], ids, hits)
+        return new, None
+
+    init = {"sse": jnp.zeros((L,), jnp.float32), "active": jnp.zeros((L,), jnp.float32)}
+    if fired:
+        init["fired"] = jnp.zeros((L, sae.width), bool)
+    return jax.lax.scan(body, init, (xs, ws))[0]
+
+
+@partial(jax.jit, static_argnames=("layers", "drop_first", "method", "attention", "chunk"))
 def _batch_stats(sae: TopKSAE, params: Params, tokens: jax.Array, weight: jax.Array, layers: tuple[int, ...],
-                 drop_first: int, method: str, attention: str) -> dict[str, jax.Array]:
+                 drop_first: int, method: str, attention: str, chunk: int) -> dict[str, jax.Array]:
     keys, queries = projections(params, tokens, layers, queries=True, attention=attention)
     out = {}
     for name, v in (("k", keys), ("q", queries)):
@@ -34,29 +77,31 @@ def _batch_stats(sae: TopKSAE, params: Params, tokens: jax.Array, weight: jax.Ar
         L, B, T, H, D = v.shape
         x = v.reshape(L, B * T * H, D)
         w = jnp.repeat(weight, T * H)  # padded rows weigh 0
-        ids, acts = encode(sae, x, method=method)
-        err = jnp.sum(jnp.square(x - decode(sae, ids, acts)), axis=-1)
-        out[name] = {
-            "sse": jnp.sum(err * w, axis=-1), "sum": jnp.einsum("n,lnd->ld", w, x),
-            "sumsq": jnp.einsum("n,ln->l", w, jnp.sum(x * x, axis=-1)), "n": jnp.sum(w),
-            "active": jnp.einsum("n,ln->l", w, jnp.sum(acts > 0, axis=-1).astype(jnp.float32)),
-        }
-        if name == "k":
-            hits = (acts > 0) & (w[None, :, None] > 0)
-            out[name]["fired"] = jax.vmap(lambda i, h: jnp.zeros((sae.width,), bool).at[i.reshape(-1)].max(
-                h.reshape(-1)))(ids, hits)
+        out[name] = {"sum": jnp.einsum("n,lnd->ld", w, x), "n": jnp.sum(w),
+                     "sumsq": jnp.einsum("n,ln->l", w, jnp.sum(x * x, axis=-1)),
+                     **_encoded_stats(sae, x, w, chunk, method, fired=name == "k")}
     return out
 
 
 def evaluate(sae: TopKSAE, params: Params, rows: np.ndarray, layers: tuple[int, ...], *, drop_first: int,
-             batch_rows: int = 8, method: str = "auto", attention: str = "xla") -> list[dict[str, Any]]:
+             batch_rows: int = 8, method: str = "auto", attention: str = "xla",
+             chunk: int | None = None) -> list[dict[str, Any]]:
     """Per-layer held-out metrics of the stacked ``sae`` (one per entry of ``layers``) on token ``rows`` ``[N, T]``.
+
+    ``batch_rows`` rows go through the model at once; their keys and queries are encoded ``chunk``
+    vectors per layer at a time (default `default_chunk`: about 1 GiB of encoder temporaries), so
+    memory does not grow with rows, heads or sequence length beyond the model's forward.
 
     Returns one dict per layer: ``layer``, ``fvu``, ``l0``, ``dead_fraction``, ``fvu_queries``,
     ``l0_queries``, ``vectors`` (held-out keys), ``vectors_queries``.
     """
     if sae.stack_shape != (len(layers),):
         raise ValueError(f"SAE stack {sae.stack_shape} does not match layers {layers}")
+    if batch_rows < 1:
+        raise ValueError(f"batch_rows={batch_rows} must be >= 1")
+    chunk = default_chunk(len(layers), sae.width) if chunk is None else chunk
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk} must be >= 1 (vectors per layer encoded at once)")
     rows = np.asarray(rows)
     if rows.ndim != 2 or rows.shape[1] <= drop_first:
         raise ValueError(f"rows of shape {rows.shape} leave nothing after dropping {drop_first} positions")
@@ -69,7 +114,7 @@ def evaluate(sae: TopKSAE, params: Params, rows: np.ndarray, layers: tuple[int, 
         if len(part) < batch_rows:  # keep one compiled shape: pad with copies that weigh 0
             part = np.concatenate([part, np.repeat(part[:1], batch_rows - len(part), axis=0)])
         stats = jax.device_get(_batch_stats(sae, params, jnp.asarray(part), jnp.asarray(weight), layers,
-                                            drop_first, method, attention))
+                                            drop_first, method, attention, chunk))
         fired |= stats["k"].pop("fired")
         for name, s in stats.items():
             a = acc.setdefault(name, {})

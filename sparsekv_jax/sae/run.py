@@ -8,7 +8,8 @@ folder (``out``)::
                            (elsewhere with ``checkpoint_dir``)
     curves.csv             step, layer, fvu, auxk, l0, dead_fraction, lr, vectors (every log_every steps)
     curves.png             the curves, one line per layer
-    NAME.safetensors/json  the SAEs and their record (held-out FVU, L0, dead fraction per layer)
+    NAME.safetensors/json  the SAEs and their record: written when training ends (``heldout: null``),
+                           rewritten with the held-out FVU, L0, dead fraction per layer
 
 ``resume=True`` restores the newest checkpoint and continues exactly as an uninterrupted run
 would (same batches, same schedule, same losses): the data stream is a pure function of the
@@ -113,6 +114,18 @@ class _CurveLog:
         self._file.close()
 
 
+def _export(out: Path, name: str, sae, record: dict[str, Any], dtype: str) -> Path:
+    """`save_saes` to ``out/NAME.safetensors`` + ``.json`` through temporary names and renames: an earlier
+    export is replaced whole or not at all. Returns the weights' path."""
+    from sparsekv_jax.sae.export import save_saes
+
+    tmp, tmp_record = save_saes(out / f"{name}.partial.safetensors", sae, record, dtype=dtype)
+    path = out / f"{name}.safetensors"
+    os.replace(tmp, path)
+    os.replace(tmp_record, path.with_suffix(".json"))
+    return path
+
+
 def _entries(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
 
@@ -174,7 +187,8 @@ def _delete_run(out: Path, ckpt_dir: Path, saved: RunConfig | None, name: str) -
                     shutil.rmtree(p)
     names = {name} | ({saved.name} if saved is not None else set())
     files = ["config.yaml", "curves.csv", "curves.png", "curves.csv.tmp"]
-    files += [f"{n}{ext}" for n in names for ext in (".safetensors", ".json")]
+    files += [f"{n}{ext}" for n in names for ext in (".safetensors", ".json", ".partial.safetensors",
+                                                      ".partial.json")]
     for f in files:
         (out / f).unlink(missing_ok=True)
 
@@ -225,7 +239,6 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, change
 
     from sparsekv_jax.sae.data import TokenRows, load_corpus, sequential_rows, tokenize
     from sparsekv_jax.sae.evaluate import evaluate
-    from sparsekv_jax.sae.export import save_saes
     from sparsekv_jax.sae.keys import check_layers
     from sparsekv_jax.sae.stream import ShuffleBuffer, chunk_vectors
 
@@ -328,14 +341,9 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, change
         return {"stopped_at": step, "total_steps": total}
     t_train = time.perf_counter() - t_start
 
-    sae = state.sae
-    if cfg.export_dtype == "float16":  # evaluate what is shipped
-        sae = jax.tree.map(lambda a: a.astype(jnp.float16).astype(jnp.float32), sae)
     held = sequential_rows(tokenize(tokenizer, corpus.heldout), cfg.seq_len)
     if cfg.eval_max_rows is not None:
         held = held[: cfg.eval_max_rows]
-    heldout = evaluate(sae, params, held, layers, drop_first=cfg.drop_first, batch_rows=cfg.eval_batch_rows,
-                       method=cfg.topk, attention=cfg.attention)
     final = {int(r["layer"]): r for r in log_rows if int(r["step"]) == step}
     record = {
         "model": Path(cfg.model).name,
@@ -348,12 +356,27 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, change
         "schedule": cfg.schedule, "aux_coef": cfg.aux_coef, "dead_after": cfg.dead_after,
         "seq_len": cfg.seq_len, "drop_first": cfg.drop_first, "seed": cfg.seed,
         "max_minutes": cfg.max_minutes, "train_seconds": round(t_train, 1), "device": jax.devices()[0].device_kind,
-        "heldout": heldout,
+        "heldout": None,  # until measured below
         "final_train": [{"layer": L, "fvu": float(final[L]["fvu"]), "dead_fraction": float(final[L]["dead_fraction"])}
                         for L in layers if L in final],
     }
-    save_saes(out / f"{cfg.name}.safetensors", state.sae, record, dtype=cfg.export_dtype)
+    # the weights first: a failed evaluation must not take the run's product with it
+    path = _export(out, cfg.name, state.sae, record, cfg.export_dtype)
     plot_curves(out / "curves.csv", out / "curves.png", title=f"{cfg.name}: Top-K SAEs on {cfg.model} keys")
+    sae = state.sae
+    if cfg.export_dtype == "float16":  # evaluate what is shipped
+        sae = jax.tree.map(lambda a: a.astype(jnp.float16).astype(jnp.float32), sae)
+    try:
+        record["heldout"] = evaluate(sae, params, held, layers, drop_first=cfg.drop_first,
+                                     batch_rows=cfg.eval_batch_rows, method=cfg.topk, attention=cfg.attention)
+    except Exception as e:
+        raise RuntimeError(
+            f"the held-out evaluation failed after training ({type(e).__name__}; its traceback above). The trained "
+            f"SAEs are exported at {path} (its record has heldout: null) and checkpoint {step} is in {ckpt_dir}. "
+            f"Re-run the evaluation with the same command plus --resume (--out {out}): a finished run goes straight "
+            "to the evaluation and the export; --eval-batch-rows / --eval-max-rows may change on resume "
+            "(--change eval_batch_rows,eval_max_rows).") from e
+    _export(out, cfg.name, state.sae, record, cfg.export_dtype)
     return json.loads((out / f"{cfg.name}.json").read_text())
 
 
