@@ -9,6 +9,10 @@ read. With GQA the bound of a KV head is the max over its query heads (a bound f
 them). The page holding the newest token is always read (it is partial; Quest does the same),
 and, as in the paper, the first ``dense_layers`` layers (paper: 2) stay dense. Nothing is
 evicted: Quest saves reads, not memory.
+
+A Quest page of ``m`` cache pages over a cache of ``P`` pages, ``P`` not a multiple of ``m`` (a capacity that
+is not a whole number of Quest pages), ends with a partial Quest page, bounded from the cache pages it has.
+The page list handed to attention names cache pages in use only (so ``pages_read`` counts what is read).
 """
 
 from __future__ import annotations
@@ -69,7 +73,9 @@ class Quest(Policy):
         """The pages to read: ``None`` (an exact budget) or ``(page_ids [B, Hkv, P], counts [B, Hkv])``. ``kv``'s
         page summaries ``[B, Hkv, P, D]`` and ``length`` ``[B]``, or on a page pool (``Options(pool=True)``,
         experimental) the layer's logical pages read through its tables (`cache_pooled.layer_kv`) and each
-        head's length ``[B, Hkv]``: the ids are then logical pages of each head, ``[0, M)``."""
+        head's length ``[B, Hkv]``: the ids are then logical pages of each head, ``[0, M)``. The list has
+        ``P`` entries: the cache pages of the read Quest pages that are in use (below the length), the newest
+        Quest page's last; entries past the count are valid page ids the kernel ignores."""
         if self.exact:
             return None
         missing = self.page_summaries - kv.summaries
@@ -78,25 +84,43 @@ class Quest(Policy):
                              "(build it with init_cache(summaries=policy.page_summaries))")
         B, Hkv, P, D = kv.page_min.shape
         m = self.page_size // page_size  # cache pages per Quest page
-        Pq = P // m
-        lo = kv.page_min.reshape(B, Hkv, Pq, m, D).min(3)
-        hi = kv.page_max.reshape(B, Hkv, Pq, m, D).max(3)
+        Pq = -(-P // m)  # the last Quest page may hold fewer than m cache pages (a capacity of P % m != 0)
+
+        def grouped(x: jax.Array, reduce) -> jax.Array:
+            """``[B, Hkv, P, ...]`` cache-page summaries → ``[B, Hkv, Pq, ...]`` Quest pages: the page axis
+            padded with copies of the last cache page (neutral for min and max: a partial last Quest page
+            is summarised from the cache pages it has), then reduced over each Quest page's m pages."""
+            if Pq * m != P:
+                x = jnp.pad(x, ((0, 0), (0, 0), (0, Pq * m - P)) + ((0, 0),) * (x.ndim - 3), mode="edge")
+            return reduce(x.reshape(B, Hkv, Pq, m, *x.shape[3:]), axis=3)
+
+        lo, hi = grouped(kv.page_min, jnp.min), grouped(kv.page_max, jnp.max)
         qg = q.reshape(B, Hkv, -1, D).astype(jnp.float32)  # [B, Hkv, G, D]
         bound = jnp.maximum(qg[:, :, :, None] * lo[:, :, None], qg[:, :, :, None] * hi[:, :, None]).sum(-1)
-        bias = kv.page_max_bias.reshape(B, Hkv, Pq, m).max(3)  # [B, Hkv, Pq]
+        bias = grouped(kv.page_max_bias, jnp.max)  # [B, Hkv, Pq]
         score = bound.max(2) / jnp.sqrt(jnp.float32(D)) + bias  # [B, Hkv, Pq]
-        per_head = length.ndim == 2  # a page pool's [B, Hkv] lengths: each head's own pages in use
-        used = -(-length // self.page_size)
-        newest = (jnp.arange(Pq) == ((used - 1)[..., None] if per_head else (used - 1)[:, None, None]))
+        # each (row, head)'s length: a page pool's [B, Hkv] (each head's own pages in use) or the rows' [B]
+        lengths = jnp.broadcast_to(length if length.ndim == 2 else length[:, None], (B, Hkv))
+        used = -(-lengths // self.page_size)  # Quest pages in use
+        used_cache = -(-lengths // page_size)  # cache pages in use (<= P)
+        newest = used - 1  # the Quest page holding the newest token: always read, listed last
         k = min(self.pages_read(self.prompt_len), Pq)
-        ids, counts = top_pages(score, used, k, forced=newest)
-        # dense layers: every page in use (list padded to the same static length)
+        # the k - 1 best pages before the newest one (all whole: every cache page in use), then the newest
+        if k > 1:
+            best, n_best = top_pages(score, jnp.maximum(newest, 0), k - 1)
+        else:
+            best, n_best = jnp.zeros((B, Hkv, 0), jnp.int32), jnp.zeros((B, Hkv), jnp.int32)
+        slot = jnp.arange(Pq, dtype=jnp.int32)
+        ids = jnp.pad(best, ((0, 0), (0, 0), (0, Pq - best.shape[-1])))
+        ids = jnp.where(slot == n_best[..., None], newest[..., None], ids)
+        n = n_best + 1
+        # dense layers: every page in use, in order (so the newest is listed last there too)
         dense = layer_index < self.dense_layers
-        all_ids = jnp.broadcast_to(jnp.arange(Pq, dtype=jnp.int32), (B, Hkv, Pq))
-        ids = jnp.where(dense, all_ids, jnp.pad(ids, ((0, 0), (0, 0), (0, Pq - k))))
-        counts = jnp.where(dense, jnp.broadcast_to(used if per_head else used[:, None], counts.shape),
-                           counts).astype(jnp.int32)
-        if m > 1:  # expand Quest pages to the cache's pages
-            ids = (ids[..., None] * m + jnp.arange(m)).reshape(B, Hkv, Pq * m)
-            counts = counts * m
+        ids = jnp.where(dense, jnp.broadcast_to(slot, (B, Hkv, Pq)), ids).astype(jnp.int32)
+        n = jnp.where(dense, used, n)
+        # expand Quest pages to the cache's pages: the listed pages before the newest are whole; of the newest
+        # only the cache pages in use are counted (none past P, nor past the length: read = pages really read)
+        ids = (ids[..., None] * m + jnp.arange(m, dtype=jnp.int32)).reshape(B, Hkv, Pq * m)[..., :P]
+        ids = jnp.minimum(ids, P - 1)  # entries past the count (ignored) stay valid page indices
+        counts = jnp.where(used > 0, (n - 1) * m + used_cache - newest * m, 0).astype(jnp.int32)
         return ids, counts
