@@ -49,8 +49,8 @@ def _kw(backend: str) -> dict:
     return dict(lengths=LENGTHS, page_size=PS, backend=BACKENDS[backend], stop_tokens=())
 
 
-# Quest pages of two cache pages: 8 new tokens, so the capacity (48) is whole Quest pages (the uniform path
-# cannot reshape 7 cache pages into Quest pages of 2 either)
+# Quest pages of two cache pages: 8 new tokens, so the capacity (48) is whole Quest pages (a capacity that is not,
+# e.g. 7 cache pages, is tested on both layouts in tests/test_quest_partial_pages.py)
 RUNS = {"jnp": ("jnp", QUEST, NEW), "kernel": ("kernel", QUEST, NEW), "kernel-int8": ("kernel-int8", QUEST, NEW),
         "jnp-quest16": ("jnp", Quest(0.25, page_size=2 * PS, dense_layers=1), 8)}
 
