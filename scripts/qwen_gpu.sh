@@ -203,6 +203,23 @@ case "$STAGE" in
       ev 0.25 stem agnostic 32k stem --suite ruler --no-fullkv > "$RUNS/stem32k.log" 2>&1 & wait; }; } \
       > "$RUNS/sae_s3.log" 2>&1 &
     ;;
+  9)  # DETACH=1 (planned for the next machine, issue 35's remaining rows): 10% and 50% at 32k, the value-type columns
+      # of the last three needle tasks at 16k, LongBench-mini's last prompts, the shared-context suite (one compressed
+      # context asked each key in turn), KL / top-1 agreement on a subset, Stem at 32k with more memory
+    A10="snapkv(0.1), quest(0.1), streamingllm(0.1), semanticache(0.1)"; A50="snapkv(0.5), quest(0.5), \
+streamingllm(0.5), semanticache(0.5)"
+    ev 0.1 agnostic_32k_budgets agnostic 32k "$A10" --suite ruler --no-fullkv > "$RUNS/agn32k_10.log" 2>&1 &
+    ev 0.1 agnostic_32k_budgets agnostic 32k "$A50" --suite ruler --no-fullkv > "$RUNS/agn32k_50.log" 2>&1 &
+    ev 0.1 variants_16k agnostic 16k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" --suite ruler-variants \
+      --tasks niah_multikey_3,niah_multivalue,niah_multiquery > "$RUNS/variants_rest.log" 2>&1 &
+    ev 0.1 longbench agnostic 32k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" --suite longbench \
+      > "$RUNS/longbench_rest.log" 2>&1 &
+    ev 0.1 shared_16k agnostic 16k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" --suite ruler-shared \
+      > "$RUNS/shared16k.log" 2>&1 &
+    ev 0.1 fidelity_8k agnostic 8k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25), adakv(snapkv(0.25))" \
+      --suite ruler --tasks niah_single_2,niah_multikey_1,qa_1 --fidelity > "$RUNS/fidelity8k.log" 2>&1 &
+    ev 0.2 stem agnostic 32k stem --suite ruler --no-fullkv > "$RUNS/stem32k.log" 2>&1 &
+    ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
 wait
