@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import seeded_rng
+from jax.experimental import pallas as pl
 
 from sparsekv_jax import attention
 from sparsekv_jax.backend import Backend
@@ -360,6 +361,32 @@ def test_route_kernel_interpret_matches_tile_metric(rng, gqa):
     causal = np.arange(n)[None, :] <= np.asarray(qi)[:, None]
     np.testing.assert_allclose(got[:, :, causal], ref[:, :, causal], rtol=1e-5, atol=1e-4)
     assert np.ptp(ref[:, :, causal]) > 1.0  # the metric varies: a constant would pass any kernel
+
+
+def test_route_kernel_loops_yield_values_not_literals(rng):
+    """The routing kernel's loops return their carry, not a literal: jax 0.11.2's Triton lowering failed on the
+    literal (`scf.yield` "Operand 0 ... must be a Value", H200, 2026-11-27) while interpret mode and jax 0.10.2
+    accept it, so the kernel's traced loops are checked on the CPU (`pallas.testing.loop_literal_yields`)."""
+    from sparsekv_jax.pallas.testing import loop_literal_yields
+
+    B, hq, hkv, D, bs, S = 1, 4, 2, 16, 16, 4
+    q, k, v = _qkv(rng, B, 96, hq, hkv, D)
+    lengths = jnp.asarray([96])
+    qs, ks, rows_in = strided(q, k, lengths, bs, S)
+    qi = jnp.asarray([1, 3], jnp.int32)
+    bonus = jnp.zeros((B, hkv, qs.shape[0]), jnp.float32)
+    args = (qs[qi], qi, rows_in[qi], ks, bonus)
+    assert loop_literal_yields(stem_tile_metric_kernel, *args, gqa="max", scale=0.1, chunk=16, feature_chunk=16) == []
+
+    def literal_loop(x):  # the checker itself: a kernel whose loop (dynamic bounds, as above) returns 0 is caught
+        def kernel(x_ref, o_ref):
+            def body(i, _):
+                o_ref[i] = x_ref[i] * 2
+                return 0
+            jax.lax.fori_loop(0, x_ref.shape[0] - pl.program_id(0), body, 0)
+        return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(1,), interpret=True)(x)
+
+    assert len(loop_literal_yields(literal_loop, jnp.arange(8.0))) == 1
 
 
 def test_kernel_routing_lists_match_the_full_metrics_up_to_near_ties(rng):

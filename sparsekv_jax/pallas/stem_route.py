@@ -62,13 +62,16 @@ def _route_kernel(qi_ref, q_ref, k_ref, w_ref, bonus_ref, o_ref, *, t: int, grou
     weight = w_ref[row_in_block]  # 1 / (rows inside) for a row inside, 0 outside
     head_ok = jnp.arange(g_pad) < groups
 
-    def zeros(c, _):  # key blocks no causal chunk reaches (masked by the selection)
+    # The write-only loops pass their (unused) carry through rather than return a literal: jax 0.11's Triton
+    # lowering yields a literal as a non-Value and fails (`scf.yield` "Operand 0 ... must be a Value", H200,
+    # 2026-11-27); sae_decode's `_dot_kernel` passes its carry through and compiles there.
+    def zeros(c, carry):  # key blocks no causal chunk reaches (masked by the selection)
         o_ref[pl.ds(c * kb, kb)] = jnp.zeros((kb,), o_ref.dtype)
-        return 0
+        return carry
 
     lax.fori_loop(n_chunks, o_ref.shape[0] // kb, zeros, 0)
 
-    def mass(c, _):
+    def mass(c, carry):
         p = jnp.exp(scores(c) - m[:, None]) * (weight / z)[:, None]  # [rows, chunk]
         per_block = p.reshape(rows, kb, t).sum(2).reshape(g_pad, t, kb).sum(1)  # [G_pad, kb]
         log_mass = jnp.log(per_block + 1e-30)
@@ -77,7 +80,7 @@ def _route_kernel(qi_ref, q_ref, k_ref, w_ref, bonus_ref, o_ref, *, t: int, grou
         else:
             comb = jnp.where(head_ok[:, None], log_mass, 0.0).sum(0) / groups
         o_ref[pl.ds(c * kb, kb)] = comb + bonus_ref[pl.ds(c * kb, kb)]
-        return 0
+        return carry
 
     lax.fori_loop(0, n_chunks, mass, 0)
 

@@ -148,3 +148,36 @@ def junk_like(rng: np.random.Generator):
             return rng.integers(-127, 128, a.shape).astype(a.dtype)
         return np.full(a.shape, np.nan, a.dtype)
     return junk
+
+
+def loop_literal_yields(fn, *args, **kwargs) -> list[str]:
+    """The loops inside the Pallas kernels of ``fn(*args, **kwargs)`` (traced, not run) whose body returns a literal
+    (e.g. ``lax.fori_loop(..., body, 0)`` with ``return 0``): jax 0.11's Triton lowering yields such a literal as a
+    non-Value and fails (``scf.yield``: "Operand 0 ... must be a Value"), while jax 0.10 and interpret mode accept
+    it, so only this structural check catches it on a CPU. Returns one description per offending loop."""
+    import jax
+    from jax.extend import core as jcore
+
+    found: list[str] = []
+
+    def subjaxprs(eqn):
+        for value in eqn.params.values():
+            for v in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(v, jcore.ClosedJaxpr):
+                    yield v.jaxpr
+                elif isinstance(v, jcore.Jaxpr):
+                    yield v
+
+    def walk(jaxpr, in_kernel: bool):
+        for eqn in jaxpr.eqns:
+            kernel = in_kernel or eqn.primitive.name == "pallas_call"
+            if kernel and eqn.primitive.name in ("while", "scan"):
+                body = eqn.params["body_jaxpr" if eqn.primitive.name == "while" else "jaxpr"].jaxpr
+                lits = [i for i, v in enumerate(body.outvars) if isinstance(v, jcore.Literal)]
+                if lits:
+                    found.append(f"{eqn.primitive.name} loop yields literal output(s) {lits}: {body.outvars}")
+            for sub in subjaxprs(eqn):
+                walk(sub, kernel)
+
+    walk(jax.make_jaxpr(lambda *a: fn(*a, **kwargs))(*args).jaxpr, False)
+    return found
