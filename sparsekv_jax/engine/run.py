@@ -418,11 +418,12 @@ def compressed_size(run: Run) -> int | None:
 
 def pool_refusal(policy: Policy) -> str | None:
     """Why ``policy`` cannot run on a page pool yet (``None``: it can): full attention's context and prefill
-    stages, and either a compress stage that declares ``writes_entries`` (its one write is
+    stages; a compress stage that is full attention's or declares ``writes_entries`` (its one write is
     `policies.common.write_entries`, directly or through `write_kept`, so it goes into a decode pool:
-    `policies.common.PoolTarget`) with full attention's decode (append, read every page), or full attention's
-    compress stage with a decode stage that declares ``selects_pages`` (its one hook is ``decode_select``,
-    read through the tables: Quest). A compressor followed by a selecting decode stage is not tested yet."""
+    `policies.common.PoolTarget`); and a decode stage that is full attention's (append, read every page) or
+    declares ``selects_pages`` (its one hook is ``decode_select``, read through the tables: Quest). Any pair of
+    the two runs, a compressor followed by Quest included: the decode pool's heads keep their own counts and
+    Quest bounds and lists each head's own logical pages (tests/test_engine_pool_pipeline.py)."""
     if type(policy) is Dense:
         return None
     for name in ("context", "prefill"):
@@ -436,9 +437,6 @@ def pool_refusal(policy: Policy) -> str | None:
     if type(squeezer) is not Dense and not squeezer.writes_entries:
         return (f"its compress stage ({squeezer.name}) does not write through policies.common.write_entries "
                 "(Policy.writes_entries)")
-    if type(squeezer) is not Dense and type(dec) is not Dense:
-        return (f"its compress stage ({squeezer.name}) followed by a page-selecting decode stage ({dec.name}) is "
-                "not tested on a pool yet")
     return None
 
 
@@ -455,7 +453,8 @@ def _check_pool(params: Params, policy: Policy, suffix: Any, room: int, opts: Op
     if why is not None:
         raise ValueError(f"pool=True is experimental and policy {policy.name} does not decode from a page pool "
                          f"yet: {why}. Supported: FullKV, and SnapKV, StreamingLLM, AdaKV, PyramidKV, HeadSplit, "
-                         "BSER, SemantiCache, Quest (leave pool unset)")
+                         "BSER, SemantiCache, Quest, and a pipeline of one of these compressors followed by Quest "
+                         "(leave pool unset)")
     if backend.mesh is not None:
         raise ValueError("pool=True does not run on a mesh yet (the pool's group axes: docs/PAGE_POOL.md, Sharding)")
     if suffix is not None or room:
