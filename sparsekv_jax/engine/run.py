@@ -73,14 +73,19 @@ class Options:
       mesh: a ``data`` × ``model`` `jax.sharding.Mesh` (`sparsekv_jax.sharding.make_mesh`) to run on.
       pool: **experimental** (issue 38, docs/PAGE_POOL.md, migration step 4): decode from a page pool
         (`sparsekv_jax.cache_pooled.PoolCache`: head-free pages, a page table and a length per layer, row and
-        KV head) instead of the uniform cache, with the same tokens and logits. Supported so far: full
-        attention (`FullKV`, i.e. `Dense`), and the compressors whose compress stage writes through
-        `policies.common.write_entries` (``Policy.writes_entries``: `SnapKV`, `StreamingLLM`, `AdaKV`,
-        `PyramidKV`, `HeadSplit`, `BSER` through `write_kept`, `SemantiCache` directly) with full attention's
-        prefill and decode stages, and `Quest` (``Policy.selects_pages``: its page selection reads the
-        summaries through the page tables and lists logical pages) without a compress stage; any other
-        policy (by name), a ``suffix``, ``question_tokens``, a ``mesh``, or a model whose local layers keep
-        rings (Gemma 3 with ``Backend(local_cache="ring")``) is refused with a `ValueError` before jit. The
+        KV head) instead of the uniform cache, with the same tokens and logits (but for Quest after a compressor
+        whose heads keep different counts: below). Supported so far: full attention (`FullKV`, i.e. `Dense`),
+        and the compressors whose compress stage writes through `policies.common.write_entries`
+        (``Policy.writes_entries``: `SnapKV`, `StreamingLLM`, `AdaKV`, `PyramidKV`, `HeadSplit`, `BSER` through
+        `write_kept`, `SemantiCache` directly) with full attention's prefill and decode stages, and `Quest`
+        (``Policy.selects_pages``: its page selection reads the summaries through the page tables and lists
+        logical pages), alone or after one of those compressors (its decode pool's heads keep their own
+        counts; where heads or layers keep different counts, e.g. AdaKV, PyramidKV, SemantiCache, Quest bounds
+        each head's own pages and always reads the page of its own newest token, whereas the uniform cache
+        appends every head's tokens after its row's largest count: the pages read, and so the tokens, may
+        differ from the uniform path's); any other policy (by name), a ``suffix``, ``question_tokens``, a
+        ``mesh``, or a model whose local layers keep rings (Gemma 3 with ``Backend(local_cache="ring")``) is
+        refused with a `ValueError` before jit. The
         prefill writes a prefill pool's identity layout (`cache_pooled.stack_view`); a compressor writes each
         head's kept entries into a fresh decode pool (`policies.common.PoolTarget`, no holes) and the prefill
         pool is dropped; each decode step takes its pages from the pool's free stack. ``GenerateOutput.cache`` is
