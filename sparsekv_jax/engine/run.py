@@ -73,14 +73,19 @@ class Options:
       mesh: a ``data`` × ``model`` `jax.sharding.Mesh` (`sparsekv_jax.sharding.make_mesh`) to run on.
       pool: **experimental** (issue 38, docs/PAGE_POOL.md, migration step 4): decode from a page pool
         (`sparsekv_jax.cache_pooled.PoolCache`: head-free pages, a page table and a length per layer, row and
-        KV head) instead of the uniform cache, with the same tokens and logits. Supported so far: full
-        attention (`FullKV`, i.e. `Dense`), and the compressors whose compress stage writes through
-        `policies.common.write_entries` (``Policy.writes_entries``: `SnapKV`, `StreamingLLM`, `AdaKV`,
-        `PyramidKV`, `HeadSplit`, `BSER` through `write_kept`, `SemantiCache` directly) with full attention's
-        prefill and decode stages, and `Quest` (``Policy.selects_pages``: its page selection reads the
-        summaries through the page tables and lists logical pages) without a compress stage; any other
-        policy (by name), a ``suffix``, ``question_tokens``, a ``mesh``, or a model whose local layers keep
-        rings (Gemma 3 with ``Backend(local_cache="ring")``) is refused with a `ValueError` before jit. The
+        KV head) instead of the uniform cache, with the same tokens and logits (but for Quest after a compressor
+        whose heads keep different counts: below). Supported so far: full attention (`FullKV`, i.e. `Dense`),
+        and the compressors whose compress stage writes through `policies.common.write_entries`
+        (``Policy.writes_entries``: `SnapKV`, `StreamingLLM`, `AdaKV`, `PyramidKV`, `HeadSplit`, `BSER` through
+        `write_kept`, `SemantiCache` directly) with full attention's prefill and decode stages, and `Quest`
+        (``Policy.selects_pages``: its page selection reads the summaries through the page tables and lists
+        logical pages), alone or after one of those compressors (its decode pool's heads keep their own
+        counts; where heads or layers keep different counts, e.g. AdaKV, PyramidKV, SemantiCache, Quest bounds
+        each head's own pages and always reads the page of its own newest token, whereas the uniform cache
+        appends every head's tokens after its row's largest count: the pages read, and so the tokens, may
+        differ from the uniform path's); any other policy (by name), a ``suffix``, ``question_tokens``, a
+        ``mesh``, or a model whose local layers keep rings (Gemma 3 with ``Backend(local_cache="ring")``) is
+        refused with a `ValueError` before jit. The
         prefill writes a prefill pool's identity layout (`cache_pooled.stack_view`); a compressor writes each
         head's kept entries into a fresh decode pool (`policies.common.PoolTarget`, no holes) and the prefill
         pool is dropped; each decode step takes its pages from the pool's free stack. ``GenerateOutput.cache`` is
@@ -418,11 +423,12 @@ def compressed_size(run: Run) -> int | None:
 
 def pool_refusal(policy: Policy) -> str | None:
     """Why ``policy`` cannot run on a page pool yet (``None``: it can): full attention's context and prefill
-    stages, and either a compress stage that declares ``writes_entries`` (its one write is
+    stages; a compress stage that is full attention's or declares ``writes_entries`` (its one write is
     `policies.common.write_entries`, directly or through `write_kept`, so it goes into a decode pool:
-    `policies.common.PoolTarget`) with full attention's decode (append, read every page), or full attention's
-    compress stage with a decode stage that declares ``selects_pages`` (its one hook is ``decode_select``,
-    read through the tables: Quest). A compressor followed by a selecting decode stage is not tested yet."""
+    `policies.common.PoolTarget`); and a decode stage that is full attention's (append, read every page) or
+    declares ``selects_pages`` (its one hook is ``decode_select``, read through the tables: Quest). Any pair of
+    the two runs, a compressor followed by Quest included: the decode pool's heads keep their own counts and
+    Quest bounds and lists each head's own logical pages (tests/test_engine_pool_pipeline.py)."""
     if type(policy) is Dense:
         return None
     for name in ("context", "prefill"):
@@ -436,9 +442,6 @@ def pool_refusal(policy: Policy) -> str | None:
     if type(squeezer) is not Dense and not squeezer.writes_entries:
         return (f"its compress stage ({squeezer.name}) does not write through policies.common.write_entries "
                 "(Policy.writes_entries)")
-    if type(squeezer) is not Dense and type(dec) is not Dense:
-        return (f"its compress stage ({squeezer.name}) followed by a page-selecting decode stage ({dec.name}) is "
-                "not tested on a pool yet")
     return None
 
 
@@ -455,7 +458,8 @@ def _check_pool(params: Params, policy: Policy, suffix: Any, room: int, opts: Op
     if why is not None:
         raise ValueError(f"pool=True is experimental and policy {policy.name} does not decode from a page pool "
                          f"yet: {why}. Supported: FullKV, and SnapKV, StreamingLLM, AdaKV, PyramidKV, HeadSplit, "
-                         "BSER, SemantiCache, Quest (leave pool unset)")
+                         "BSER, SemantiCache, Quest, and a pipeline of one of these compressors followed by Quest "
+                         "(leave pool unset)")
     if backend.mesh is not None:
         raise ValueError("pool=True does not run on a mesh yet (the pool's group axes: docs/PAGE_POOL.md, Sharding)")
     if suffix is not None or room:
