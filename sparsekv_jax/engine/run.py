@@ -430,9 +430,13 @@ def pool_refusal(policy: Policy) -> str | None:
         if type(stage) is not Dense:
             return f"its {name} stage ({stage.name}) is not full attention's"
     squeezer, dec = policy.stage("compress"), policy.stage("decode")
+    if dec.writes_in_place:  # H2O's running eviction: after its own compaction only (its size is what that kept)
+        return None if squeezer is dec and dec.writes_entries else (
+            f"its decode stage ({dec.name}) writes in place (Policy.writes_in_place) after a compress stage "
+            f"({squeezer.name}) other than its own, not tested on a pool yet")
     if type(dec) is not Dense and not dec.selects_pages:
         return (f"its decode stage ({dec.name}) is not full attention's nor one that only selects pages "
-                "(Policy.selects_pages)")
+                "(Policy.selects_pages) or writes in place after its own compaction (Policy.writes_in_place)")
     if type(squeezer) is not Dense and not squeezer.writes_entries:
         return (f"its compress stage ({squeezer.name}) does not write through policies.common.write_entries "
                 "(Policy.writes_entries)")
@@ -455,7 +459,7 @@ def _check_pool(params: Params, policy: Policy, suffix: Any, room: int, opts: Op
     if why is not None:
         raise ValueError(f"pool=True is experimental and policy {policy.name} does not decode from a page pool "
                          f"yet: {why}. Supported: FullKV, and SnapKV, StreamingLLM, AdaKV, PyramidKV, HeadSplit, "
-                         "BSER, SemantiCache, Quest (leave pool unset)")
+                         "BSER, SemantiCache, Quest, H2O (leave pool unset)")
     if backend.mesh is not None:
         raise ValueError("pool=True does not run on a mesh yet (the pool's group axes: docs/PAGE_POOL.md, Sharding)")
     if suffix is not None or room:
