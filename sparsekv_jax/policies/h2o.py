@@ -196,20 +196,21 @@ class H2O(ScoredCompression):
         (a page pool, whose ``layer_state["size"]`` is per head too); ``new_length`` has its shape."""
         if layer_state is None:
             return length, length + 1
-        S = kv.positions.shape[-1]
-        n = length[:, None] if length.ndim == 1 else length  # [B, 1] a row's, or [B, Hkv] each head's
-        size = layer_state["size"]
-        size = jnp.minimum(size[:, None] if size.ndim == 1 else size, S)  # [B, 1] or [B, Hkv]
+        row = length.ndim == 1  # static: a row's length [B], or each head's [B, Hkv]
+        heads = (lambda x: x[:, None]) if row else (lambda x: x)  # noqa: E731 -- [B] or [B, Hkv] -> per head
+        slots = (lambda x: x[:, None, None]) if row else (lambda x: x[..., None])  # noqa: E731 -- -> per slot
+        size = jnp.minimum(layer_state["size"], kv.k.shape[2])  # [B] or [B, Hkv]
         newest = jnp.max(kv.positions, axis=(1, 2))  # [B] position of the last token written
-        protected = kv.positions > (newest[:, None] - self._recent(jnp.minimum(n, size)))[..., None]
+        protected = kv.positions > slots((newest if row else newest[:, None]) - self._recent(jnp.minimum(length, size)))
         # a hole (a slot below the length that this head leaves empty after a merging compressor)
         # is the cheapest victim: nothing is lost by writing there
-        hole = (kv.positions < 0) & (jnp.arange(S) < n[..., None])
+        hole = (kv.positions < 0) & (jnp.arange(kv.positions.shape[-1]) < slots(length))
         s = jnp.where(protected | (kv.positions < 0), jnp.inf, layer_state["scores"])
         s = jnp.where(hole, -jnp.inf, s)
         victim = jnp.argmin(s, axis=-1).astype(jnp.int32)  # [B, H]
-        slot = jnp.where(n >= size, victim, n)
-        return slot, jnp.minimum(length + 1, size[:, 0] if length.ndim == 1 else size)
+        full = heads(length >= size)
+        slot = jnp.where(full, victim, heads(length))
+        return slot, jnp.minimum(length + 1, size)
 
     def decode_appends(self, layer_state: Any, lengths: jax.Array) -> jax.Array:
         """``[L, B, Hkv]``: a head below its size appends, one at its size overwrites (`decode_write`)."""
