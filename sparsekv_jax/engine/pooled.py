@@ -1,6 +1,6 @@
 """Decoding from a page pool: ``Options(pool=True)``, **experimental** (issue 38, docs/PAGE_POOL.md,
-migration step 4's first slices: full attention, and the compressors whose compress stage writes through
-`policies.common.write_entries` with full attention's decode stage, `run.pool_refusal`).
+migration step 4's first slices: full attention, the compressors whose compress stage writes through
+`policies.common.write_entries` with full attention's decode stage, Quest, and H2O, `run.pool_refusal`).
 
 The prefill writes the pool's identity layout (`prefill.prefill_pool`). A compressor then compresses the
 prefill pool's uniform view (`compress_target`: a `policies.common.PoolTarget`, whose `write_entries` writes
@@ -12,6 +12,11 @@ and each layer writes its token at its ``(page, offset)`` (`cache_pooled.append_
 attends through its page tables (`attention.decode_pool`: the decode kernel's pool mode, or the jnp
 path through `cache_pooled.layer_kv`). The pool rides the layer scan's carry (whatever
 ``Backend.decode_carry`` says); the step's pages and offsets are the scan's xs.
+
+A decode stage that writes in place (``Policy.writes_in_place``: H2O's running eviction, after its own
+compaction) runs `_decode_step_in_place`: the allocator call reserves pages only for the heads its
+``decode_appends`` names; the others overwrite the logical slot its ``decode_write`` names, through their
+tables, and the step's probabilities at logical slots reach its ``decode_observe``.
 
 A stopped row is inactive: it writes nothing more. A pool that runs out sets the allocator's sticky
 ``overflow`` of the rows concerned (no host round trip in the loop): `decode_loop` stops such a row
