@@ -35,6 +35,7 @@ from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
 from sparsekv_jax.pallas.testing import junk_like
+from sparsekv_jax.policies import FullKV
 from sparsekv_jax.policies.h2o import H2O
 
 CFG = ModelConfig(family="llama", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -139,6 +140,25 @@ def test_h2o_on_the_pool_with_a_row_that_stops(params, rng):
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     kept, _ = _budget_pages(0.25)
     np.testing.assert_array_equal(np.asarray(got.cache.lengths), np.broadcast_to(kept[None, :, None], (2, 2, 2)))
+
+
+def test_h2o_that_appends_on_the_pool(params, rng):
+    """The two H2Os whose decode appends (``decode_appends`` all true): ``evict_during_decode=False`` gives the
+    uniform path's tokens with every head grown past its budget by the decoded tokens (its pool sized for them),
+    and a budget covering the prompt (no compression, no eviction) gives full attention's pool tokens."""
+    kw, new = _kw("jnp"), 8
+    tokens = rng.integers(1, CFG.vocab_size, (2, T))
+    grow = H2O(0.25, evict_during_decode=False)
+    want = generate(params, grow, tokens, max_new_tokens=new, **kw)
+    got = generate(params, grow, tokens, max_new_tokens=new, pool=True, **kw)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    kept, _ = _budget_pages(0.25)
+    np.testing.assert_array_equal(np.asarray(got.cache.lengths),
+                                  np.broadcast_to((kept + new - 1)[None, :, None], (2, 2, 2)))
+    full = generate(params, FullKV(), tokens, max_new_tokens=new, pool=True, **kw)
+    covering = generate(params, H2O(1.0), tokens, max_new_tokens=new, pool=True, **kw)
+    np.testing.assert_array_equal(np.asarray(covering.tokens), np.asarray(full.tokens))
+    np.testing.assert_array_equal(np.asarray(covering.cache.lengths), np.asarray(full.cache.lengths))
 
 
 @pytest.mark.parametrize("backend", ["jnp", "kernel"])
