@@ -288,8 +288,8 @@ def decode(q: jax.Array, q_position: jax.Array, kv, length: jax.Array, page_size
 
 def decode_pool(q: jax.Array, q_position: jax.Array, cache: PoolCache, layer: int | jax.Array,
                 selection: tuple[jax.Array, jax.Array] | None = None, *, sliding_window: int | jax.Array | None = None,
-                backend: Backend | None = None) -> tuple[jax.Array, jax.Array]:
-    """`decode` of layer ``layer`` of a page pool (``Options(pool=True)``, experimental; no probabilities): one
+                return_probs: bool = False, backend: Backend | None = None):
+    """`decode` of layer ``layer`` of a page pool (``Options(pool=True)``, experimental): one
     query per row ``[B, Hq, D]`` at RoPE ``q_position`` ``[B]`` against each (row, KV head)'s first
     ``length[layer, b, h]`` logical slots. ``selection``: ``None`` (every page in use) or ``(page_ids [B, Hkv, P],
     counts [B, Hkv])`` of *logical* pages in ``[0, M)`` (Quest's `Policy.decode_select` on the pool), each
@@ -303,7 +303,9 @@ def decode_pool(q: jax.Array, q_position: jax.Array, cache: PoolCache, layer: in
     mask. Slots past a head's length or off its list are zeroed before the products (a pool page is not
     cleared when it is freed or opened, so they may hold anything, NaN included), so an unread slot weighs
     exactly 0, as in `decode`. Returns ``(out [B, Hq, D], read [B])``, ``read`` the row's pages read over its
-    pages in use, summed over its heads (1 without a selection; with equal heads `decode`'s fraction)."""
+    pages in use, summed over its heads (1 without a selection; with equal heads `decode`'s fraction), and
+    with ``return_probs`` the attention probabilities ``[B, Hq, M·ps]`` at *logical* slots (H2O's eviction on
+    a pool; zero off a head's length)."""
     backend = resolved(backend)
     ps = cache.page_size
     length = layer_lengths(cache, layer)  # [B, Hkv]
@@ -315,18 +317,21 @@ def decode_pool(q: jax.Array, q_position: jax.Array, cache: PoolCache, layer: in
     if backend.decode_attention == "pallas" and sliding_window is None:
         args = decode_kernel_args(cache, layer)
         ids, counts = (None, None) if selection is None else selection
-        out = dispatch.decode_attention(backend, q, args.pop("k"), args.pop("v"), args.pop("lengths"),
-                                        page_size=ps, page_ids=ids, page_counts=counts, **args)
-        return out, read
+        res = dispatch.decode_attention(backend, q, args.pop("k"), args.pop("v"), args.pop("lengths"),
+                                        page_size=ps, page_ids=ids, page_counts=counts, return_probs=return_probs,
+                                        **args)
+        return (res[0], read, res[1]) if return_probs else (res, read)
     kv = layer_kv(cache, layer)
     valid = jnp.arange(kv.k.shape[-2])[None, None, :] < length[..., None]  # [B, Hkv, M·ps]
     if selection is not None:
         valid = valid & jnp.repeat(page_mask(selection[0], selection[1], kv.k.shape[-2] // ps), ps, axis=-1)
     k, v = dequantize_kv(kv, q.dtype)
     k, v = (jnp.where(valid[..., None], x, jnp.zeros((), x.dtype)) for x in (k, v))
-    out = cached_attention(q[:, :, None], k, v, q_position[:, None], kv.positions, valid[:, :, None, :], bias=kv.bias,
-                           sliding_window=sliding_window)
-    return out[:, :, 0], read
+    res = cached_attention(q[:, :, None], k, v, q_position[:, None], kv.positions, valid[:, :, None, :], bias=kv.bias,
+                           sliding_window=sliding_window, return_weights=return_probs)
+    if return_probs:
+        return res[0][:, :, 0], read, res[1][:, :, 0]
+    return res[:, :, 0], read
 
 
 def block_fraction(pattern, T: int) -> jax.Array:

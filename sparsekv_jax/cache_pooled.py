@@ -42,7 +42,10 @@ pool). The per-page math (quantisation, summaries) is the policies' (`policies.c
 `write_kept_pool`, which use these). `pool_nbytes` sizes a decode pool without allocating it;
 `cache_pool.pool_pages_needed` counts the pages a compression occupies.
 
-Not here yet (docs/PAGE_POOL.md, step 2's entry): in-place overwrites (H2O), `write_tokens` (extend),
+An in-place overwrite (H2O's eviction) is `append_token_pool` with ``overwrite``: its slot below the head's
+length, mapped through the table by the caller (`engine.pooled.decode_step_pool`), and no page reserved.
+
+Not here yet (docs/PAGE_POOL.md, step 2's entry): `write_tokens` (extend),
 the group axes of a mesh. The engine decodes from a pool with ``Options(pool=True)`` (experimental,
 `sparsekv_jax.engine.pooled`): full attention from its prefill pool, the compressors whose write is
 `policies.common.write_kept` from a decode pool that write makes; by default the policies use the uniform cache.
@@ -65,9 +68,9 @@ from sparsekv_jax.cache_write import _page_key_summaries, _rescale_append
 from sparsekv_jax.models.config import ModelConfig
 
 __all__ = ["PoolCache", "append_token_pool", "decode_kernel_args", "decode_pool", "init_pool", "layer_kv",
-           "layer_lengths", "layer_pages", "layer_tables", "pool_from_stack", "pool_nbytes", "pool_page_counts",
-           "pool_page_mean", "put_pages", "reserve_token", "shuffle_pages", "stack_view", "summarize_pool",
-           "take_logical", "with_stack"]
+           "layer_lengths", "layer_pages", "layer_tables", "logical_positions", "pool_from_stack", "pool_nbytes",
+           "pool_page_counts", "pool_page_mean", "put_pages", "reserve_token", "shuffle_pages", "stack_view",
+           "summarize_pool", "take_logical", "with_stack"]
 
 # what a page nobody owns reads as (`layer_pages`): an empty cache's values (`init_cache`)
 _FILL = {"positions": -1, "page_max_bias": -jnp.inf}
@@ -282,6 +285,14 @@ def layer_lengths(cache: PoolCache, layer: int | jax.Array) -> jax.Array:
     return layer_tables(cache, layer)[1]
 
 
+def logical_positions(cache: PoolCache) -> jax.Array:
+    """``[L, B, Hkv, M·ps]`` the position held at each logical slot of every (layer, row, head), read through the
+    tables (`take_logical`); -1 at and past the head's length, as a uniform cache's empty slots."""
+    L, B, H, S = cache.num_layers, cache.batch, cache.heads, cache.max_pages_per_head * cache.page_size
+    at = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (L, B, H, S))
+    return jnp.where(at < cache.lengths[..., None], take_logical(cache, cache.pages.positions, at), -1)
+
+
 def layer_pages(cache: PoolCache, layer: int | jax.Array) -> LayerKV:
     """Layer ``layer``'s pages gathered through its table: each leaf ``leaf[table[layer]]`` (``mode="fill"``),
     ``k``/``v`` ``[B, Hkv, M, ps, D]``, ``positions``/``bias`` ``[B, Hkv, M, ps]``, page summaries and scales
@@ -380,7 +391,8 @@ def reserve_token(cache: PoolCache, active: jax.Array) -> tuple[PoolCache, jax.A
 
 
 def append_token_pool(cache: PoolCache, layer: int | jax.Array, k_new: jax.Array, v_new: jax.Array,
-                      position: jax.Array, page: jax.Array, offset: jax.Array) -> PoolCache:
+                      position: jax.Array, page: jax.Array, offset: jax.Array,
+                      overwrite: jax.Array | None = None) -> PoolCache:
     """Write layer ``layer``'s token of each (row, head) at pool ``page``/``offset`` ``[B, Hkv]`` (`reserve_token`'s
     ``[layer]``: ``cache.alloc`` already counts it) and refresh that page's summaries, as `append_token` does
     for the uniform cache. ``k_new``/``v_new`` ``[B, Hkv, D]``; ``position`` ``[B]``. Heads whose page is the
@@ -391,6 +403,12 @@ def append_token_pool(cache: PoolCache, layer: int | jax.Array, k_new: jax.Array
     scales are dropped and it takes the zero points of the head's previous logical page
     (``table[layer, b, h, m - 1]``; on page 0 the token's own key). Quantised writes re-scale the whole page
     with `append_token`'s math (`cache_write._rescale_append`).
+
+    ``overwrite`` ``[B, Hkv]`` bool (``None``: every head appends; the program is then the append's alone):
+    the heads whose ``page``/``offset`` is a slot below their length, mapped through their table (H2O's
+    eviction, `Policy.writes_in_place`), as `append_token`'s in-place write: the page is not fresh whatever
+    the offset, its summaries and max bias are recomputed from its slots below the head's length, and a
+    quantised page is re-scaled keeping its other entries.
     """
     kv = cache.pages
     N, ps = cache.num_pages, cache.page_size
@@ -409,6 +427,11 @@ def append_token_pool(cache: PoolCache, layer: int | jax.Array, k_new: jax.Array
     fresh = wrote & (offset == 0)
     slots = jnp.arange(ps)
     live = slots <= offset[..., None]  # [B, H, ps] the page's slots below the head's length
+    if overwrite is not None:  # a slot inside a held page: the page keeps its other entries
+        fresh = fresh & ~overwrite
+        own = jnp.take_along_axis(table, jnp.minimum(m, table.shape[-1] - 1)[..., None], axis=-1)[..., 0]
+        # the written page's slots below the length: all of them unless it is the head's last page
+        live = jnp.where((overwrite & (page != own))[..., None], True, slots < (length - m * ps)[..., None])
     pos = kv.positions.at[page, offset].set(jnp.broadcast_to(position[:, None], (B, H)).astype(jnp.int32),
                                             mode="drop")
     bias = kv.bias.at[page, offset].set(0.0, mode="drop")
@@ -430,8 +453,10 @@ def append_token_pool(cache: PoolCache, layer: int | jax.Array, k_new: jax.Array
         keys, key_dtype = None, k.dtype
     held = kv.summaries
     if "page_max_bias" in held:
-        new["page_max_bias"] = kv.page_max_bias.at[page].set(
-            jnp.where(fresh, 0.0, jnp.maximum(read(kv.page_max_bias), 0.0)), mode="drop")
+        page_bias = jnp.where(fresh, 0.0, jnp.maximum(read(kv.page_max_bias), 0.0))
+        if overwrite is not None:  # the overwritten slot's old bias may have been the page's max
+            page_bias = jnp.where(overwrite, jnp.where(live, read(bias), -jnp.inf).max(-1), page_bias)
+        new["page_max_bias"] = kv.page_max_bias.at[page].set(page_bias, mode="drop")
     if held - {"page_max_bias"}:
         if keys is None:
             keys = k.at[page].get(mode="fill", fill_value=0).astype(jnp.float32)  # [B, H, ps, D]

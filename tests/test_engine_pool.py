@@ -167,7 +167,7 @@ def test_pool_option_is_refused_where_not_supported(weights, rng):
     room for questions."""
     params = weights[jnp.float32]
     tokens = rng.integers(1, CFG.vocab_size, (2, T))
-    for spec, name in [("h2o(0.5)", "H2O"), ("chess()", "CHESS-moderate")]:
+    for spec, name in [("chess()", "CHESS-moderate")]:
         with pytest.raises(ValueError, match=rf"pool=True is experimental and policy {name} does not decode"):
             engine.setup(params, parse_policy(spec), tokens, pool=True)
         with pytest.raises(ValueError, match=rf"policy {name} does not"):

@@ -1,6 +1,6 @@
 """Decoding from a page pool: ``Options(pool=True)``, **experimental** (issue 38, docs/PAGE_POOL.md,
-migration step 4's first slices: full attention, and the compressors whose compress stage writes through
-`policies.common.write_entries` with full attention's decode stage, `run.pool_refusal`).
+migration step 4's first slices: full attention, the compressors whose compress stage writes through
+`policies.common.write_entries` with full attention's decode stage, Quest, and H2O, `run.pool_refusal`).
 
 The prefill writes the pool's identity layout (`prefill.prefill_pool`). A compressor then compresses the
 prefill pool's uniform view (`compress_target`: a `policies.common.PoolTarget`, whose `write_entries` writes
@@ -12,6 +12,11 @@ and each layer writes its token at its ``(page, offset)`` (`cache_pooled.append_
 attends through its page tables (`attention.decode_pool`: the decode kernel's pool mode, or the jnp
 path through `cache_pooled.layer_kv`). The pool rides the layer scan's carry (whatever
 ``Backend.decode_carry`` says); the step's pages and offsets are the scan's xs.
+
+A decode stage that writes in place (``Policy.writes_in_place``: H2O's running eviction, after its own
+compaction) runs `_decode_step_in_place`: the allocator call reserves pages only for the heads its
+``decode_appends`` names; the others overwrite the logical slot its ``decode_write`` names, through their
+tables, and the step's probabilities at logical slots reach its ``decode_observe``.
 
 A stopped row is inactive: it writes nothing more. A pool that runs out sets the allocator's sticky
 ``overflow`` of the rows concerned (no host round trip in the loop): `decode_loop` stops such a row
@@ -30,12 +35,13 @@ import numpy as np
 
 from sparsekv_jax import attention
 from sparsekv_jax.backend import Backend
-from sparsekv_jax.cache import layer_view, pages_for
+from sparsekv_jax.cache import LayerKV, layer_view, pages_for
 from sparsekv_jax.cache_pooled import (
     PoolCache,
     append_token_pool,
     layer_kv,
     layer_lengths,
+    layer_tables,
     reserve_token,
     stack_view,
 )
@@ -58,10 +64,13 @@ def decode_step_pool(params: Params, policy: Policy, cache: PoolCache, token: ja
     their token. The decode stage appends (``decode_write`` is `Dense`'s) and reads every page in use, or
     the logical pages its ``decode_select`` lists from the layer read through its tables
     (`cache_pooled.layer_kv`) and each head's length (``Policy.selects_pages``: Quest); any other decode stage
-    is refused by `run.pool_refusal`. ``pages_read`` is the layers' mean, as on the uniform cache."""
+    is refused by `run.pool_refusal`; a decode stage that writes in place (``Policy.writes_in_place``: H2O) runs
+    `_decode_step_in_place`. ``pages_read`` is the layers' mean, as on the uniform cache."""
     B = token.shape[0]
     pos = cache.next_position
     dec = policy.stage("decode")
+    if dec.writes_in_place:
+        return _decode_step_in_place(params, dec, cache, token, state, backend, active, collect)
     layer_state, shared_state = state
     act = jnp.ones((B,), jnp.bool_) if active is None else active
     cache, page, offset = reserve_token(cache, act)  # [L, B, Hkv] each: the one allocator call of the step
@@ -86,6 +95,72 @@ def decode_step_pool(params: Params, policy: Policy, cache: PoolCache, token: ja
     cache = cache.replace(pages=pages, next_position=pos + 1)
     shared_state = dec.decode_update(shared_state, cache, logits)
     return logits, cache, (layer_state, shared_state), reads.mean(0), outs
+
+
+def _decode_step_in_place(params: Params, dec: Policy, cache: PoolCache, token: jax.Array, state: tuple[Any, Any],
+                          backend: Backend, active: jax.Array | None, collect: bool):
+    """`decode_step_pool` for a decode stage that declares ``writes_in_place`` (H2O's running eviction): before the
+    layer scan ``dec.decode_appends`` names the heads that append, and the step's one allocator call
+    (`reserve_token`) reserves pages for those only; in each layer ``dec.decode_write`` names every head's logical
+    slot (on the layer read through its tables with each head's length, `_live_kv`), an appending head writes at
+    its reserved ``(page, offset)`` and an overwriting one at its slot mapped through the layer's table
+    (``table[slot // ps]``, ``slot % ps``: a page it holds, none reserved; `append_token_pool`'s ``overwrite``),
+    and with ``needs_decode_probs`` the step's probabilities at logical slots (`attention.decode_pool`) reach
+    ``dec.decode_observe``, as on the uniform path. Per-head lengths are the allocator's: an overwrite leaves a
+    head's length as it was. The decode stage's layer state rides the layer scan's carry with the pool."""
+    pos = cache.next_position
+    layer_state, shared_state = state
+    act = jnp.ones((token.shape[0],), jnp.bool_) if active is None else active
+    before = cache.lengths  # [L, B, Hkv] each head's length before the step
+    appends = dec.decode_appends(layer_state, before)
+    cache, page, offset = reserve_token(cache, act[None, :, None] & appends)  # pages for the appending heads only
+    window = window_of(params.config, cache)
+    N, ps, M = cache.num_pages, cache.page_size, cache.max_pages_per_head
+    probs_needed = dec.needs_decode_probs
+
+    def attend(q, k, v, layer, idx, hidden):
+        (pg, off, n0, app), (pages, lstate_all) = layer
+        c = cache.replace(pages=pages)
+        lstate = layer_view(lstate_all, idx)
+        slot, _ = dec.decode_write(_live_kv(c, idx, n0), n0, lstate)
+        slot = jnp.broadcast_to(slot[:, None] if slot.ndim == 1 else slot, n0.shape).astype(jnp.int32)
+        table = layer_tables(c, idx)[0]
+        phys = jnp.take_along_axis(table, jnp.clip(slot // ps, 0, M - 1)[..., None], axis=-1)[..., 0]
+        # an overwrite stays below the head's length, in a page it holds; a stopped row writes nothing
+        phys = jnp.where(act[:, None] & (slot >= 0) & (slot < n0), phys, N)
+        c = append_token_pool(c, idx, k[:, 0], v[:, 0], pos, jnp.where(app, pg, phys), jnp.where(app, off, slot % ps),
+                              overwrite=~app)
+        selection = None
+        if dec.selects_pages:
+            selection = dec.decode_select(q[:, 0], layer_kv(c, idx), layer_lengths(c, idx), lstate, shared_state,
+                                          idx, ps)
+        res = attention.decode_pool(q[:, 0], pos, c, idx, selection, sliding_window=window(idx),
+                                    return_probs=probs_needed, backend=backend)
+        if probs_needed:
+            out, read, probs = res
+            lstate = dec.decode_observe(lstate, probs, _live_kv(c, idx, layer_lengths(c, idx)))
+            lstate_all = jax.tree.map(lambda a, x: a.at[idx].set(x), lstate_all, lstate)
+        else:
+            out, read = res
+        return out[:, None], ((pg, off, n0, app), (c.pages, lstate_all)), (read, out if collect else None)
+
+    hidden, (_, (pages, layer_state)), (reads, outs) = forward(
+        params, token[:, None], pos[:, None], (page, offset, before, appends), attend,
+        carried=(cache.pages, layer_state), unroll=backend.decode_unroll,
+        weights_by_index=backend.decode_matmul == "pallas", interpret=backend.interpret, mesh=backend.mesh)
+    logits = logits_from_hidden(params, hidden[:, 0])
+    cache = cache.replace(pages=pages, next_position=pos + 1)
+    shared_state = dec.decode_update(shared_state, cache, logits)
+    return logits, cache, (layer_state, shared_state), reads.mean(0), outs
+
+
+def _live_kv(cache: PoolCache, layer: int | jax.Array, lengths: jax.Array) -> LayerKV:
+    """Layer ``layer`` read through its tables (`cache_pooled.layer_kv`, logical slots) with position -1 at and past
+    each head's ``lengths`` ``[B, Hkv]``, as a uniform layer's empty slots (a pool page is not cleared when it is
+    opened): what a decode stage's ``decode_write``/``decode_observe`` read on the uniform cache."""
+    kv = layer_kv(cache, layer)
+    live = jnp.arange(kv.positions.shape[-1]) < lengths[..., None]
+    return kv.replace(positions=jnp.where(live, kv.positions, -1))
 
 
 def compress_target(pool: PoolCache, pool_pages: int) -> PoolTarget:
@@ -145,8 +220,9 @@ def check_overflow(run: Run, cache: PoolCache) -> None:
                f"{cache.heads}·{need // (cache.num_layers * cache.heads)}")
         unset = "today's cache size"
     else:
-        how = (f"{run.policy.stage('compress').name}.compressed_pages: every head's kept entries and max_new_tokens "
-               f"more, over {cache.num_layers} layers, {cache.batch} rows and {cache.heads} KV heads")
+        how = (f"{run.policy.stage('compress').name}.compressed_pages: the pages every head's kept entries and the "
+               f"tokens it decodes can occupy, over {cache.num_layers} layers, {cache.batch} rows and {cache.heads} "
+               "KV heads")
         unset = "that bound"
     raise ValueError(f"the page pool ran out: rows {np.nonzero(over)[0].tolist()} needed a page that the pool of "
                      f"pool_pages={cache.num_pages} pages ({cache.page_size} tokens of one layer, row and KV head "

@@ -83,7 +83,9 @@ class Options:
         counts; where heads or layers keep different counts, e.g. AdaKV, PyramidKV, SemantiCache, Quest bounds
         each head's own pages and always reads the page of its own newest token, whereas the uniform cache
         appends every head's tokens after its row's largest count: the pages read, and so the tokens, may
-        differ from the uniform path's); any other policy (by name), a ``suffix``, ``question_tokens``, a
+        differ from the uniform path's), and `H2O` (``Policy.writes_in_place``: each token overwrites the
+        slot its running eviction names, through the tables; the pool holds its budget's pages); any other
+        policy (by name), a ``suffix``, ``question_tokens``, a
         ``mesh``, or a model whose local layers keep rings (Gemma 3 with ``Backend(local_cache="ring")``) is
         refused with a `ValueError` before jit. The
         prefill writes a prefill pool's identity layout (`cache_pooled.stack_view`); a compressor writes each
@@ -428,7 +430,9 @@ def pool_refusal(policy: Policy) -> str | None:
     `policies.common.PoolTarget`); and a decode stage that is full attention's (append, read every page) or
     declares ``selects_pages`` (its one hook is ``decode_select``, read through the tables: Quest). Any pair of
     the two runs, a compressor followed by Quest included: the decode pool's heads keep their own counts and
-    Quest bounds and lists each head's own logical pages (tests/test_engine_pool_pipeline.py)."""
+    Quest bounds and lists each head's own logical pages (tests/test_engine_pool_pipeline.py). And a decode stage
+    that declares ``writes_in_place`` (H2O's running eviction: ``decode_write`` names the slot each token
+    overwrites, written through the tables) after its own compaction (tests/test_engine_pool_h2o.py)."""
     if type(policy) is Dense:
         return None
     for name in ("context", "prefill"):
@@ -436,9 +440,13 @@ def pool_refusal(policy: Policy) -> str | None:
         if type(stage) is not Dense:
             return f"its {name} stage ({stage.name}) is not full attention's"
     squeezer, dec = policy.stage("compress"), policy.stage("decode")
+    if dec.writes_in_place:  # H2O's running eviction: after its own compaction only (its size is what that kept)
+        return None if squeezer is dec and dec.writes_entries else (
+            f"its decode stage ({dec.name}) writes in place (Policy.writes_in_place) after a compress stage "
+            f"({squeezer.name}) other than its own, not tested on a pool yet")
     if type(dec) is not Dense and not dec.selects_pages:
         return (f"its decode stage ({dec.name}) is not full attention's nor one that only selects pages "
-                "(Policy.selects_pages)")
+                "(Policy.selects_pages) or writes in place after its own compaction (Policy.writes_in_place)")
     if type(squeezer) is not Dense and not squeezer.writes_entries:
         return (f"its compress stage ({squeezer.name}) does not write through policies.common.write_entries "
                 "(Policy.writes_entries)")
@@ -458,8 +466,8 @@ def _check_pool(params: Params, policy: Policy, suffix: Any, room: int, opts: Op
     if why is not None:
         raise ValueError(f"pool=True is experimental and policy {policy.name} does not decode from a page pool "
                          f"yet: {why}. Supported: FullKV, and SnapKV, StreamingLLM, AdaKV, PyramidKV, HeadSplit, "
-                         "BSER, SemantiCache, Quest, and a pipeline of one of these compressors followed by Quest "
-                         "(leave pool unset)")
+                         "BSER, SemantiCache, Quest, a pipeline of one of these compressors followed by Quest, "
+                         "and H2O (leave pool unset)")
     if backend.mesh is not None:
         raise ValueError("pool=True does not run on a mesh yet (the pool's group axes: docs/PAGE_POOL.md, Sharding)")
     if suffix is not None or room:

@@ -35,6 +35,10 @@ inferred from which methods a class overrides:
   state or rewinds), which reads the layer's page summaries and lengths, ``[B]`` or a page pool's per-head
   ``[B, Hkv]``, and returns logical page ids, so the engine can run it on a page pool
   (``Options(pool=True)``, experimental: `engine.pooled.decode_step_pool`).
+* ``writes_in_place``: the decode stage's ``decode_write`` may name a slot below a head's length (an
+  overwrite: H2O's running eviction) and its ``decode_appends`` says, before the step's layer scan, which
+  heads append instead, so the engine can run it on a page pool (appending heads get a page from the free
+  stack, overwriting heads write through their page tables and take none; `engine.pooled.decode_step_pool`).
 * ``page_summaries``: the cache's page summaries (`sparsekv_jax.cache.SUMMARIES`: ``page_sum``,
   ``page_min``, ``page_max``, ``page_max_bias``) the policy reads, in any stage. The engine's cache
   holds only those (others are ``None``: no bytes, no work on append); default none.
@@ -52,6 +56,7 @@ import json
 from typing import Any, ClassVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
@@ -112,6 +117,7 @@ class Policy:
     needs_question: ClassVar[bool] = False
     writes_entries: ClassVar[bool] = False
     selects_pages: ClassVar[bool] = False
+    writes_in_place: ClassVar[bool] = False
     page_summaries: ClassVar[frozenset[str]] = frozenset()
 
     @property
@@ -214,6 +220,14 @@ class Policy:
     def decode_write(self, kv: LayerKV, length: jax.Array, layer_state: Any) -> tuple[jax.Array, jax.Array]:
         """``(slot [B] or [B, Hkv], new_length [B])`` for this step's token: append by default."""
         return length, length + 1
+
+    def decode_appends(self, layer_state: Any, lengths: jax.Array) -> jax.Array:
+        """``[L, B, Hkv]`` bool: the heads whose token this step goes at their length (an append), the others
+        overwrite the slot ``decode_write`` names below it. Decided before the layer scan from the heads'
+        ``lengths`` ``[L, B, Hkv]`` and ``layer_state`` (``[L, ...]``), so a page pool can reserve pages for the
+        appending heads only (read when ``writes_in_place``); it must agree with ``decode_write``. Default:
+        every head appends."""
+        return jnp.ones(lengths.shape, jnp.bool_)
 
     def decode_select(self, q: jax.Array, kv: LayerKV, length: jax.Array, layer_state: Any,
                       shared_state: Any, layer_index: jax.Array, page_size: int) -> Selection:

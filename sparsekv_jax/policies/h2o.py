@@ -17,10 +17,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from sparsekv_jax.backend import Backend, resolved
 from sparsekv_jax.cache import KVCache, LayerKV
+from sparsekv_jax.cache_pooled import PoolCache, logical_positions
 from sparsekv_jax.policies.base import Prompt, Setup
 from sparsekv_jax.policies.common import budget_tokens, check_budget, prompt_scores_to_slots
 from sparsekv_jax.policies.scored import ScoredCompression
@@ -127,6 +129,7 @@ class H2O(ScoredCompression):
     backend: Backend | None = struct.field(pytree_node=False, default=None)
 
     stages = ("compress", "decode")
+    writes_in_place = True  # decode_write overwrites at the budget (decode_appends says where): runs on a page pool
 
     def __post_init__(self) -> None:
         check_budget(self.budget)
@@ -160,6 +163,14 @@ class H2O(ScoredCompression):
         # question-agnostic); decoding then stays at that size
         return kept + suffix_tokens if self.evict_during_decode else kept + max_new_tokens
 
+    def compressed_pages(self, lengths: np.ndarray, prompt_len: int, max_new_tokens: int, page_size: int,
+                         num_layers: int, num_kv_heads: int) -> int | None:
+        """Evicting (the default), a head never holds more than its row's budget, decoded tokens overwrite:
+        ``L·Hkv·Σ_b pages_for(n_b)`` (a suffix read after compression is not counted: the pool reads none
+        yet). Not evicting, the scored compressors' bound (the budget and every token to come)."""
+        return super().compressed_pages(lengths, prompt_len, 0 if self.evict_during_decode else max_new_tokens,
+                                        page_size, num_layers, num_kv_heads)
+
     # -- running eviction -----------------------------------------------------------------
     def decode_init(self, cache: KVCache, observations: Any) -> tuple[Any, Any]:
         if not self.evict_during_decode or observations is None:
@@ -168,29 +179,45 @@ class H2O(ScoredCompression):
         if budget_tokens(self.budget, T) >= T:  # the budget covers the prompt: exact dense, no eviction
             return None, None
         # scores of the entries the compressed cache kept, found by their original position
-        pos = cache.layers.positions
+        if isinstance(cache, PoolCache):  # a page pool (Options(pool=True)): each head's logical slots
+            pos = logical_positions(cache)
+        else:
+            pos = cache.layers.positions
         scores = jnp.take_along_axis(observations, jnp.clip(pos, 0, T - 1), axis=-1)
         scores = jnp.where((pos >= 0) & (pos < T), scores, 0.0)  # suffix tokens start at 0
         # each row stays at its own size (its budget + its suffix), not at the batch's capacity:
-        # a short row in a batch evicts exactly as it would alone
-        size = jnp.broadcast_to(cache.length, pos.shape[:2])  # [L, B]
-        return {"scores": scores, "size": size}, None
+        # a short row in a batch evicts exactly as it would alone; on a pool each head at its own
+        size = cache.lengths if isinstance(cache, PoolCache) else jnp.broadcast_to(cache.length, pos.shape[:2])
+        return {"scores": scores, "size": size}, None  # size [L, B], or [L, B, Hkv] on a pool
 
     def decode_write(self, kv: LayerKV, length: jax.Array, layer_state: Any) -> tuple[jax.Array, jax.Array]:
+        """``(slot [B, Hkv], new_length)``: at its size a head overwrites its lowest-scored entry outside the recent
+        window, below it appends. ``length`` is a row's ``[B]`` (the uniform cache) or each head's ``[B, Hkv]``
+        (a page pool, whose ``layer_state["size"]`` is per head too); ``new_length`` has its shape."""
         if layer_state is None:
             return length, length + 1
-        size = jnp.minimum(layer_state["size"], kv.k.shape[2])  # [B]
+        row = length.ndim == 1  # static: a row's length [B], or each head's [B, Hkv]
+        heads = (lambda x: x[:, None]) if row else (lambda x: x)  # noqa: E731 -- [B] or [B, Hkv] -> per head
+        slots = (lambda x: x[:, None, None]) if row else (lambda x: x[..., None])  # noqa: E731 -- -> per slot
+        size = jnp.minimum(layer_state["size"], kv.k.shape[2])  # [B] or [B, Hkv]
         newest = jnp.max(kv.positions, axis=(1, 2))  # [B] position of the last token written
-        protected = kv.positions > (newest - self._recent(jnp.minimum(length, size)))[:, None, None]
+        protected = kv.positions > slots((newest if row else newest[:, None]) - self._recent(jnp.minimum(length, size)))
         # a hole (a slot below the length that this head leaves empty after a merging compressor)
         # is the cheapest victim: nothing is lost by writing there
-        hole = (kv.positions < 0) & (jnp.arange(kv.positions.shape[-1]) < length[:, None, None])
+        hole = (kv.positions < 0) & (jnp.arange(kv.positions.shape[-1]) < slots(length))
         s = jnp.where(protected | (kv.positions < 0), jnp.inf, layer_state["scores"])
         s = jnp.where(hole, -jnp.inf, s)
         victim = jnp.argmin(s, axis=-1).astype(jnp.int32)  # [B, H]
-        full = (length >= size)[:, None]
-        slot = jnp.where(full, victim, length[:, None])
+        full = heads(length >= size)
+        slot = jnp.where(full, victim, heads(length))
         return slot, jnp.minimum(length + 1, size)
+
+    def decode_appends(self, layer_state: Any, lengths: jax.Array) -> jax.Array:
+        """``[L, B, Hkv]``: a head below its size appends, one at its size overwrites (`decode_write`)."""
+        if layer_state is None:
+            return jnp.ones(lengths.shape, jnp.bool_)
+        size = layer_state["size"]
+        return lengths < (size[..., None] if size.ndim == 2 else size)
 
     def decode_observe(self, layer_state: Any, probs: jax.Array, kv: LayerKV) -> Any:
         if layer_state is None:
