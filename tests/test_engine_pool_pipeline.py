@@ -282,7 +282,8 @@ def test_the_pipeline_is_admitted_and_sized_as_its_compressor(params, rng):
     assert run.pool
     by_hand = CFG.num_layers * CFG.num_kv_heads * sum(-(-(int(0.5 * n) + NEW) // PS) for n in LENGTHS)
     assert run.pool_pages == by_hand
-    with pytest.raises(ValueError, match=r"its decode stage \(H2O\) is not full attention's .*Supported: .*a pipeline "
-                                         r"of one of these compressors followed by Quest"):
+    with pytest.raises(ValueError, match=r"its decode stage \(H2O\) writes in place .* after a compress stage "
+                                         r"\(SnapKV\) other than its own.*Supported: .*a pipeline of one of these "
+                                         r"compressors followed by Quest"):
         engine.setup(params, parse_policy("pipeline(compress=snapkv(0.5, window=4), decode=h2o(0.5))"), tokens,
                      pool=True)
