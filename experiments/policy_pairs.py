@@ -5,32 +5,22 @@
 
 The report (`sparsekv_jax.eval.report`) compares every policy with full attention. A claim such as "AdaKV
 keeps 5 points more than uniform SnapKV" needs the two policies paired with each other instead: this reads
-every ``*/results.jsonl(.gz)`` under the folder, matches the records of policy A and policy B (their labels,
-the ``policy`` field) on the same samples (suite, task, length, question mode, seed, sample index), and prints
-per (suite, question mode, length): the tasks and samples both ran, both averages and A − B in points and A as a % of B,
-with the report's paired bootstrap 95% interval (`sparsekv_jax.eval.report.paired_bootstrap`, B as the
-reference: per task, the same resampled samples for both). A pair is written ``A::B`` (policy specs contain
+every ``results.jsonl(.gz)`` under the folder (the report's readers: the last record per key wins), matches
+the records of policy A and policy B (their labels, the ``policy`` field) on the same samples (suite, task,
+length, question mode, seed, sample index), and prints per (suite, question mode, length): the tasks and
+samples both ran, both averages, A − B in points and A as a % of B, with the report's paired bootstrap 95%
+interval (`sparsekv_jax.eval.report.paired_bootstrap`, B as the reference: per task, the same resampled
+samples for both). A pair is written ``A::B`` (policy specs contain
 commas and ``=``). Pairs with no shared sample are listed as such.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 from collections import defaultdict
 from pathlib import Path
 
-from sparsekv_jax.eval.report import paired_bootstrap
-
-
-def _records(folder: Path):
-    for f in sorted(folder.glob("*/results.jsonl*")):
-        opener = gzip.open if f.suffix == ".gz" else open
-        with opener(f, "rt") as fh:
-            for line in fh:
-                if line.strip():
-                    yield json.loads(line)
+from sparsekv_jax.eval.report import find_results, load_results, paired_bootstrap
 
 
 def parse_pair(text: str) -> tuple[str, str]:
@@ -46,7 +36,7 @@ def table(folder: Path, pairs: list[tuple[str, str]]) -> list[dict]:
     """One dict per (pair, question mode, length) with shared samples; a pair with none gives one row
     with ``samples == 0``."""
     scores: dict[str, dict[tuple, float]] = defaultdict(dict)
-    for r in _records(folder):
+    for r in (rec for path in find_results([folder]) for rec in load_results(path)):
         key = (r.get("suite", "ruler"), r["question"], r["length"], r["task"], r["seed"], r["index"])
         scores[r["policy"]][key] = float(r["score"])
     rows = []
