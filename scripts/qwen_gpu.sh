@@ -84,15 +84,17 @@ sae_train() {  # issue 37: the paper's SAE run for this model (its schedule fitt
   [ -f "$SAES" ]
 }
 s3_retrieval() {  # S3 with this model's SAEs: answer recall, KL and NLL against BM25 (experiments/s3_retrieval_quality.py)
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout "$(left)" python experiments/s3_retrieval_quality.py --model "$MODEL" \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${S3_MEM:-0.3} timeout "$(left)" python experiments/s3_retrieval_quality.py --model "$MODEL" \
     --dtype bfloat16 --length 16384 --ruler-length 16384 --n 10 --budget 2048 --chunk 4096 --pad 1024 \
     --saes paper="$SAES" --max-minutes "${S3_MINUTES:-6}" --no-progress --out "$RUNS/s3_retrieval_16k"
 }
 s3_ruler() {  # S3's RULER rows, question-aware at 8k, beside BM25 at the same budget
-  ev 0.3 aware_8k aware 8k "s3hybrid(0.25, saes='$SAES'), s3pure(0.25, saes='$SAES'), bm25(0.25)" --suite ruler \
+  ev "${S3_MEM:-0.3}" aware_8k aware 8k "s3hybrid(0.25, saes='$SAES'), s3pure(0.25, saes='$SAES'), bm25(0.25)" --suite ruler \
     --no-fullkv
 }
 sae_then_s3() { sae_train && { s3_retrieval; s3_ruler; }; }
+A10="snapkv(0.1), quest(0.1), streamingllm(0.1), semanticache(0.1)"
+A50="snapkv(0.5), quest(0.5), streamingllm(0.5), semanticache(0.5)"
 case "$STAGE" in
   1)
     ev 0.3 full agnostic 4k,8k,16k,32k fullkv --suite ruler > "$RUNS/full.log" 2>&1 &
@@ -199,15 +201,19 @@ case "$STAGE" in
   8)  # DETACH=1 (a second machine, 2026-11-28): stage 7's SAE run got 5 steps/s beside six eval jobs and 24 alone, and
       # did not finish before the machine went back; here it runs alone, then S3's two jobs and Stem at 32k (which ran
       # out of memory at 0.1 in stage 7) share the GPU.
-    { sae_train && { s3_retrieval > "$RUNS/s3_retrieval.log" 2>&1 & s3_ruler > "$RUNS/s3_ruler.log" 2>&1 &
-      ev 0.25 stem agnostic 32k stem --suite ruler --no-fullkv > "$RUNS/stem32k.log" 2>&1 & wait; }; } \
-      > "$RUNS/sae_s3.log" 2>&1 &
+    # Since 2026-11-28 stage 9's first three jobs share the GPU with them (the machine is held 30 minutes at most).
+    { sae_train && { S3_MEM=0.2 s3_retrieval > "$RUNS/s3_retrieval.log" 2>&1 &
+      S3_MEM=0.15 s3_ruler > "$RUNS/s3_ruler.log" 2>&1 &
+      ev 0.2 stem agnostic 32k stem --suite ruler --no-fullkv > "$RUNS/stem32k.log" 2>&1 &
+      ev 0.1 agnostic_32k_budgets agnostic 32k "$A10" --suite ruler --no-fullkv > "$RUNS/agn32k_10.log" 2>&1 &
+      ev 0.1 agnostic_32k_budgets agnostic 32k "$A50" --suite ruler --no-fullkv > "$RUNS/agn32k_50.log" 2>&1 &
+      ev 0.1 variants_16k agnostic 16k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" \
+        --suite ruler-variants --tasks niah_multikey_3,niah_multivalue,niah_multiquery > "$RUNS/variants_rest.log" 2>&1 &
+      wait; }; } > "$RUNS/sae_s3.log" 2>&1 &
     ;;
   9)  # DETACH=1 (planned for the next machine, issue 35's remaining rows): 10% and 50% at 32k, the value-type columns
       # of the last three needle tasks at 16k, LongBench-mini's last prompts, the shared-context suite (one compressed
       # context asked each key in turn), KL / top-1 agreement on a subset, Stem at 32k with more memory
-    A10="snapkv(0.1), quest(0.1), streamingllm(0.1), semanticache(0.1)"; A50="snapkv(0.5), quest(0.5), \
-streamingllm(0.5), semanticache(0.5)"
     ev 0.1 agnostic_32k_budgets agnostic 32k "$A10" --suite ruler --no-fullkv > "$RUNS/agn32k_10.log" 2>&1 &
     ev 0.1 agnostic_32k_budgets agnostic 32k "$A50" --suite ruler --no-fullkv > "$RUNS/agn32k_50.log" 2>&1 &
     ev 0.1 variants_16k agnostic 16k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" --suite ruler-variants \
