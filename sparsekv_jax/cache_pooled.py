@@ -42,6 +42,8 @@ pool). The per-page math (quantisation, summaries) is the policies' (`policies.c
 `write_kept_pool`, which use these). `pool_nbytes` sizes a decode pool without allocating it;
 `cache_pool.pool_pages_needed` counts the pages a compression occupies.
 
+A rewind (CHESS's backtracking) is `rewind_pool`: lengths move back, pages stay held and are refilled.
+
 An in-place overwrite (H2O's eviction) is `append_token_pool` with ``overwrite``: its slot below the head's
 length, mapped through the table by the caller (`engine.pooled.decode_step_pool`), and no page reserved.
 
@@ -69,8 +71,8 @@ from sparsekv_jax.models.config import ModelConfig
 
 __all__ = ["PoolCache", "append_token_pool", "decode_kernel_args", "decode_pool", "init_pool", "layer_kv",
            "layer_lengths", "layer_pages", "layer_tables", "logical_positions", "pool_from_stack", "pool_nbytes",
-           "pool_page_counts", "pool_page_mean", "put_pages", "reserve_token", "shuffle_pages", "stack_view",
-           "summarize_pool", "take_logical", "with_stack"]
+           "pool_page_counts", "pool_page_mean", "put_pages", "reserve_token", "rewind_pool", "shuffle_pages",
+           "stack_view", "summarize_pool", "take_logical", "with_stack"]
 
 # what a page nobody owns reads as (`layer_pages`): an empty cache's values (`init_cache`)
 _FILL = {"positions": -1, "page_max_bias": -jnp.inf}
@@ -388,6 +390,23 @@ def reserve_token(cache: PoolCache, active: jax.Array) -> tuple[PoolCache, jax.A
     act = jnp.broadcast_to(act[None, :, None] if act.ndim == 1 else act, (L, B, H)).reshape(L * B, H)
     alloc, page, offset = append_slots(cache.alloc, act)
     return cache.replace(alloc=alloc), page.reshape(L, B, H), offset.reshape(L, B, H)
+
+
+def rewind_pool(cache: PoolCache, tokens: jax.Array, positions: jax.Array | None = None) -> PoolCache:
+    """Take back the last ``tokens`` ``[B]`` int of each row, in every layer and head (docs/PAGE_POOL.md, Lifecycle →
+    Decode step: a rewind, CHESS's backtracking): the allocator's lengths move back (not below 0) and the pages stay
+    held (``held`` unchanged), so the next appends (`reserve_token`) refill them at the same logical slots before
+    any page is popped, and nothing is written or freed. ``next_position`` moves back by ``positions`` ``[B]``
+    (default ``tokens``: a row that wrote nothing while the others decoded steps its position back alone)."""
+    L, B, H = cache.num_layers, cache.batch, cache.heads
+    back = jnp.asarray(tokens)
+    step = back if positions is None else jnp.asarray(positions)
+    for name, x in (("tokens", back), ("positions", step)):
+        if tuple(x.shape) != (B,) or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be an int array [B={B}], got {x.dtype} of shape {tuple(x.shape)}")
+    per_head = jnp.broadcast_to(back.astype(jnp.int32)[None, :, None], (L, B, H)).reshape(L * B, H)
+    alloc = cache.alloc.replace(length=jnp.maximum(cache.alloc.length - per_head, 0))
+    return cache.replace(alloc=alloc, next_position=cache.next_position - step.astype(jnp.int32))
 
 
 def append_token_pool(cache: PoolCache, layer: int | jax.Array, k_new: jax.Array, v_new: jax.Array,

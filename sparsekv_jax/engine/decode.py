@@ -12,7 +12,7 @@ from flax import struct
 from sparsekv_jax import attention, local_layers, sharding
 from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import KVCache, append_token, layer_view
-from sparsekv_jax.cache_pooled import PoolCache
+from sparsekv_jax.cache_pooled import PoolCache, rewind_pool
 from sparsekv_jax.engine import pooled
 from sparsekv_jax.engine.compress import Ready
 from sparsekv_jax.engine.prefill import _resolved, window_of
@@ -199,8 +199,9 @@ def decode_loop(params: Params, policy: Policy, ready: Ready, key: jax.Array, de
     (the `Policy.decode_rewind` hook of any decode policy): they are dropped from the output and the cache
     and generated again; the loop then runs up to ``policy.max_rewind_tokens`` extra steps.
 
-    On a page pool (``Options(pool=True)``, experimental) a stopped row writes nothing, and a row whose
-    pool ran out stops without recording the token of the step that lacked a page (`pooled`).
+    On a page pool (``Options(pool=True)``, experimental) a stopped row writes nothing, a row whose
+    pool ran out stops without recording the token of the step that lacked a page (`pooled`), and a rewind
+    moves the allocator's lengths back, the pages kept for the regenerated tokens (`cache_pooled.rewind_pool`).
     """
     dec, n_new, stops = policy.stage("decode"), decoding.max_new_tokens, decoding.stop_tokens
     B = ready.logits.shape[0]
@@ -236,7 +237,10 @@ def decode_loop(params: Params, policy: Policy, ready: Ready, key: jax.Array, de
             back = jnp.where(active, rewind, 1).astype(jnp.int32)
             n = n - jnp.where(active, rewind, 0)
             out = jnp.where((cols[None] >= n[:, None]) & (rewind > 0)[:, None] & active[:, None], PAD_TOKEN, out)
-            cache = cache.replace(length=cache.length - back, next_position=cache.next_position - back)
+            if isinstance(cache, PoolCache):  # lengths back through the allocator; a stopped row wrote nothing
+                cache = rewind_pool(cache, jnp.where(active, rewind, 0).astype(jnp.int32), back)
+            else:
+                cache = cache.replace(length=cache.length - back, next_position=cache.next_position - back)
             stopped = stopped & (rewind == 0)
         done = done | stopped | (n >= n_new)
         return step + 1, cache, n, done, out, key, state, read, steps
