@@ -56,7 +56,9 @@ Choices where the paper is silent (shown in docs/results/chess_ablation*, experi
 
 Page vectors (which keys, and centring; ``keys`` and ``centred`` below) and how a quantised cache is
 read: `sparsekv_jax.policies.chess_scores`. The selection math is in `chess_select`, the trigger and
-backtracking in `chess_trigger`, the presets, field checks and calibration files in `chess_config`.
+backtracking in `chess_trigger`, the presets, field checks and calibration files in `chess_config`, and
+what CHESS reads of a page pool (``Options(pool=True)``, experimental: the rows' lengths, a layer through its
+tables) in `chess_pool`.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ from sparsekv_jax.policies.chess_config import (
     check_fields,
     load_thresholds,
 )
+from sparsekv_jax.policies.chess_pool import view
 from sparsekv_jax.policies.chess_select import hierarchical_select, max_selected, top_fraction
 from sparsekv_jax.policies.chess_trigger import uncertain
 
@@ -230,7 +233,7 @@ class CHESS(Policy):
         """``[B, P]`` the context rebuilt for the window ending at ``anchor_end``: the semantic
         selection plus that moment's sink and window pages (they stay read until the next rebuild,
         so e.g. the question's pages do not drop out once generation moves the window on)."""
-        return chess_select.select_pages(self, cache, anchor_end)
+        return chess_select.select_pages(self, view(cache), anchor_end)
 
     def _used(self, length: jax.Array) -> jax.Array:
         """``[B]`` CHESS pages in use by a cache of ``length`` slots (what `_forced` depends on)."""
@@ -248,11 +251,12 @@ class CHESS(Policy):
         """Cache-page lists ``[B, H, K]`` and counts ``[B, H]`` that a decode step at ``length`` slots
         reads for the CHESS pages ``selected`` ``[B, P]`` (with the sink and window pages forced in):
         the page-list rebuild `sparsekv_jax.bench.chess` times."""
-        return self._page_list(selected, length, cache)
+        return self._page_list(selected, length, view(cache))
 
     # -- decode stages (`chess_trigger`) --------------------------------------------------
     def decode_init(self, cache: KVCache, observations: Any) -> tuple[Any, Any]:
-        return None, chess_trigger.init_state(self, cache)
+        # a page pool (`Options(pool=True)`, experimental) is read through its tables: `chess_pool`
+        return None, chess_trigger.init_state(self, view(cache))
 
     def decode_select(self, q: jax.Array, kv: LayerKV, length: jax.Array, layer_state: Any, shared_state: Any,
                       layer_index: jax.Array, page_size: int) -> Selection:
@@ -261,7 +265,7 @@ class CHESS(Policy):
         return shared_state["ids"], shared_state["counts"]
 
     def decode_update(self, shared_state: Any, cache: KVCache, logits: jax.Array) -> Any:
-        return chess_trigger.update_state(self, shared_state, cache, logits)
+        return chess_trigger.update_state(self, shared_state, view(cache), logits)
 
     def decode_rewind(self, shared_state: Any) -> jax.Array | None:
         return shared_state["rewind"] if self.max_rewind_tokens else None

@@ -44,6 +44,7 @@ import numpy as np
 from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import KVCache, dequantize, dequantize_kv, layer_view, page_counts
 from sparsekv_jax.pallas import dispatch
+from sparsekv_jax.policies.chess_pool import PoolView
 
 if TYPE_CHECKING:
     from sparsekv_jax.policies.chess import CHESS
@@ -78,6 +79,9 @@ def page_scores(pol: CHESS, cache: KVCache, anchor_end: jax.Array) -> tuple[jax.
 def post_rope_dots(pol: CHESS, cache: KVCache, anchor_end: jax.Array, w: jax.Array,
                     live_tokens: jax.Array) -> jax.Array:
     """``[B, P]`` page key sums · (sum_p w_p · page sum), from the cache's page sums (no key read)."""
+    if isinstance(cache, PoolView):
+        raise ValueError("CHESS(keys='post_rope') does not run on a page pool yet (its page sums and edge keys are "
+                         "read from the uniform stack); use keys='pre_rope' (the default) or leave pool unset")
     page_sum = cache.layers.page_sum  # [L, B, H, Pc, D] fp32 sums of keys per cache page
     if page_sum is None:
         raise ValueError("CHESS(keys='post_rope') reads the cache's page_sum, which this cache does not hold "
@@ -116,13 +120,18 @@ def pre_rope_dots(pol: CHESS, cache: KVCache, anchor_end: jax.Array, w: jax.Arra
     if pol.inv_freq is None:
         raise ValueError("CHESS(keys='pre_rope') needs the model's RoPE frequencies: call "
                          "policy.bind(Setup(params.config)) first (generate and sparsekv eval do)")
-    L, B, H, S, D = cache.layers.k.shape
+    if isinstance(cache, PoolView):  # a page pool (`chess_pool`): each layer read through its tables
+        L, B, H, S, D = cache.num_layers, cache.batch, cache.heads, cache.capacity, cache.head_dim
+        k_all = pos_all = None
+        quantized = cache.quantized
+    else:
+        L, B, H, S, D = cache.layers.k.shape
+        k_all, pos_all = cache.layers.k, cache.layers.positions  # [L, B, H, S, D], [L, B, H, S]
+        quantized = cache.layers.quantized
     if 2 * len(pol.inv_freq) != D:
         raise ValueError(f"CHESS inv_freq has {len(pol.inv_freq)} frequencies, the cache's head_dim is {D}")
     P, ps = w.shape[1], pol.page_size
     inv_freq = jnp.asarray(np.asarray(pol.inv_freq), jnp.float32)
-    k_all, pos_all = cache.layers.k, cache.layers.positions  # [L, B, H, S, D], [L, B, H, S]
-    quantized = cache.layers.quantized
     pad = P * ps - S
 
     def paged(x):  # [L, B, H, S, ...] → [L, B, H, P, ps, ...] (a copy only when S % ps)
@@ -155,12 +164,22 @@ def pre_rope_dots(pol: CHESS, cache: KVCache, anchor_end: jax.Array, w: jax.Arra
     # per-layer compression) every key is rotated back by its own position: B·H·S·D/2 sines
     # and cosines per layer, 20x slower at 32k x 22 on an H200.
 
-    def layer_sums(layer):  # → [B, H, P, D]
+    def read_layer(layer):  # → (a stack holding the layer's keys, the layer's index in it, positions [1, B, H, S])
+        if isinstance(cache, PoolView):
+            # a pool's layer gathered through its tables (a one-layer copy, the slots past a head's length empty),
+            # read as a one-layer stack by both paths below
+            kv = cache.layer(layer)
+            keys = kv.k if not quantized else dequantize_kv(kv, jnp.bfloat16)[0]
+            return keys[None], 0, kv.positions[None]
         pos = jax.lax.dynamic_index_in_dim(pos_all, layer, keepdims=False)[None]  # [1, B, H, S] (small)
         # A quantised cache's keys are codes: the layer is dequantised once (`dequantize_kv`; to bf16,
         # rounded once: the keys have zero points) and read as a one-layer stack by both paths below
-        keys_of, in_stack = ((k_all, layer) if not quantized else
-                             (dequantize_kv(layer_view(cache.layers, layer), jnp.bfloat16)[0][None], 0))
+        if quantized:
+            return dequantize_kv(layer_view(cache.layers, layer), jnp.bfloat16)[0][None], 0, pos
+        return k_all, layer, pos
+
+    def layer_sums(layer):  # → [B, H, P, D]
+        keys_of, in_stack, pos = read_layer(layer)
         mask = paged(slot_live & (pos >= 0))  # [1, B, H, P, ps]
         pos_paged = paged(pos)
         consecutive = jnp.all(~mask | (pos_paged == pos_paged[..., :1] + jnp.arange(ps)))

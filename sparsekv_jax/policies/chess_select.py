@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from sparsekv_jax.cache import KVCache
+from sparsekv_jax.policies.chess_pool import PoolView
 from sparsekv_jax.policies.common import pages_to_list
 
 if TYPE_CHECKING:
@@ -100,7 +101,8 @@ def select_pages(pol: CHESS, cache: KVCache, anchor_end: jax.Array) -> jax.Array
 def page_list(pol: CHESS, selected: jax.Array, length: jax.Array, cache: KVCache) -> tuple[jax.Array, jax.Array]:
     """Cache-page lists ``[B, H, K]`` and counts ``[B, H]`` for a step at ``length`` slots."""
     B, P = selected.shape
-    H, Pc = cache.layers.k.shape[2], cache.num_pages
+    # a page pool's view (`chess_pool.PoolView`) has no stacked layers: its heads and pages per head
+    H, Pc = (cache.heads if isinstance(cache, PoolView) else cache.layers.k.shape[2]), cache.num_pages
     m = pol.page_size // cache.page_size
     read = selected | forced_pages(pol, length, P)
     K = min(P, max_selected(P, pol.ratios, pol.chunk_pages, pol.grid_chunks) * (1 + pol.next_pages)
