@@ -167,7 +167,7 @@ def test_pool_option_is_refused_where_not_supported(weights, rng):
     room for questions."""
     params = weights[jnp.float32]
     tokens = rng.integers(1, CFG.vocab_size, (2, T))
-    for spec, name in [("chess()", "CHESS-moderate")]:
+    for spec, name in [("chess(keys='post_rope')", r"CHESS-moderate\[post-RoPE\]")]:  # CHESS itself runs on a pool
         with pytest.raises(ValueError, match=rf"pool=True is experimental and policy {name} does not decode"):
             engine.setup(params, parse_policy(spec), tokens, pool=True)
         with pytest.raises(ValueError, match=rf"policy {name} does not"):

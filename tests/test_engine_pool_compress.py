@@ -198,8 +198,8 @@ def test_policies_that_cannot_run_on_a_pool_are_refused_by_name(params, rng):
     a prefill stage (Stem), a compress stage that does not declare its write is `write_entries` (every shipped
     compressor does: a stand-in), a bad pool_pages."""
     tokens = rng.integers(1, CFG.vocab_size, (2, T))
-    for spec, why in [("chess()", r"policy CHESS.* .*its decode stage \(CHESS.*\) is not full attention's nor "
-                                     r"one that only selects pages"),
+    for spec, why in [("chess(keys='post_rope')", r"policy CHESS.* .*its decode stage \(CHESS.*\) reads post-RoPE "
+                                                   r"page sums"),  # pre-RoPE CHESS runs: test_engine_pool_chess.py
                       ("pipeline(compress=snapkv(0.5, window=4), decode=h2o(0.5))", r"its decode stage \(H2O\)"),
                       ("stem()", r"policy Stem .*its prefill stage \(Stem\)"),
                       (_OwnWrite(), r"policy _OwnWrite .*its compress stage \(_OwnWrite\) does not write through "

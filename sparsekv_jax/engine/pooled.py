@@ -1,6 +1,6 @@
 """Decoding from a page pool: ``Options(pool=True)``, **experimental** (issue 38, docs/PAGE_POOL.md,
 migration step 4's first slices: full attention, the compressors whose compress stage writes through
-`policies.common.write_entries` with full attention's decode stage, Quest, and H2O, `run.pool_refusal`).
+`policies.common.write_entries` with full attention's decode stage, Quest, H2O and CHESS, `run.pool_refusal`).
 
 The prefill writes the pool's identity layout (`prefill.prefill_pool`). A compressor then compresses the
 prefill pool's uniform view (`compress_target`: a `policies.common.PoolTarget`, whose `write_entries` writes
@@ -17,6 +17,11 @@ A decode stage that writes in place (``Policy.writes_in_place``: H2O's running e
 compaction) runs `_decode_step_in_place`: the allocator call reserves pages only for the heads its
 ``decode_appends`` names; the others overwrite the logical slot its ``decode_write`` names, through their
 tables, and the step's probabilities at logical slots reach its ``decode_observe``.
+
+CHESS (after full attention's compress stage) lists logical pages from its state (`lists_pages`); its
+``decode_update`` reads the pool through the tables (`policies.chess_pool`), and when it takes a page back
+(``decode_rewind``) `decode.decode_loop` moves the allocator's lengths back (`cache_pooled.rewind_pool`): the
+pages stay held and the regenerated tokens refill the same logical slots, no page popped again.
 
 A stopped row is inactive: it writes nothing more. A pool that runs out sets the allocator's sticky
 ``overflow`` of the rows concerned (no host round trip in the loop): `decode_loop` stops such a row
@@ -51,10 +56,19 @@ from sparsekv_jax.models.params import Params
 from sparsekv_jax.models.transformer import forward, logits_from_hidden
 from sparsekv_jax.pallas.validation import is_concrete
 from sparsekv_jax.policies.base import Policy
+from sparsekv_jax.policies.chess import CHESS
 from sparsekv_jax.policies.common import PoolTarget
 
-__all__ = ["check_compressed", "check_overflow", "compress_target", "decode_step_pool", "pages_needed", "policy_pages",
-           "row_overflow"]
+__all__ = ["check_compressed", "check_overflow", "compress_target", "decode_step_pool", "lists_pages", "pages_needed",
+           "policy_pages", "row_overflow"]
+
+
+def lists_pages(dec: Policy) -> bool:
+    """Whether a decode stage on a pool lists the logical pages each step reads (its ``decode_select``): one that
+    declares ``selects_pages`` (Quest: read from the layer's summaries through its tables), or `CHESS` (the page
+    lists its state keeps, rebuilt by ``decode_update`` from the pool: `policies.chess_pool`). Full attention's
+    reads every page in use (its program is built without the hook)."""
+    return dec.selects_pages or isinstance(dec, CHESS)
 
 
 def decode_step_pool(params: Params, policy: Policy, cache: PoolCache, token: jax.Array, state: tuple[Any, Any],
@@ -63,8 +77,10 @@ def decode_step_pool(params: Params, policy: Policy, cache: PoolCache, token: ja
     parts of `decode.StepOut`. ``active`` ``[B]`` bool (``None``: every row) marks the rows that write
     their token. The decode stage appends (``decode_write`` is `Dense`'s) and reads every page in use, or
     the logical pages its ``decode_select`` lists from the layer read through its tables
-    (`cache_pooled.layer_kv`) and each head's length (``Policy.selects_pages``: Quest); any other decode stage
-    is refused by `run.pool_refusal`; a decode stage that writes in place (``Policy.writes_in_place``: H2O) runs
+    (`cache_pooled.layer_kv`) and each head's length (``Policy.selects_pages``: Quest), or from its state (`CHESS`,
+    whose ``decode_update`` reads the pool through its tables: `policies.chess_pool`; its rewinds are
+    `decode.decode_loop`'s, `cache_pooled.rewind_pool`: `lists_pages`); any other decode stage is refused by
+    `run.pool_refusal`; a decode stage that writes in place (``Policy.writes_in_place``: H2O) runs
     `_decode_step_in_place`. ``pages_read`` is the layers' mean, as on the uniform cache."""
     B = token.shape[0]
     pos = cache.next_position
@@ -80,7 +96,7 @@ def decode_step_pool(params: Params, policy: Policy, cache: PoolCache, token: ja
         (pg, off), pages = layer
         c = append_token_pool(cache.replace(pages=pages), idx, k[:, 0], v[:, 0], pos, pg, off)
         selection = None
-        if dec.selects_pages:
+        if lists_pages(dec):
             selection = dec.decode_select(q[:, 0], layer_kv(c, idx), layer_lengths(c, idx),
                                           layer_view(layer_state, idx), shared_state, idx, c.page_size)
         out, read = attention.decode_pool(q[:, 0], pos, c, idx, selection, sliding_window=window(idx),

@@ -22,6 +22,7 @@ from sparsekv_jax.cache import pages_for
 from sparsekv_jax.models.params import Params
 from sparsekv_jax.pallas.validation import is_concrete
 from sparsekv_jax.policies.base import Dense, Policy, Setup
+from sparsekv_jax.policies.chess import CHESS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -444,9 +445,17 @@ def pool_refusal(policy: Policy) -> str | None:
         return None if squeezer is dec and dec.writes_entries else (
             f"its decode stage ({dec.name}) writes in place (Policy.writes_in_place) after a compress stage "
             f"({squeezer.name}) other than its own, not tested on a pool yet")
+    if isinstance(dec, CHESS):  # its page lists and rewinds read the pool's rows (`policies.chess_pool`)
+        if type(squeezer) is not Dense:
+            return (f"its decode stage ({dec.name}) rewinds and selects a row's pages after a compress stage "
+                    f"({squeezer.name}), not tested on a pool yet")
+        if dec.keys != "pre_rope":
+            return f"its decode stage ({dec.name}) reads post-RoPE page sums, not read from a pool yet"
+        return None
     if type(dec) is not Dense and not dec.selects_pages:
         return (f"its decode stage ({dec.name}) is not full attention's nor one that only selects pages "
-                "(Policy.selects_pages) or writes in place after its own compaction (Policy.writes_in_place)")
+                "(Policy.selects_pages) or writes in place after its own compaction (Policy.writes_in_place) "
+                "nor CHESS")
     if type(squeezer) is not Dense and not squeezer.writes_entries:
         return (f"its compress stage ({squeezer.name}) does not write through policies.common.write_entries "
                 "(Policy.writes_entries)")
@@ -467,7 +476,7 @@ def _check_pool(params: Params, policy: Policy, suffix: Any, room: int, opts: Op
         raise ValueError(f"pool=True is experimental and policy {policy.name} does not decode from a page pool "
                          f"yet: {why}. Supported: FullKV, and SnapKV, StreamingLLM, AdaKV, PyramidKV, HeadSplit, "
                          "BSER, SemantiCache, Quest, a pipeline of one of these compressors followed by Quest, "
-                         "and H2O (leave pool unset)")
+                         "H2O, and CHESS (pre-RoPE keys, after full attention) (leave pool unset)")
     if backend.mesh is not None:
         raise ValueError("pool=True does not run on a mesh yet (the pool's group axes: docs/PAGE_POOL.md, Sharding)")
     if suffix is not None or room:

@@ -1,0 +1,214 @@
+"""CHESS on a page pool, ``Options(pool=True)`` (issue 38, docs/PAGE_POOL.md, migration step 4; experimental):
+its selection is rebuilt from the pool read through the page tables (`policies.chess_pool`), its page lists are
+logical pages, and its backtracking takes tokens back through the allocator (`cache_pooled.rewind_pool`: the
+lengths move back, the pages stay held and the regenerated tokens refill them). Against the default uniform path,
+for a ragged batch of 2 with thresholds of 0 so that every generated page is uncertain and taken back (twice per
+row): the same tokens, backtracks, rebuilds and pages read, on the jnp path and the interpreted kernel (fp32), and
+with CHESS pages of two cache pages; step by step on a pool whose pages were moved at random with junk in every
+free page, the same logits (1e-5), pages read, rewinds and lengths after every rewind, the rewound pages still held
+and refilled without a page popped; a row that stops while the other rewinds. Also: which CHESS runs on a pool
+(the refusals).
+
+Tiny random model (head_dim 16: the kernel's smallest); weights and prompts drawn from the run's seed
+(tests/conftest.py: printed in the header, ``pytest --seed N`` replays it)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import seeded_rng
+
+from sparsekv_jax import engine
+from sparsekv_jax.backend import Backend
+from sparsekv_jax.cache import KVCache, pages_for
+from sparsekv_jax.cache_pooled import PoolCache, rewind_pool, shuffle_pages
+from sparsekv_jax.generate import generate
+from sparsekv_jax.models.config import ModelConfig
+from sparsekv_jax.models.params import random_params
+from sparsekv_jax.pallas.testing import junk_like
+from sparsekv_jax.policies import Pipeline
+from sparsekv_jax.policies.chess import CHESS
+from sparsekv_jax.policies.spec import parse_policy
+
+CFG = ModelConfig(family="llama", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=16, intermediate_size=48, max_position_embeddings=256, eos_token_ids=(0,))
+# prompts of 40 and 29 tokens in cache pages of 8; 20 new tokens: each row's first generated page (8 tokens) is
+# taken back twice (thresholds 0: every page is uncertain; max_backtracks=2), then the run goes on
+T, LENGTHS, NEW, PS = 40, np.array([40, 29]), 20, 8
+BACKENDS = {"jnp": Backend(), "kernel": Backend.kernels()}  # the kernel interpreted on a CPU
+SHAKY = dict(ratios="aggressive", chunk_pages=2, grid_chunks=2, entropy_threshold=0.0, varentropy_threshold=0.0,
+             max_backtracks=2)
+CHESS8 = CHESS(page_size=PS, **SHAKY)
+CHESS16 = CHESS(page_size=2 * PS, window_pages=1, **SHAKY)  # pages of two cache pages: a rewind of 16 tokens
+RUNS = {"jnp": ("jnp", CHESS8), "kernel": ("kernel", CHESS8), "jnp-chess16": ("jnp", CHESS16)}
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(CFG, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, scale=0.3)
+
+
+def _kw(backend: str) -> dict:
+    return dict(lengths=LENGTHS, page_size=PS, backend=BACKENDS[backend], stop_tokens=())
+
+
+def _stats(out) -> dict[str, np.ndarray]:
+    return {k: np.asarray(out.stats[k]) for k in ("backtracks", "reselections", "changed_backtracks")}
+
+
+@pytest.mark.parametrize("case", list(RUNS))
+def test_chess_on_the_pool_backtracks_as_the_uniform_layout(params, rng, case):
+    """`generate` with ``pool=True``: the default path's tokens, its backtracks (every row takes its first page
+    back twice), rebuilds and regenerated pages that changed, its pages read (fewer than every page), and at the
+    end its lengths, each head holding exactly the pages of its length: the regenerated tokens refilled the pages
+    kept at the rewinds, none was popped again."""
+    backend, chess = RUNS[case]
+    kw = _kw(backend)
+    tokens = rng.integers(1, CFG.vocab_size, (2, T))
+    want = generate(params, chess, tokens, max_new_tokens=NEW, **kw)
+    got = generate(params, chess, tokens, max_new_tokens=NEW, pool=True, **kw)
+    assert isinstance(got.cache, PoolCache) and isinstance(want.cache, KVCache)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    ref = _stats(want)
+    np.testing.assert_array_equal(ref["backtracks"], [2, 2])  # the rewinds fired, in both rows
+    for key, value in _stats(got).items():
+        np.testing.assert_array_equal(value, ref[key], err_msg=key)
+    read = np.asarray(want.stats["kv_read_fraction"])
+    assert (read < 0.95).any(), read  # a row reads fewer than every page (CHESS16's 29-token row reads all)
+    np.testing.assert_allclose(np.asarray(got.stats["kv_read_fraction"]), read, rtol=1e-6)
+    length = np.asarray(want.cache.length)
+    np.testing.assert_array_equal(length, LENGTHS + NEW - 1)
+    np.testing.assert_array_equal(np.asarray(got.cache.lengths), np.broadcast_to(length[None, :, None], (2, 2, 2)))
+    held = np.asarray(got.cache.alloc.held).reshape(2, 2, 2)
+    np.testing.assert_array_equal(held, np.broadcast_to(-(-length // PS)[None, :, None], (2, 2, 2)))
+
+
+@pytest.mark.parametrize("backend", ["jnp", "kernel"])
+def test_chess_on_a_shuffled_pool_rewinds_step_by_step_as_the_uniform_cache(params, rng, backend):
+    """After the prefill the pool's pages are moved by a random permutation and every free page is filled with
+    junk (NaN, random positions). Decoding greedily step by step with the same jitted `decode_step` on either
+    cache, each rewind applied as `decode_loop` applies it (the uniform cache's length, the pool's through
+    `rewind_pool`): the same logits (1e-5), pages read and rewinds at every step; after each step the pool's
+    lengths are the uniform cache's; a rewind keeps the pages held (more than its length needs) and pops or
+    frees none, and the regenerated tokens refill them. Then `Session.decode` on the shuffled pool gives the
+    uniform path's tokens and backtracks."""
+    kw = _kw(backend)
+    tokens = rng.integers(1, CFG.vocab_size, (2, T))
+    N = 60  # the prompt's 2·2·2·5 = 40 pages and 20 free ones (each head opens 3 while decoding: 12 in all)
+    pool = engine.Session.start(params, CHESS8, tokens, max_new_tokens=NEW, pool=True, pool_pages=N, **kw)
+    pre = pool.prefill()
+    assert pre.cache.num_pages == N and int(pre.cache.alloc.num_free) == N - 40
+    pool.prefilled = pre.replace(cache=shuffle_pages(pre.cache, rng.permutation(N), junk_like(rng)))
+    uniform = engine.Session.start(params, CHESS8, tokens, max_new_tokens=NEW, **kw)
+    got, ref = _greedy_steps(params, pool, NEW - 1), _greedy_steps(params, uniform, NEW - 1)
+    np.testing.assert_allclose(got["logits"], ref["logits"], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got["read"], ref["read"], rtol=1e-6)
+    assert (ref["read"] < 0.95).any(), ref["read"]
+    np.testing.assert_array_equal(got["rewind"], ref["rewind"])
+    assert (ref["rewind"] == PS).sum(0).tolist() == [2, 2], ref["rewind"]  # both rows rewound twice
+    np.testing.assert_array_equal(got["lengths"], np.broadcast_to(ref["lengths"][:, None, :, None],
+                                                                  got["lengths"].shape))
+    back = ref["rewind"] > 0  # [steps, B]
+    for s, b in zip(*np.nonzero(back), strict=True):
+        held_before, held, free_before, free = (got[k][s] for k in ("held_before", "held", "free_before", "free"))
+        np.testing.assert_array_equal(held[:, b], held_before[:, b])  # the rewind kept its pages ...
+        assert (held[:, b] > -(-got["lengths"][s][:, b] // PS)).all()  # ... more than its length needs
+        assert free == free_before
+    # over the run each head popped the pages of the longest it grew, once: the rewound pages were refilled
+    most = ref["lengths"].max(0)  # [B]
+    np.testing.assert_array_equal(got["held"][-1], np.broadcast_to(-(-most // PS)[None, :, None], (2, 2, 2)))
+    assert int(got["free"][-1]) == N - 2 * 2 * int((-(-most // PS)).sum())
+    out = pool.decode()
+    want = generate(params, CHESS8, tokens, max_new_tokens=NEW, **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(want.tokens))
+    np.testing.assert_array_equal(_stats(out)["backtracks"], _stats(want)["backtracks"])
+
+
+def test_chess_on_the_pool_with_a_row_that_stops(params, rng):
+    """Row 0 hits its stop token while row 1 runs on, taking pages back (jnp): on the pool the stopped row writes
+    nothing and each step's rewind moves only its position back (`decode_loop` steps a stopped row back by one
+    token, which the uniform cache wrote and the pool did not), so both layouts give the same tokens, counts and
+    backtracks, and the pool's lengths are the uniform cache's (a stopped row's length stays where it stopped)."""
+    kw = {**_kw("jnp"), "max_new_tokens": NEW}
+    tokens = rng.integers(1, CFG.vocab_size, (2, T))
+    free = np.asarray(generate(params, CHESS8, tokens, **kw).tokens)
+    # row 0's stop: a token of its last pages that it did not generate before and row 1 never does (row 1 may still
+    # meet it in a page it takes back, which stops it: then the next candidate)
+    candidates = [int(t) for j, t in enumerate(free[0]) if 10 <= j < NEW - 2 and t not in free[0, :j]
+                  and t not in free[1]]
+    for stop in candidates:
+        want = generate(params, CHESS8, tokens, **{**kw, "stop_tokens": (stop,)})
+        if int(want.num_generated[0]) < NEW - 2 and int(want.num_generated[1]) == NEW:
+            break
+    else:
+        pytest.fail(f"no stop token for row 0 in this draw that row 1 never generates: {free.tolist()}")
+    got = generate(params, CHESS8, tokens, pool=True, **{**kw, "stop_tokens": (stop,)})
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_array_equal(np.asarray(got.num_generated), np.asarray(want.num_generated))
+    for key, value in _stats(got).items():
+        np.testing.assert_array_equal(value, _stats(want)[key], err_msg=key)
+    assert _stats(want)["backtracks"][1] == 2  # row 1 rewound (row 0 may have stopped before its own)
+    length = np.asarray(want.cache.length)
+    np.testing.assert_array_equal(length, [T + int(want.num_generated[0]) - 1, LENGTHS[1] + NEW - 1])
+    np.testing.assert_array_equal(np.asarray(got.cache.lengths), np.broadcast_to(length[None, :, None], (2, 2, 2)))
+
+
+def _greedy_steps(params, session, steps: int) -> dict[str, np.ndarray]:
+    """``session`` decoded greedily for ``steps`` `decode_step`s, every row active, each step's rewind applied
+    as `decode.decode_loop` does (the row's tokens taken back, the next token fed the last one kept): per step
+    the logits ``[steps + 1, B, V]`` (the prefill's first), pages read, rewinds, and after the rewind the lengths
+    (``[B]``; a pool's ``[L, B, Hkv]``) and, on a pool, the pages held and free before and after it."""
+    ready = session.begin()
+    step = jax.jit(lambda cache, token, state: engine.decode_step(params, session.run.policy, cache, token, state,
+                                                                  backend=session.run.backend))
+    cache, state = ready.cache, ready.state
+    history = [[int(t)] for t in np.argmax(np.asarray(ready.logits), -1)]
+    rec = {k: [] for k in ("logits", "read", "rewind", "lengths", "held_before", "held", "free_before", "free")}
+    rec["logits"].append(np.asarray(ready.logits))
+    pooled = isinstance(cache, PoolCache)
+    for _ in range(steps):
+        out = step(cache, jnp.asarray([h[-1] for h in history], jnp.int32), state)
+        cache, state = out.cache, out.state
+        rewind = np.asarray(state[1]["rewind"])
+        for h, t, r in zip(history, np.argmax(np.asarray(out.logits), -1), rewind, strict=True):
+            h.append(int(t))
+            del h[len(h) - int(r):]
+        back = jnp.asarray(rewind, jnp.int32)
+        if pooled:
+            rec["held_before"].append(np.asarray(cache.alloc.held).reshape(cache.lengths.shape))
+            rec["free_before"].append(int(cache.alloc.num_free))
+            cache = rewind_pool(cache, back)
+            rec["held"].append(np.asarray(cache.alloc.held).reshape(cache.lengths.shape))
+            rec["free"].append(int(cache.alloc.num_free))
+            rec["lengths"].append(np.asarray(cache.lengths))
+        else:
+            cache = cache.replace(length=cache.length - back, next_position=cache.next_position - back)
+            rec["lengths"].append(np.asarray(cache.length))
+        rec["logits"].append(np.asarray(out.logits))
+        rec["read"].append(np.asarray(out.pages_read))
+        rec["rewind"].append(rewind)
+    return {k: np.stack([np.asarray(x) for x in v]) if v else np.zeros(0) for k, v in rec.items()}
+
+
+def test_which_chess_runs_on_a_pool(params, rng):
+    """Before jit: CHESS (pre-RoPE keys, alone or as a pipeline's decode stage after full attention) is admitted
+    and decodes from the prefill pool of today's cache size; after a compressor, or reading post-RoPE page sums,
+    it is refused naming why; `rewind_pool` refuses a bad token count naming its shape."""
+    tokens = rng.integers(1, CFG.vocab_size, (2, T))
+    for policy in (CHESS8, Pipeline(decode=CHESS8), parse_policy("chess()")):
+        assert engine.run.pool_refusal(policy) is None, policy.name
+        assert engine.setup(params, policy, tokens, pool=True, page_size=PS).pool_pages is None
+    for spec, why in [("pipeline(compress=snapkv(0.5, window=4), decode=chess())",
+                       r"its decode stage \(CHESS-moderate\) rewinds and selects a row's pages after a compress "
+                       r"stage \(SnapKV\)"),
+                      ("chess(keys='post_rope')", r"its decode stage \(CHESS-moderate\[post-RoPE\]\) reads post-RoPE")]:
+        with pytest.raises(ValueError, match=rf"pool=True is experimental and policy .* does not decode from a page "
+                                             rf"pool yet: {why}.*CHESS \(pre-RoPE keys, after full attention\)"):
+            engine.setup(params, parse_policy(spec), tokens, pool=True)
+    run = engine.setup(params, CHESS8, tokens, pool=True, page_size=PS, lengths=LENGTHS, max_new_tokens=NEW)
+    cache = engine.prepare(params, run).cache
+    with pytest.raises(ValueError, match=r"tokens must be an int array \[B=2\], got int32 of shape \(3,\)"):
+        rewind_pool(cache, jnp.ones((3,), jnp.int32))
+    assert pages_for(T, PS) == cache.prompt_pages  # the prefill pool: the prompt's pages, then the free ones
