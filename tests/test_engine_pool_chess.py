@@ -7,7 +7,7 @@ row): the same tokens, backtracks, rebuilds and pages read, on the jnp path and 
 with CHESS pages of two cache pages; step by step on a pool whose pages were moved at random with junk in every
 free page, the same logits (1e-5), pages read, rewinds and lengths after every rewind, the rewound pages still held
 and refilled without a page popped; a row that stops while the other rewinds. Also: which CHESS runs on a pool
-(the refusals).
+(the refusals), and `Pipeline` declaring its members' `writes_in_place`/`decode_appends` (H2O).
 
 Tiny random model (head_dim 16: the kernel's smallest); weights and prompts drawn from the run's seed
 (tests/conftest.py: printed in the header, ``pytest --seed N`` replays it)."""
@@ -28,7 +28,7 @@ from sparsekv_jax.generate import generate
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
 from sparsekv_jax.pallas.testing import junk_like
-from sparsekv_jax.policies import Pipeline
+from sparsekv_jax.policies import H2O, Pipeline, SnapKV
 from sparsekv_jax.policies.chess import CHESS
 from sparsekv_jax.policies.spec import parse_policy
 
@@ -212,3 +212,25 @@ def test_which_chess_runs_on_a_pool(params, rng):
     with pytest.raises(ValueError, match=r"tokens must be an int array \[B=2\], got int32 of shape \(3,\)"):
         rewind_pool(cache, jnp.ones((3,), jnp.int32))
     assert pages_for(T, PS) == cache.prompt_pages  # the prefill pool: the prompt's pages, then the free ones
+
+
+def test_pipeline_declares_its_decode_members_in_place_writes(rng):
+    """`Pipeline` declares what its stage's member declares: with H2O decoding, ``writes_in_place`` and
+    ``decode_appends`` (the heads below their size append, on random lengths and sizes) are H2O's; with Quest,
+    ``selects_pages``; with SnapKV compressing, ``writes_entries``; with full attention, none."""
+    h2o = H2O(0.5)
+    for pipe in (Pipeline(decode=h2o), Pipeline(compress=h2o, decode=h2o), Pipeline(compress=SnapKV(0.5), decode=h2o)):
+        assert pipe.writes_in_place is True and pipe.selects_pages is False
+        lengths = jnp.asarray(rng.integers(0, 12, (2, 3, 2)), jnp.int32)
+        for size in (rng.integers(0, 12, (2, 3)), rng.integers(0, 12, (2, 3, 2))):  # the uniform / pool sizes
+            state = {"size": jnp.asarray(size, jnp.int32), "scores": jnp.zeros((2, 3, 2, 12))}
+            want = np.asarray(h2o.decode_appends(state, lengths))
+            np.testing.assert_array_equal(want, lengths < (size[..., None] if size.ndim == 2 else size))
+            np.testing.assert_array_equal(np.asarray(pipe.decode_appends(state, lengths)), want)
+        np.testing.assert_array_equal(np.asarray(pipe.decode_appends(None, lengths)), True)
+    assert Pipeline(compress=SnapKV(0.5), decode=h2o).writes_entries is True
+    assert Pipeline(decode=h2o).writes_entries is False  # full attention compresses nothing
+    assert Pipeline(decode=parse_policy("quest(0.25)")).selects_pages is True
+    plain = Pipeline()
+    assert not (plain.writes_in_place or plain.selects_pages or plain.writes_entries)
+    np.testing.assert_array_equal(np.asarray(plain.decode_appends(None, jnp.zeros((1, 2, 2), jnp.int32))), True)

@@ -15,8 +15,8 @@ STAGE_HOOKS: dict[str, tuple[str, ...]] = {
     "context": ("context",),
     "prefill": ("prefill_pattern",),
     "compress": ("observe", "compressed_capacity", "compress"),
-    "decode": ("decode_init", "decode_write", "decode_select", "decode_observe", "decode_update", "decode_rewind",
-               "decode_stats"),
+    "decode": ("decode_init", "decode_write", "decode_appends", "decode_select", "decode_observe", "decode_update",
+               "decode_rewind", "decode_stats"),
 }
 
 
@@ -83,6 +83,19 @@ class Pipeline(Policy):
     @property
     def max_rewind_tokens(self) -> int:
         return self.stage("decode").max_rewind_tokens
+
+    # the declarations of one stage are its member's (`Policy`'s docstring): a page pool reads them
+    @property
+    def writes_entries(self) -> bool:  # type: ignore[override]
+        return self.stage("compress").writes_entries
+
+    @property
+    def selects_pages(self) -> bool:  # type: ignore[override]
+        return self.stage("decode").selects_pages
+
+    @property
+    def writes_in_place(self) -> bool:  # type: ignore[override]
+        return self.stage("decode").writes_in_place
 
     @property
     def page_summaries(self) -> frozenset[str]:  # type: ignore[override]
