@@ -22,8 +22,8 @@ from conftest import seeded_rng
 
 from sparsekv_jax import engine
 from sparsekv_jax.backend import Backend
-from sparsekv_jax.cache import KVCache, pages_for
-from sparsekv_jax.cache_pooled import PoolCache, rewind_pool, shuffle_pages
+from sparsekv_jax.cache import KVCache
+from sparsekv_jax.cache_pooled import PoolCache, init_pool, rewind_pool, shuffle_pages
 from sparsekv_jax.generate import generate
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
@@ -207,11 +207,11 @@ def test_which_chess_runs_on_a_pool(params, rng):
         with pytest.raises(ValueError, match=rf"pool=True is experimental and policy .* does not decode from a page "
                                              rf"pool yet: {why}.*CHESS \(pre-RoPE keys, after full attention\)"):
             engine.setup(params, parse_policy(spec), tokens, pool=True)
-    run = engine.setup(params, CHESS8, tokens, pool=True, page_size=PS, lengths=LENGTHS, max_new_tokens=NEW)
-    cache = engine.prepare(params, run).cache
+    cache = init_pool(CFG, 2, T + NEW, prompt=T, page_size=PS)
     with pytest.raises(ValueError, match=r"tokens must be an int array \[B=2\], got int32 of shape \(3,\)"):
         rewind_pool(cache, jnp.ones((3,), jnp.int32))
-    assert pages_for(T, PS) == cache.prompt_pages  # the prefill pool: the prompt's pages, then the free ones
+    with pytest.raises(ValueError, match=r"positions must be an int array \[B=2\], got float32 of shape \(2,\)"):
+        rewind_pool(cache, jnp.ones((2,), jnp.int32), jnp.ones((2,), jnp.float32))
 
 
 def test_pipeline_declares_its_decode_members_in_place_writes(rng):
