@@ -3,7 +3,7 @@ reads of a `cache_pooled.PoolCache`.
 
 CHESS's decode state is per row (its selection ``[B, P]`` of CHESS pages, the cache-page lists it hands the
 attention), and its hooks read a cache's row lengths, its pages per head and, when a trigger fires, every layer's
-keys (`chess_scores.pre_rope_dots`). `PoolView` gives them that of a pool without copying it: ``length`` is the
+keys (`chess_scores.pre_rope_dots`). `PoolView` gives them that of a pool (the view copies nothing): ``length`` is the
 row's (every head of a full-attention pool holds the row's tokens: CHESS runs on the pool only after full
 attention's compress stage, `engine.run.pool_refusal`), ``num_pages`` the pages per head ``M`` (the uniform
 cache's ``num_pages``: the same capacity), and `PoolView.layer` one layer read through its page tables

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from sparsekv_jax.policies.chess import CHESS
 
 
-def page_scores(pol: CHESS, cache: KVCache, anchor_end: jax.Array) -> tuple[jax.Array, jax.Array]:
+def page_scores(pol: CHESS, cache: KVCache | PoolView, anchor_end: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Scores ``[B, P]`` of CHESS pages against the anchor of the window ending at slot
     ``anchor_end`` ``[B]``, and the pages in use ``[B, P]``."""
     Pc, cps = cache.num_pages, cache.page_size
@@ -114,7 +114,7 @@ def post_rope_dots(pol: CHESS, cache: KVCache, anchor_end: jax.Array, w: jax.Arr
     return jnp.pad(dots, ((0, 0), (0, P * m - Pc))).reshape(B, P, m).sum(-1)
 
 
-def pre_rope_dots(pol: CHESS, cache: KVCache, anchor_end: jax.Array, w: jax.Array) -> jax.Array:
+def pre_rope_dots(pol: CHESS, cache: KVCache | PoolView, anchor_end: jax.Array, w: jax.Array) -> jax.Array:
     """As `post_rope_dots` on keys rotated back to position 0 (the content, without RoPE's
     position phase): reads every cached key once per rebuild, one layer at a time."""
     if pol.inv_freq is None:
