@@ -183,7 +183,7 @@ case "$STAGE" in
       --no-fullkv > "$RUNS/bser8k_b128.log" 2>&1 &
     ev 0.12 alloc_32k agnostic 32k "adakv(snapkv(0.25))" --suite ruler --no-fullkv > "$RUNS/alloc32k.log" 2>&1 &
     ;;
-  7)  # DETACH=1 (one machine, 2026-11-28): issue 37's SAEs for this model (the paper's config fitted into
+  7)  # DETACH=1 (one machine, 2026-11-27): issue 37's SAEs for this model (the paper's config fitted into
       # SAE_MINUTES by its own schedule), then S3 with them (retrieval quality at 16k; RULER 8k question-aware rows);
       # beside it, the 32k rows issue 35 still lacks (every policy at 25%), AdaKV and PyramidKV against SnapKV at 32k
       # (issue 38) and CHESS at 32k (issue 36). Rows resume: a later machine continues them with STAGE=8.
@@ -198,10 +198,10 @@ case "$STAGE" in
     ev 0.1 chess_32k agnostic 32k "chess('moderate', calibration='qwen2.5-coder-1.5b')" --suite ruler --no-fullkv \
       > "$RUNS/chess32k.log" 2>&1 &
     ;;
-  8)  # DETACH=1 (a second machine, 2026-11-28): stage 7's SAE run got 5 steps/s beside six eval jobs and 24 alone, and
+  8)  # DETACH=1 (a second machine, 2026-11-27; run again on a third the same day, with what follows): stage 7's SAE run got 5 steps/s beside six eval jobs and 24 alone, and
       # did not finish before the machine went back; here it runs alone, then S3's two jobs and Stem at 32k (which ran
       # out of memory at 0.1 in stage 7) share the GPU.
-    # Since 2026-11-28 stage 9's first three jobs share the GPU with them (the machine is held 30 minutes at most).
+    # Since the third machine stage 9's first three jobs share the GPU with them (the machine is held 30 minutes at most).
     { sae_train && { S3_MEM=0.2 s3_retrieval > "$RUNS/s3_retrieval.log" 2>&1 &
       S3_MEM=0.15 s3_ruler > "$RUNS/s3_ruler.log" 2>&1 &
       ev 0.2 stem agnostic 32k stem --suite ruler --no-fullkv > "$RUNS/stem32k.log" 2>&1 &

@@ -36,12 +36,17 @@ REPORTS: dict[str, tuple[str, ...]] = {
 
 # record folder -> (policy A, policy B) pairs compared on their shared samples (experiments/policy_pairs.py)
 _CHESS = "chess('moderate', calibration='qwen2.5-coder-1.5b')"
+# S3's rows name the SAE file by its path on the GPU machine: the paper run of docs/results/sae_paper_qwen_h200
+_QWEN_SAES = "/tmp/qwen_sae/paper_qwen2.5-coder-1.5b.safetensors"
 PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
     "qwen2.5-coder-1.5b_h200": (
         ("adakv(snapkv(0.25))", "snapkv(0.25)"), ("pyramidkv(snapkv(0.25))", "snapkv(0.25)"),
         ("adakv(snapkv(0.1))", "snapkv(0.1)"), ("pyramidkv(snapkv(0.1))", "snapkv(0.1)"),
         ("semanticache(0.25)", "snapkv(0.25)"), ("streamingllm(0.25)", "snapkv(0.25)"),
-        ("bser(0.25)", "snapkv(0.25)"), (_CHESS, "quest(0.25)")),
+        ("bser(0.25)", "snapkv(0.25)"), (_CHESS, "quest(0.25)"),
+        (f"s3hybrid(0.25, saes='{_QWEN_SAES}')", "bm25(0.25)"), (f"s3pure(0.25, saes='{_QWEN_SAES}')", "bm25(0.25)"),
+        (f"s3hybrid(0.25, saes='{_QWEN_SAES}')", "snapkv(0.25)"),
+        ("semanticache(0.1)", "snapkv(0.1)"), ("semanticache(0.5)", "snapkv(0.5)")),
 }
 
 # the fields of a report row that are results (a newer report may add fields, e.g. coverage, and its prose
