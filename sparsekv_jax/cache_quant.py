@@ -37,7 +37,11 @@ likewise), `append_token` and `write_tokens` (`engine.prefill.extend`) into a pa
 the page is **re-scaled as it fills** -- its scale becomes ``max(old scale, the new token's)`` and its
 earlier entries are re-quantised with it (exact when the scale did not grow; each growth, at least
 a doubling, re-rounds them by at most half a new step, so an entry is off by less than one step of
-the page's final scale), its zero points kept. A page a write opens (no live entry before it) gets
+the page's final scale), its zero points kept. A page a write opens (no live entry before it) starts
+from no scale, key or value, whatever codes it holds: a page that CHESS's rewind emptied (its length
+moved back, `engine.decode.decode_loop`) is refilled as if the tokens taken back had never been
+written, as a page pool's empty page is (a page the rewind cut inside keeps the scales they grew it
+to: its surviving entries were re-rounded with them). It gets
 new zero points: `write_tokens` the mid-range of its new keys, an `append_token` the previous page's
 zero points (the offsets carry over from page to page; on page 0, the token's own key), so a
 decoded page's codes cover ``max |key - previous page's zero|``: far less than the symmetric range
@@ -178,8 +182,10 @@ def _rescale_pages(old_k: jax.Array, old_ks: jax.Array, old_kz: jax.Array, old_v
     v_scale)``, ``k``/``v`` the pages' float32 values (earlier entries dequantised).
 
     A page keeps its key zero point unless it is ``fresh`` (``[...]``: it held no live entry before
-    this write) and gets a new slot: then its zero point is ``fresh_zero`` ``[..., D]`` and its old
-    key scales (of another zero point) are not kept. Scales are ``max(old, what the new slots
+    this write) and gets a new slot: then its zero point is ``fresh_zero`` ``[..., D]`` and none of
+    its old scales are kept (its old entries are dead: slots never written, or tokens a rewind took
+    back, whose key scales belong to another zero point and whose value scale would quantise the new
+    values more coarsely than a page that never held them). Scales are ``max(old, what the new slots
     need)``, so earlier entries are re-quantised exactly unless their page's scale grew."""
     dt, vdt = old_k.dtype, old_v.dtype
     qmax, vmax = _QMAX[jnp.dtype(dt).name], _QMAX[jnp.dtype(vdt).name]
@@ -188,7 +194,10 @@ def _rescale_pages(old_k: jax.Array, old_ks: jax.Array, old_kz: jax.Array, old_v
     v = jnp.where(mask, new_v.astype(jnp.float32), dequantize(old_v, old_vs[..., None, None]))
     restart = fresh & new.any(-1)  # [...]
     kz = jnp.where(restart[..., None], fresh_zero.astype(SCALE_DTYPE), old_kz.astype(SCALE_DTYPE))
+    # a fresh page's earlier codes are dead (past the length: never written, or taken back by a rewind),
+    # so none of its old scales are kept
     old_ks = jnp.where(restart[..., None], 0.0, old_ks).astype(SCALE_DTYPE)
+    old_vs = jnp.where(restart, 0.0, old_vs).astype(SCALE_DTYPE)
     need_k = pow2_scale(jnp.where(mask, jnp.abs(k - kz[..., None, :].astype(jnp.float32)), 0.0).max(-2), qmax)
     need_v = pow2_scale(jnp.where(mask, jnp.abs(v), 0.0).max((-2, -1)), vmax)
     ks, vs = jnp.maximum(old_ks, need_k), jnp.maximum(old_vs, need_v)

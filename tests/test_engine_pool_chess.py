@@ -6,13 +6,18 @@ for a ragged batch of 2 with thresholds of 0 so that every generated page is unc
 row): the same tokens, backtracks, rebuilds and pages read, on the jnp path and the interpreted kernel (fp32), and
 with CHESS pages of two cache pages; step by step on a pool whose pages were moved at random with junk in every
 free page, the same logits (1e-5), pages read, rewinds and lengths after every rewind, the rewound pages still held
-and refilled without a page popped; a row that stops while the other rewinds. Also: which CHESS runs on a pool
-(the refusals), and `Pipeline` declaring its members' `writes_in_place`/`decode_appends` (H2O).
+and refilled without a page popped (fp32, and int8 on the kernel); with int8 K/V, the uniform int8 cache's codes
+and scales in every live slot and page once the rewound pages are refilled (`cache_quant._rescale_pages` resets a
+refilled page's value scale as the pool's empty page has it); a row that stops while the other rewinds. Also:
+which CHESS runs on a pool (the refusals), and `Pipeline` declaring its members' `writes_in_place`/
+`decode_appends` (H2O).
 
 Tiny random model (head_dim 16: the kernel's smallest); weights and prompts drawn from the run's seed
 (tests/conftest.py: printed in the header, ``pytest --seed N`` replays it)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +28,7 @@ from conftest import seeded_rng
 from sparsekv_jax import engine
 from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import KVCache
-from sparsekv_jax.cache_pooled import PoolCache, init_pool, rewind_pool, shuffle_pages
+from sparsekv_jax.cache_pooled import PoolCache, init_pool, layer_kv, rewind_pool, shuffle_pages
 from sparsekv_jax.generate import generate
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
@@ -37,7 +42,9 @@ CFG = ModelConfig(family="llama", vocab_size=97, hidden_size=32, num_layers=2, n
 # prompts of 40 and 29 tokens in cache pages of 8; 20 new tokens: each row's first generated page (8 tokens) is
 # taken back twice (thresholds 0: every page is uncertain; max_backtracks=2), then the run goes on
 T, LENGTHS, NEW, PS = 40, np.array([40, 29]), 20, 8
-BACKENDS = {"jnp": Backend(), "kernel": Backend.kernels()}  # the kernel interpreted on a CPU
+BACKENDS = {"jnp": Backend(), "kernel": Backend.kernels(),  # the kernel interpreted on a CPU
+            "jnp-int8": dataclasses.replace(Backend(), kv_dtype="int8"),
+            "kernel-int8": dataclasses.replace(Backend.kernels(), kv_dtype="int8")}
 SHAKY = dict(ratios="aggressive", chunk_pages=2, grid_chunks=2, entropy_threshold=0.0, varentropy_threshold=0.0,
              max_backtracks=2)
 CHESS8 = CHESS(page_size=PS, **SHAKY)
@@ -85,7 +92,7 @@ def test_chess_on_the_pool_backtracks_as_the_uniform_layout(params, rng, case):
     np.testing.assert_array_equal(held, np.broadcast_to(-(-length // PS)[None, :, None], (2, 2, 2)))
 
 
-@pytest.mark.parametrize("backend", ["jnp", "kernel"])
+@pytest.mark.parametrize("backend", ["jnp", "kernel", "kernel-int8"])
 def test_chess_on_a_shuffled_pool_rewinds_step_by_step_as_the_uniform_cache(params, rng, backend):
     """After the prefill the pool's pages are moved by a random permutation and every free page is filled with
     junk (NaN, random positions). Decoding greedily step by step with the same jitted `decode_step` on either
@@ -124,6 +131,38 @@ def test_chess_on_a_shuffled_pool_rewinds_step_by_step_as_the_uniform_cache(para
     want = generate(params, CHESS8, tokens, max_new_tokens=NEW, **kw)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(want.tokens))
     np.testing.assert_array_equal(_stats(out)["backtracks"], _stats(want)["backtracks"])
+
+
+def test_chess_on_an_int8_pool_stores_the_uniform_int8_caches_codes(params, rng):
+    """int8 K/V (jnp): after both rows took their first generated page back twice and regenerated it, the pool
+    gives the uniform int8 cache's tokens, backtracks, rebuilds and pages read, and through its tables holds
+    the same codes in every live slot and the same key scales, key zero points and value scales in every page
+    holding one, in every layer, row and head. The pages the rewinds emptied and the regenerated tokens refilled
+    (row 0's page 5, row 1's page 4) are among them: the uniform cache used to keep the value scale of the
+    tokens taken back there (`cache_quant._rescale_pages`), the pool's page starts empty. (Logits, step by
+    step: the shuffled-pool test's ``kernel-int8`` case.)"""
+    kw = _kw("jnp-int8")
+    tokens = rng.integers(1, CFG.vocab_size, (2, T))
+    want = generate(params, CHESS8, tokens, max_new_tokens=NEW, **kw)
+    got = generate(params, CHESS8, tokens, max_new_tokens=NEW, pool=True, **kw)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    np.testing.assert_array_equal(_stats(want)["backtracks"], [2, 2])
+    for key, value in _stats(got).items():
+        np.testing.assert_array_equal(value, _stats(want)[key], err_msg=key)
+    np.testing.assert_allclose(np.asarray(got.stats["kv_read_fraction"]), np.asarray(want.stats["kv_read_fraction"]),
+                               rtol=1e-6)
+    uniform, length = want.cache.layers, np.asarray(want.cache.length)
+    assert uniform.k.dtype == jnp.int8 and got.cache.pages.k.dtype == jnp.int8
+    np.testing.assert_array_equal(np.asarray(got.cache.lengths), np.broadcast_to(length[None, :, None], (2, 2, 2)))
+    pages = -(-length // PS)
+    for layer in range(CFG.num_layers):
+        pool = layer_kv(got.cache, layer)
+        for b in range(2):
+            live, full = slice(0, int(length[b])), slice(0, int(pages[b]))
+            for name, at in (("k", live), ("v", live), ("k_scale", full), ("k_zero", full), ("v_scale", full)):
+                np.testing.assert_array_equal(np.asarray(getattr(pool, name))[b, :, at],
+                                              np.asarray(getattr(uniform, name))[layer, b, :, at],
+                                              err_msg=f"{name} of layer {layer} row {b}")
 
 
 def test_chess_on_the_pool_with_a_row_that_stops(params, rng):

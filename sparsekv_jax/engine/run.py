@@ -85,10 +85,15 @@ class Options:
         each head's own pages and always reads the page of its own newest token, whereas the uniform cache
         appends every head's tokens after its row's largest count: the pages read, and so the tokens, may
         differ from the uniform path's), and `H2O` (``Policy.writes_in_place``: each token overwrites the
-        slot its running eviction names, through the tables; the pool holds its budget's pages); any other
-        policy (by name), a ``suffix``, ``question_tokens``, a
-        ``mesh``, or a model whose local layers keep rings (Gemma 3 with ``Backend(local_cache="ring")``) is
-        refused with a `ValueError` before jit. The
+        slot its running eviction names, through the tables; the pool holds its budget's pages), and `CHESS`
+        with pre-RoPE keys (the default) after full attention's compress stage, alone or as a `Pipeline`'s
+        decode stage, from the prefill pool (its page lists are logical pages; a backtrack moves the
+        allocator's lengths back and the regenerated tokens refill the pages kept,
+        `cache_pooled.rewind_pool`). Any other policy is refused by name, among them post-RoPE CHESS
+        (``keys="post_rope"``: its page sums are read from the uniform stack) and CHESS after a compressor (its
+        row-level selection over heads that keep different counts), and so are a ``suffix``,
+        ``question_tokens``, a ``mesh``, and a model whose local layers keep rings (Gemma 3 with
+        ``Backend(local_cache="ring")``): a `ValueError` before jit. The
         prefill writes a prefill pool's identity layout (`cache_pooled.stack_view`); a compressor writes each
         head's kept entries into a fresh decode pool (`policies.common.PoolTarget`, no holes) and the prefill
         pool is dropped; each decode step takes its pages from the pool's free stack. ``GenerateOutput.cache`` is
