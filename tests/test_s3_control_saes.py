@@ -89,6 +89,15 @@ def test_control_of_the_shipped_set_keeps_its_shapes_and_centring_and_draws_new_
         assert abs(np.mean(cos**2) - 1 / d) < 6 * se, (np.mean(cos**2), 1 / d, se)
         assert n * betainc((d - 1) / 2, 0.5, 1 - 0.75**2) < 1e-6
         assert np.abs(cos).max() < 0.75
+    # --dead-like-source: the record's held-out dead count of latents per layer never fires (zero encoder column)
+    path, _, dead_rec = mod.write_control(SHIPPED, tmp_path / "dead.safetensors", seed, dead_like_source=True)
+    want = [round(h["dead_fraction"] * src.width) for h in sorted(src_rec["heldout"], key=lambda h: h["layer"])]
+    assert dead_rec["control"]["dead_latents"] == want and min(want) > 0
+    dead_enc = np.asarray(_stack(path)[1].w_enc)
+    zero = (dead_enc == 0).all(-2)  # [L, W]
+    assert zero.sum(-1).tolist() == want
+    np.testing.assert_array_equal(dead_enc[~np.broadcast_to(zero[:, None], dead_enc.shape)],
+                                  w_enc[~np.broadcast_to(zero[:, None], w_enc.shape)])  # the live ones: the same draw
     # the same seed writes the same bytes (whatever the output directory); another seed other directions
     again = tmp_path / "again" / "control.safetensors"
     mod.write_control(SHIPPED, again, seed)
@@ -126,7 +135,8 @@ def test_s3pure_runs_with_a_control_on_the_tiny_model_and_its_features_match_the
     params, src = tiny
     mod = _script()
     source = tmp_path / "trained.safetensors"
-    save_saes(source, src, {"model": "tiny", "layers": list(LAYERS)})
+    save_saes(source, src, {"model": "tiny", "layers": list(LAYERS),
+                            "heldout": [{"layer": i, "dead_fraction": 0.5} for i in LAYERS]})
     rng = seeded_rng()
     tok = _tokens(rng, T=170)
     lengths, qs = np.array([170, 150]), np.array([140, 131])
@@ -136,6 +146,11 @@ def test_s3pure_runs_with_a_control_on_the_tiny_model_and_its_features_match_the
     seeds = [int(s) for s in rng.integers(1 << 31, size=100)]
     print(f"control seeds {seeds}")
     mod.write_control(source, tmp_path / "control.safetensors", seeds[0])  # S3Pure reads this one below
+    _, dead, _ = _stack(mod.write_control(source, tmp_path / "dead.safetensors", seeds[0], dead_like_source=True)[0])
+    ids, acts = map(np.asarray, features(dead, keys))
+    live = (np.asarray(dead.w_enc) != 0).any(-2)  # [n, W]: half of them (the record below says 0.5 dead)
+    assert live.sum(-1).tolist() == [src.width // 2] * len(LAYERS) and (acts > 0).all()
+    assert all(live[i][ids[i]].all() for i in range(len(LAYERS)))  # only live latents fire
     trained = load_saes(source)[0]
     shares = []
     for seed in seeds:
@@ -175,6 +190,8 @@ def test_cli_prints_the_sha256_and_refuses_bad_input(tmp_path, capsys):
     assert f"sha256 {mod.sha256(out)}  {out}" in printed and mod.sha256(SHIPPED) in printed
     garbage = tmp_path / "g.safetensors"
     garbage.write_bytes(b"not a safetensors file")
+    nodead = tmp_path / "nodead.safetensors"
+    save_saes(nodead, _stack(SHIPPED)[1], {"layers": [0, 11, 15, 27]})  # a record without a held-out evaluation
     for argv, says in [([str(tmp_path / "none.safetensors"), str(out)], "no SAE file at"),
                        (["shipped:nosuch", str(out)], "nosuch.safetensors"),
                        ([str(tmp_path), str(out)], "is not a .safetensors file"),
@@ -182,7 +199,8 @@ def test_cli_prints_the_sha256_and_refuses_bad_input(tmp_path, capsys):
                        (["shipped:smollm2", str(out), "--seed", str(2**32)], "must be in"),
                        (["shipped:smollm2", str(tmp_path / "c.bin")], "must end in .safetensors"),
                        ([str(out), str(out)], "is the source file"),
-                       ([str(garbage), str(out)], str(garbage))]:
+                       ([str(garbage), str(out)], str(garbage)),
+                       ([str(nodead), str(out), "--dead-like-source"], "held-out dead fractions for layers []")]:
         with pytest.raises(SystemExit) as e:
             mod.main(argv)
         assert e.value.code == 2 and says in capsys.readouterr().err, argv
