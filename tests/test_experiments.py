@@ -25,7 +25,8 @@ REAL_MODEL = ("bser_qwen_diagnosis", "kv_quant_fp8_diagnosis")  # a real model's
 RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "kv_quant_fp8_gpu_check", "kvq_quality_table", "policy_pairs",
               "pool_memory_gpu", "readme_plot", "semanticache_audit")
 TESTED_ELSEWHERE = {"stem_ablation": "tests/test_stem.py::test_ablation_script_core (toy model, CPU)",
-                    "s3_retrieval_quality": "tests/test_s3_retrieval_quality.py (SmolLM2, one RULER sample, CPU)"}
+                    "s3_retrieval_quality": "tests/test_s3_retrieval_quality.py (SmolLM2, one RULER sample, CPU)",
+                    "s3_control_saes": "tests/test_s3_control_saes.py (the shipped set's control; tiny model, CPU)"}
 
 
 def _module(name: str):
