@@ -47,8 +47,13 @@ A rewind (CHESS's backtracking) is `rewind_pool`: lengths move back, pages stay 
 An in-place overwrite (H2O's eviction) is `append_token_pool` with ``overwrite``: its slot below the head's
 length, mapped through the table by the caller (`engine.pooled.decode_step_pool`), and no page reserved.
 
-Not here yet (docs/PAGE_POOL.md, step 2's entry): `write_tokens` (extend),
-the group axes of a mesh. The engine decodes from a pool with ``Options(pool=True)`` (experimental,
+**Extend** (a question read after compression, `engine.prefill.extend`): `grow_tokens` (one allocator call for
+every layer: `cache_pool.grow`, pages popped as a head's run of tokens needs them), then `write_tokens_pool` writes
+layer ``l``'s tokens at each head's logical slots ``old length ..`` through its table and refreshes the pages
+they touch (summaries; quantised, `cache_write.write_tokens`' re-scaling, per head).
+
+Not here yet (docs/PAGE_POOL.md, step 2's entry): the group axes of a mesh.
+The engine decodes from a pool with ``Options(pool=True)`` (experimental,
 `sparsekv_jax.engine.pooled`): full attention from its prefill pool, the compressors whose write is
 `policies.common.write_kept` from a decode pool that write makes; by default the policies use the uniform cache.
 """
@@ -64,15 +69,15 @@ from flax import struct
 
 from sparsekv_jax.cache import LayerKV, LocalKV, check_sizes, init_local
 from sparsekv_jax.cache_pages import SUMMARIES, _key_summaries, check_summaries, empty_summaries, page_mean, pages_for
-from sparsekv_jax.cache_pool import PagePool, allocate_after_compression, append_slots, owned
+from sparsekv_jax.cache_pool import PagePool, allocate_after_compression, append_slots, grow, owned
 from sparsekv_jax.cache_quant import SCALE_DTYPE, check_kv_dtype, is_quantized
-from sparsekv_jax.cache_write import _page_key_summaries, _rescale_append
+from sparsekv_jax.cache_write import _page_key_summaries, _rescale_append, write_tokens
 from sparsekv_jax.models.config import ModelConfig
 
-__all__ = ["PoolCache", "append_token_pool", "decode_kernel_args", "decode_pool", "init_pool", "layer_kv",
-           "layer_lengths", "layer_pages", "layer_tables", "logical_positions", "pool_from_stack", "pool_nbytes",
-           "pool_page_counts", "pool_page_mean", "put_pages", "reserve_token", "rewind_pool", "shuffle_pages",
-           "stack_view", "summarize_pool", "take_logical", "with_stack"]
+__all__ = ["PoolCache", "append_token_pool", "decode_kernel_args", "decode_pool", "grow_tokens", "init_pool",
+           "layer_kv", "layer_lengths", "layer_pages", "layer_tables", "logical_positions", "pool_from_stack",
+           "pool_nbytes", "pool_page_counts", "pool_page_mean", "put_pages", "reserve_token", "rewind_pool",
+           "shuffle_pages", "stack_view", "summarize_pool", "take_logical", "with_stack", "write_tokens_pool"]
 
 # what a page nobody owns reads as (`layer_pages`): an empty cache's values (`init_cache`)
 _FILL = {"positions": -1, "page_max_bias": -jnp.inf}
@@ -601,3 +606,93 @@ def shuffle_pages(cache: PoolCache, perm: np.ndarray,
         return jnp.asarray(np.where(~own.reshape(-1, *(1,) * (a.ndim - 1)), junk(a), a))
 
     return cache.replace(pages=jax.tree.map(move, cache.pages), alloc=alloc)
+
+
+def grow_tokens(cache: PoolCache, tokens: jax.Array) -> PoolCache:
+    """Room for ``tokens`` ``[B]`` int more tokens of each row in every layer and KV head (`extend`'s one allocator
+    call, before its layer scan): `cache_pool.grow` over the ``[L·B, Hkv]`` rows, each head popping the pages its
+    run of tokens needs past the ones it holds (a head whose last page has room fills it first) and its length
+    growing by the row's ``tokens``. The new tokens' logical slots are each head's old length ``..`` (heads that
+    keep different counts start at different slots). A pool that runs out sets ``alloc.overflow`` for the rows
+    concerned and cuts their lengths to the pages they got (`write_tokens_pool` then drops the tokens past them)."""
+    L, B, H = cache.num_layers, cache.batch, cache.heads
+    t = jnp.asarray(tokens)
+    if tuple(t.shape) != (B,) or not jnp.issubdtype(t.dtype, jnp.integer):
+        raise ValueError(f"tokens must be an int array [B={B}], got {t.dtype} of shape {tuple(t.shape)}")
+    per_head = jnp.broadcast_to(t.astype(jnp.int32)[None, :, None], (L, B, H)).reshape(L * B, H)
+    return cache.replace(alloc=grow(cache.alloc, per_head))
+
+
+def write_tokens_pool(cache: PoolCache, layer: int | jax.Array, k_new: jax.Array, v_new: jax.Array,
+                      start: jax.Array, written: jax.Array, positions: jax.Array) -> PoolCache:
+    """Write layer ``layer``'s run of ``T`` tokens per row into a pool that `grow_tokens` made room for: token ``t``
+    of (row ``b``, head ``h``) at logical slot ``start[b, h] + t`` (``start`` ``[B, Hkv]``: the head's length before
+    the run), mapped through the layer's table, at RoPE position ``positions[b, t]``, bias 0. ``k_new``/``v_new``
+    ``[B, T, Hkv, D]`` (the model's layout); only the tokens ``written`` ``[B, T]`` (a row's first ones) are
+    written, and those past the pages a head holds (the pool ran out) are dropped.
+
+    The pages the run touches (each head's ``(T - 1) // ps + 2`` logical pages from ``start // ps``) are gathered,
+    written, and put back whole: their key summaries (non-quantised: from the stored keys over their live slots,
+    as `cache.summarize_pages`) and max bias recomputed; quantised, every touched page re-scaled by
+    `cache_write.write_tokens` itself, run per head (``jax.vmap`` over the heads), its key summaries from the keys
+    as computed. A page the run opens is treated as empty whatever it held before (freed pages are not cleared).
+    The allocator (lengths, tables) is left as it is: `grow_tokens` set it."""
+    kv = cache.pages
+    N, ps, M = cache.num_pages, cache.page_size, cache.max_pages_per_head
+    B, H = cache.batch, cache.heads
+    D = kv.k.shape[-1]
+    if k_new.ndim != 4 or tuple(k_new.shape[:1]) + tuple(k_new.shape[2:]) != (B, H, D) or v_new.shape != k_new.shape:
+        raise ValueError(f"k_new/v_new must be [B, T, Hkv, D] with B, Hkv, D = {B}, {H}, {D}, got "
+                         f"{tuple(k_new.shape)}, {tuple(v_new.shape)}")
+    T = k_new.shape[1]
+    if tuple(jnp.shape(start)) != (B, H):
+        raise ValueError(f"start must be [B, Hkv]={[B, H]}, got shape {tuple(jnp.shape(start))}")
+    for name, x in (("written", written), ("positions", positions)):
+        if tuple(jnp.shape(x)) != (B, T):
+            raise ValueError(f"{name} must be [B, T]={[B, T]}, got shape {tuple(jnp.shape(x))}")
+    table, _ = layer_tables(cache, layer)
+    start = jnp.asarray(start, jnp.int32)
+    n = (T - 1) // ps + 2  # logical pages a run of T slots can touch
+    m0 = start // ps
+    m = m0[..., None] + jnp.arange(n, dtype=jnp.int32)  # [B, H, n] the window's logical pages
+    end = start + written.sum(-1, dtype=jnp.int32)[:, None]  # [B, H]
+    touched = (m < M) & (m * ps < end[..., None]) & (end > start)[..., None]
+    phys = jnp.where(touched, jnp.take_along_axis(table, jnp.clip(m, 0, M - 1), axis=-1), N)  # [B, H, n]
+    win = {f: None if getattr(kv, f) is None else
+           getattr(kv, f).at[phys].get(mode="fill", fill_value=_FILL.get(f, 0)) for f in _FIELDS}
+    # the window as one uniform layer: slots [B, H, n·ps, ...], per page [B, H, n, ...]
+    flat = {f: None if a is None else (a.reshape(B, H, n * ps, *a.shape[4:]) if f in _SLOT_FIELDS else a)
+            for f, a in win.items()}
+    slot = (start - m0 * ps)[..., None] + jnp.arange(T, dtype=jnp.int32)  # [B, H, T] in the window
+    at = jnp.where(written[:, None, :], slot, n * ps)  # unwritten tokens drop
+    b, h = jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None]
+    pos = jnp.broadcast_to(positions[:, None, :], (B, H, T)).astype(jnp.int32)
+    flat["positions"] = flat["positions"].at[b, h, at].set(pos, mode="drop")
+    flat["bias"] = flat["bias"].at[b, h, at].set(0.0, mode="drop")
+    w = kv.replace(**flat)
+    end_w = end - m0 * ps  # [B, H] the window's live slots end here
+    valid = (jnp.arange(n * ps) < end_w[..., None]) & (w.positions >= 0)
+    if kv.quantized:
+        def one_head(kv_h: LayerKV, k_h: jax.Array, v_h: jax.Array, slots_h: jax.Array, end_h: jax.Array) -> LayerKV:
+            one = jax.tree.map(lambda a: a[:, None], kv_h)
+            return jax.tree.map(lambda a: a[:, 0], write_tokens(one, k_h[:, :, None], v_h[:, :, None], slots_h,
+                                                                 written, end_h))
+
+        w = jax.vmap(one_head, in_axes=(1, 2, 2, 1, 1), out_axes=1)(w, k_new, v_new, slot, end_w)
+    else:
+        w = w.replace(k=w.k.at[b, h, at].set(jnp.swapaxes(k_new, 1, 2).astype(w.k.dtype), mode="drop"),
+                      v=w.v.at[b, h, at].set(jnp.swapaxes(v_new, 1, 2).astype(w.v.dtype), mode="drop"))
+        if kv.summaries - {"page_max_bias"}:
+            w = w.replace(**_key_summaries(w, w.k, valid, ps))
+    if "page_max_bias" in kv.summaries:
+        w = w.replace(page_max_bias=jnp.where(valid, w.bias, -jnp.inf).reshape(B, H, n, ps).max(-1))
+
+    def put(name: str) -> jax.Array | None:
+        a, x = getattr(kv, name), getattr(w, name)
+        if a is None:
+            return None
+        if name in _SLOT_FIELDS:  # [B, H, n·ps, ...] -> [B, H, n, ps, ...]
+            x = x.reshape(B, H, n, ps, *x.shape[3:])
+        return a.at[phys].set(x.astype(a.dtype), mode="drop")
+
+    return cache.replace(pages=kv.replace(**{f: put(f) for f in _FIELDS}))

@@ -20,10 +20,19 @@ from sparsekv_jax.cache import (
     write_chunk,
     write_tokens,
 )
-from sparsekv_jax.cache_pooled import PoolCache, init_pool, stack_view, with_stack
+from sparsekv_jax.cache_pooled import (
+    PoolCache,
+    grow_tokens,
+    init_pool,
+    layer_kv,
+    layer_lengths,
+    stack_view,
+    with_stack,
+    write_tokens_pool,
+)
 from sparsekv_jax.engine.run import Run, compressed_size, prefill_width
 from sparsekv_jax.models.params import Params
-from sparsekv_jax.models.transformer import LayerStack, attention_window, last_token_logits
+from sparsekv_jax.models.transformer import LayerStack, attention_window, forward, last_token_logits
 from sparsekv_jax.policies.base import Dense, Policy, Prompt
 
 
@@ -260,14 +269,17 @@ def _chunked(params, observing, tokens, lengths, cache, chunk, question_start, b
     return hidden, layers, local, seen
 
 
-def extend(params: Params, cache: KVCache, tokens: jax.Array, lengths: jax.Array):
+def extend(params: Params, cache: KVCache | PoolCache, tokens: jax.Array, lengths: jax.Array):
     """Append a right-padded chunk ``tokens`` ``[B, Tq]`` (``lengths`` ``[B]`` valid) to a filled cache.
 
     Each row's chunk goes to slots ``length[b] ..`` at positions ``next_position[b] ..`` and
     attends to every entry the cache holds (dense, with the cache's per-slot bias): this is how a
     question is read after the context was compressed without it (question-agnostic compression).
-    Returns ``(logits [B, V] at each row's last chunk token, cache)``.
+    Returns ``(logits [B, V] at each row's last chunk token, cache)``. A page pool (``Options(pool=True)``,
+    experimental) is extended by `extend_pool`.
     """
+    if isinstance(cache, PoolCache):
+        return extend_pool(params, cache, tokens, lengths)
     B, Tq = tokens.shape
     offs = jnp.arange(Tq, dtype=jnp.int32)
     slots = cache.length[:, None] + offs  # [B, Tq]
@@ -296,4 +308,42 @@ def extend(params: Params, cache: KVCache, tokens: jax.Array, lengths: jax.Array
     layers = summarize_pages(layers, new_length, cache.page_size)
     cache = cache.replace(layers=layers, local=local, length=new_length, next_position=cache.next_position + lengths)
     # a suffix is short: norming all of it costs nothing and keeps a oneDNN prefill program runnable
+    return last_token_logits(params, hidden, lengths, norm_every_position=True), cache
+
+
+def extend_pool(params: Params, cache: PoolCache, tokens: jax.Array, lengths: jax.Array):
+    """`extend` on a page pool (``Options(pool=True)``, experimental; docs/PAGE_POOL.md, Lifecycle → Extend): one
+    allocator call for every layer before the layer scan (`cache_pooled.grow_tokens`: each (layer, row, KV head)
+    grows by the row's ``lengths``, popping pages from the free stack as its run needs them), then in each layer
+    the chunk's K/V are written at every head's own logical slots ``old length ..`` through its table
+    (`cache_pooled.write_tokens_pool`; heads that keep different counts, as AdaKV's, start at different slots)
+    and the chunk attends, causally by position, to the layer read through its tables (`cache_pooled.layer_kv`)
+    up to each head's new length, with the cache's per-slot bias. Slots past a head's length are emptied before
+    the products (a page the chunk opens is not cleared: without it a NaN in a freed page reaches the output).
+    The pool rides the layer scan's carry. Returns ``(logits [B, V] at each row's last chunk token, cache)``; a
+    pool that runs out sets ``alloc.overflow`` (`engine.pooled.check_overflow` raises after the run)."""
+    if cache.local is not None:
+        raise ValueError("extend_pool: a pool with local-layer rings is not supported (run.pool_refusal refuses it)")
+    B, Tq = tokens.shape
+    offs = jnp.arange(Tq, dtype=jnp.int32)
+    positions = cache.next_position[:, None] + offs
+    written = offs[None, :] < lengths[:, None]
+    before = cache.lengths  # [L, B, Hkv] each head's length before the chunk: its first slot
+    cache = grow_tokens(cache, lengths)
+    window = window_of(params.config, cache)
+
+    def attend(q, k, v, layer, idx, hidden):
+        start, pages = layer
+        c = write_tokens_pool(cache.replace(pages=pages), idx, k, v, start, written, positions)
+        kv = layer_kv(c, idx)
+        live = jnp.arange(kv.positions.shape[-1]) < layer_lengths(c, idx)[..., None]  # [B, Hkv, M·ps]
+        keys, values = dequantize_kv(kv, q.dtype)
+        keys, values = (jnp.where(live[..., None], x, jnp.zeros((), x.dtype)) for x in (keys, values))
+        out = attention.cached_attention(transpose_heads(q), keys, values, positions,
+                                         jnp.where(live, kv.positions, -1), live[:, :, None, :],
+                                         bias=jnp.where(live, kv.bias, 0.0), sliding_window=window(idx))
+        return transpose_heads(out), (start, c.pages), None
+
+    hidden, (_, pages), _ = forward(params, tokens, positions, before, attend, carried=cache.pages)
+    cache = cache.replace(pages=pages, next_position=cache.next_position + lengths)
     return last_token_logits(params, hidden, lengths, norm_every_position=True), cache
