@@ -212,15 +212,20 @@ def policy_pages(run: Run, heads: int, num_layers: int) -> int | None:
 
 def pages_needed(run: Run, heads: int, num_layers: int) -> int:
     """Pages a pool needs for ``run`` to decode every row to ``max_new_tokens`` without a stop (host
-    arithmetic). Full attention: ``L·Hkv·Σ_b max(P, pages_for(length_b + max_new_tokens - 1))``, ``P`` the
-    prompt's pages every head holds after the prefill (the decode writes ``max_new_tokens - 1`` tokens: the
-    last one sampled is never fed back). A compressor: its bound, `policy_pages`."""
+    arithmetic). Full attention: ``L·Hkv·Σ_b max(P, pages_for(length_b + q_b + max_new_tokens - 1))``, ``P`` the
+    prompt's pages every head holds after the prefill, ``q_b`` the row's suffix length (a `Session.ask` question:
+    ``question_tokens``, its widest; the decode writes ``max_new_tokens - 1`` tokens: the last one sampled is
+    never fed back). A compressor: its bound, `policy_pages`."""
     bound = policy_pages(run, heads, num_layers)
     if bound is not None:
         return bound
     ps = run.page_size
     P = pages_for(prefill_width(run.tokens.shape[1], run.prefill_chunk), ps)
-    grown = [max(P, pages_for(int(n) + run.decoding.max_new_tokens - 1, ps)) for n in np.asarray(run.lengths)]
+    rows = np.asarray(run.lengths)
+    asked = (np.asarray(run.suffix_lengths) if run.suffix is not None and is_concrete(run.suffix_lengths)
+             else np.full(rows.shape, run.question_tokens))
+    grown = [max(P, pages_for(int(n) + int(q) + run.decoding.max_new_tokens - 1, ps))
+             for n, q in zip(rows, asked, strict=True)]
     return num_layers * heads * sum(grown)
 
 
@@ -232,7 +237,7 @@ def check_overflow(run: Run, cache: PoolCache) -> None:
         return
     need = pages_needed(run, cache.heads, cache.num_layers)
     if policy_pages(run, cache.heads, cache.num_layers) is None:
-        how = (f"L·Hkv·Σ_rows max(prompt pages, pages_for(length + max_new_tokens - 1)) = {cache.num_layers}·"
+        how = (f"L·Hkv·Σ_rows max(prompt pages, pages_for(length + suffix + max_new_tokens - 1)) = {cache.num_layers}·"
                f"{cache.heads}·{need // (cache.num_layers * cache.heads)}")
         unset = "today's cache size"
     else:

@@ -91,9 +91,12 @@ class Options:
         allocator's lengths back and the regenerated tokens refill the pages kept,
         `cache_pooled.rewind_pool`). Any other policy is refused by name, among them post-RoPE CHESS
         (``keys="post_rope"``: its page sums are read from the uniform stack) and CHESS after a compressor (its
-        row-level selection over heads that keep different counts), and so are a ``suffix``,
-        ``question_tokens``, a ``mesh``, and a model whose local layers keep rings (Gemma 3 with
-        ``Backend(local_cache="ring")``): a `ValueError` before jit. The
+        row-level selection over heads that keep different counts), and so are a ``mesh``, a model whose
+        local layers keep rings (Gemma 3 with ``Backend(local_cache="ring")``), and a ``suffix`` or
+        ``question_tokens`` before H2O or CHESS: a `ValueError` before jit. A ``suffix`` (or a `Session.ask`
+        question, within ``question_tokens``) is read into the pool after compression (`engine.prefill.extend_pool`:
+        each head grows by the row's suffix length from the pool's free pages, written at its own logical slots
+        after the entries it kept) before full attention's decode stage or Quest. The
         prefill writes a prefill pool's identity layout (`cache_pooled.stack_view`); a compressor writes each
         head's kept entries into a fresh decode pool (`policies.common.PoolTarget`, no holes) and the prefill
         pool is dropped; each decode step takes its pages from the pool's free stack. ``GenerateOutput.cache`` is
@@ -365,7 +368,7 @@ def _open(params: Params, policy: Any, tokens: Any, lengths: Any, question_start
     # a model whose local layers keep rings is, to the policy, the model of its global layers
     bound = policy.bind(Setup(config=local_layers.policy_config(params.config, backend), prompt_len=tokens.shape[1],
                               max_new_tokens=opts.max_new_tokens + room, page_size=opts.page_size, backend=backend))
-    pool_pages = _pool_pages(params, bound, tokens, lengths, opts) if opts.pool else None
+    pool_pages = _pool_pages(params, bound, tokens, lengths, opts, room) if opts.pool else None
     run = Run(policy=bound, tokens=tokens, lengths=lengths, question_start=question_start,
               prompt_lengths=prompt_lengths, suffix=suffix, suffix_lengths=suffix_lengths, capacity=capacity,
               page_size=opts.page_size, prefill_chunk=opts.prefill_chunk, question_tokens=room, decoding=decoding,
@@ -484,24 +487,28 @@ def _check_pool(params: Params, policy: Policy, suffix: Any, room: int, opts: Op
                          "H2O, and CHESS (pre-RoPE keys, after full attention) (leave pool unset)")
     if backend.mesh is not None:
         raise ValueError("pool=True does not run on a mesh yet (the pool's group axes: docs/PAGE_POOL.md, Sharding)")
-    if suffix is not None or room:
-        raise ValueError("pool=True does not read a suffix or questions after the prompt yet (extend into a pool "
-                         "is migration step 4's next part); give the question inside tokens")
+    dec = policy.stage("decode")
+    if (suffix is not None or room) and (dec.writes_in_place or isinstance(dec, CHESS)):
+        raise ValueError(f"pool=True does not read a suffix or questions after the prompt (suffix=, question_tokens="
+                         f"{room}) before a decode stage that writes in place or rewinds ({dec.name}) yet: only "
+                         "after full attention's decode stage or Quest; give the question inside tokens")
     cfg = params.config
     if local_layers.ring_slots(cfg, backend) is not None:
         raise ValueError(f"pool=True does not page the rings of {cfg.family}'s local layers yet; use "
                          "Backend(local_cache='full')")
 
 
-def _pool_pages(params: Params, bound: Policy, tokens: jax.Array, lengths: jax.Array, opts: Options) -> int | None:
+def _pool_pages(params: Params, bound: Policy, tokens: jax.Array, lengths: jax.Array, opts: Options,
+                room: int = 0) -> int | None:
     """`Run.pool_pages` of a pooled run (docs/PAGE_POOL.md, Sizing), ``opts.pool_pages`` checked: as given, or
-    for a compressor its decode pool's pages from the policy (``bound``'s `Policy.compressed_pages`) when
-    unset; ``None`` (unset) for full attention, whose prefill pool then takes today's cache size."""
+    for a compressor its decode pool's pages from the policy (``bound``'s `Policy.compressed_pages` with the
+    ``room`` a suffix or question takes beside the decode's tokens) when unset; ``None`` (unset) for full
+    attention, whose prefill pool then takes today's cache size."""
     cfg, given = params.config, opts.pool_pages
     B, T = tokens.shape
     # rows of unknown lengths (setup under a trace) are sized as full rows
     rows = np.asarray(lengths) if is_concrete(lengths) else np.full((B,), T)
-    policy_pages = bound.stage("compress").compressed_pages(rows, T, opts.max_new_tokens, opts.page_size,
+    policy_pages = bound.stage("compress").compressed_pages(rows, T, opts.max_new_tokens + room, opts.page_size,
                                                              cfg.num_layers, cfg.num_kv_heads)
     if given is not None and (not isinstance(given, int) or isinstance(given, bool)):
         raise ValueError(f"pool_pages={given!r} must be an int")

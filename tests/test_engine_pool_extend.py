@@ -1,0 +1,204 @@
+"""A suffix read into a page pool after compression, ``Options(pool=True)`` (issue 38, docs/PAGE_POOL.md, Lifecycle →
+Extend; experimental): the question-agnostic case. The context is compressed first, then `engine.prefill.extend`
+(`extend_pool`) grows every (layer, row, KV head) by its row's suffix length from the pool's free pages
+(`cache_pooled.grow_tokens`), writes the suffix's K/V at each head's own logical slots after the entries it kept
+(`cache_pooled.write_tokens_pool`) and attends to the pool through its tables, causally over the suffix.
+
+Against the default uniform layout, for FullKV, SnapKV(0.5), AdaKV(SnapKV(0.5)) (heads keep different counts: the
+uniform cache writes the suffix after the row's largest count, the pool after each head's own) and a SnapKV→Quest
+pipeline, batch 2 with different prompt (40, 29) and suffix (5, 11) lengths, pages of 8: `generate`'s greedy tokens
+equal and `teacher_force`'s logits within 1e-5 (fp32, jnp path; FullKV and SnapKV also int8 on the interpreted
+kernel); after the suffix each head's length is its compressed length plus the row's suffix length, the suffix's K/V
+and positions sit at those logical slots (equal to the uniform cache's at the row's slots), each head holds exactly
+``ceil(length / ps)`` pages (full attention: at least its prompt's), no page twice, the rest free; a pool whose pages
+were moved at random with junk (NaN, random codes) in every free page gives the same; a pool one page short of what
+the suffix and the decode need raises after the run; `Session.ask` answers two questions from one compressed pool as
+the uniform path does and leaves it as it was; a suffix before H2O or CHESS is refused by name.
+
+Tiny random models; the prompts and suffixes are drawn from the run's seed (tests/conftest.py: printed in the
+header, ``pytest --seed N`` replays it)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import seeded_rng
+
+from sparsekv_jax import engine
+from sparsekv_jax.backend import Backend
+from sparsekv_jax.cache import pages_for
+from sparsekv_jax.cache_pool import owned
+from sparsekv_jax.cache_pooled import PoolCache, layer_kv, shuffle_pages
+from sparsekv_jax.generate import generate, teacher_force
+from sparsekv_jax.models.config import ModelConfig
+from sparsekv_jax.models.params import random_params
+from sparsekv_jax.pallas.testing import junk_like
+from sparsekv_jax.policies import parse_policy
+
+CFG = ModelConfig(family="llama", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=16, intermediate_size=48, max_position_embeddings=512, eos_token_ids=(0,))
+T, LENGTHS, TQ, SUFFIX, NEW, PS = 40, np.array([40, 29]), 11, np.array([5, 11]), 6, 8
+POLICIES = {"fullkv": "fullkv", "snapkv": "snapkv(0.5, window=4)", "adakv": "adakv(snapkv(0.5, window=4))",
+            "snapkv_quest": "pipeline(compress=snapkv(0.5, window=4), decode=quest(0.25))"}
+CASES = {"jnp-fp32": Backend(), "kernel-int8": dataclasses.replace(Backend.kernels(), kv_dtype="int8")}
+RUNS = [(p, "jnp-fp32") for p in POLICIES] + [("fullkv", "kernel-int8"), ("snapkv", "kernel-int8")]
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(CFG, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, scale=0.3)
+
+
+def _prompt(rng: np.random.Generator) -> dict:
+    tokens = rng.integers(1, CFG.vocab_size, (2, T))
+    suffix = rng.integers(1, CFG.vocab_size, (2, TQ))
+    return dict(tokens=tokens, lengths=LENGTHS, suffix=suffix, suffix_lengths=SUFFIX)
+
+
+def _kw(case: str) -> dict:
+    return dict(page_size=PS, stop_tokens=(), backend=CASES[case])
+
+
+def _sessions(params, spec: str, prompt: dict, case: str, **extra) -> tuple[engine.Session, engine.Session]:
+    """The uniform and the pooled session of one run."""
+    p = dict(prompt)
+    tokens = p.pop("tokens")
+    return tuple(engine.Session.start(params, parse_policy(spec), tokens, max_new_tokens=NEW, pool=pool, **p,
+                                      **_kw(case), **extra) for pool in (False, True))
+
+
+def _check_pages(pool: PoolCache, lengths: np.ndarray, at_least: int = 0) -> None:
+    """Each head holds ``max(at_least, ceil(length / ps))`` pages, no page twice, every other page free."""
+    held = np.asarray(pool.alloc.held).reshape(lengths.shape)
+    np.testing.assert_array_equal(held, np.maximum(-(-lengths // PS), at_least))
+    ids = np.asarray(pool.alloc.table)[np.asarray(owned(pool.alloc))]
+    assert ids.size == held.sum() and np.unique(ids).size == ids.size and ids.max() < pool.num_pages
+    assert int(pool.alloc.num_free) == pool.num_pages - ids.size
+
+
+@pytest.mark.parametrize("policy, case", RUNS, ids=[f"{p}-{c}" for p, c in RUNS])
+def test_suffix_on_the_pool_gives_the_uniform_tokens_and_logits(params, rng, policy, case):
+    """`generate` and `teacher_force` with a suffix on the pool equal the uniform layout's; the suffix matters (the
+    logits without it differ); after `begin` each head's length is its compressed length plus its row's suffix
+    length, the suffix's K/V and positions are at those logical slots, and the pool holds no page more than the
+    heads need."""
+    spec, prompt = POLICIES[policy], _prompt(rng)
+    forced = rng.integers(1, CFG.vocab_size, (2, NEW))
+    want = generate(params, parse_policy(spec), max_new_tokens=NEW, **prompt, **_kw(case))
+    got = generate(params, parse_policy(spec), max_new_tokens=NEW, pool=True, **prompt, **_kw(case))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    want_logits, _ = teacher_force(params, parse_policy(spec), forced=forced, **prompt, **_kw(case))
+    got_logits, _ = teacher_force(params, parse_policy(spec), forced=forced, pool=True, **prompt, **_kw(case))
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-5, rtol=1e-5)
+    no_suffix = {k: v for k, v in prompt.items() if not k.startswith("suffix")}
+    alone, _ = teacher_force(params, parse_policy(spec), forced=forced, pool=True, **no_suffix, **_kw(case))
+    assert np.abs(np.asarray(alone) - np.asarray(got_logits)).max() > 1e-2  # the suffix changes the answer
+
+    uniform, pooled = _sessions(params, spec, prompt, case)
+    before, after = pooled.compress().cache, pooled.begin()
+    ref = uniform.begin()
+    np.testing.assert_allclose(np.asarray(after.logits), np.asarray(ref.logits), atol=1e-5, rtol=1e-5)
+    n0 = np.asarray(before.lengths)  # [L, B, Hkv] what each head kept
+    grown = np.asarray(after.cache.lengths)
+    np.testing.assert_array_equal(grown, n0 + SUFFIX[None, :, None])
+    _check_pages(after.cache, grown, at_least=pages_for(T, PS) if policy == "fullkv" else 0)
+    # the suffix's entries: at each head's slots n0 .. n0 + q on the pool, at the row's slots on the uniform cache
+    row = np.asarray(uniform.compress().cache.length)
+    ulayers, nxt = ref.cache.layers, np.asarray(before.next_position)
+    for layer in range(CFG.num_layers):
+        kv = layer_kv(after.cache, layer)
+        for b in range(2):
+            q = SUFFIX[b]
+            for h in range(CFG.num_kv_heads):
+                s = n0[layer, b, h]
+                np.testing.assert_array_equal(np.asarray(kv.positions[b, h, s:s + q]), nxt[b] + np.arange(q))
+                np.testing.assert_array_equal(np.asarray(ulayers.positions[layer, b, h, row[b]:row[b] + q]),
+                                              nxt[b] + np.arange(q))
+                if not kv.quantized:
+                    for name in ("k", "v"):
+                        np.testing.assert_allclose(np.asarray(getattr(kv, name)[b, h, s:s + q]),
+                                                   np.asarray(getattr(ulayers, name)[layer, b, h, row[b]:row[b] + q]),
+                                                   atol=1e-5, rtol=1e-5)  # layer 1: layer 0 summed in another order
+    if policy != "fullkv":
+        _check_pages(got.cache, np.asarray(got.cache.lengths))  # after the decode too
+
+
+@pytest.mark.parametrize("policy, case", [("fullkv", "jnp-fp32"), ("adakv", "jnp-fp32"), ("snapkv_quest", "jnp-fp32"),
+                                          ("fullkv", "kernel-int8")])
+def test_a_shuffled_pool_with_junk_reads_the_suffix_the_same(params, rng, policy, case):
+    """After compression the pool's pages are moved by a random permutation and every free page filled with junk
+    (NaN, random codes and positions); the suffix then opens some of them: tokens and the logits after the suffix and
+    step by step equal the uniform layout's, so the suffix is written and read only through the tables."""
+    spec, prompt = POLICIES[policy], _prompt(rng)
+    forced = rng.integers(1, CFG.vocab_size, (2, NEW))
+    want = generate(params, parse_policy(spec), max_new_tokens=NEW, **prompt, **_kw(case))
+    want_logits, _ = teacher_force(params, parse_policy(spec), forced=forced, **prompt, **_kw(case))
+    _, pooled = _sessions(params, spec, prompt, case)
+    compressed = pooled.compress()
+    pool = compressed.cache
+    free = int(pool.alloc.num_free)
+    assert free > 0
+    pooled.compressed = compressed.replace(cache=shuffle_pages(pool, rng.permutation(pool.num_pages), junk_like(rng)))
+    ready = pooled.begin()
+    assert int(ready.cache.alloc.num_free) < free  # the suffix took some of the junk pages
+    got = pooled.decode(ready)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    step = jax.jit(lambda cache, token, state: engine.decode_step(params, pooled.run.policy, cache, token, state,
+                                                                  backend=pooled.run.backend))
+    logits, cache, state = [ready.logits], ready.cache, ready.state
+    for i in range(NEW - 1):
+        out = step(cache, jnp.asarray(forced[:, i], jnp.int32), state)
+        logits, cache, state = logits + [out.logits], out.cache, out.state
+    np.testing.assert_allclose(np.stack([np.asarray(x) for x in logits], 1), np.asarray(want_logits),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_a_pool_one_page_short_of_the_suffix_raises_after_the_run(params, rng):
+    """Full attention with a suffix: a pool of exactly ``L·Hkv·Σ_b pages_for(length_b + suffix_b + new - 1)`` pages
+    decodes as the default-sized one and ends with none free; one page fewer raises, naming that number."""
+    prompt = _prompt(rng)
+    need = CFG.num_layers * CFG.num_kv_heads * sum(pages_for(int(n + q) + NEW - 1, PS) for n, q in zip(
+        LENGTHS, SUFFIX, strict=True))
+    want = generate(params, parse_policy("fullkv"), max_new_tokens=NEW, **prompt, **_kw("jnp-fp32"))
+    got = generate(params, parse_policy("fullkv"), max_new_tokens=NEW, pool=True, pool_pages=need, **prompt,
+                   **_kw("jnp-fp32"))
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+    assert int(got.cache.alloc.num_free) == 0
+    with pytest.raises(ValueError, match=rf"pool_pages={need - 1} pages .* needs up to {need} pages"):
+        generate(params, parse_policy("fullkv"), max_new_tokens=NEW, pool=True, pool_pages=need - 1, **prompt,
+                 **_kw("jnp-fp32"))
+
+
+@pytest.mark.parametrize("policy", ["fullkv", "adakv"])
+def test_session_asks_two_questions_of_one_compressed_pool(params, rng, policy):
+    """`Session.ask` on the pool: two questions of different lengths, each read into the compressed pool and
+    answered, give the uniform session's answers, and the compressed pool is left as it was."""
+    prompt = {k: v for k, v in _prompt(rng).items() if not k.startswith("suffix")}
+    questions = [(rng.integers(1, CFG.vocab_size, (2, TQ)), np.array(q)) for q in ([TQ, 3], [7, TQ])]
+    uniform, pooled = _sessions(params, POLICIES[policy], prompt, "jnp-fp32", question_tokens=TQ)
+    kept = np.asarray(pooled.compress().cache.lengths)
+    answers = []
+    for question, lengths in questions:
+        want, got = uniform.ask(question, lengths), pooled.ask(question, lengths)
+        np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+        np.testing.assert_array_equal(np.asarray(got.cache.lengths),
+                                      kept + (lengths + NEW - 1)[None, :, None])
+        answers.append(np.asarray(got.tokens))
+        np.testing.assert_array_equal(np.asarray(pooled.compressed.cache.lengths), kept)
+    assert not np.array_equal(*answers)  # the questions matter
+
+
+def test_a_suffix_is_refused_before_h2o_and_chess(params, rng):
+    """Before jit, naming the decode stage: a suffix or question room on a pool before a decode stage that writes in
+    place (H2O) or rewinds (CHESS)."""
+    prompt = _prompt(rng)
+    tokens = prompt.pop("tokens")
+    for spec, name in [("h2o(0.5)", "H2O"), ("chess", "CHESS")]:
+        with pytest.raises(ValueError, match=rf"suffix or questions .*\({name}"):
+            engine.setup(params, parse_policy(spec), tokens, pool=True, **prompt)
+        with pytest.raises(ValueError, match=rf"question_tokens=4\) before .*\({name}"):
+            engine.setup(params, parse_policy(spec), tokens, lengths=LENGTHS, pool=True, question_tokens=4)
