@@ -89,7 +89,9 @@ def begin(params: Params, run: Run, compressed: Compressed, suffix: jax.Array | 
           suffix_lengths: jax.Array | None = None) -> Ready:
     """Read ``suffix`` ``[B, Tq]`` (``suffix_lengths`` valid; none: nothing to read) into the
     compressed cache and set up the decode stage's state: where `decode_loop` starts. ``compressed``
-    is left as it is, so several suffixes (questions) can each begin from it."""
+    is left as it is, so several suffixes (questions) can each begin from it. On a page pool
+    (``Options(pool=True)``, experimental) the suffix grows each head from the pool's free pages and is written
+    after the entries that head kept (`prefill.extend_pool`)."""
     logits, cache = compressed.logits, compressed.cache
     if suffix is not None:
         logits, cache = extend(params, cache, suffix, suffix_lengths)
