@@ -13,7 +13,8 @@ and positions sit at those logical slots (equal to the uniform cache's at the ro
 ``ceil(length / ps)`` pages (full attention: at least its prompt's), no page twice, the rest free; a pool whose pages
 were moved at random with junk (NaN, random codes) in every free page gives the same; a pool one page short of what
 the suffix and the decode need raises after the run; `Session.ask` answers two questions from one compressed pool as
-the uniform path does and leaves it as it was; a suffix before H2O or CHESS is refused by name.
+the uniform path does and leaves it as it was; StreamingLLM, PyramidKV and SemantiCache with a suffix give the uniform
+logits; a suffix before H2O or CHESS is refused by name, and so is bad input to the helpers.
 
 Tiny random models; the prompts and suffixes are drawn from the run's seed (tests/conftest.py: printed in the
 header, ``pytest --seed N`` replays it)."""
@@ -32,7 +33,7 @@ from sparsekv_jax import engine
 from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import pages_for
 from sparsekv_jax.cache_pool import owned
-from sparsekv_jax.cache_pooled import PoolCache, layer_kv, shuffle_pages
+from sparsekv_jax.cache_pooled import PoolCache, grow_tokens, init_pool, layer_kv, shuffle_pages, write_tokens_pool
 from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
@@ -46,6 +47,9 @@ POLICIES = {"fullkv": "fullkv", "snapkv": "snapkv(0.5, window=4)", "adakv": "ada
             "snapkv_quest": "pipeline(compress=snapkv(0.5, window=4), decode=quest(0.25))"}
 CASES = {"jnp-fp32": Backend(), "kernel-int8": dataclasses.replace(Backend.kernels(), kv_dtype="int8")}
 RUNS = [(p, "jnp-fp32") for p in POLICIES] + [("fullkv", "kernel-int8"), ("snapkv", "kernel-int8")]
+# the other compressors whose write is common.write_entries (their logits only)
+OTHERS = {"streaming_llm": "streaming_llm(0.25, sinks=2)", "pyramidkv": "pyramidkv(snapkv(0.25, window=4))",
+          "semanticache": "semanticache(0.5, sinks=2, window=4, chunking='fixed', chunk_size=16)"}
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +206,43 @@ def test_a_suffix_is_refused_before_h2o_and_chess(params, rng):
             engine.setup(params, parse_policy(spec), tokens, pool=True, **prompt)
         with pytest.raises(ValueError, match=rf"question_tokens=4\) before .*\({name}"):
             engine.setup(params, parse_policy(spec), tokens, lengths=LENGTHS, pool=True, question_tokens=4)
+
+
+@pytest.mark.parametrize("policy", list(OTHERS))
+def test_the_other_compressors_read_a_suffix_as_the_uniform_path(params, rng, policy):
+    """StreamingLLM, PyramidKV(SnapKV) (layers keep different counts) and SemantiCache (its merge writes
+    `common.write_entries` itself) with a suffix: `teacher_force`'s logits on the pool equal the uniform layout's
+    (1e-5); after the suffix each head holds its compressed length plus its row's suffix, in exactly the pages it
+    needs."""
+    prompt = _prompt(rng)
+    forced = rng.integers(1, CFG.vocab_size, (2, NEW))
+    want, _ = teacher_force(params, parse_policy(OTHERS[policy]), forced=forced, **prompt, **_kw("jnp-fp32"))
+    got, _ = teacher_force(params, parse_policy(OTHERS[policy]), forced=forced, pool=True, **prompt,
+                           **_kw("jnp-fp32"))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    _, pooled = _sessions(params, OTHERS[policy], prompt, "jnp-fp32")
+    kept, ready = np.asarray(pooled.compress().cache.lengths), pooled.begin()
+    np.testing.assert_array_equal(np.asarray(ready.cache.lengths), kept + SUFFIX[None, :, None])
+    _check_pages(ready.cache, kept + SUFFIX[None, :, None])
+
+
+def test_bad_input_to_the_pool_extend_helpers_is_refused():
+    """`grow_tokens` and `write_tokens_pool` name the bad value: shapes, dtypes, a negative count."""
+    pool = init_pool(CFG, 2, 32, prompt=16, page_size=PS, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"tokens must be an int array \[B=2\], got float32 of shape \(2,\)"):
+        grow_tokens(pool, jnp.ones((2,), jnp.float32))
+    with pytest.raises(ValueError, match=r"tokens must be an int array \[B=2\], got int32 of shape \(3,\)"):
+        grow_tokens(pool, jnp.ones((3,), jnp.int32))
+    with pytest.raises(ValueError, match="tokens must be >= 0, got a minimum of -1"):
+        grow_tokens(pool, jnp.array([1, -1], jnp.int32))
+    grown = grow_tokens(pool, jnp.array([3, 5], jnp.int32))
+    np.testing.assert_array_equal(np.asarray(grown.lengths), np.broadcast_to(np.array([3, 5])[None, :, None],
+                                                                              (2, 2, 2)))
+    k = jnp.zeros((2, 5, CFG.num_kv_heads, CFG.head_dim))
+    start, written, pos = jnp.zeros((2, 2), jnp.int32), jnp.ones((2, 5), bool), jnp.zeros((2, 5), jnp.int32)
+    with pytest.raises(ValueError, match=r"k_new/v_new must be \[B, T, Hkv, D\] with B, Hkv, D = 2, 2, 16"):
+        write_tokens_pool(grown, 0, k[:, :, :1], k[:, :, :1], start, written, pos)
+    with pytest.raises(ValueError, match=r"start must be \[B, Hkv\]=\[2, 2\], got shape \(2,\)"):
+        write_tokens_pool(grown, 0, k, k, start[:, 0], written, pos)
+    with pytest.raises(ValueError, match=r"written must be \[B, T\]=\[2, 5\], got shape \(2, 4\)"):
+        write_tokens_pool(grown, 0, k, k, start, written[:, :4], pos)
