@@ -93,8 +93,10 @@ def append_token(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slot: jax.Arra
     slots always hold bias 0 (compression pads with 0, holes lie below the length), so only the
     page's max bias is raised to 0. An in-place overwrite (``slot`` ``[B, Hkv]``) resets the slot's
     bias to 0 (an evicted merged entry's log-size must not carry over to the new token) and
-    recomputes the page's max bias from its live slots. (Appends skip the extra gathers: at 32
-    layers they cost ~0.1 ms of a 6 ms decode step on an H200.)
+    recomputes the page's max bias from its live slots. (Appends skip the bias gather: at 32
+    layers it costs ~0.1 ms of a 6 ms decode step on an H200.) The key summaries are over the
+    page's live slots, appends included: below the length, holes (position -1, left by a compressor
+    whose heads keep different counts) are not live.
 
     A quantised cache re-scales the written page (`sparsekv_jax.cache_quant`): the whole page is written
     back, its scale ``max(old, the new token's)``; its summaries come from its earlier entries
@@ -117,9 +119,9 @@ def append_token(kv: LayerKV, k_new: jax.Array, v_new: jax.Array, slot: jax.Arra
     page = slot // page_size  # [B, H]
     in_page = page[..., None] * page_size + jnp.arange(page_size)  # [B, H, ps]
     pick = (lambda a: a) if layer is None else (lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False))
-    live = in_page < new_length[:, None, None]
-    if in_place:
-        live = live & (jnp.take_along_axis(pick(pos), in_page, axis=2) >= 0)  # holes stay out
+    # holes stay out: a compressor that keeps fewer entries in some heads (AdaKV, PyramidKV) leaves holes
+    # (position -1) below the row's length, which an append's page may hold too
+    live = (in_page < new_length[:, None, None]) & (jnp.take_along_axis(pick(pos), in_page, axis=2) >= 0)
     new = {}
     if "page_max_bias" in held:
         if in_place:
