@@ -99,6 +99,22 @@ def seeded_rng() -> np.random.Generator:
     return np.random.default_rng([run, zlib.crc32(where.encode()), zlib.crc32(test.encode()), count])
 
 
+def decode_forced(params, session, forced: np.ndarray, ready=None) -> tuple[np.ndarray, np.ndarray]:
+    """``(logits [B, N, V], pages_read [N - 1, B])`` of an `engine.Session` fed ``forced`` ``[B, N]`` (all but the
+    last token) one jitted `engine.decode_step` at a time from ``ready`` (default: ``session.begin()``); the first
+    logits are ``ready``'s. The step-by-step reading the pool tests compare with `teacher_force`'s."""
+    from sparsekv_jax import engine
+
+    ready = session.begin() if ready is None else ready
+    step = jax.jit(lambda cache, token, state: engine.decode_step(params, session.run.policy, cache, token, state,
+                                                                  backend=session.run.backend))
+    logits, reads, cache, state = [ready.logits], [], ready.cache, ready.state
+    for i in range(forced.shape[1] - 1):
+        out = step(cache, jax.numpy.asarray(forced[:, i], jax.numpy.int32), state)
+        logits, reads, cache, state = logits + [out.logits], reads + [out.pages_read], out.cache, out.state
+    return np.stack([np.asarray(x) for x in logits], 1), np.stack([np.asarray(x) for x in reads])
+
+
 @pytest.fixture
 def rng(request: pytest.FixtureRequest) -> np.random.Generator:
     """A generator for one test: the run's seed and the test's id."""

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import seeded_rng
+from conftest import decode_forced, seeded_rng
 
 from sparsekv_jax import engine
 from sparsekv_jax.backend import Backend
@@ -119,15 +119,7 @@ def test_shuffled_pool_decodes_the_same(weights, rng, backend, store):
     got = session.decode()
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     # the logits along `forced`, step by step from the shuffled pool
-    ready = session.begin()
-    step = jax.jit(lambda cache, token, state: engine.decode_step(params, session.run.policy, cache, token, state,
-                                                                  backend=session.run.backend))
-    logits, cache, state = [ready.logits], ready.cache, ready.state
-    for i in range(NEW - 1):
-        out = step(cache, jnp.asarray(forced[:, i], jnp.int32), state)
-        logits, cache, state = logits + [out.logits], out.cache, out.state
-    np.testing.assert_allclose(np.stack([np.asarray(x) for x in logits], 1), np.asarray(want_logits),
-                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(decode_forced(params, session, forced)[0], np.asarray(want_logits), atol=1e-5, rtol=1e-5)
 
 
 def test_a_pool_that_runs_out_raises_after_the_run(weights, rng):

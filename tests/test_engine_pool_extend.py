@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import seeded_rng
+from conftest import decode_forced, seeded_rng
 
 from sparsekv_jax import engine
 from sparsekv_jax.backend import Backend
@@ -151,13 +151,7 @@ def test_a_shuffled_pool_with_junk_reads_the_suffix_the_same(params, rng, policy
     assert int(ready.cache.alloc.num_free) < free  # the suffix took some of the junk pages
     got = pooled.decode(ready)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
-    step = jax.jit(lambda cache, token, state: engine.decode_step(params, pooled.run.policy, cache, token, state,
-                                                                  backend=pooled.run.backend))
-    logits, cache, state = [ready.logits], ready.cache, ready.state
-    for i in range(NEW - 1):
-        out = step(cache, jnp.asarray(forced[:, i], jnp.int32), state)
-        logits, cache, state = logits + [out.logits], out.cache, out.state
-    np.testing.assert_allclose(np.stack([np.asarray(x) for x in logits], 1), np.asarray(want_logits),
+    np.testing.assert_allclose(decode_forced(params, pooled, forced, ready)[0], np.asarray(want_logits),
                                atol=1e-5, rtol=1e-5)
 
 

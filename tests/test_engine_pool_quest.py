@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import seeded_rng
+from conftest import decode_forced, seeded_rng
 
 from sparsekv_jax import engine
 from sparsekv_jax.backend import Backend
@@ -100,22 +100,10 @@ def test_quest_on_a_shuffled_pool_decodes_the_same(params, rng, backend):
     # (against the uniform cache's own steps: the uniform steps and its `teacher_force` program, compiled apart,
     # differed by 1.3e-5 in one logit with --seed 757531183, the pool not involved)
     uniform = engine.Session.start(params, QUEST, tokens, max_new_tokens=NEW, **kw)
-    (got_logits, got_reads), (ref_logits, ref_reads) = (_steps(params, s, forced) for s in (session, uniform))
+    (got_logits, got_reads), (ref_logits, ref_reads) = (decode_forced(params, s, forced) for s in (session, uniform))
     np.testing.assert_allclose(got_logits, ref_logits, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(got_reads, ref_reads, rtol=1e-6)
     assert (ref_reads[1:] < 0.9).all(), ref_reads
-
-
-def _steps(params, session, forced: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(logits [B, N, V], pages_read [N - 1, B])`` of ``session`` fed ``forced`` one `decode_step` at a time."""
-    ready = session.begin()
-    step = jax.jit(lambda cache, token, state: engine.decode_step(params, session.run.policy, cache, token, state,
-                                                                  backend=session.run.backend))
-    logits, reads, cache, state = [ready.logits], [], ready.cache, ready.state
-    for i in range(forced.shape[1] - 1):
-        out = step(cache, jnp.asarray(forced[:, i], jnp.int32), state)
-        logits, reads, cache, state = logits + [out.logits], reads + [out.pages_read], out.cache, out.state
-    return np.stack([np.asarray(x) for x in logits], 1), np.stack([np.asarray(x) for x in reads])
 
 
 @pytest.mark.parametrize("backend", ["jnp", "kernel"])
