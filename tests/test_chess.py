@@ -620,19 +620,23 @@ def test_a_stopped_row_keeps_its_state_while_the_batch_runs_on(params, extra):
     through `decode_update`: its pages kept completing and its rebuilds kept counting while row 1
     ran on (the interval trigger: one rebuild per page of 16 steps)."""
     rng = seeded_rng()
-    tokens = rng.integers(1, CFG.vocab_size, (2, 120))
     pol = CHESS.aggressive(page_size=16, chunk_pages=2, grid_chunks=2, **extra)
-    free = np.asarray(_gen(params, pol, tokens, None, n=64).tokens)
     # row 0's stop: a token it generates between steps 8 and 20 that row 1 never does (nor row 0 before).
     # Row 1's output does not show the pages it took back: it may have generated the token in one
-    # (a stop then ends it there), so the next candidate is tried
-    candidates = [int(t) for j, t in enumerate(free[0]) if 8 <= j <= 20 and t not in free[0, :j] and t not in free[1]]
-    for stop in candidates:
-        both = generate(params, pol, tokens, max_new_tokens=64, stop_tokens=(stop,), page_size=16)
-        if int(both.num_generated[1]) == 64:
+    # (a stop then ends it there), so the next candidate is tried, and a draw with none that works is
+    # replaced by the next one (a property of the random prompt, not of the code: seen once in a CI run)
+    for _ in range(4):
+        tokens = rng.integers(1, CFG.vocab_size, (2, 120))
+        free = np.asarray(_gen(params, pol, tokens, None, n=64).tokens)
+        candidates = [int(t) for j, t in enumerate(free[0]) if 8 <= j <= 20 and t not in free[0, :j]
+                      and t not in free[1]]
+        stop = next((c for c in candidates if int(generate(params, pol, tokens, max_new_tokens=64, stop_tokens=(c,),
+                                                                 page_size=16).num_generated[1]) == 64), None)
+        if stop is not None:
             break
     else:
-        pytest.fail(f"no stop token for row 0 in this draw that row 1 never generates: {free.tolist()}")
+        pytest.fail(f"no stop token for row 0 in 4 draws that row 1 never generates: {free.tolist()}")
+    both = generate(params, pol, tokens, max_new_tokens=64, stop_tokens=(stop,), page_size=16)
     alone = generate(params, pol, tokens[:1], max_new_tokens=64, stop_tokens=(stop,), page_size=16)
     n0 = int(alone.num_generated[0])
     assert int(both.num_generated[0]) == n0 < 22 and int(both.num_generated[1]) == 64  # row 1 runs on 40+ steps

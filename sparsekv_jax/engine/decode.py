@@ -189,6 +189,17 @@ def _loop_step(params: Params, policy: Policy, cache: KVCache | PoolCache, token
     return (*out, active & pooled.row_overflow(out.cache))
 
 
+def _take_back(cache: KVCache | PoolCache, rewind: jax.Array, active: jax.Array) -> KVCache | PoolCache:
+    """``cache`` with ``rewind`` ``[B]`` tokens of the active rows taken back. A stopped row stays put (its cache
+    does not grow while the others run on, so extra steps never overflow the capacity): it only steps its
+    position back by the one token it was fed. On a pool the lengths go back through the allocator
+    (`cache_pooled.rewind_pool`); a stopped row wrote nothing there."""
+    back = jnp.where(active, rewind, 1).astype(jnp.int32)
+    if isinstance(cache, PoolCache):
+        return rewind_pool(cache, jnp.where(active, rewind, 0).astype(jnp.int32), back)
+    return cache.replace(length=cache.length - back, next_position=cache.next_position - back)
+
+
 def decode_loop(params: Params, policy: Policy, ready: Ready, key: jax.Array, decoding: Decoding,
                 backend: Backend | None = None) -> Decoded:
     """Sample the first token from ``ready.logits`` then decode until every row stopped.
@@ -232,15 +243,9 @@ def decode_loop(params: Params, policy: Policy, ready: Ready, key: jax.Array, de
         stopped = active & jnp.isin(nxt, stops)
         rewind = dec.decode_rewind(state[1])
         if rewind is not None:
-            # take back `rewind` tokens of active rows; a stopped row stays put (its cache does not
-            # grow while the others run on, so extra steps never overflow the capacity)
-            back = jnp.where(active, rewind, 1).astype(jnp.int32)
             n = n - jnp.where(active, rewind, 0)
             out = jnp.where((cols[None] >= n[:, None]) & (rewind > 0)[:, None] & active[:, None], PAD_TOKEN, out)
-            if isinstance(cache, PoolCache):  # lengths back through the allocator; a stopped row wrote nothing
-                cache = rewind_pool(cache, jnp.where(active, rewind, 0).astype(jnp.int32), back)
-            else:
-                cache = cache.replace(length=cache.length - back, next_position=cache.next_position - back)
+            cache = _take_back(cache, rewind, active)
             stopped = stopped & (rewind == 0)
         done = done | stopped | (n >= n_new)
         return step + 1, cache, n, done, out, key, state, read, steps
