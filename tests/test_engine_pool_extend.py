@@ -142,8 +142,8 @@ def test_a_shuffled_pool_with_junk_reads_the_suffix_the_same(params, rng, policy
     want = generate(params, parse_policy(spec), max_new_tokens=NEW, **prompt, **_kw(case))
     uniform, pooled = _sessions(params, spec, prompt, case)
     # the reference logits: the uniform session fed `forced` step by step, the pool's own kind of program (int8:
-    # `teacher_force`, another program, rounds a value on a code boundary the other way now and then: 4.4e-4 on the
-    # CI draw of seed 388345640, where the pool's codes and scales equal the uniform session's exactly)
+    # `teacher_force`, another program, differed by 4.4e-4 on the CI draw of seed 388345640, where the pool's codes
+    # and scales equal the uniform session's exactly; likely an int8 value rounded the other way, not checked)
     want_logits, _ = decode_forced(params, uniform, forced)
     compressed = pooled.compress()
     pool = compressed.cache
