@@ -8,6 +8,7 @@
 #   PART=5 bash scripts/gpu_pending.sh   # int8/fp8 kernel variants sweep + the quantised decode step again (issue 39)
 #   PART=6 bash scripts/gpu_pending.sh   # the tuned quantised kernel at 128k + largest batch per cache dtype (issue 39)
 #   PART=7 bash scripts/gpu_pending.sh   # issue 35's speed rows: every policy on Qwen2.5-Coder-1.5B's shapes at 32k
+#   PART=8 bash scripts/gpu_pending.sh   # PART=7's batch-64 points again, one process per policy (bench e2e since)
 # Each command has its share of DEADLINE seconds; logs and JSON land in $OUT; a short table is printed last.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -60,6 +61,14 @@ pyramidkv(snapkv(0.25)), bser(0.25), chess('moderate', calibration='qwen2.5-code
          --prefill-policies "fullkv, stem" --contexts 32k --batches "${E2E_BATCHES:-1,64,128}" --policies "$Q" \
          --out "$OUT/qwen_e2e_$run.json"
      done ;;
+  8) # PART=7 (2026-11-27/28, one process for every policy then) reported Quest, AdaKV, PyramidKV, BSER and CHESS
+     # "does not fit" at batch 64 (and SemantiCache at 128, where SnapKV fit): after the first point that ran out of
+     # memory, smaller ones failed too. bench e2e now runs each decode policy in its own process; the same points
+     # again, with full attention first and last (the same run's reference, twice)
+     Q="fullkv, quest(0.25), adakv(snapkv(0.25)), pyramidkv(snapkv(0.25)), bser(0.25), \
+chess('moderate', calibration='qwen2.5-coder-1.5b'), semanticache(0.25, chunking='fixed'), fullkv"
+     step qwen_e2e_isolated 540 python -m sparsekv_jax.bench.e2e --models qwen2.5-coder-1.5b --prefill-contexts "" \
+       --contexts 32k --batches "${E2E_BATCHES:-1,64}" --policies "$Q" --out "$OUT/qwen_e2e_isolated.json" ;;
   *) echo "unknown PART=$PART"; exit 2 ;;
 esac
 # the device returns at most 8 files a call: everything also travels as one archive

@@ -1,4 +1,4 @@
-"""The policy spec parser refuses what Python refuses in a call: a keyword given twice, ``**``."""
+"""The policy spec parser refuses what Python refuses in a call (a keyword given twice, ``**``); `split_spec`."""
 
 from __future__ import annotations
 
@@ -29,3 +29,17 @@ def test_distinct_keywords_still_parse_to_the_values_given():
     assert pol.stage("decode").budget == 0.5 and pol.stage("decode").page_size == 16
     with pytest.raises(ValueError, match="multiple values for argument 'budget'"):  # positional and keyword
         parse_policy("snapkv(0.25, budget=0.5)")
+
+
+def test_split_spec_gives_each_policy_as_text_that_parses_to_it():
+    """`split_spec` (bench e2e's one process per policy) cuts at top-level commas only: nested calls, tuples and
+    strings with commas stay whole, and each piece parses to the policy `parse_policies` gives for that item."""
+    from sparsekv_jax.policies.spec import split_spec
+
+    spec = ("fullkv, pipeline(compress=snapkv(0.25, window=16), decode=quest(0.5)), chess((0.9, 0.8, 0.7)), "
+            "semanticache(0.25, chunking='fixed'), adakv(snapkv(0.1))")
+    items = split_spec(spec)
+    assert len(items) == 5
+    assert [repr(parse_policy(item)) for item in items] == [repr(p) for p in parse_policies(spec)]
+    with pytest.raises(ValueError, match="unknown policy 'nosuch'"):
+        split_spec("fullkv, nosuch(1)")

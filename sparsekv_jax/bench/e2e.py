@@ -1,7 +1,9 @@
 """End-to-end speed: prefill tokens/s, decode ms/token and memory, per policy.
 
 Random bf16 weights of real model shapes (SmolLM2-135M, Llama-3.1-8B, Qwen2.5-Coder-1.5B): speed does not depend on
-the weights' values. Each model's points run in one process (weights built once); each point is
+the weights' values. A model's prefill points run in one process and each decode policy's points in another (a point
+that runs out of memory can leave the allocator unable to place a later, smaller one: seen on an H200, where AdaKV at
+batch 64 "did not fit" after Quest at batch 64 failed in the same process); each point is
 compiled ahead of time, so its memory is read from XLA's memory analysis (arguments + outputs +
 temporaries of the compiled step, an upper bound of what it holds at once) and its time is the
 median of ``--iters`` runs after a warm-up.
@@ -27,6 +29,7 @@ import subprocess
 import sys
 
 from sparsekv_jax.bench.timing import median_time, median_time_carry  # noqa: F401 (re-exported)
+from sparsekv_jax.policies.spec import split_spec
 
 MODELS = {"smollm2": "smollm2_135m_config", "llama3.1-8b": "llama31_8b_config",
           "qwen2.5-coder-1.5b": "qwen25_coder_15b_config"}
@@ -446,18 +449,28 @@ def main(argv: list[str] | None = None) -> int:
     for model in args.models.split(","):
         if model not in MODELS:
             p.error(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
-        cmd = [sys.executable, "-m", "sparsekv_jax.bench.e2e", "--one-model", model, "--prefill-contexts",
-               args.prefill_contexts, "--contexts", args.contexts, "--batches", args.batches, "--policies",
-               args.policies, "--decode-steps", str(args.decode_steps), "--iters", str(args.iters),
-               "--unroll", str(args.unroll), "--prefill-policies", args.prefill_policies,
-               "--decode-matmul", backend.decode_matmul, *(["--mesh", args.mesh] if args.mesh else [])]
-        res = subprocess.run(cmd, capture_output=True, text=True)  # one process per model: clean device memory
-        lines = [line for line in res.stdout.splitlines() if line.startswith("ROWS ")]
-        if lines:
-            rows += json.loads(lines[-1][5:])
-        else:
-            print(res.stdout[-2000:], res.stderr[-4000:], file=sys.stderr)
-            rows.append({"model": model, "error": "process failed"})
+    try:
+        decode_items = split_spec(args.policies)
+        split_spec(args.prefill_policies)
+    except ValueError as e:
+        p.error(str(e))
+    for model in args.models.split(","):
+        # one process for the prefill points, then one per decode policy: clean device memory for each
+        jobs = [(args.prefill_contexts, "", args.policies)] if pre else []
+        jobs += [("", args.contexts, item) for item in decode_items] if ctx and bat else []
+        for prefill_contexts, contexts, policies in jobs:
+            cmd = [sys.executable, "-m", "sparsekv_jax.bench.e2e", "--one-model", model, "--prefill-contexts",
+                   prefill_contexts, "--contexts", contexts, "--batches", args.batches, "--policies", policies,
+                   "--decode-steps", str(args.decode_steps), "--iters", str(args.iters), "--unroll", str(args.unroll),
+                   "--prefill-policies", args.prefill_policies, "--decode-matmul", backend.decode_matmul,
+                   *(["--mesh", args.mesh] if args.mesh else [])]
+            res = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [line for line in res.stdout.splitlines() if line.startswith("ROWS ")]
+            if lines:
+                rows += json.loads(lines[-1][5:])
+            else:
+                print(res.stdout[-2000:], res.stderr[-4000:], file=sys.stderr)
+                rows.append({"model": model, "policy": policies if contexts else "prefill", "error": "process failed"})
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=2)

@@ -74,6 +74,13 @@ def parse_policies(spec: str) -> list[Policy]:
     return [_policy(node, spec) for node in tree.body.elts]
 
 
+def split_spec(spec: str) -> list[str]:
+    """The items of a comma-separated ``spec`` as text, one policy each (``"a, p(b=q(1), c=2)"`` → two), checked
+    as `parse_policies` checks them: to hand each to another process (e.g. ``bench e2e``'s one process per policy)."""
+    parse_policies(spec)  # the same errors, naming the spec
+    return [ast.unparse(node) for node in ast.parse(f"({spec},)", mode="eval").body.elts]
+
+
 def parse_policy(spec: str) -> Policy:
     """Exactly one policy from ``spec``."""
     policies = parse_policies(spec)
