@@ -114,6 +114,12 @@ s3_ruler() {  # S3's RULER rows, question-aware at 8k, beside BM25 at the same b
     --no-fullkv
 }
 sae_then_s3() { sae_train && { s3_retrieval; s3_ruler; }; }
+shared_and_fidelity() {  # issue 35: the shared-context suite (one compressed context asked each key in turn); KL / top-1
+  ev 0.15 shared_16k agnostic 16k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" --suite ruler-shared \
+    > "$RUNS/shared16k.log" 2>&1 &
+  ev 0.15 fidelity_8k agnostic 8k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25), adakv(snapkv(0.25))" \
+    --suite ruler --tasks niah_single_2,niah_multikey_1,qa_1 --fidelity > "$RUNS/fidelity8k.log" 2>&1 &
+}
 A10="snapkv(0.1), quest(0.1), streamingllm(0.1), semanticache(0.1)"
 A50="snapkv(0.5), quest(0.5), streamingllm(0.5), semanticache(0.5)"
 case "$STAGE" in
@@ -236,8 +242,13 @@ case "$STAGE" in
       # them): issue 37's control (S3 with random-direction SAEs, RULER 8k aware and retrieval at 16k); issue 35's rows
       # stage 8 began: 10% and 50% at 32k, SemantiCache's last value-type columns at 16k, LongBench-mini's last
       # prompts, Stem at 32k's last tasks
-    s3_control > "$RUNS/s3_control.log" 2>&1 &
-    { sleep 60; s3_control_retrieval; } > "$RUNS/s3_control_16k.log" 2>&1 &
+    if [ -f "$SAES" ]; then
+      s3_control > "$RUNS/s3_control.log" 2>&1 &
+      { sleep 60; s3_control_retrieval; } > "$RUNS/s3_control_16k.log" 2>&1 &
+    else  # no SAEs on this machine (2026-11-28: the copy kept between sessions was lost): stage 10's two jobs that
+      # need none take their place
+      shared_and_fidelity
+    fi
     ev 0.1 agnostic_32k_budgets agnostic 32k "$A10" --suite ruler --no-fullkv > "$RUNS/agn32k_10.log" 2>&1 &
     ev 0.1 agnostic_32k_budgets agnostic 32k "$A50" --suite ruler --no-fullkv > "$RUNS/agn32k_50.log" 2>&1 &
     ev 0.1 variants_16k agnostic 16k "semanticache(0.25)" --suite ruler-variants \
@@ -248,10 +259,7 @@ case "$STAGE" in
     ;;
   10)  # DETACH=1 (after stage 9): the shared-context suite (one compressed context asked each key in turn), KL / top-1
       # agreement on a subset, S3 and BM25 question-aware at 32k
-    ev 0.15 shared_16k agnostic 16k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" --suite ruler-shared \
-      > "$RUNS/shared16k.log" 2>&1 &
-    ev 0.15 fidelity_8k agnostic 8k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25), adakv(snapkv(0.25))" \
-      --suite ruler --tasks niah_single_2,niah_multikey_1,qa_1 --fidelity > "$RUNS/fidelity8k.log" 2>&1 &
+    shared_and_fidelity
     ev 0.2 aware_32k aware 32k "s3hybrid(0.25, saes='$SAES'), bm25(0.25)" --suite ruler --no-fullkv \
       > "$RUNS/s3_32k.log" 2>&1 &
     ;;
