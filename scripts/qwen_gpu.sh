@@ -42,8 +42,9 @@ if [ "$STAGE" = wait ]; then  # watch the detached stage until it ends or this c
     -C "$(dirname "$RUNS")" "$(basename "$RUNS")" -C "$(dirname "$SAE_DIR")" "$(basename "$SAE_DIR")"
   # S3's SAEs trained on this machine come back in pieces of at most 16 MiB (the return limit); carried ones and the
   # controls (regenerated from them, experiments/s3_control_saes.py) do not
-  if [ -f "$SAES" ] && [ ! -f "$SAE_DIR/carried" ]; then
-    python scripts/carry_pieces.py split "$SAES" --out "${OUT:-out}" --piece-mib 15
+  trained="$SAE_DIR/paper_$MODEL.safetensors"  # $SAES, which is set below this early exit
+  if [ -f "$trained" ] && [ ! -f "$SAE_DIR/carried" ]; then
+    python scripts/carry_pieces.py split "$trained" --out "${OUT:-out}" --piece-mib 15
   fi
   exit 0
 fi
