@@ -22,8 +22,8 @@ GPU_ONLY = ("gemma3_speed", "gsc_gpu", "page_rope_gpu", "pool_decode_gpu", "sae_
             "topk_gpu", "kvq_kernel_sweep_gpu", "kvq_ptx_check",
             "kvpress_adakv_memory_gpu")  # PyTorch + kvpress; its --tiny runs in the kvpress venv (test below)
 REAL_MODEL = ("bser_qwen_diagnosis", "kv_quant_fp8_diagnosis")  # a real model's numerics: arguments parsed only
-RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "kv_quant_fp8_gpu_check", "kvq_quality_table", "policy_pairs",
-              "pool_memory_gpu", "readme_plot", "semanticache_audit")
+RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "e2e_speed_table", "kv_quant_fp8_gpu_check", "kvq_quality_table",
+              "policy_pairs", "pool_memory_gpu", "readme_plot", "semanticache_audit")
 TESTED_ELSEWHERE = {"stem_ablation": "tests/test_stem.py::test_ablation_script_core (toy model, CPU)",
                     "s3_retrieval_quality": "tests/test_s3_retrieval_quality.py (SmolLM2, one RULER sample, CPU)",
                     "s3_control_saes": "tests/test_s3_control_saes.py (the shipped set's control; tiny model, CPU)"}
@@ -193,6 +193,36 @@ def test_kvq_quality_table_pairs_each_quantised_row_with_its_bf16_row(tmp_path):
     assert (sym["tasks"], sym["samples"], sym["quantised"], sym["bf16"]) == (1, 4, 100.0, 75.0)
     assert mod.main([str(tmp_path), "--out", str(tmp_path / "t.md")]) == 0
     assert "| snapkv(0.25) | int8 | 8k | 2 | 6 | 62.50 | 50.00 | 80.0 [" in (tmp_path / "t.md").read_text()
+
+
+def test_e2e_speed_table_divides_by_full_attention_of_the_same_run(tmp_path):
+    """By hand: run a's Dense is timed twice (4 and 6 ms at batch 1: median 5), SnapKV 4 ms -> 0.80x; run b's Dense
+    8 ms, SnapKV 2 ms -> 0.25x (b's own reference, not a's); a point that did not fit shows its error and no ratio;
+    a batch with no Dense point shows its time without a ratio; prefill rows divide by prefill rows."""
+    mod = _module("e2e_speed_table")
+
+    def dec(policy, batch, ms):
+        return {"kind": "decode", "policy": policy, "context": 32768, "batch": batch, "ms_per_token": ms,
+                "tokens_per_s": batch * 1000 / ms, "cache_bytes": 2**30, "memory_bytes": 2**31}
+
+    a = [dec("Dense", 1, 4.0), dec("SnapKV", 1, 4.0), dec("SnapKV", 8, 3.0), dec("Dense", 1, 6.0),
+         {"kind": "decode", "policy": "Quest", "context": 32768, "batch": 1, "error": "does not fit in device memory"},
+         {"kind": "prefill", "policy": "Dense", "context": 32768, "batch": 1, "ms": 300.0, "prefill_block_fraction": 1},
+         {"kind": "prefill", "policy": "Stem", "context": 32768, "batch": 1, "ms": 330.0, "prefill_block_fraction": .3}]
+    b = [dec("Dense", 1, 8.0), dec("SnapKV", 1, 2.0)]
+    for name, rows in (("a", a), ("b", b)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(rows))
+    out = tmp_path / "speed.md"
+    assert mod.main(["--run", f"a={tmp_path / 'a.json'}", "--run", f"b={tmp_path / 'b.json'}", "--out", str(out)]) == 0
+    lines = {tuple(c.strip() for c in line.strip("|").split("|"))[:3]: [c.strip() for c in line.strip("|").split("|")]
+             for line in out.read_text().splitlines() if line.startswith("| ") and "---" not in line}
+    assert lines[("SnapKV", "32k", "1")][3:5] == ["4.00 · 0.80×", "2.00 · 0.25×"]
+    assert lines[("Dense", "32k", "1")][3:5] == ["4.00 · 0.80×", "8.00 · 1.00×"]  # a's first reading over the median
+    assert lines[("SnapKV", "32k", "8")][3:5] == ["3.00", "–"]
+    assert lines[("Quest", "32k", "1")][3] == "does not fit in device memory"
+    assert lines[("Stem", "32k", "1")][3] == "330.00 · 1.10×" and lines[("Stem", "32k", "1")][-1] == "0.30"
+    with pytest.raises(SystemExit):
+        mod.main(["--run", "nofile"])
 
 
 def test_policy_pairs_pairs_two_policies_on_their_shared_samples(tmp_path):
