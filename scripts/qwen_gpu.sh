@@ -264,6 +264,21 @@ case "$STAGE" in
     ev 0.2 aware_32k aware 32k "s3hybrid(0.25, saes='$SAES'), bm25(0.25)" --suite ruler --no-fullkv \
       > "$RUNS/s3_32k.log" 2>&1 &
     ;;
+  11)  # DETACH=1 (planned for the machine after 2026-11-28's): issue 35's rows stage 9 left: 10% and 50% at 32k (7 of
+      # 13 tasks to go) and at 8k (the tasks after the first 4-5), full attention's niah_multiquery word/uuid columns
+      # and SemantiCache's niah_single_3 columns at 16k; issue 37's control where the SAEs were carried
+    ev 0.12 agnostic_32k_budgets agnostic 32k "$A10" --suite ruler --no-fullkv > "$RUNS/agn32k_10.log" 2>&1 &
+    ev 0.12 agnostic_32k_budgets agnostic 32k "$A50" --suite ruler --no-fullkv > "$RUNS/agn32k_50.log" 2>&1 &
+    ev 0.12 agnostic_8k_budgets agnostic 8k "$AT10" --suite ruler --no-fullkv > "$RUNS/agn8k_10.log" 2>&1 &
+    ev 0.12 agnostic_8k_budgets agnostic 8k "$AT50" --suite ruler --no-fullkv > "$RUNS/agn8k_50.log" 2>&1 &
+    { ev 0.1 variants_16k agnostic 16k fullkv --suite ruler-variants --tasks niah_multiquery
+      ev 0.1 variants_16k agnostic 16k "semanticache(0.25)" --suite ruler-variants --tasks niah_single_3 --no-fullkv
+    } > "$RUNS/variants_last.log" 2>&1 &
+    if [ -f "$SAES" ]; then
+      s3_control > "$RUNS/s3_control.log" 2>&1 &
+      { sleep 60; s3_control_retrieval; } > "$RUNS/s3_control_16k.log" 2>&1 &
+    fi
+    ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
 wait
