@@ -10,15 +10,20 @@
 #   mkdir -p /tmp/qwen_sae && cp .carrysae/paper_qwen2.5-coder-1.5b.safetensors /tmp/qwen_sae/ && touch /tmp/qwen_sae/carried
 # A stage is one device call (each stops at DEADLINE s); records accumulate in $RUNS (kept on the warm
 # machine between calls; `sparsekv eval` skips finished keys when run again) and are packed into
-# $OUT/qwen_runs.tgz at the end of every call.
+# $OUT/$(basename $RUNS).tgz (qwen_runs.tgz for the 1.5B) at the end of every call. MODEL=qwen2.5-coder-0.5b: the same with the
+# 0.5B (its pieces from `carry_pieces.py split`, its records in docs/results/qwen2.5-coder-0.5b_h200).
 set -uo pipefail
 export SPARSEKV_CACHE=${SPARSEKV_CACHE:-/tmp/skv} PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-MODEL=qwen2.5-coder-1.5b
-SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046
-GGUF="$SPARSEKV_CACHE/assembled/$MODEL-${SHA:0:12}/qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
-RUNS=${RUNS:-/tmp/qwen_runs}; SAE_DIR=${SAE_DIR:-/tmp/qwen_sae}; mkdir -p "$RUNS" "$SPARSEKV_CACHE/wheels" "$(dirname "$GGUF")"
+MODEL=${MODEL:-qwen2.5-coder-1.5b}  # or qwen2.5-coder-0.5b (issue 35's second size: STAGE=12), its own pieces and runs
+case "$MODEL" in
+  qwen2.5-coder-1.5b) SHA=cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046; RUNS=${RUNS:-/tmp/qwen_runs} ;;
+  qwen2.5-coder-0.5b) SHA=1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32; RUNS=${RUNS:-/tmp/runs_$MODEL} ;;
+  *) echo "MODEL=$MODEL: qwen2.5-coder-1.5b or qwen2.5-coder-0.5b"; exit 2 ;;
+esac
+GGUF="$SPARSEKV_CACHE/assembled/$MODEL-${SHA:0:12}/$MODEL-instruct-q4_k_m.gguf"
+SAE_DIR=${SAE_DIR:-/tmp/qwen_sae}; mkdir -p "$RUNS" "$SPARSEKV_CACHE/wheels" "$(dirname "$GGUF")"
 DEADLINE=${DEADLINE:-540}; N=${N:-25}; STAGE=${STAGE:-1}
 start=$(date +%s)
 # DETACH=1: the stage runs in its own process session (setsid), so it outlives this call and keeps running while the
@@ -38,7 +43,7 @@ if [ "$STAGE" = wait ]; then  # watch the detached stage until it ends or this c
   for f in "$RUNS"/*.log; do echo "== $f"; grep -v "UserWarning\|summary = runner\|^ *$" "$f" | tail -n 2; done
   for d in "$RUNS"/*/; do [ -f "$d/results.jsonl" ] && echo "$d: $(wc -l < "$d/results.jsonl") records"; done
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
-  mkdir -p "${OUT:-out}" "$SAE_DIR" && tar czf "${OUT:-out}/qwen_runs.tgz" --exclude='*.safetensors' \
+  mkdir -p "${OUT:-out}" "$SAE_DIR" && tar czf "${OUT:-out}/$(basename "$RUNS").tgz" --exclude='*.safetensors' \
     -C "$(dirname "$RUNS")" "$(basename "$RUNS")" -C "$(dirname "$SAE_DIR")" "$(basename "$SAE_DIR")"
   # S3's SAEs trained on this machine come back in pieces of at most 16 MiB (the return limit); carried ones and the
   # controls (regenerated from them, experiments/s3_control_saes.py) do not
@@ -56,7 +61,7 @@ fi
 if [ -n "${LCE:-}" ] && [ ! -f "$SPARSEKV_CACHE/wheels/$(basename "$LCE")" ]; then cp "$LCE" "$SPARSEKV_CACHE/wheels/"; fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 # a fresh machine resumes from the committed records (SEED=folder of <run>/results.jsonl.gz)
-SEED=${SEED:-docs/results/qwen2.5-coder-1.5b_h200}
+SEED=${SEED:-docs/results/${MODEL}_h200}
 for f in "$SEED"/*/results.jsonl.gz; do
   [ -f "$f" ] || continue; d="$RUNS/$(basename "$(dirname "$f")")"
   if [ ! -f "$d/results.jsonl" ]; then mkdir -p "$d"; gunzip -c "$f" > "$d/results.jsonl"; fi
@@ -279,9 +284,19 @@ case "$STAGE" in
       { sleep 60; s3_control_retrieval; } > "$RUNS/s3_control_16k.log" 2>&1 &
     fi
     ;;
+  12)  # DETACH=1 MODEL=qwen2.5-coder-0.5b (planned; its 8 pieces in PIECES): issue 35's second size, full attention at
+      # 4k-32k and the three policies that kept most of the 1.5B's score at 32k question-agnostic (Quest, Stem, CHESS
+      # with this model's own thresholds), the 1.5B's lengths (8k, 32k) first. Does the ranking hold across sizes?
+    [ "$MODEL" = qwen2.5-coder-0.5b ] || { echo "STAGE=12 is for MODEL=qwen2.5-coder-0.5b"; exit 2; }
+    ev 0.12 full agnostic 8k,32k,4k,16k fullkv --suite ruler > "$RUNS/full.log" 2>&1 &
+    ev 0.12 agnostic agnostic 8k,32k,4k,16k "quest(0.25)" --suite ruler --no-fullkv > "$RUNS/quest.log" 2>&1 &
+    ev 0.12 agnostic agnostic 8k,32k,4k,16k stem --suite ruler --no-fullkv > "$RUNS/stem.log" 2>&1 &
+    ev 0.12 agnostic agnostic 8k,32k,4k,16k "chess('moderate', calibration='$MODEL')" --suite ruler --no-fullkv \
+      > "$RUNS/chess.log" 2>&1 &
+    ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
 wait
 for f in "$RUNS"/*.log; do echo "== $f"; tail -n 3 "$f"; done
 for d in "$RUNS"/*/; do [ -f "$d/results.jsonl" ] && echo "$d: $(wc -l < "$d/results.jsonl") records"; done
-mkdir -p "${OUT:-out}" && tar czf "${OUT:-out}/qwen_runs.tgz" -C "$(dirname "$RUNS")" "$(basename "$RUNS")"
+mkdir -p "${OUT:-out}" && tar czf "${OUT:-out}/$(basename "$RUNS").tgz" -C "$(dirname "$RUNS")" "$(basename "$RUNS")"
