@@ -364,7 +364,7 @@ def _open(params: Params, policy: Any, tokens: Any, lengths: Any, question_start
     capacity = _sized(policy, tokens.shape[1], capacity, opts)
     stops = params.config.eos_token_ids if opts.stop_tokens is None else opts.stop_tokens
     decoding = Decoding(opts.max_new_tokens, opts.sampling, tuple(int(t) for t in stops))
-    _check_pool(params, policy, suffix, room, opts, backend)  # before bind: a refused policy is named first
+    _check_pool(params, policy, opts, backend)  # before bind: a refused policy is named first
     # a model whose local layers keep rings is, to the policy, the model of its global layers
     bound = policy.bind(Setup(config=local_layers.policy_config(params.config, backend), prompt_len=tokens.shape[1],
                               max_new_tokens=opts.max_new_tokens + room, page_size=opts.page_size, backend=backend))
@@ -470,7 +470,7 @@ def pool_refusal(policy: Policy) -> str | None:
     return None
 
 
-def _check_pool(params: Params, policy: Policy, suffix: Any, room: int, opts: Options, backend: Backend) -> None:
+def _check_pool(params: Params, policy: Policy, opts: Options, backend: Backend) -> None:
     """`Options.pool` checked before jit (``ValueError`` naming what is not supported yet); ``pool_pages`` is
     checked and resolved by `_pool_pages`."""
     if not isinstance(opts.pool, bool):
@@ -487,11 +487,6 @@ def _check_pool(params: Params, policy: Policy, suffix: Any, room: int, opts: Op
                          "H2O, and CHESS (pre-RoPE keys, after full attention) (leave pool unset)")
     if backend.mesh is not None:
         raise ValueError("pool=True does not run on a mesh yet (the pool's group axes: docs/PAGE_POOL.md, Sharding)")
-    dec = policy.stage("decode")
-    if (suffix is not None or room) and (dec.writes_in_place or isinstance(dec, CHESS)):
-        raise ValueError(f"pool=True does not read a suffix or questions after the prompt (suffix=, question_tokens="
-                         f"{room}) before a decode stage that writes in place or rewinds ({dec.name}) yet: only "
-                         "after full attention's decode stage or Quest; give the question inside tokens")
     cfg = params.config
     if local_layers.ring_slots(cfg, backend) is not None:
         raise ValueError(f"pool=True does not page the rings of {cfg.family}'s local layers yet; use "
@@ -509,7 +504,7 @@ def _pool_pages(params: Params, bound: Policy, tokens: jax.Array, lengths: jax.A
     # rows of unknown lengths (setup under a trace) are sized as full rows
     rows = np.asarray(lengths) if is_concrete(lengths) else np.full((B,), T)
     policy_pages = bound.stage("compress").compressed_pages(rows, T, opts.max_new_tokens + room, opts.page_size,
-                                                             cfg.num_layers, cfg.num_kv_heads)
+                                                             cfg.num_layers, cfg.num_kv_heads, suffix_tokens=room)
     if given is not None and (not isinstance(given, int) or isinstance(given, bool)):
         raise ValueError(f"pool_pages={given!r} must be an int")
     if policy_pages is not None:  # a compressor: its decode pool
