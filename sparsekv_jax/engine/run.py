@@ -91,12 +91,13 @@ class Options:
         allocator's lengths back and the regenerated tokens refill the pages kept,
         `cache_pooled.rewind_pool`). Any other policy is refused by name, among them post-RoPE CHESS
         (``keys="post_rope"``: its page sums are read from the uniform stack) and CHESS after a compressor (its
-        row-level selection over heads that keep different counts), and so are a ``mesh``, a model whose
-        local layers keep rings (Gemma 3 with ``Backend(local_cache="ring")``), and a ``suffix`` or
-        ``question_tokens`` before H2O or CHESS: a `ValueError` before jit. A ``suffix`` (or a `Session.ask`
-        question, within ``question_tokens``) is read into the pool after compression (`engine.prefill.extend_pool`:
-        each head grows by the row's suffix length from the pool's free pages, written at its own logical slots
-        after the entries it kept) before full attention's decode stage or Quest. The
+        row-level selection over heads that keep different counts), and so are a ``mesh`` and a model whose
+        local layers keep rings (Gemma 3 with ``Backend(local_cache="ring")``): a `ValueError` before jit. A
+        ``suffix`` (or a `Session.ask` question, within ``question_tokens``) is read into the pool after compression
+        (`engine.prefill.extend_pool`: each head grows by the row's suffix length from the pool's free pages, written
+        at its own logical slots after the entries it kept) before any of those decode stages: H2O's decode pool
+        then holds its budget and the widest suffix (``Policy.compressed_pages``' ``suffix_tokens``), CHESS's
+        backtracks take back decoded tokens only, never the question. The
         prefill writes a prefill pool's identity layout (`cache_pooled.stack_view`); a compressor writes each
         head's kept entries into a fresh decode pool (`policies.common.PoolTarget`, no holes) and the prefill
         pool is dropped; each decode step takes its pages from the pool's free stack. ``GenerateOutput.cache`` is
