@@ -155,8 +155,9 @@ def test_a_pool_that_runs_out_raises_after_the_run(weights, rng):
 
 def test_pool_option_is_refused_where_not_supported(weights, rng):
     """Before jit, naming the value: a policy that cannot run on a pool (the compressors that can:
-    tests/test_engine_pool_compress.py), pool_pages without pool or below the prefill's pages, a suffix or
-    room for questions before H2O or CHESS."""
+    tests/test_engine_pool_compress.py), pool_pages without pool or below the prefill's pages (a suffix or room
+    for questions runs on a pool before every decode stage that does: tests/test_engine_pool_extend.py,
+    tests/test_engine_pool_suffix_h2o_chess.py)."""
     params = weights[jnp.float32]
     tokens = rng.integers(1, CFG.vocab_size, (2, T))
     for spec, name in [("chess(keys='post_rope')", r"CHESS-moderate\[post-RoPE\]")]:  # CHESS itself runs on a pool
@@ -169,10 +170,5 @@ def test_pool_option_is_refused_where_not_supported(weights, rng):
     prefill_pages = CFG.num_layers * 2 * CFG.num_kv_heads * pages_for(T, PS)
     with pytest.raises(ValueError, match=rf"pool_pages={prefill_pages - 1} must be an int >= .* = {prefill_pages}"):
         engine.setup(params, FullKV(), tokens, page_size=PS, pool=True, pool_pages=prefill_pages - 1)
-    # a suffix or question room runs on a pool (tests/test_engine_pool_extend.py) but before H2O or CHESS
-    with pytest.raises(ValueError, match="suffix or questions"):
-        engine.setup(params, parse_policy("h2o(0.5)"), tokens, pool=True, suffix=np.ones((2, 3), np.int32))
-    with pytest.raises(ValueError, match="suffix or questions"):
-        engine.setup(params, parse_policy("chess"), tokens, pool=True, question_tokens=4)
     with pytest.raises(ValueError, match="pool=1 must be True or False"):
         engine.setup(params, FullKV(), tokens, pool=1)

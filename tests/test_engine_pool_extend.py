@@ -14,7 +14,8 @@ and positions sit at those logical slots (equal to the uniform cache's at the ro
 were moved at random with junk (NaN, random codes) in every free page gives the same; a pool one page short of what
 the suffix and the decode need raises after the run; `Session.ask` answers two questions from one compressed pool as
 the uniform path does and leaves it as it was; StreamingLLM, PyramidKV and SemantiCache with a suffix give the uniform
-logits; a suffix before H2O or CHESS is refused by name, and so is bad input to the helpers.
+logits; bad input to the helpers is refused by name. A suffix before H2O and CHESS:
+tests/test_engine_pool_suffix_h2o_chess.py.
 
 Tiny random models; the prompts and suffixes are drawn from the run's seed (tests/conftest.py: printed in the
 header, ``pytest --seed N`` replays it)."""
@@ -190,18 +191,6 @@ def test_session_asks_two_questions_of_one_compressed_pool(params, rng, policy):
         answers.append(np.asarray(got.tokens))
         np.testing.assert_array_equal(np.asarray(pooled.compressed.cache.lengths), kept)
     assert not np.array_equal(*answers)  # the questions matter
-
-
-def test_a_suffix_is_refused_before_h2o_and_chess(params, rng):
-    """Before jit, naming the decode stage: a suffix or question room on a pool before a decode stage that writes in
-    place (H2O) or rewinds (CHESS)."""
-    prompt = _prompt(rng)
-    tokens = prompt.pop("tokens")
-    for spec, name in [("h2o(0.5)", "H2O"), ("chess", "CHESS")]:
-        with pytest.raises(ValueError, match=rf"suffix or questions .*\({name}"):
-            engine.setup(params, parse_policy(spec), tokens, pool=True, **prompt)
-        with pytest.raises(ValueError, match=rf"question_tokens=4\) before .*\({name}"):
-            engine.setup(params, parse_policy(spec), tokens, lengths=LENGTHS, pool=True, question_tokens=4)
 
 
 @pytest.mark.parametrize("policy", list(OTHERS))

@@ -207,7 +207,8 @@ def policy_pages(run: Run, heads: int, num_layers: int) -> int | None:
     `Policy.compressed_pages` for ``run``'s rows, or ``None`` if it does not compress (full attention)."""
     lengths = np.asarray(run.lengths) if is_concrete(run.lengths) else np.full(run.lengths.shape, run.tokens.shape[1])
     return run.policy.stage("compress").compressed_pages(lengths, run.tokens.shape[1], run.extra_tokens,
-                                                         run.page_size, num_layers, heads)
+                                                         run.page_size, num_layers, heads,
+                                                         suffix_tokens=run.question_tokens)
 
 
 def pages_needed(run: Run, heads: int, num_layers: int) -> int:

@@ -91,12 +91,13 @@ class Options:
         allocator's lengths back and the regenerated tokens refill the pages kept,
         `cache_pooled.rewind_pool`). Any other policy is refused by name, among them post-RoPE CHESS
         (``keys="post_rope"``: its page sums are read from the uniform stack) and CHESS after a compressor (its
-        row-level selection over heads that keep different counts), and so are a ``mesh``, a model whose
-        local layers keep rings (Gemma 3 with ``Backend(local_cache="ring")``), and a ``suffix`` or
-        ``question_tokens`` before H2O or CHESS: a `ValueError` before jit. A ``suffix`` (or a `Session.ask`
-        question, within ``question_tokens``) is read into the pool after compression (`engine.prefill.extend_pool`:
-        each head grows by the row's suffix length from the pool's free pages, written at its own logical slots
-        after the entries it kept) before full attention's decode stage or Quest. The
+        row-level selection over heads that keep different counts), and so are a ``mesh`` and a model whose
+        local layers keep rings (Gemma 3 with ``Backend(local_cache="ring")``): a `ValueError` before jit. A
+        ``suffix`` (or a `Session.ask` question, within ``question_tokens``) is read into the pool after compression
+        (`engine.prefill.extend_pool`: each head grows by the row's suffix length from the pool's free pages, written
+        at its own logical slots after the entries it kept) before any of those decode stages: H2O's decode pool
+        then holds its budget and the widest suffix (``Policy.compressed_pages``' ``suffix_tokens``), CHESS's
+        backtracks take back decoded tokens only, never the question. The
         prefill writes a prefill pool's identity layout (`cache_pooled.stack_view`); a compressor writes each
         head's kept entries into a fresh decode pool (`policies.common.PoolTarget`, no holes) and the prefill
         pool is dropped; each decode step takes its pages from the pool's free stack. ``GenerateOutput.cache`` is
@@ -364,7 +365,7 @@ def _open(params: Params, policy: Any, tokens: Any, lengths: Any, question_start
     capacity = _sized(policy, tokens.shape[1], capacity, opts)
     stops = params.config.eos_token_ids if opts.stop_tokens is None else opts.stop_tokens
     decoding = Decoding(opts.max_new_tokens, opts.sampling, tuple(int(t) for t in stops))
-    _check_pool(params, policy, suffix, room, opts, backend)  # before bind: a refused policy is named first
+    _check_pool(params, policy, opts, backend)  # before bind: a refused policy is named first
     # a model whose local layers keep rings is, to the policy, the model of its global layers
     bound = policy.bind(Setup(config=local_layers.policy_config(params.config, backend), prompt_len=tokens.shape[1],
                               max_new_tokens=opts.max_new_tokens + room, page_size=opts.page_size, backend=backend))
@@ -470,7 +471,7 @@ def pool_refusal(policy: Policy) -> str | None:
     return None
 
 
-def _check_pool(params: Params, policy: Policy, suffix: Any, room: int, opts: Options, backend: Backend) -> None:
+def _check_pool(params: Params, policy: Policy, opts: Options, backend: Backend) -> None:
     """`Options.pool` checked before jit (``ValueError`` naming what is not supported yet); ``pool_pages`` is
     checked and resolved by `_pool_pages`."""
     if not isinstance(opts.pool, bool):
@@ -487,11 +488,6 @@ def _check_pool(params: Params, policy: Policy, suffix: Any, room: int, opts: Op
                          "H2O, and CHESS (pre-RoPE keys, after full attention) (leave pool unset)")
     if backend.mesh is not None:
         raise ValueError("pool=True does not run on a mesh yet (the pool's group axes: docs/PAGE_POOL.md, Sharding)")
-    dec = policy.stage("decode")
-    if (suffix is not None or room) and (dec.writes_in_place or isinstance(dec, CHESS)):
-        raise ValueError(f"pool=True does not read a suffix or questions after the prompt (suffix=, question_tokens="
-                         f"{room}) before a decode stage that writes in place or rewinds ({dec.name}) yet: only "
-                         "after full attention's decode stage or Quest; give the question inside tokens")
     cfg = params.config
     if local_layers.ring_slots(cfg, backend) is not None:
         raise ValueError(f"pool=True does not page the rings of {cfg.family}'s local layers yet; use "
@@ -509,7 +505,7 @@ def _pool_pages(params: Params, bound: Policy, tokens: jax.Array, lengths: jax.A
     # rows of unknown lengths (setup under a trace) are sized as full rows
     rows = np.asarray(lengths) if is_concrete(lengths) else np.full((B,), T)
     policy_pages = bound.stage("compress").compressed_pages(rows, T, opts.max_new_tokens + room, opts.page_size,
-                                                             cfg.num_layers, cfg.num_kv_heads)
+                                                             cfg.num_layers, cfg.num_kv_heads, suffix_tokens=room)
     if given is not None and (not isinstance(given, int) or isinstance(given, bool)):
         raise ValueError(f"pool_pages={given!r} must be an int")
     if policy_pages is not None:  # a compressor: its decode pool

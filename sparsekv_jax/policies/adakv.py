@@ -214,7 +214,7 @@ class AdaKV(BudgetAllocation):
         return H * n - (H - 1) * ((n * a.numerator) // a.denominator)
 
     def compressed_pages(self, lengths: np.ndarray, prompt_len: int, max_new_tokens: int, page_size: int,
-                         num_layers: int, num_kv_heads: int) -> int | None:
+                         num_layers: int, num_kv_heads: int, suffix_tokens: int = 0) -> int | None:
         """Per (layer, row) the heads keep ``Hkv·n_b`` entries in all and each the tokens to come, so at most
         one partial page per head more than the tokens need: ``L·Σ_b min(pages_for(Hkv·(n_b + e)) + Hkv,
         Hkv·pages_for(capacity))`` (``e`` = ``max_new_tokens``; the second term is the largest head's bound)."""

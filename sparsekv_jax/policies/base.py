@@ -194,14 +194,17 @@ class Policy:
         return None
 
     def compressed_pages(self, lengths: np.ndarray, prompt_len: int, max_new_tokens: int, page_size: int,
-                         num_layers: int, num_kv_heads: int) -> int | None:
+                         num_layers: int, num_kv_heads: int, suffix_tokens: int = 0) -> int | None:
         """Pages of a page pool (docs/PAGE_POOL.md, Sizing) that the compressed cache of rows of ``lengths``
         ``[B]`` (host ints) can occupy with ``max_new_tokens`` tokens still to come, each (layer, row, KV head)
         in pages of its own (``page_size`` tokens): a bound over every allocation the policy can make, used
         to size the decode pool of ``Options(pool=True)``. ``None`` where `compressed_capacity` is ``None``
-        (the prefill cache is kept). Default: every head at `compressed_capacity`, the uniform cache's
-        pages, ``B·L·Hkv·pages_for(capacity)``; a policy whose heads or layers keep less says so."""
-        capacity = self.compressed_capacity(prompt_len, max_new_tokens)
+        (the prefill cache is kept). ``suffix_tokens`` is the share of ``max_new_tokens`` that a suffix (a
+        question read after compression: the widest, `Options.question_tokens` for `Session.ask`) takes, as
+        `compressed_capacity`'s: a policy whose decode stays at its size (H2O's eviction) counts only those.
+        Default: every head at `compressed_capacity`, the uniform cache's pages, ``B·L·Hkv·pages_for(capacity)``;
+        a policy whose heads or layers keep less says so."""
+        capacity = self.compressed_capacity(prompt_len, max_new_tokens, suffix_tokens)
         if capacity is None:
             return None
         return len(lengths) * num_layers * num_kv_heads * pages_for(capacity, page_size)

@@ -164,12 +164,13 @@ class H2O(ScoredCompression):
         return kept + suffix_tokens if self.evict_during_decode else kept + max_new_tokens
 
     def compressed_pages(self, lengths: np.ndarray, prompt_len: int, max_new_tokens: int, page_size: int,
-                         num_layers: int, num_kv_heads: int) -> int | None:
-        """Evicting (the default), a head never holds more than its row's budget, decoded tokens overwrite:
-        ``L·Hkv·Σ_b pages_for(n_b)`` (a suffix read after compression is not counted: the pool reads none
-        yet). Not evicting, the scored compressors' bound (the budget and every token to come)."""
-        return super().compressed_pages(lengths, prompt_len, 0 if self.evict_during_decode else max_new_tokens,
-                                        page_size, num_layers, num_kv_heads)
+                         num_layers: int, num_kv_heads: int, suffix_tokens: int = 0) -> int | None:
+        """Evicting (the default), a head never holds more than its row's budget and the suffix read after
+        compression (``suffix_tokens``: the widest, so a row's size ``n_b + q_b`` fits), decoded tokens overwrite:
+        ``L·Hkv·Σ_b pages_for(n_b + suffix_tokens)``. Not evicting, the scored compressors' bound (the budget
+        and every token to come, the suffix's included)."""
+        return super().compressed_pages(lengths, prompt_len, suffix_tokens if self.evict_during_decode
+                                        else max_new_tokens, page_size, num_layers, num_kv_heads, suffix_tokens)
 
     # -- running eviction -----------------------------------------------------------------
     def decode_init(self, cache: KVCache, observations: Any) -> tuple[Any, Any]:

@@ -91,7 +91,7 @@ class PyramidKV(BudgetAllocation):
         return n + m - (m * b.denominator) // b.numerator
 
     def compressed_pages(self, lengths: np.ndarray, prompt_len: int, max_new_tokens: int, page_size: int,
-                         num_layers: int, num_kv_heads: int) -> int | None:
+                         num_layers: int, num_kv_heads: int, suffix_tokens: int = 0) -> int | None:
         """Each head of layer ``l`` keeps that layer's count (`allocate`'s, for each row's length) and the
         tokens to come: ``Hkv·Σ_b Σ_l pages_for(n_lb + max_new_tokens)``."""
         if self.compressed_capacity(prompt_len, max_new_tokens) is None:

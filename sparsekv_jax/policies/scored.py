@@ -64,7 +64,7 @@ class ScoredCompression(Policy):
         return None if kept >= prompt_len else kept + max_new_tokens
 
     def compressed_pages(self, lengths: np.ndarray, prompt_len: int, max_new_tokens: int, page_size: int,
-                         num_layers: int, num_kv_heads: int) -> int | None:
+                         num_layers: int, num_kv_heads: int, suffix_tokens: int = 0) -> int | None:
         """Each head keeps its row's budget (`row_budgets`, as `compress` counts it) and the tokens to come:
         ``L·Hkv·Σ_b pages_for(n_b + max_new_tokens)``."""
         if self.compressed_capacity(prompt_len, max_new_tokens) is None:

@@ -210,7 +210,7 @@ class SemantiCache(Policy):
         return kept + max_new_tokens
 
     def compressed_pages(self, lengths: np.ndarray, prompt_len: int, max_new_tokens: int, page_size: int,
-                         num_layers: int, num_kv_heads: int) -> int | None:
+                         num_layers: int, num_kv_heads: int, suffix_tokens: int = 0) -> int | None:
         """A head keeps at most ``min(length_b, n)`` entries (``n`` = `budget_tokens` of the prompt's width,
         `semanticache_merge.cluster`'s static count: `clustering.merge_clusters` clips to it and makes at most
         one entry per live slot), then the tokens to come: ``L·Hkv·Σ_b pages_for(min(length_b, n) +
