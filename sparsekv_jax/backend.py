@@ -9,7 +9,8 @@ the kernels only run interpreted (the tests force ``"pallas"`` there to check th
 `Backend.resolve` turns every ``"auto"`` into a concrete choice before jit.
 
 A choice that is not a traced operation but an XLA compiler option (``prefill_dots``) is handed to
-`jax.jit` as ``compiler_options`` by whoever compiles the prefill (`generate`, the demo):
+`jax.jit` as ``compiler_options`` by whoever compiles the prefill (`generate`; `teacher_force` and
+`Session` through `engine.programs.prepare_apart`; the demo):
 `Backend.prefill_compiler_options`.
 
 Every platform question of the package is asked here and nowhere else: ``platform`` (JAX's default
@@ -195,7 +196,8 @@ class Backend:
         fp32 prefill at 4k took 9.45 s with it, 11.45 s without, and transformers 11.38 s in the
         same run (experiments/diary/BENCHMARKS_DIARY.md, "CPU prefill on oneDNN's dots"). The decode loop keeps
         XLA's dots (oneDNN made its matrix-vector products 2x slower), so `generate` compiles
-        prefill and decode as two programs when this is oneDNN.
+        prefill and decode as two programs when this is oneDNN (`teacher_force` and `Session`: the
+        prefill, compress and begin steps as three, `engine.programs.prepare_apart`).
       kv_dtype: the storage of the paged KV cache the engine allocates (`sparsekv_jax.cache.init_cache`):
         ``None`` (default) the model's dtype; ``"bfloat16"``/``"float16"``/``"float32"``; ``"int8"`` or
         ``"float8_e4m3fn"`` quantised codes with power-of-two scales per page (keys per page and

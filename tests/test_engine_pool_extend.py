@@ -142,9 +142,13 @@ def test_a_shuffled_pool_with_junk_reads_the_suffix_the_same(params, rng, policy
     forced = rng.integers(1, CFG.vocab_size, (2, NEW))
     want = generate(params, parse_policy(spec), max_new_tokens=NEW, **prompt, **_kw(case))
     uniform, pooled = _sessions(params, spec, prompt, case)
-    # the reference logits: the uniform session fed `forced` step by step, the pool's own kind of program (int8:
-    # `teacher_force`, another program, differed by 4.4e-4 on the CI draw of seed 388345640, where the pool's codes
-    # and scales equal the uniform session's exactly; likely an int8 value rounded the other way, not checked)
+    # the reference logits: the uniform session fed `forced` step by step, the pool's own kind of program. (int8:
+    # `teacher_force` differed by 4.4e-4 on the CI draw of seed 388345640, where the pool's codes and scales equal
+    # the uniform session's exactly. Established: `teacher_force` computed the prompt's K/V in one program with
+    # XLA's dots, the sessions in their prefill program with oneDNN's (`Backend.prefill_dots`), ~1e-6 apart, and
+    # an int8 code on a rounding boundary went the other way; its scanned decode steps equal these exactly. Now
+    # `teacher_force` runs the sessions' programs before decoding, `programs.prepare_apart`, and gives these
+    # logits exactly: tests/test_teacher_force_programs.py.)
     want_logits, _ = decode_forced(params, uniform, forced)
     compressed = pooled.compress()
     pool = compressed.cache

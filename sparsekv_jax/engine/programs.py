@@ -1,5 +1,6 @@
 """The compiled programs: `generate` (one `jax.jit`, or two where the backend compiles the prefill
-apart: `Backend.prefill_dots`), `teacher_force` and the reference `full_logits`."""
+apart: `Backend.prefill_dots`), `teacher_force` (one, or, split likewise, the steps before decoding as
+`Session` runs them, `prepare_apart`, then the forced steps) and the reference `full_logits`."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from sparsekv_jax import attention
 from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import KVCache
 from sparsekv_jax.cache_pooled import PoolCache
-from sparsekv_jax.engine.compress import Ready, prepare
+from sparsekv_jax.engine.compress import Ready, begin, compress, prepare
 from sparsekv_jax.engine.decode import Decoded, decode_loop, decode_step
 from sparsekv_jax.engine.pooled import check_overflow
+from sparsekv_jax.engine.prefill import prefill_run
 from sparsekv_jax.engine.run import Run, _open, options_of, validate_prompt
 from sparsekv_jax.models.params import Params
 from sparsekv_jax.models.transformer import attention_window, forward, logits_from_hidden
@@ -109,6 +111,35 @@ def run_program(params: Params, run: Run, key: jax.Array) -> GenerateOutput:
     return finish(run, decode_program(params, run, ready, key))
 
 
+# the steps before the decode loop as programs of their own: `Session`'s steps, and `teacher_force`'s where
+# the prefill compiles apart (`prepare_apart`)
+prefill_program = jax.jit(prefill_run)
+compress_program = jax.jit(compress)
+begin_program = jax.jit(begin)
+
+
+def run_apart(run: Run, program: Any, *args: Any) -> Any:
+    """``program(*args)``, a step before the decode loop: compiled by `Backend.compile_prefill` where ``run``
+    compiles its prefill apart (`split_programs`), else as it is."""
+    if split_programs(run, *args):
+        program = run.backend.compile_prefill(program.lower(*args))
+    return program(*args)
+
+
+def prepare_apart(params: Params, run: Run) -> Ready:
+    """`prepare` as three programs, prefill, compress and begin (the run's suffix), each compiled by
+    `run_apart`: what `Session` runs step by step, and `teacher_force` where the prefill compiles apart.
+    One path for both matters because `Backend.compile_prefill` decides per program: oneDNN's dots where
+    every oneDNN fusion of that program would run, XLA's otherwise. So the prefill alone and the whole of
+    `prepare` as one program (`compiled_prepare`, `generate`'s) can compute the prompt's K/V with different
+    dots (equal to ~1e-6, but an int8 cache's code, scale or zero point on a rounding boundary then rounds
+    the other way: `teacher_force`'s logits were 4.4e-4 from the `Session`'s on a CI draw,
+    tests/test_teacher_force_programs.py)."""
+    prefilled = run_apart(run, prefill_program, params, run)
+    compressed = run_apart(run, compress_program, params, run, prefilled)
+    return run_apart(run, begin_program, params, run, compressed, run.suffix, run.suffix_lengths)
+
+
 def generate(params: Params, policy: Policy | None = None, tokens: Any = None, lengths: Any = None, *,
              question_start: Any = None, suffix: Any = None, suffix_lengths: Any = None,
              **options: Any) -> GenerateOutput:
@@ -147,8 +178,8 @@ def generate(params: Params, policy: Policy | None = None, tokens: Any = None, l
     return run_program(params, run, key)
 
 
-def _teacher_force(params: Params, run: Run, forced: jax.Array, collect_attention: bool):
-    ready = prepare(params, run)
+def _teacher_force_from(params: Params, run: Run, ready: Ready, forced: jax.Array, collect_attention: bool):
+    """`teacher_force` from ``ready``: one `decode_step` per forced token (all but the last), scanned."""
 
     def step(carry, token):
         cache, state = carry
@@ -163,7 +194,12 @@ def _teacher_force(params: Params, run: Run, forced: jax.Array, collect_attentio
     return logits, outs
 
 
+def _teacher_force(params: Params, run: Run, forced: jax.Array, collect_attention: bool):
+    return _teacher_force_from(params, run, prepare(params, run), forced, collect_attention)
+
+
 teacher_force_program = jax.jit(_teacher_force, static_argnames=("collect_attention",))
+teacher_force_decode_program = jax.jit(_teacher_force_from, static_argnames=("collect_attention",))
 
 
 def teacher_force(params: Params, policy: Policy | None, tokens: Any, forced: Any, *,
@@ -176,6 +212,10 @@ def teacher_force(params: Params, policy: Policy | None, tokens: Any, forced: An
     full attention on the same tokens. ``kwargs``: the prompt's ``lengths``, ``question_start``,
     ``suffix``, ``suffix_lengths`` and the options of `generate` (``page_size``, ``prefill_chunk``,
     ``backend``, ``mesh``; the cache takes ``N`` tokens after the prompt).
+
+    The same numbers as a `Session` fed ``forced`` one `decode_step` at a time: where the backend
+    compiles its prefill apart (oneDNN's dots on an x86 CPU), the steps before decoding run as its
+    programs (`prepare_apart`), then the forced steps as one scan.
     """
     forced = np.asarray(forced) if not hasattr(forced, "shape") else forced
     if forced.ndim != 2 or forced.shape[1] < 1:
@@ -186,7 +226,12 @@ def teacher_force(params: Params, policy: Policy | None, tokens: Any, forced: An
                         prompt["suffix_lengths"], opts)
     if forced.shape[0] != run.tokens.shape[0]:
         raise ValueError(f"forced has batch {forced.shape[0]}, tokens has batch {run.tokens.shape[0]}")
-    res = teacher_force_program(params, run, jnp.asarray(forced, jnp.int32), collect_attention=collect_attention)
+    forced = jnp.asarray(forced, jnp.int32)
+    if split_programs(run, params, forced):  # the steps before decoding as `generate` and `Session` run them
+        res = teacher_force_decode_program(params, run, prepare_apart(params, run), forced,
+                                           collect_attention=collect_attention)
+    else:
+        res = teacher_force_program(params, run, forced, collect_attention=collect_attention)
     if run.pool:
         check_overflow(run, res[2])
         res = res[:2]

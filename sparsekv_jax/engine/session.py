@@ -9,16 +9,20 @@ from typing import Any
 import jax
 import numpy as np
 
-from sparsekv_jax.engine.compress import Compressed, Ready, begin, compress
-from sparsekv_jax.engine.prefill import Prefilled, prefill_run
-from sparsekv_jax.engine.programs import GenerateOutput, decode_program, finish, split_programs
+from sparsekv_jax.engine.compress import Compressed, Ready
+from sparsekv_jax.engine.prefill import Prefilled
+from sparsekv_jax.engine.programs import (
+    GenerateOutput,
+    begin_program,
+    compress_program,
+    decode_program,
+    finish,
+    prefill_program,
+    run_apart,
+)
 from sparsekv_jax.engine.run import Run, _open, options_of, validate_suffix
 from sparsekv_jax.models.params import Params
 from sparsekv_jax.policies.base import Policy
-
-_prefill_program = jax.jit(prefill_run)
-_compress_program = jax.jit(compress)
-_begin_program = jax.jit(begin)
 
 
 class Session:
@@ -55,27 +59,25 @@ class Session:
     def prefill(self) -> Prefilled:
         """The prefill (compiled with the backend's prefill options)."""
         if self.prefilled is None:
-            self.prefilled = self._prefill_side(_prefill_program, self.params, self.run)
+            self.prefilled = self._prefill_side(prefill_program, self.params, self.run)
         return self.prefilled
 
     def compress(self) -> Compressed:
         """The compress stage on the prefilled cache (the prefill runs first if it has not)."""
         if self.compressed is None:
-            self.compressed = self._prefill_side(_compress_program, self.params, self.run, self.prefill())
+            self.compressed = self._prefill_side(compress_program, self.params, self.run, self.prefill())
         return self.compressed
 
     def begin(self, suffix: Any = None, suffix_lengths: Any = None) -> Ready:
         """Where decoding starts: ``suffix`` (default the run's own) read into the compressed cache."""
         if suffix is None:
             suffix, suffix_lengths = self.run.suffix, self.run.suffix_lengths
-        return self._prefill_side(_begin_program, self.params, self.run, self.compress(), suffix, suffix_lengths)
+        return self._prefill_side(begin_program, self.params, self.run, self.compress(), suffix, suffix_lengths)
 
     def _prefill_side(self, program: Any, *args: Any) -> Any:
-        """Run a step before the decode loop as `generate` compiles it: with the backend's prefill
-        options where it compiles the prefill apart (`split_programs`), else as it is."""
-        if split_programs(self.run, *args):
-            program = self.run.backend.compile_prefill(program.lower(*args))
-        return program(*args)
+        """Run a step before the decode loop as `generate` and `teacher_force` compile it (`programs.run_apart`:
+        with the backend's prefill options where it compiles the prefill apart, else as it is)."""
+        return run_apart(self.run, program, *args)
 
     def decode(self, ready: Ready | None = None, seed: int | jax.Array | None = None) -> GenerateOutput:
         """Decode from ``ready`` (default `begin` with the run's suffix); ``seed`` (default the
