@@ -9,6 +9,7 @@
 #   PART=6 bash scripts/gpu_pending.sh   # the tuned quantised kernel at 128k + largest batch per cache dtype (issue 39)
 #   PART=7 bash scripts/gpu_pending.sh   # issue 35's speed rows: every policy on Qwen2.5-Coder-1.5B's shapes at 32k
 #   PART=8 bash scripts/gpu_pending.sh   # PART=7's batch-64 points again, one process per policy (bench e2e since)
+#   PART=9 OLD_DECODE=.carryold/decode.py bash scripts/gpu_pending.sh   # the decode kernel's listed runs by count
 # Each command has its share of DEADLINE seconds; logs and JSON land in $OUT; a short table is printed last.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -69,6 +70,21 @@ pyramidkv(snapkv(0.25)), bser(0.25), chess('moderate', calibration='qwen2.5-code
 chess('moderate', calibration='qwen2.5-coder-1.5b'), semanticache(0.25, chunking='fixed'), fullkv"
      step qwen_e2e_isolated 540 python -m sparsekv_jax.bench.e2e --models qwen2.5-coder-1.5b --prefill-contexts "" \
        --contexts 32k --batches "${E2E_BATCHES:-1,64}" --policies "$Q" --out "$OUT/qwen_e2e_isolated.json" ;;
+  9) # the decode kernel's listed runs spread over the splits by the count (pallas/decode.py `listed_chunk`, since
+     # 2026-11-28) against the static runs of the list's full width it replaced (OLD_DECODE: that file, carried, e.g.
+     # `git show cca18f6:sparsekv_jax/pallas/decode.py > .carryold/decode.py`): Quest end to end, whose lists are as
+     # wide as the cache, at 32k on Llama-3.1-8B's and Qwen2.5-Coder-1.5B's shapes, batch 1 and 8, beside full
+     # attention in each run; new, old, new, old
+     [ -f "${OLD_DECODE:-}" ] || { echo "OLD_DECODE=the replaced pallas/decode.py"; exit 2; }
+     rm -rf /tmp/old_tree && mkdir -p /tmp/old_tree && cp -a sparsekv_jax /tmp/old_tree/ \
+       && cp "$OLD_DECODE" /tmp/old_tree/sparsekv_jax/pallas/decode.py || exit 1
+     for run in new1 old1 new2 old2; do
+       dir=$PWD; [ "${run#old}" != "$run" ] && dir=/tmp/old_tree
+       # from $dir: `python -m` puts the working directory first on sys.path, before $PYTHONPATH
+       step "listed_$run" 130 env -C "$dir" python -m sparsekv_jax.bench.e2e \
+         --models llama3.1-8b,qwen2.5-coder-1.5b --prefill-contexts "" --contexts 32k --batches 1,8 \
+         --policies "fullkv, quest(0.25)" --iters 9 --out "$OUT/listed_$run.json"
+     done ;;
   *) echo "unknown PART=$PART"; exit 2 ;;
 esac
 # the device returns at most 8 files a call: everything also travels as one archive

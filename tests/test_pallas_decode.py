@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparsekv_jax.pallas.decode import decode_attention, decode_attention_reference, selected_slot_mask
+from sparsekv_jax.pallas.decode import decode_attention, decode_attention_reference, listed_chunk, selected_slot_mask
 from sparsekv_jax.pallas.testing import random_page_lists, rel_err
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
@@ -87,6 +87,38 @@ def test_sparse_unsorted_ragged_matches_reference(rng, Hq, Hkv, D, ps, P, dtype)
     _assert_matches_reference(out, q, k, v, lengths, dtype, **kw)
     G = Hq // Hkv
     assert np.all(np.asarray(out, np.float32)[1, :G] == 0), "empty selection must give zeros"
+
+
+def test_listed_chunks_spread_the_count_over_every_split():
+    """`listed_chunk` (each split's run of a page list): for every count, tile and split count, the runs partition
+    ``[0, count)`` in order, start on whole tiles, and the longest is the fewest tiles that cover the count over
+    the splits (a list padded to its full width but counting few pages keeps every split busy)."""
+    for ppb in (1, 2, 8):
+        for num_splits in (1, 3, 8, 64):
+            for count in (0, 1, 2, 7, 8, 9, 63, 64, 200, 511, 512):
+                runs = [tuple(int(x) for x in listed_chunk(jnp.int32(s), jnp.int32(count), ppb, num_splits))
+                        for s in range(num_splits)]
+                covered = [e for start, end in runs for e in range(start, end)]
+                assert covered == list(range(count)), (ppb, num_splits, count, runs)
+                assert all(start % ppb == 0 for start, end in runs if end > start)
+                tiles = -(-count // ppb)
+                assert max(end - start for start, end in runs) <= -(-tiles // num_splits) * ppb
+
+
+@pytest.mark.parametrize("Hq,Hkv,ps,dtype", [(4, 2, 16, jnp.float32), (8, 2, 32, jnp.bfloat16)])
+def test_a_full_width_list_counting_few_pages_over_many_splits(rng, Hq, Hkv, ps, dtype):
+    """Quest's and CHESS's shape of list: as wide as the cache (every page id), only the first ``count`` read, and
+    more splits than the count has tiles; counts per (row, head) from 0 to 5 of 16 pages, against the reference."""
+    B, D, P = 3, 64, 16
+    q, k, v, lengths = _inputs(rng, B, Hq, Hkv, D, P, ps, dtype, lengths=[P * ps, P * ps - 3, 7 * ps])
+    ids = np.stack([np.stack([rng.permutation(P) for _ in range(Hkv)]) for _ in range(B)]).astype(np.int32)
+    counts = rng.integers(0, 6, (B, Hkv)).astype(np.int32)
+    counts[0, 0] = 5
+    kw = dict(page_size=ps, page_ids=jnp.asarray(ids), page_counts=jnp.asarray(counts))
+    mask = selected_slot_mask(lengths, P * ps, Hkv, **kw)
+    k, v = _poison(k, mask), _poison(v, mask)
+    out = decode_attention(q, k, v, lengths, interpret=True, block_k=2 * ps, num_splits=8, **kw)
+    _assert_matches_reference(out, q, k, v, lengths, dtype, **kw)
 
 
 @pytest.mark.parametrize("sparse", [False, True])

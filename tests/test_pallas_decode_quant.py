@@ -138,7 +138,7 @@ def test_variant_matches_reference(rng, dequant, kv_dtype, sparse, stacked, q_dt
 @pytest.mark.parametrize("dequant", VARIANTS)
 def test_variant_probs_bias_and_page_pool(rng, dequant):
     """``return_probs`` with a bias, against the reference; then the same cache as a page pool (pages
-    scattered by a random table) gives the uniform call's output and probabilities bit for bit."""
+    scattered by a random table) gives the uniform call's output bit for bit and its probabilities to 1e-5."""
     B, Hq, Hkv, D, P, ps = 2, 8, 2, 32, 5, 16
     q, kc, vc, ks, vs, kz, lengths, k64, _ = _inputs(rng, "int8", B, Hq, Hkv, D, P, ps, jnp.bfloat16, True)
     ids, counts = random_page_lists(rng, lengths, Hkv, P, ps, list_len=P - 1)
@@ -177,7 +177,14 @@ def test_variant_probs_bias_and_page_pool(rng, dequant):
                                       k_scale=pooled[2], v_scale=pooled[3], k_zero=pooled[4], dequant=dequant,
                                       page_table=table, **{**kw, "bias": pooled[5]})
     np.testing.assert_array_equal(np.asarray(out_p, np.float32), np.asarray(out, np.float32))
-    np.testing.assert_array_equal(np.asarray(probs_p), np.asarray(probs))
+    # the probabilities within a few float32 ulps, not bit for bit: the two calls are different programs, and the
+    # interpreter's XLA:CPU code for them (this suite's XLA_FLAGS) may round a logit's dot or an exp2 differently.
+    # Seen when `listed_chunk` replaced a static split start (2026-11-28): the uniform call's probabilities moved by
+    # up to 2.6e-6 relative on every draw, the pool's not at all, each as far from the reference as before. A page
+    # read through a wrong table entry is wrong by far more (its keys are another page's).
+    probs_p, probs = np.asarray(probs_p), np.asarray(probs)
+    np.testing.assert_array_equal(probs_p == 0, probs == 0)
+    np.testing.assert_allclose(probs_p, probs, rtol=1e-5, atol=0)
 
 
 def test_bad_dequant_raises():

@@ -179,9 +179,21 @@ def decode_plan(num_listed_pages: int, page_size: int, batch: int, kv_heads: int
     return ppb, num_splits, blocks_per_split * ppb
 
 
+def listed_chunk(split: jax.Array, count: jax.Array, ppb: int, num_splits: int) -> tuple[jax.Array, jax.Array]:
+    """``(start, end)``: the entries of a page list that program ``split`` of ``num_splits`` reads, of the
+    ``count`` listed (``[0, count)`` in equal runs of whole ``ppb``-page tiles, the last run shorter or empty).
+
+    By the count, not the list's static width: a policy that pads its list to every page and reads a quarter
+    of them (Quest, CHESS) would otherwise leave three quarters of the splits idle and make the first ones
+    walk several tiles each, the critical path of a decode step at batch 1."""
+    per_split = lax.div(lax.div(count + ppb - 1, ppb) + num_splits - 1, num_splits) * ppb
+    start = split * per_split
+    return start, jnp.minimum(start + per_split, count)
+
+
 def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool, page_size: int, ppb: int,
-                   pages_per_split: int, qk_scale: float, f32_dot: bool, block_h: int, store_logits: bool,
-                   quantized: bool = False, has_zero: bool = False, pooled: bool = False,
+                   pages_per_split: int, num_splits: int, qk_scale: float, f32_dot: bool, block_h: int,
+                   store_logits: bool, quantized: bool = False, has_zero: bool = False, pooled: bool = False,
                    dequant: str = "tile_f32", pool_variant: str = "lanes") -> None:
     """One program = one (row b, kv head h, split s): online softmax over its chunk.
 
@@ -248,9 +260,7 @@ def _decode_kernel(*refs: jax.Array, dense: bool, has_bias: bool, stacked: bool,
         end = jnp.minimum(start + pages_per_split * page_size, length)
         n_iter = lax.div(jnp.maximum(end - start, 0) + block_k - 1, block_k)
     else:
-        count = cnt_ref[b, h]
-        start = s * pages_per_split
-        end = jnp.minimum(start + pages_per_split, count)
+        start, end = listed_chunk(s, cnt_ref[b, h], ppb, num_splits)
         n_iter = lax.div(jnp.maximum(end - start, 0) + ppb - 1, ppb)
 
     def lanes(j: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -529,7 +539,8 @@ def _decode_call(q: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Array,
     num_stages = fit_stages(num_stages, 2 * ppb * page_size * D * staged)
     kernel = functools.partial(
         _decode_kernel, dense=dense, has_bias=bias is not None, stacked=stacked, page_size=page_size, ppb=ppb,
-        pages_per_split=pps, qk_scale=scale * LOG2E, f32_dot=q.dtype == jnp.float32, block_h=block_h,
+        pages_per_split=pps, num_splits=n_splits, qk_scale=scale * LOG2E, f32_dot=q.dtype == jnp.float32,
+        block_h=block_h,
         store_logits=return_probs, quantized=quantized, has_zero=k_zero is not None,
         **({"dequant": dequant} if quantized else {}))
     out_specs = [
@@ -600,7 +611,8 @@ def _decode_call_pool(qg: jax.Array, k: jax.Array, v: jax.Array, lengths: jax.Ar
     num_stages = fit_stages(num_stages, 2 * ppb * page_size * D * staged)
     kernel = functools.partial(
         _decode_kernel, dense=dense, has_bias=bias is not None, stacked=False, page_size=page_size, ppb=ppb,
-        pages_per_split=pps, qk_scale=scale * LOG2E, f32_dot=qg.dtype == jnp.float32, block_h=block_h,
+        pages_per_split=pps, num_splits=n_splits, qk_scale=scale * LOG2E, f32_dot=qg.dtype == jnp.float32,
+        block_h=block_h,
         store_logits=return_probs, quantized=quantized, has_zero=k_zero is not None, pooled=True,
         dequant=dequant, pool_variant=pool_variant)
     S = M * page_size  # a head's logical slots
