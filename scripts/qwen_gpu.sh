@@ -271,7 +271,8 @@ case "$STAGE" in
     ;;
   11)  # DETACH=1 (planned for the machine after 2026-11-28's): issue 35's rows stage 9 left: 10% and 50% at 32k (7 of
       # 13 tasks to go) and at 8k (the tasks after the first 4-5), full attention's niah_multiquery word/uuid columns
-      # and SemantiCache's niah_single_3 columns at 16k; issue 37's control where the SAEs were carried
+      # and SemantiCache's niah_single_3 columns at 16k; SemantiCache's similarity='keys_values' (issue 36); issue 37's
+      # control where the SAEs were carried
     ev 0.12 agnostic_32k_budgets agnostic 32k "$A10" --suite ruler --no-fullkv > "$RUNS/agn32k_10.log" 2>&1 &
     ev 0.12 agnostic_32k_budgets agnostic 32k "$A50" --suite ruler --no-fullkv > "$RUNS/agn32k_50.log" 2>&1 &
     ev 0.12 agnostic_8k_budgets agnostic 8k "$AT10" --suite ruler --no-fullkv > "$RUNS/agn8k_10.log" 2>&1 &
@@ -279,6 +280,11 @@ case "$STAGE" in
     { ev 0.1 variants_16k agnostic 16k fullkv --suite ruler-variants --tasks niah_multiquery
       ev 0.1 variants_16k agnostic 16k "semanticache(0.25)" --suite ruler-variants --tasks niah_single_3 --no-fullkv
     } > "$RUNS/variants_last.log" 2>&1 &
+    # issue 36: SemantiCache merging by keys and values (opt-in, not measured yet) on the first four needle tasks'
+    # value types, beside the paper's rows at the same budgets
+    ev 0.1 variants_16k agnostic 16k "semanticache(0.5, similarity='keys_values'), semanticache(0.25, similarity='keys_values')" \
+      --suite ruler-variants --tasks niah_single_1,niah_single_2,niah_multikey_1,niah_multikey_2 --no-fullkv \
+      > "$RUNS/semanticache_kv.log" 2>&1 &
     if [ -f "$SAES" ]; then
       s3_control > "$RUNS/s3_control.log" 2>&1 &
       { sleep 60; s3_control_retrieval; } > "$RUNS/s3_control_16k.log" 2>&1 &
@@ -286,13 +292,17 @@ case "$STAGE" in
     ;;
   12)  # DETACH=1 MODEL=qwen2.5-coder-0.5b (planned; its 8 pieces in PIECES): issue 35's second size, full attention at
       # 4k-32k and the three policies that kept most of the 1.5B's score at 32k question-agnostic (Quest, Stem, CHESS
-      # with this model's own thresholds), the 1.5B's lengths (8k, 32k) first. Does the ranking hold across sizes?
+      # with this model's own thresholds, calibrated here), the 1.5B's lengths (8k, 32k) first. Does the ranking hold
+      # across sizes?
     [ "$MODEL" = qwen2.5-coder-0.5b ] || { echo "STAGE=12 is for MODEL=qwen2.5-coder-0.5b"; exit 2; }
     ev 0.12 full agnostic 8k,32k,4k,16k fullkv --suite ruler > "$RUNS/full.log" 2>&1 &
     ev 0.12 agnostic agnostic 8k,32k,4k,16k "quest(0.25)" --suite ruler --no-fullkv > "$RUNS/quest.log" 2>&1 &
     ev 0.12 agnostic agnostic 8k,32k,4k,16k stem --suite ruler --no-fullkv > "$RUNS/stem.log" 2>&1 &
-    ev 0.12 agnostic agnostic 8k,32k,4k,16k "chess('moderate', calibration='$MODEL')" --suite ruler --no-fullkv \
-      > "$RUNS/chess.log" 2>&1 &
+    # CHESS's thresholds for this model first (`sparsekv calibrate`, as the 1.5B's were; kept with the records)
+    { XLA_PYTHON_CLIENT_MEM_FRACTION=0.12 python -m sparsekv_jax.cli calibrate --model "$MODEL" --dtype bfloat16 \
+        --max-new-tokens 256 --batch-size 8 --quiet --out "$RUNS/chess_calibration.json" &&
+      ev 0.12 agnostic agnostic 8k,32k,4k,16k "chess('moderate', calibration='$RUNS/chess_calibration.json')" \
+        --suite ruler --no-fullkv; } > "$RUNS/chess.log" 2>&1 &
     ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
