@@ -115,6 +115,50 @@ def decode_forced(params, session, forced: np.ndarray, ready=None) -> tuple[np.n
     return np.stack([np.asarray(x) for x in logits], 1), np.stack([np.asarray(x) for x in reads])
 
 
+def decode_rewinding(params, session, steps: int) -> dict:
+    """``session`` (CHESS, or a pipeline ending in it) decoded greedily for ``steps`` `engine.decode_step`s from
+    ``session.begin()``, every row active, each step's rewind applied as `decode.decode_loop` does (the row's tokens
+    taken back, the next token fed the last one kept): per step the logits ``[steps + 1, B, V]`` (``begin``'s
+    first), pages read, rewinds, and after the rewind the lengths (``[B]``; a pool's ``[L, B, Hkv]``) and, on a
+    pool, the pages held and free before and after it; ``"cache"``, the last cache; ``"free_after_begin"``, a
+    pool's free pages after ``begin`` (``None`` on the uniform layout)."""
+    from sparsekv_jax import engine
+    from sparsekv_jax.cache_pooled import PoolCache, rewind_pool
+
+    ready = session.begin()
+    step = jax.jit(lambda cache, token, state: engine.decode_step(params, session.run.policy, cache, token, state,
+                                                                  backend=session.run.backend))
+    cache, state = ready.cache, ready.state
+    pooled = isinstance(cache, PoolCache)
+    free_after_begin = int(cache.alloc.num_free) if pooled else None
+    history = [[int(t)] for t in np.argmax(np.asarray(ready.logits), -1)]
+    rec = {k: [] for k in ("logits", "read", "rewind", "lengths", "held_before", "held", "free_before", "free")}
+    rec["logits"].append(np.asarray(ready.logits))
+    for _ in range(steps):
+        out = step(cache, jax.numpy.asarray([h[-1] for h in history], jax.numpy.int32), state)
+        cache, state = out.cache, out.state
+        rewind = np.asarray(state[1]["rewind"])
+        for h, t, r in zip(history, np.argmax(np.asarray(out.logits), -1), rewind, strict=True):
+            h.append(int(t))
+            del h[len(h) - int(r):]
+        back = jax.numpy.asarray(rewind, jax.numpy.int32)
+        if pooled:
+            rec["held_before"].append(np.asarray(cache.alloc.held).reshape(cache.lengths.shape))
+            rec["free_before"].append(int(cache.alloc.num_free))
+            cache = rewind_pool(cache, back)
+            rec["held"].append(np.asarray(cache.alloc.held).reshape(cache.lengths.shape))
+            rec["free"].append(int(cache.alloc.num_free))
+            rec["lengths"].append(np.asarray(cache.lengths))
+        else:
+            cache = cache.replace(length=cache.length - back, next_position=cache.next_position - back)
+            rec["lengths"].append(np.asarray(cache.length))
+        rec["logits"].append(np.asarray(out.logits))
+        rec["read"].append(np.asarray(out.pages_read))
+        rec["rewind"].append(rewind)
+    out = {k: np.stack([np.asarray(x) for x in v]) if v else np.zeros(0) for k, v in rec.items()}
+    return {**out, "cache": cache, "free_after_begin": free_after_begin}
+
+
 @pytest.fixture
 def rng(request: pytest.FixtureRequest) -> np.random.Generator:
     """A generator for one test: the run's seed and the test's id."""

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import seeded_rng
+from conftest import decode_rewinding, seeded_rng
 
 from sparsekv_jax import engine
 from sparsekv_jax.backend import Backend
@@ -109,7 +109,7 @@ def test_chess_on_a_shuffled_pool_rewinds_step_by_step_as_the_uniform_cache(para
     assert pre.cache.num_pages == N and int(pre.cache.alloc.num_free) == N - 40
     pool.prefilled = pre.replace(cache=shuffle_pages(pre.cache, rng.permutation(N), junk_like(rng)))
     uniform = engine.Session.start(params, CHESS8, tokens, max_new_tokens=NEW, **kw)
-    got, ref = _greedy_steps(params, pool, NEW - 1), _greedy_steps(params, uniform, NEW - 1)
+    got, ref = decode_rewinding(params, pool, NEW - 1), decode_rewinding(params, uniform, NEW - 1)
     np.testing.assert_allclose(got["logits"], ref["logits"], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(got["read"], ref["read"], rtol=1e-6)
     assert (ref["read"] < 0.95).any(), ref["read"]
@@ -197,43 +197,6 @@ def test_chess_on_the_pool_with_a_row_that_stops(params, rng):
     length = np.asarray(want.cache.length)
     np.testing.assert_array_equal(length, [T + int(want.num_generated[0]) - 1, LENGTHS[1] + NEW - 1])
     np.testing.assert_array_equal(np.asarray(got.cache.lengths), np.broadcast_to(length[None, :, None], (2, 2, 2)))
-
-
-def _greedy_steps(params, session, steps: int) -> dict[str, np.ndarray]:
-    """``session`` decoded greedily for ``steps`` `decode_step`s, every row active, each step's rewind applied
-    as `decode.decode_loop` does (the row's tokens taken back, the next token fed the last one kept): per step
-    the logits ``[steps + 1, B, V]`` (the prefill's first), pages read, rewinds, and after the rewind the lengths
-    (``[B]``; a pool's ``[L, B, Hkv]``) and, on a pool, the pages held and free before and after it."""
-    ready = session.begin()
-    step = jax.jit(lambda cache, token, state: engine.decode_step(params, session.run.policy, cache, token, state,
-                                                                  backend=session.run.backend))
-    cache, state = ready.cache, ready.state
-    history = [[int(t)] for t in np.argmax(np.asarray(ready.logits), -1)]
-    rec = {k: [] for k in ("logits", "read", "rewind", "lengths", "held_before", "held", "free_before", "free")}
-    rec["logits"].append(np.asarray(ready.logits))
-    pooled = isinstance(cache, PoolCache)
-    for _ in range(steps):
-        out = step(cache, jnp.asarray([h[-1] for h in history], jnp.int32), state)
-        cache, state = out.cache, out.state
-        rewind = np.asarray(state[1]["rewind"])
-        for h, t, r in zip(history, np.argmax(np.asarray(out.logits), -1), rewind, strict=True):
-            h.append(int(t))
-            del h[len(h) - int(r):]
-        back = jnp.asarray(rewind, jnp.int32)
-        if pooled:
-            rec["held_before"].append(np.asarray(cache.alloc.held).reshape(cache.lengths.shape))
-            rec["free_before"].append(int(cache.alloc.num_free))
-            cache = rewind_pool(cache, back)
-            rec["held"].append(np.asarray(cache.alloc.held).reshape(cache.lengths.shape))
-            rec["free"].append(int(cache.alloc.num_free))
-            rec["lengths"].append(np.asarray(cache.lengths))
-        else:
-            cache = cache.replace(length=cache.length - back, next_position=cache.next_position - back)
-            rec["lengths"].append(np.asarray(cache.length))
-        rec["logits"].append(np.asarray(out.logits))
-        rec["read"].append(np.asarray(out.pages_read))
-        rec["rewind"].append(rewind)
-    return {k: np.stack([np.asarray(x) for x in v]) if v else np.zeros(0) for k, v in rec.items()}
 
 
 def test_which_chess_runs_on_a_pool(params, rng):

@@ -27,12 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import seeded_rng
+from conftest import decode_rewinding, seeded_rng
 
 from sparsekv_jax import engine
 from sparsekv_jax.backend import Backend
 from sparsekv_jax.cache import pages_for
-from sparsekv_jax.cache_pooled import PoolCache, logical_positions, rewind_pool, shuffle_pages
+from sparsekv_jax.cache_pooled import PoolCache, logical_positions, shuffle_pages
 from sparsekv_jax.generate import generate
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
@@ -249,8 +249,8 @@ def test_chess_after_a_suffix_on_a_shuffled_pool_rewinds_step_by_step_as_the_uni
     assert pre.cache.num_pages == N and int(pre.cache.alloc.num_free) == N - 40
     pooled.prefilled = pre.replace(cache=shuffle_pages(pre.cache, rng.permutation(N), junk_like(rng)))
     uniform = engine.Session.start(params, CHESS8, tokens, max_new_tokens=CHESS_NEW, **prompt, **kw)
-    got, ref = _chess_steps(params, pooled, CHESS_NEW - 1), _chess_steps(params, uniform, CHESS_NEW - 1)
-    assert got["free_after_suffix"] < N - 40  # the suffix opened junk pages
+    got, ref = decode_rewinding(params, pooled, CHESS_NEW - 1), decode_rewinding(params, uniform, CHESS_NEW - 1)
+    assert got["free_after_begin"] < N - 40  # the suffix opened junk pages
     np.testing.assert_allclose(got["logits"], ref["logits"], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(got["read"], ref["read"], rtol=1e-6)
     np.testing.assert_array_equal(got["rewind"], ref["rewind"])
@@ -265,40 +265,6 @@ def test_chess_after_a_suffix_on_a_shuffled_pool_rewinds_step_by_step_as_the_uni
     for b in range(2):  # the question, never rewound, still at its slots in every layer and head
         np.testing.assert_array_equal(pos[:, b, :, LENGTHS[b]:floor[b]],
                                       np.broadcast_to(LENGTHS[b] + np.arange(SUFFIX[b]), (2, 2, SUFFIX[b])))
-
-
-def _chess_steps(params, session, steps: int) -> dict:
-    """``session`` from `begin` (its suffix read) decoded greedily for ``steps`` `decode_step`s, every row active,
-    each step's rewind applied as `decode.decode_loop` does: per step the logits (after the suffix first), pages
-    read, rewinds and the lengths after the rewind (``[B]``; a pool's ``[L, B, Hkv]``); the final cache and, on a
-    pool, the free pages after the suffix."""
-    ready = session.begin()
-    step = jax.jit(lambda cache, token, state: engine.decode_step(params, session.run.policy, cache, token, state,
-                                                                  backend=session.run.backend))
-    cache, state = ready.cache, ready.state
-    pooled = isinstance(cache, PoolCache)
-    history = [[int(t)] for t in np.argmax(np.asarray(ready.logits), -1)]
-    rec: dict = {k: [] for k in ("logits", "read", "rewind", "lengths")}
-    rec["logits"].append(np.asarray(ready.logits))
-    free = int(cache.alloc.num_free) if pooled else None
-    for _ in range(steps):
-        out = step(cache, jnp.asarray([h[-1] for h in history], jnp.int32), state)
-        cache, state = out.cache, out.state
-        rewind = np.asarray(state[1]["rewind"])
-        for h, t, r in zip(history, np.argmax(np.asarray(out.logits), -1), rewind, strict=True):
-            h.append(int(t))
-            del h[len(h) - int(r):]
-        back = jnp.asarray(rewind, jnp.int32)
-        if pooled:
-            cache = rewind_pool(cache, back)
-            rec["lengths"].append(np.asarray(cache.lengths))
-        else:
-            cache = cache.replace(length=cache.length - back, next_position=cache.next_position - back)
-            rec["lengths"].append(np.asarray(cache.length))
-        rec["logits"].append(np.asarray(out.logits))
-        rec["read"].append(np.asarray(out.pages_read))
-        rec["rewind"].append(rewind)
-    return {**{k: np.stack(v) for k, v in rec.items()}, "cache": cache, "free_after_suffix": free}
 
 
 def test_a_suffix_before_h2o_and_chess_is_admitted_on_a_pool(params, rng):
