@@ -1,9 +1,10 @@
 """Markdown tables of `bench e2e` runs: each policy's time as a ratio to full attention **in the same run**.
 
 Each ``--run NAME=FILE`` is one `python -m sparsekv_jax.bench.e2e --out FILE` run (its rows, a JSON list). A point's
-ratio divides by full attention's (``Dense``) point of the same kind, context and batch in that file (the median where
-the file holds it twice, e.g. a run that times full attention first and last); a point with no such reference, or
-one that did not fit, has no ratio. Rows are points, columns runs, so repeats sit side by side::
+ratio divides by full attention's (``Dense``) point of the same model, kind, context and batch in that file (the
+median where the file holds it twice, e.g. a run that times full attention first and last); a point with no such
+reference, or one that did not fit, has no ratio. Rows are points, columns runs, so repeats sit side by side; a file
+that times several models (``--models a,b``) gets a model column::
 
     python experiments/e2e_speed_table.py --run a=qwen_e2e_a.json --run b=qwen_e2e_b.json \\
         --run isolated=qwen_e2e_isolated.json --out speed.md
@@ -21,7 +22,7 @@ REFERENCE = "Dense"
 
 
 def _point(row: dict) -> tuple:
-    return row.get("kind"), row.get("context"), row.get("batch")
+    return row.get("model"), row.get("kind"), row.get("context"), row.get("batch")
 
 
 def _time(row: dict) -> float | None:
@@ -47,20 +48,23 @@ def table(runs: dict[str, list[dict]]) -> str:
     cells: dict[tuple, dict[str, tuple[dict, float | None]]] = {}
     for name, rows in runs.items():
         for row, ratio in ratios(rows):
-            key = (row.get("kind"), row.get("policy"), row.get("context"), row.get("batch"))
+            key = (row.get("kind"), row.get("model"), row.get("policy"), row.get("context"), row.get("batch"))
             if name in cells.setdefault(key, {}) and _time(cells[key][name][0]) is not None:
                 continue  # a repeated point (full attention first and last): its first reading
             cells[key][name] = (row, ratio)
-    order = {p: i for i, p in enumerate(dict.fromkeys(k[1] for k in cells))}
+    models = {k[1] for k in cells}
+    order = {p: i for i, p in enumerate(dict.fromkeys(k[2] for k in cells))}
+    model_order = {m: i for i, m in enumerate(dict.fromkeys(k[1] for k in cells))}
     parts = []
     for kind, unit in (("prefill", "ms"), ("decode", "ms/token")):
-        keys = sorted((k for k in cells if k[0] == kind), key=lambda k: (order[k[1]], k[2], k[3]))
+        keys = sorted((k for k in cells if k[0] == kind), key=lambda k: (model_order[k[1]], order[k[2]], k[3], k[4]))
         if not keys:
             continue
-        head = ["policy", "context", "batch"] + [f"{unit} ({n}) · × full" for n in runs]
+        point = ["model"] * (len(models) > 1) + ["policy", "context", "batch"]
+        head = point + [f"{unit} ({n}) · × full" for n in runs]
         head += ["tokens/s (first run)", "KV cache GiB", "peak GiB (XLA)"] if kind == "decode" else \
             ["blocks computed"]
-        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * (len(head) - 3)]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(point) + "---:|" * (len(head) - len(point))]
         for key in keys:
             row_cells, first = [], None
             for name in runs:
@@ -77,7 +81,8 @@ def table(runs: dict[str, list[dict]]) -> str:
                          f"{(first.get('memory_bytes') or 0) / GIB:.2f}"] if first else ["–"] * 3
             else:
                 extra = [f"{first['prefill_block_fraction']:.2f}"] if first else ["–"]
-            lines.append("| " + " | ".join([key[1], f"{key[2] // 1024}k", str(key[3]), *row_cells, *extra]) + " |")
+            names = [str(key[1])] * (len(models) > 1) + [key[2], f"{key[3] // 1024}k", str(key[4])]
+            lines.append("| " + " | ".join([*names, *row_cells, *extra]) + " |")
         parts.append("\n".join(lines))
     return "\n\n".join(parts) + "\n"
 

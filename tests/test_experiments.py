@@ -225,6 +225,27 @@ def test_e2e_speed_table_divides_by_full_attention_of_the_same_run(tmp_path):
         mod.main(["--run", "nofile"])
 
 
+def test_e2e_speed_table_keeps_models_apart(tmp_path):
+    """A file timing two models: each model's points divide by its own Dense (by hand: llama Quest 7 / Dense 6 ->
+    1.17x, qwen Quest 3 / Dense 2 -> 1.50x), never by a median over both, and the table gets a model column."""
+    mod = _module("e2e_speed_table")
+
+    def dec(model, policy, ms):
+        return {"model": model, "kind": "decode", "policy": policy, "context": 32768, "batch": 1, "ms_per_token": ms,
+                "tokens_per_s": 1000 / ms, "cache_bytes": 2**30, "memory_bytes": 2**31}
+
+    rows = [dec("llama", "Dense", 6.0), dec("qwen", "Dense", 2.0), dec("llama", "Quest", 7.0),
+            dec("qwen", "Quest", 3.0)]
+    (tmp_path / "a.json").write_text(json.dumps(rows))
+    text = mod.table({"a": json.loads((tmp_path / "a.json").read_text())})
+    lines = {tuple(c.strip() for c in line.strip("|").split("|"))[:4]: [c.strip() for c in line.strip("|").split("|")]
+             for line in text.splitlines() if line.startswith("| ") and "---" not in line}
+    assert lines[("model", "policy", "context", "batch")][4].startswith("ms/token (a)")
+    assert lines[("llama", "Quest", "32k", "1")][4] == "7.00 · 1.17×"
+    assert lines[("qwen", "Quest", "32k", "1")][4] == "3.00 · 1.50×"
+    assert lines[("qwen", "Dense", "32k", "1")][4] == "2.00 · 1.00×"
+
+
 def test_policy_pairs_pairs_two_policies_on_their_shared_samples(tmp_path):
     """Means by hand on the shared samples: A (1, 0, 1 | 1) -> task means 2/3 and 1 -> 83.33; B (0, 0, 1 | 0) -> 1/3
     and 0 -> 16.67; A − B = +66.67 points, A = 500% of B. A's extra sample (index 3) has no B and is left out; a
