@@ -46,7 +46,10 @@ PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
         ("bser(0.25)", "snapkv(0.25)"), (_CHESS, "quest(0.25)"),
         (f"s3hybrid(0.25, saes='{_QWEN_SAES}')", "bm25(0.25)"), (f"s3pure(0.25, saes='{_QWEN_SAES}')", "bm25(0.25)"),
         (f"s3hybrid(0.25, saes='{_QWEN_SAES}')", "snapkv(0.25)"),
-        ("semanticache(0.1)", "snapkv(0.1)"), ("semanticache(0.5)", "snapkv(0.5)")),
+        ("semanticache(0.1)", "snapkv(0.1)"), ("semanticache(0.5)", "snapkv(0.5)"),
+        ("semanticache(0.25, similarity='keys_values')", "semanticache(0.25)"),
+        ("semanticache(0.5, similarity='keys_values')", "semanticache(0.5)"),
+        ("quest(0.1)", "quest(0.25)"), ("h2o(0.5)", "snapkv(0.5)")),
 }
 
 # the fields of a report row that are results (a newer report may add fields, e.g. coverage, and its prose
