@@ -190,12 +190,8 @@ def ref_compress(k, v, pos, tokens, lengths, pol: SemantiCache, margins: list[fl
                 stored = np.asarray(k[l, b, h], np.float64)
                 content = rope(stored, -np.asarray(pos[l, b, h])) if pol.keys == "pre_rope" else stored
                 unit = content / np.linalg.norm(content, axis=-1, keepdims=True)
-                vals = np.asarray(v[l, b, h], np.float64)
-                unit_v = vals / np.linalg.norm(vals, axis=-1, keepdims=True)
 
-                def cos(i, j, unit=unit, unit_v=unit_v):
-                    if pol.similarity == "keys_values":
-                        return float(min(unit[i] @ unit[j], unit_v[i] @ unit_v[j]))
+                def cos(i, j, unit=unit):
                     return float(unit[i] @ unit[j])
 
                 def cluster_at(chunks, tau, cos=cos):
@@ -320,7 +316,6 @@ SENTENCES, WORDS, DIGITS = (dict(protect=p) for p in ("digit_sentences", "digit_
     (SemantiCache(0.5, tau=0.8, chunk_size=8, window=4, search_steps=5, chunking="fixed", keys="post_rope"), 0.15,
      0.1, None),
     (SemantiCache(12, window=4, recent_ratio=0.5, search_steps=5, chunking="none"), 0.15, 0.1, None),  # window: 6
-    (SemantiCache(0.4, chunk_size=8, sinks=2, window=2, search_steps=5, similarity="keys_values"), 0.15, 0.05, None),
     # on the GSC kernel (interpreted): the GPU's path
     (SemantiCache(1.0, tau=0.6, chunk_size=8, window=4, sentence_share=1.0, gsc="interpret", **SENTENCES), 0.15,
      0.02, 3),
@@ -328,7 +323,7 @@ SENTENCES, WORDS, DIGITS = (dict(protect=p) for p in ("digit_sentences", "digit_
      None),
 ], ids=["threshold", "threshold-words", "threshold-paper", "budget-fallback", "budget-fallback-paper",
         "number-sentences", "number-words", "digits-only",
-        "digits-overflow", "capped-fixed-post_rope", "none", "keys_values", "threshold-kernel",
+        "digits-overflow", "capped-fixed-post_rope", "none", "threshold-kernel",
         "budget-fallback-kernel"])
 def test_chunking_gsc_and_merging_equal_the_numpy_reference(pol, delim_rate, number_rate, kept):
     """``kept``: the class kept unmerged (3 = sentences holding a digit, 2 = words holding a digit,
@@ -630,7 +625,7 @@ def test_spec_and_bad_settings():
     assert isinstance(pol, SemantiCache) and pol.budget == 0.2 and pol.tau == 0.7 and pol.chunking == "fixed"
     for kwargs, match in [(dict(tau=1.5), "tau=1.5"), (dict(chunking="words"), "chunking='words'"),
                           (dict(keys="both"), "keys='both'"),
-                          (dict(similarity="values"), "similarity='values'"), (dict(budget=0.01), "budget=0.01"),
+                          (dict(budget=0.01), "budget=0.01"),
                           (dict(budget=10, window=32), "window=32"), (dict(chunk_size=1), "chunk_size=1"),
                           (dict(recent_ratio=1.0), "recent_ratio=1.0"), (dict(gsc="cuda"), "gsc='cuda'"),
                           (dict(protect="numbers"), "protect='numbers'"), (dict(protect=True), "protect=True"),
@@ -650,7 +645,8 @@ def test_spec_and_bad_settings():
 def test_removed_candidates_fail_saying_why():
     """Issue 36's answer-agnostic candidates, measured and removed: the old spelling fails at
     construction (before any jit) naming the value, the accepted ones and where the measurement is;
-    ``max_cluster_size`` is no field, and the spec parser's error names it."""
+    ``max_cluster_size`` is no field, and the spec parser's error names it; nor is ``similarity``
+    (``"keys_values"``, measured on 2026-11-28 and removed: docs/SEMANTICACHE.md)."""
     for removed in ("rare_tokens", "attended", "outlier_keys"):
         with pytest.raises(ValueError, match=rf"protect='{removed}' must be one of \(None, 'digits', "
                                              r"'digit_words', 'digit_sentences'\): .*measured.*removed.*"
@@ -660,6 +656,10 @@ def test_removed_candidates_fail_saying_why():
             parse_policy(f"semanticache(0.25, protect='{removed}')")
     with pytest.raises(ValueError, match="semanticache.*unexpected keyword argument 'max_cluster_size'"):
         parse_policy("semanticache(0.25, max_cluster_size=8)")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'similarity'"):
+        SemantiCache(0.25, similarity="keys_values")
+    with pytest.raises(ValueError, match="semanticache.*unexpected keyword argument 'similarity'"):
+        parse_policy("semanticache(0.25, similarity='keys_values')")
 
 
 def test_without_a_tokenizer_generate_says_what_to_call(params):

@@ -23,7 +23,9 @@ beside their code:
 
 Issue 36's answer-agnostic candidates (``protect="rare_tokens"``, ``"attended"``, ``"outlier_keys"``
 and ``max_cluster_size``) were measured on Qwen2.5-Coder-1.5B and removed: each lost to the paper's
-algorithm on at least one needle value type (docs/RESULTS.md).
+algorithm on at least one needle value type (docs/RESULTS.md). So was ``similarity="keys_values"``
+(cluster on the lesser of the key and the value cosine): on 2026-11-28, lower than keys alone on every
+value type (-16.67 points at 25%, -21.33 at 50%; docs/SEMANTICACHE.md).
 
 The mechanics (layout, GSC, the threshold search, the merged entries) are `policies/clustering.py`;
 the cache write is `common.write_entries`. This file holds the settings, their checks and the stages.
@@ -48,7 +50,6 @@ from sparsekv_jax.policies.common import budget_tokens, check_budget, check_sink
 CHUNKINGS = ("delimiters", "fixed", "none")
 LEVEL_RULES = ("least_lossy", "finest")
 KEYS = ("pre_rope", "post_rope")
-SIMILARITIES = ("keys", "keys_values")
 PROTECT = (None, *semanticache_tokens.PROTECT_TOKENS)
 # issue 36's answer-agnostic candidates, measured and removed (docs/RESULTS.md): named in the error
 REMOVED_PROTECT = ("rare_tokens", "attended", "outlier_keys")
@@ -77,8 +78,6 @@ class SemantiCache(Policy):
         ``"none"`` (one chunk: global clustering) — the paper's Table 4 variants.
       chunk_size: longest chunk (longer delimiter-free runs are split); the fixed block size.
       keys: ``"pre_rope"`` (content similarity, merged at the mean position) or ``"post_rope"``.
-      similarity: ``"keys"`` (the paper: GSC compares keys) or ``"keys_values"`` (the lesser of the
-        key and the value cosine; an ablation).
       search_steps: thresholds tried per grid pass in budget mode (two passes).
       level_rule: budget mode's layout per (layer, row, KV head): ``"least_lossy"`` (the highest
         threshold) or ``"finest"`` (per row the first that fits: the previous rule, for ablations).
@@ -107,7 +106,6 @@ class SemantiCache(Policy):
     chunking: str = struct.field(pytree_node=False, default="delimiters")
     chunk_size: int = struct.field(pytree_node=False, default=64)
     keys: str = struct.field(pytree_node=False, default="pre_rope")
-    similarity: str = struct.field(pytree_node=False, default="keys")
     search_steps: int = struct.field(pytree_node=False, default=16)
     level_rule: str = struct.field(pytree_node=False, default="least_lossy")
     layer_batch: int = struct.field(pytree_node=False, default=4)
@@ -150,8 +148,6 @@ class SemantiCache(Policy):
             raise ValueError(f"chunking={self.chunking!r} must be one of {CHUNKINGS}")
         if self.keys not in KEYS:
             raise ValueError(f"keys={self.keys!r} must be one of {KEYS}")
-        if self.similarity not in SIMILARITIES:
-            raise ValueError(f"similarity={self.similarity!r} must be one of {SIMILARITIES}")
         if self.chunk_size < 2:
             raise ValueError(f"chunk_size={self.chunk_size} must be >= 2")
         if self.level_rule not in LEVEL_RULES:
@@ -195,7 +191,7 @@ class SemantiCache(Policy):
         defaults = {f.name: f.default for f in dataclasses.fields(SemantiCache)}
         shown = [f"{n}={getattr(self, n)!r}"
                  for n in ("tau", "sinks", "window", "recent_ratio", "protect", "number_sentences", "sentence_share",
-                           "chunking", "chunk_size", "keys", "similarity", "level_rule")
+                           "chunking", "chunk_size", "keys", "level_rule")
                  if getattr(self, n) != defaults[n]]
         return f"SemantiCache({', '.join([repr(self.budget), *shown])})"
 

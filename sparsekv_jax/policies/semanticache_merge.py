@@ -17,8 +17,6 @@ Choices where the paper is silent (docs/SEMANTICACHE.md shows them in ablations)
   position* (rounded half up), which is also the entry's position; a singleton keeps its stored
   key, value and position bit for bit. Entries are stored in the order of their first slot.
   ``keys="post_rope"`` compares and averages the stored keys (position: the mean too).
-  ``similarity="keys_values"`` (an ablation) clusters on the lesser of the key and the value cosine,
-  so a member's value must be as alike as its key: lower on RULER 4k (27.26 against 29.71 at 50%).
 * **Budget mode** (``tau=None``): per (layer, row, KV head) the *largest* ``tau`` whose clusters fit
   the budget: a pass of ``search_steps`` thresholds log-spaced below the top
   (`clustering.search_grid`), then a linear pass between the last that did not fit and the first
@@ -99,8 +97,6 @@ def cluster(pol: SemantiCache, cache: KVCache,
         if inv_freq is not None:
             content = clustering.rotate(content, -pos, inv_freq)
         band = clustering.similarity_band(content, width)
-        if pol.similarity == "keys_values":  # a member's value must be as alike as its key
-            band = jnp.minimum(band, clustering.similarity_band(v.astype(jnp.float32), width))
         if per_head:
             back, kept_as_is, choice, tau = clustering.least_lossy_clustering(band, layouts, keep, top,
                                                                               pol.search_steps, gsc)
