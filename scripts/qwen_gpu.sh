@@ -153,17 +153,14 @@ case "$STAGE" in
       > "$RUNS/recheck.log" 2>&1 &
     ;;
   4)  # ran at 3a7182e (2026-11-27) with SemantiCache's four answer-agnostic candidates, since removed (none helped on
-      # every value type: docs/RESULTS.md); what issue 36 still needs: SemantiCache merging on keys and values and
-      # its 50% LongBench row, CHESS at 32k (more generated pages), and the runs stage 4 left unfinished. CHESS's
-      # thresholds are shipped (policies/calibration/qwen2.5-coder-1.5b.json). Rows resume: run the stage again
-      # until every log ends in its table.
+      # every value type: docs/RESULTS.md); what issue 36 still needs: SemantiCache's 50% LongBench row, CHESS at 32k
+      # (more generated pages), and the runs stage 4 left unfinished (SemantiCache merging on keys and values: measured
+      # in stage 11, since removed). CHESS's thresholds are shipped (policies/calibration/qwen2.5-coder-1.5b.json).
+      # Rows resume: run the stage again until every log ends in its table.
     VT=niah_single_1,niah_single_2,niah_multikey_1,niah_multikey_2
     C="chess('moderate', calibration='qwen2.5-coder-1.5b')"
     ev 0.12 chess_32k agnostic 32k "$C, chess('moderate', calibration='qwen2.5-coder-1.5b', trigger_on='either')" \
       --suite ruler > "$RUNS/chess32k.log" 2>&1 &
-    ev 0.12 variants_16k agnostic 16k "semanticache(0.25, similarity='keys_values'), \
-      semanticache(0.5, similarity='keys_values')" --suite ruler-variants --tasks "$VT" --no-fullkv \
-      > "$RUNS/variants_sc_kv.log" 2>&1 &
     ev 0.12 longbench agnostic 32k "fullkv, snapkv(0.25), semanticache(0.25), semanticache(0.5), snapkv(0.5)" \
       --suite longbench > "$RUNS/longbench_sc.log" 2>&1 &
     # CHESS's trigger fired on none of RULER's 325 sequences at 8k (most answers are short: 62% of them stop
@@ -271,8 +268,9 @@ case "$STAGE" in
     ;;
   11)  # DETACH=1 (planned for the machine after 2026-11-28's): issue 35's rows stage 9 left: 10% and 50% at 32k (7 of
       # 13 tasks to go) and at 8k (the tasks after the first 4-5), full attention's niah_multiquery word/uuid columns
-      # and SemantiCache's niah_single_3 columns at 16k; SemantiCache's similarity='keys_values' (issue 36); issue 37's
-      # control where the SAEs were carried
+      # and SemantiCache's niah_single_3 columns at 16k; issue 37's control where the SAEs were carried. (SemantiCache's
+      # similarity='keys_values', issue 36, was measured here on 2026-11-28 — lower than keys alone on every value
+      # type, -16.67 points at 25%, -21.33 at 50% — and removed; its rows stay in variants_16k.)
     ev 0.12 agnostic_32k_budgets agnostic 32k "$A10" --suite ruler --no-fullkv > "$RUNS/agn32k_10.log" 2>&1 &
     ev 0.12 agnostic_32k_budgets agnostic 32k "$A50" --suite ruler --no-fullkv > "$RUNS/agn32k_50.log" 2>&1 &
     ev 0.12 agnostic_8k_budgets agnostic 8k "$AT10" --suite ruler --no-fullkv > "$RUNS/agn8k_10.log" 2>&1 &
@@ -280,11 +278,6 @@ case "$STAGE" in
     { ev 0.1 variants_16k agnostic 16k fullkv --suite ruler-variants --tasks niah_multiquery
       ev 0.1 variants_16k agnostic 16k "semanticache(0.25)" --suite ruler-variants --tasks niah_single_3 --no-fullkv
     } > "$RUNS/variants_last.log" 2>&1 &
-    # issue 36: SemantiCache merging by keys and values (opt-in, not measured yet) on the first four needle tasks'
-    # value types, beside the paper's rows at the same budgets
-    ev 0.1 variants_16k agnostic 16k "semanticache(0.5, similarity='keys_values'), semanticache(0.25, similarity='keys_values')" \
-      --suite ruler-variants --tasks niah_single_1,niah_single_2,niah_multikey_1,niah_multikey_2 --no-fullkv \
-      > "$RUNS/semanticache_kv.log" 2>&1 &
     if [ -f "$SAES" ]; then
       s3_control > "$RUNS/s3_control.log" 2>&1 &
       { sleep 60; s3_control_retrieval; } > "$RUNS/s3_control_16k.log" 2>&1 &
