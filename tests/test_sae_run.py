@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import seeded_rng
+from conftest import once_per_session, seeded_rng
 
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
@@ -35,7 +35,10 @@ class CharTokenizer:
     all_special_ids = [0]
 
     def __call__(self, text, add_special_tokens=False, verbose=False):
-        return {"input_ids": [min(ord(c), TINY.vocab_size - 1) for c in text]}
+        # code points through numpy (UTF-32, no BOM): min(ord(c), V - 1) per character, 1 CPU s -> 0.05 s on the
+        # corpus a run tokenizes (4M characters), which every `run` here does
+        codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+        return {"input_ids": np.minimum(codes, TINY.vocab_size - 1).astype(np.int32)}
 
 
 def _tiny_run_config(out: Path, **changes) -> RunConfig:
@@ -111,25 +114,41 @@ def test_a_time_budget_shortens_the_schedule(tmp_path):
     assert not (tmp_path / "budget" / "checkpoints").exists()
 
 
-def test_cli_trains_smollm2_keys_and_writes_every_output(smol, tmp_path, monkeypatch):
+# `sparsekv train-sae` on SmolLM2 at toy sizes: 80 steps, a checkpoint every 10, every step logged
+SMOKE_ARGS = ["--config", str(REPO / "sae_training/configs/smoke.yaml"), "--steps", "80", "--layers", "0,2",
+              "--seq-len", "68", "--rows-per-chunk", "2", "--batch-size", "128", "--checkpoint-every", "10",
+              "--log-every", "1", "--eval-max-rows", "2", "-q"]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(smol, tmp_path_factory):
+    """The folder of one uninterrupted `sparsekv train-sae` run (`SMOKE_ARGS`), in this process.
+
+    Each CLI run pays ~20 CPU s besides its steps (the model loaded, WikiText-2 tokenized, its programs
+    compiled, the evaluation, the plot): one run serves both the test of its outputs and, as the
+    uninterrupted reference, the killed-and-resumed run's test."""
     from sparsekv_jax.cli import main
 
-    cache, _, _, _ = smol
-    monkeypatch.setenv("SPARSEKV_CACHE", str(cache))
-    out = tmp_path / "smoke"
-    rc = main(["train-sae", "--config", str(REPO / "sae_training/configs/smoke.yaml"), "--out", str(out),
-               "--steps", "4", "--layers", "0,2", "--seq-len", "68", "--rows-per-chunk", "2", "--batch-size", "128",
-               "--checkpoint-every", "2", "--log-every", "1", "--eval-max-rows", "2", "-q"])
-    assert rc == 0
-    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["2", "4"]
+    def make(folder: Path) -> None:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SPARSEKV_CACHE", str(smol[0]))
+            assert main(["train-sae", *SMOKE_ARGS, "--out", str(folder / "whole")]) == 0
+
+    return once_per_session(tmp_path_factory, "sae_smoke_run", make) / "whole"  # once, whichever worker asks
+
+
+def test_cli_trains_smollm2_keys_and_writes_every_output(smoke_run):
+    out = smoke_run
+    # keep_checkpoints is 2: the newest two of 10, 20, ..., 80
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["70", "80"]
     rows = list(csv.DictReader((out / "curves.csv").open()))
-    assert [(r["step"], r["layer"]) for r in rows] == [(str(s), str(L)) for s in range(1, 5) for L in (0, 2)]
+    assert [(r["step"], r["layer"]) for r in rows] == [(str(s), str(L)) for s in range(1, 81) for L in (0, 2)]
     assert all(0 < float(r["fvu"]) < 2 and float(r["l0"]) == 8 for r in rows)
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     record = json.loads((out / "smoke.json").read_text())
     for key in ("model", "layers", "corpus", "steps", "k", "width", "heldout"):
         assert key in record
-    assert record["layers"] == [0, 2] and record["steps"] == 4 and record["k"] == 8 and record["width"] == 256
+    assert record["layers"] == [0, 2] and record["steps"] == 80 and record["k"] == 8 and record["width"] == 256
     assert [r["layer"] for r in record["heldout"]] == [0, 2]
     assert all(0 < r["fvu"] < 2 and 0 <= r["dead_fraction"] <= 1 and r["l0"] == 8 for r in record["heldout"])
     saes, rec2 = load_shipped("smoke", directory=out)
@@ -317,10 +336,13 @@ def test_curves_csv_is_cut_back_to_the_checkpoint_it_resumes_from(tmp_path):
     assert rows == _curve(tmp_path / "whole" / "curves.csv")
 
 
-def test_a_killed_cli_run_resumes_to_the_uninterrupted_weights_and_curves(smol, tmp_path, monkeypatch):
+def test_a_killed_cli_run_resumes_to_the_uninterrupted_weights_and_curves(smol, smoke_run, tmp_path, monkeypatch):
     """`sparsekv train-sae` in a subprocess, SIGKILLed mid-run (after a checkpoint, with rows logged
-    beyond it), then `--resume`: the exported weights are bit-identical to an uninterrupted run's and
-    curves.csv holds every step's rows once, equal to the uninterrupted run's."""
+    beyond it), then `--resume`: the exported weights are bit-identical to an uninterrupted run's
+    (`smoke_run`, the same arguments) and curves.csv holds every step's rows once, equal to the
+    uninterrupted run's. 80 steps (200 before; each costs every run ~0.1 CPU s), killed once 20 are
+    logged: 10 steps past the checkpoint at 10 (time for its write to finish), with rows beyond it, and 60
+    steps short of the end."""
     import os
     import signal
     import time
@@ -328,17 +350,14 @@ def test_a_killed_cli_run_resumes_to_the_uninterrupted_weights_and_curves(smol, 
     from sparsekv_jax.cli import main
 
     cache, _, _, _ = smol
-    args = ["--config", str(REPO / "sae_training/configs/smoke.yaml"), "--steps", "200", "--layers", "0,2",
-            "--seq-len", "68", "--rows-per-chunk", "2", "--batch-size", "128", "--checkpoint-every", "20",
-            "--log-every", "1", "--eval-max-rows", "2", "-q"]
     out = tmp_path / "killed"
     env = {**os.environ, "SPARSEKV_CACHE": str(cache), "PYTHONPATH": str(REPO)}
     with (tmp_path / "stderr.txt").open("w") as err:  # a file, not a pipe: a full pipe would stall the run
-        proc = subprocess.Popen([sys.executable, "-m", "sparsekv_jax.cli", "train-sae", *args, "--out", str(out)],
-                                env=env, stdout=subprocess.DEVNULL, stderr=err)
-        logged = 0  # steps logged; killed at 30, far from the end (200) even on a fast machine
+        proc = subprocess.Popen([sys.executable, "-m", "sparsekv_jax.cli", "train-sae", *SMOKE_ARGS, "--out",
+                                 str(out)], env=env, stdout=subprocess.DEVNULL, stderr=err)
+        logged = 0  # steps logged; killed at 20, far from the end (80) even on a fast machine
         t0 = time.monotonic()
-        while logged < 30 and proc.poll() is None and time.monotonic() - t0 < 300:
+        while logged < 20 and proc.poll() is None and time.monotonic() - t0 < 300:
             time.sleep(0.02)
             if (out / "curves.csv").exists():
                 logged = len((out / "curves.csv").read_text().splitlines()) // 2  # two layers a step (+ header)
@@ -346,17 +365,16 @@ def test_a_killed_cli_run_resumes_to_the_uninterrupted_weights_and_curves(smol, 
         proc.wait()
     assert proc.returncode == -signal.SIGKILL, (tmp_path / "stderr.txt").read_text()[-2000:]
     newest = max(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
-    assert 20 <= newest < 200 and not (out / "smoke.safetensors").exists()  # killed mid-run, not after it
+    assert 10 <= newest < 80 and not (out / "smoke.safetensors").exists()  # killed mid-run, not after it
     steps_logged = [int(r[0]) for r in _curve(out / "curves.csv")][::2]
     # written as it went: every step's rows up to the kill are there, beyond the newest checkpoint
-    assert steps_logged == list(range(1, len(steps_logged) + 1)) and len(steps_logged) >= max(30, newest)
+    assert steps_logged == list(range(1, len(steps_logged) + 1)) and len(steps_logged) >= max(20, newest)
     monkeypatch.setenv("SPARSEKV_CACHE", str(cache))
-    assert main(["train-sae", *args, "--out", str(out), "--resume"]) == 0
-    assert main(["train-sae", *args, "--out", str(tmp_path / "whole")]) == 0
+    assert main(["train-sae", *SMOKE_ARGS, "--out", str(out), "--resume"]) == 0
     rows = _curve(out / "curves.csv")
-    assert [(r[0], r[1]) for r in rows] == [(str(s), str(L)) for s in range(1, 201) for L in (0, 2)]
-    assert rows == _curve(tmp_path / "whole" / "curves.csv")
-    a, b = _weights(out / "smoke.safetensors"), _weights(tmp_path / "whole" / "smoke.safetensors")
+    assert [(r[0], r[1]) for r in rows] == [(str(s), str(L)) for s in range(1, 81) for L in (0, 2)]
+    assert rows == _curve(smoke_run / "curves.csv")
+    a, b = _weights(out / "smoke.safetensors"), _weights(smoke_run / "smoke.safetensors")
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=str(key))
 
