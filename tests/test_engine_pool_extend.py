@@ -107,17 +107,19 @@ def test_suffix_on_the_pool_gives_the_uniform_tokens_and_logits(params, rng, pol
     alone, _ = teacher_force(params, parse_policy(spec), forced=forced, pool=True, **no_suffix, **_kw(case))
     assert np.abs(np.asarray(alone) - np.asarray(got_logits)).max() > 1e-2  # the suffix changes the answer
 
-    uniform, pooled = _sessions(params, spec, prompt, case)
+    # the pooled session's steps (the uniform side: `want`'s cache, below; its logits after the suffix: `want_logits`)
+    _, pooled = _sessions(params, spec, prompt, case)
     before, after = pooled.compress().cache, pooled.begin()
-    ref = uniform.begin()
-    np.testing.assert_allclose(np.asarray(after.logits), np.asarray(ref.logits), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(after.logits), np.asarray(want_logits)[:, 0], atol=1e-5, rtol=1e-5)
     n0 = np.asarray(before.lengths)  # [L, B, Hkv] what each head kept
     grown = np.asarray(after.cache.lengths)
     np.testing.assert_array_equal(grown, n0 + SUFFIX[None, :, None])
     _check_pages(after.cache, grown, at_least=pages_for(T, PS) if policy == "fullkv" else 0)
     # the suffix's entries: at each head's slots n0 .. n0 + q on the pool, at the row's slots on the uniform cache
-    row = np.asarray(uniform.compress().cache.length)
-    ulayers, nxt = ref.cache.layers, np.asarray(before.next_position)
+    # on the uniform cache `generate` left: its decode appended after the suffix and wrote no earlier slot (none of
+    # these policies evicts while decoding), so the row's compressed length is its length less the suffix and decode
+    row = np.asarray(want.cache.length) - SUFFIX - (NEW - 1)
+    ulayers, nxt = want.cache.layers, np.asarray(before.next_position)
     for layer in range(CFG.num_layers):
         kv = layer_kv(after.cache, layer)
         for b in range(2):
