@@ -50,9 +50,16 @@ POLICIES = {"snapkv": "snapkv(0.25, window=4)", "streaming_llm": "streaming_llm(
 PER_HEAD = ("adakv", "pyramidkv", "semanticache")  # heads (or layers) keep different counts
 CASES = {"jnp-fp32": Backend(), "kernel-fp32": Backend.kernels(),
          "kernel-int8": dataclasses.replace(Backend.kernels(), kv_dtype="int8")}
-# each policy on the jnp path in fp32 and on the interpreted kernel in int8; AdaKV on the kernel in fp32 too
-RUNS = ([(p, "jnp-fp32") for p in POLICIES] + [(p, "kernel-int8") for p in POLICIES]
-        + [("adakv", "kernel-fp32"), ("semanticache", "kernel-fp32")])
+# each policy on the jnp path in fp32; on the interpreted kernel (every compile of it is slow) two policies in int8,
+# one whose heads keep equal counts (the logits within 1e-5) and one whose heads do not (held to fp32 as closely as
+# the uniform int8 logits are), and that per-head one in fp32 too (its exact agreement on the kernel; its int8
+# reference is that run's uniform program, compiled once). Which two: drawn from the run's seed, so every policy
+# runs on the kernel over runs and a failing draw replays with ``--seed``.
+_DRAW = seeded_rng()
+EQUAL_INT8 = str(_DRAW.choice([p for p in POLICIES if p not in PER_HEAD]))
+PER_HEAD_KERNEL = str(_DRAW.choice(PER_HEAD))
+RUNS = ([(p, "jnp-fp32") for p in POLICIES] + [(EQUAL_INT8, "kernel-int8"), (PER_HEAD_KERNEL, "kernel-fp32"),
+                                              (PER_HEAD_KERNEL, "kernel-int8")])
 
 
 @pytest.fixture(scope="module")
