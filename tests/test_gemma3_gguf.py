@@ -104,24 +104,32 @@ def test_terms_ship_with_the_model():
 
 @pytest.mark.usefixtures("optimized_xla")  # a real model: its programs compiled optimized
 def test_gguf_logits_and_greedy_match_transformers(gemma):
+    """Logits of a fresh 600-token passage (88 tokens past the 512-token local window, whose rows are also
+    checked on their own), then 16 greedy tokens after its first 64, equal transformers'.
+
+    (Was 700 tokens and 32 after 128: the same parity at smaller sizes; the rows past the window are what
+    the local layers' masks decide, so they get their own bound rather than being diluted by the rest.)"""
     params, tok, model = gemma
     cfg = params.config
     assert cfg.family == "gemma3" and cfg.vocab_size == 262144 and cfg.sliding_window == 512
     assert type(model).__name__ == "Gemma3ForCausalLM" and model.config.layer_types == list(cfg.layer_types)
     text = wikitext2_text()
-    start = seeded_rng().integers(0, len(text) - 20 * 700)  # a fresh passage each run
-    ids = np.asarray([tok(text[start: start + 20 * 700])["input_ids"][:700]])
-    assert ids.shape == (1, 700) and ids[0, 0] == cfg.bos_token_id  # past the 512 window: local masks matter
+    start = seeded_rng().integers(0, len(text) - 20 * 600)  # a fresh passage each run
+    ids = np.asarray([tok(text[start: start + 20 * 600])["input_ids"][:600]])
+    assert ids.shape == (1, 600) and ids[0, 0] == cfg.bos_token_id  # past the 512 window: local masks matter
     with torch.no_grad():
         ref = model(torch.as_tensor(ids)).logits.numpy()
     ours = np.asarray(full_logits(params, ids))
     rel = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
     print(f"gemma3-270m GGUF: relative logit difference {rel:.2e}, max abs {np.abs(ours - ref).max():.2e}")
     assert rel <= 1e-3, rel
+    past = slice(cfg.sliding_window, None)  # the rows whose local layers mask out the start
+    rel_past = np.linalg.norm(ours[:, past] - ref[:, past]) / np.linalg.norm(ref[:, past])
+    assert rel_past <= 1e-3, rel_past
 
-    prompt = ids[:, :128]
+    prompt = ids[:, :64]
     with torch.no_grad():
-        hf = model.generate(torch.as_tensor(prompt), max_new_tokens=32, do_sample=False, min_new_tokens=32,
-                            attention_mask=torch.ones_like(torch.as_tensor(prompt)))[0, 128:].tolist()
-    out = generate(params, None, prompt, max_new_tokens=32, stop_tokens=())
+        hf = model.generate(torch.as_tensor(prompt), max_new_tokens=16, do_sample=False, min_new_tokens=16,
+                            attention_mask=torch.ones_like(torch.as_tensor(prompt)))[0, 64:].tolist()
+    out = generate(params, None, prompt, max_new_tokens=16, stop_tokens=())
     assert out.sequences()[0] == hf

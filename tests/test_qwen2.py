@@ -187,6 +187,10 @@ def qwen05():
 
 @pytest.mark.usefixtures("optimized_xla")  # a real model: its programs compiled optimized
 def test_qwen25_coder_05b_logits_and_greedy_match_transformers(qwen05):
+    """Logits of a fresh 128-token passage, then 8 greedy tokens after its first 32, equal transformers'.
+
+    (Was 192 tokens and 16 after 64: decoding the 0.5B model is most of the cost, on both sides; the
+    parity checked is the same.)"""
     params, tok, model = qwen05
     cfg = params.config
     assert (cfg.family, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == ("qwen2", 24, 14, 2, 64)
@@ -197,9 +201,9 @@ def test_qwen25_coder_05b_logits_and_greedy_match_transformers(qwen05):
     assert tok.convert_tokens_to_ids("<|im_end|>") in cfg.eos_token_ids
 
     text = wikitext2_text()
-    start = seeded_rng().integers(0, len(text) - 20 * 192)  # a fresh passage each run (the run's seed)
-    ids = np.asarray([tok(text[start: start + 20 * 192])["input_ids"][:192]])
-    assert ids.shape == (1, 192)
+    start = seeded_rng().integers(0, len(text) - 20 * 128)  # a fresh passage each run (the run's seed)
+    ids = np.asarray([tok(text[start: start + 20 * 128])["input_ids"][:128]])
+    assert ids.shape == (1, 128)
     with torch.no_grad():
         ref = model(torch.as_tensor(ids)).logits.numpy()
     ours = np.asarray(full_logits(params, ids))
@@ -207,11 +211,11 @@ def test_qwen25_coder_05b_logits_and_greedy_match_transformers(qwen05):
     print(f"qwen2.5-coder-0.5b GGUF: relative logit difference {rel:.2e}, max abs {np.abs(ours - ref).max():.2e}")
     assert rel <= 1e-3, rel  # the bound the Gemma 3 and SmolLM2 GGUF tests accept
 
-    prompt = ids[:, :64]
+    prompt = ids[:, :32]
     with torch.no_grad():
-        hf = model.generate(torch.as_tensor(prompt), max_new_tokens=16, do_sample=False, min_new_tokens=16,
-                            attention_mask=torch.ones_like(torch.as_tensor(prompt)))[0, 64:].tolist()
-    out = generate(params, None, prompt, max_new_tokens=16, stop_tokens=())
+        hf = model.generate(torch.as_tensor(prompt), max_new_tokens=8, do_sample=False, min_new_tokens=8,
+                            attention_mask=torch.ones_like(torch.as_tensor(prompt)))[0, 32:].tolist()
+    out = generate(params, None, prompt, max_new_tokens=8, stop_tokens=())
     assert out.sequences()[0] == hf
 
 

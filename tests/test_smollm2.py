@@ -25,22 +25,26 @@ def _prompt_ids(tokenizer, n: int) -> np.ndarray:
 
 
 def test_logits_and_greedy_match_transformers_gguf(smol):
+    """Logits of a fresh 256-token passage, then 16 greedy tokens after its first 64, equal transformers'.
+
+    (Was 512 tokens and 32 after 128: the parity is the same check at half the length, as the 0.5B
+    Qwen2.5 test does it; the 4k-token Quest test below covers long prompts.)"""
     cache_dir, params, tokenizer, _ = smol
     gguf = embedded_gguf_path(cache_dir=cache_dir)
     model = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32)
     model.eval()
-    ids = _prompt_ids(tokenizer, 512)
+    ids = _prompt_ids(tokenizer, 256)
     with torch.no_grad():
         ref = model(torch.as_tensor(ids)).logits.numpy()
     ours = np.asarray(full_logits(params, ids))
     rel = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
     assert rel <= 1e-3, rel
 
-    prompt = ids[:, :128]
+    prompt = ids[:, :64]
     with torch.no_grad():
-        hf = model.generate(torch.as_tensor(prompt), max_new_tokens=32, do_sample=False, min_new_tokens=32,
-                            attention_mask=torch.ones_like(torch.as_tensor(prompt)))[0, 128:].tolist()
-    out = generate(params, None, prompt, max_new_tokens=32, stop_tokens=())
+        hf = model.generate(torch.as_tensor(prompt), max_new_tokens=16, do_sample=False, min_new_tokens=16,
+                            attention_mask=torch.ones_like(torch.as_tensor(prompt)))[0, 64:].tolist()
+    out = generate(params, None, prompt, max_new_tokens=16, stop_tokens=())
     assert out.sequences()[0] == hf
 
 
