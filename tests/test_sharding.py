@@ -13,7 +13,8 @@ their references, a decode loop fed its own state on a mesh, and asks for the er
 not divide the heads or batch must give.
 
 Every policy on all three meshes took ~400 CPU s (each sharded program ~5 s to compile); one mesh
-each keeps every policy and every mesh in every run for a third of the sharded programs.
+each keeps every policy and every mesh in every run for a third of the sharded programs. The decode
+loop fed its own state runs likewise on one mesh a run (`carry_mesh`).
 
 The child uses XLA:CPU's cheapest compile settings (they apply to the sharded and the unsharded runs
 alike) and a persistent compile cache inside its own temp directory, so programs that are the same HLO
@@ -222,13 +223,22 @@ def _kernel_rows(meshes, rng) -> None:
     print("KERNELS " + json.dumps(rows), flush=True)
 
 
-def _carry_rows(cfg, params, meshes) -> None:
+CARRY_MESHES = ("2x4", "1x8")
+
+
+def carry_mesh(seed: int) -> str:
+    """The mesh of this run's decode loop (`_carry_rows`), drawn from ``seed``: rows × heads or heads
+    alone (each ~20 CPU s: one of them a run, both across runs)."""
+    return CARRY_MESHES[int(np.random.default_rng([seed, 0xCA77]).integers(len(CARRY_MESHES)))]
+
+
+def _carry_rows(cfg, params, meshes, seed: int) -> None:
     """A decode loop outside `generate` (the benchmarks', a user's): CHESS's decode steps through the
-    Pallas decode kernel per device, its state and cache donated and fed back. The state a step
-    returns must be split as the cache (rows × KV heads) whatever split it was given: otherwise a
-    compiled loop fed its own output is refused (CHESS's page lists, built replicated, came back
-    split by heads only: found on two H200s). `sharding.place_state` gives an eagerly built state that
-    split."""
+    Pallas decode kernel per device, its state and cache donated and fed back, on this run's
+    `carry_mesh`. The state a step returns must be split as the cache (rows × KV heads) whatever split
+    it was given: otherwise a compiled loop fed its own output is refused (CHESS's page lists, built
+    replicated, came back split by heads only: found on two H200s). `sharding.place_state` gives an
+    eagerly built state that split."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -240,29 +250,29 @@ def _carry_rows(cfg, params, meshes) -> None:
     from sparsekv_jax.policies.chess import CHESS
 
     rows = {}
-    for name in ("2x4", "1x8"):
-        mesh = meshes[name]
-        backend = Backend(mesh=mesh, decode_attention="pallas", interpret=True)
-        # bf16 as the benchmarks' random caches (`decode_cache`)
-        sparams = sharding.shard_params(jax.tree.map(
-            lambda x: x.astype("bfloat16") if x.dtype == np.float32 else x, params), mesh)
-        policy = CHESS.from_spec("aggressive", chunk_pages=2, grid_chunks=2).bind(
-            Setup(cfg, prompt_len=128, max_new_tokens=4, backend=backend))
-        cache, obs = decode_cache(cfg, policy, 128, B, 4, jax.random.key(3), mesh=mesh)
-        # replicated, as an eager decode_init may leave it; place_state gives the split a step returns
-        state = sharding.place_state(jax.device_put(policy.decode_init(cache, obs), NamedSharding(mesh, P())),
-                                     cache, mesh)
-        token = jax.device_put(np.ones((B,), np.int32), NamedSharding(mesh, P("data")))
-        fn = decode_fn(sparams, policy, 2, start=(cache.length, cache.next_position), backend=backend)
-        want = NamedSharding(mesh, P("data", "model"))
-        try:  # one compiled loop fed its own output
-            compiled = fn.lower(sparams, cache, state, token).compile()
-            for _ in range(3):
-                cache, state, token = jax.block_until_ready(compiled(sparams, cache, state, token))
-            rows[name] = {"fed_back": None}
-        except ValueError as e:
-            rows[name] = {"fed_back": str(e)[:600]}
-        rows[name].update({k: state[1][k].sharding.is_equivalent_to(want, state[1][k].ndim) for k in ("ids", "counts")})
+    name = carry_mesh(seed)
+    mesh = meshes[name]
+    backend = Backend(mesh=mesh, decode_attention="pallas", interpret=True)
+    # bf16 as the benchmarks' random caches (`decode_cache`)
+    sparams = sharding.shard_params(jax.tree.map(
+        lambda x: x.astype("bfloat16") if x.dtype == np.float32 else x, params), mesh)
+    policy = CHESS.from_spec("aggressive", chunk_pages=2, grid_chunks=2).bind(
+        Setup(cfg, prompt_len=128, max_new_tokens=4, backend=backend))
+    cache, obs = decode_cache(cfg, policy, 128, B, 4, jax.random.key(3), mesh=mesh)
+    # replicated, as an eager decode_init may leave it; place_state gives the split a step returns
+    state = sharding.place_state(jax.device_put(policy.decode_init(cache, obs), NamedSharding(mesh, P())),
+                                 cache, mesh)
+    token = jax.device_put(np.ones((B,), np.int32), NamedSharding(mesh, P("data")))
+    fn = decode_fn(sparams, policy, 2, start=(cache.length, cache.next_position), backend=backend)
+    want = NamedSharding(mesh, P("data", "model"))
+    try:  # one compiled loop fed its own output
+        compiled = fn.lower(sparams, cache, state, token).compile()
+        for _ in range(3):
+            cache, state, token = jax.block_until_ready(compiled(sparams, cache, state, token))
+        rows[name] = {"fed_back": None}
+    except ValueError as e:
+        rows[name] = {"fed_back": str(e)[:600]}
+    rows[name].update({k: state[1][k].sharding.is_equivalent_to(want, state[1][k].ndim) for k in ("ids", "counts")})
     print("CARRY " + json.dumps(rows), flush=True)
 
 
@@ -309,7 +319,7 @@ def _child() -> None:
     print("REGISTERED " + json.dumps(sorted({type(f()).__name__ for n, f in REGISTRY.items() if n != "pipeline"})),
           flush=True)
     _error_rows(cfg, params, meshes)
-    _carry_rows(cfg, params, meshes)
+    _carry_rows(cfg, params, meshes, seed)
     _kernel_rows(meshes, rng)
     _generate_rows(cfg, params, meshes, rng, seed)
 
@@ -395,7 +405,8 @@ def test_pallas_kernels_run_per_device_under_shard_map(child):
 def test_a_decode_loop_feeds_its_state_back_on_a_mesh(child):
     """The state a sharded decode step returns is split as the cache, rows × KV heads (CHESS's page
     lists through the Pallas decode kernel, given replicated), and one compiled loop takes its own
-    output back."""
+    output back: on this run's `carry_mesh` (2×4 or 1×8)."""
+    assert list(child["carry"]) == [carry_mesh(child["seed"])], (child["carry"], child["seed"])
     for mesh, c in child["carry"].items():
         assert c == {"ids": True, "counts": True, "fed_back": None}, (mesh, c)
 
