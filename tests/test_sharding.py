@@ -2,16 +2,23 @@
 
 The sharded runs need ``--xla_force_host_platform_device_count=8`` before JAX starts, so they run in
 one child process (this file run as a script: `_child`); the rest of the suite keeps its one device.
-For each policy × mesh (8×1, 1×8, 2×4) the child reports what the parent checks against the
-unsharded run of the same policy on the same inputs: the greedy tokens, every cache array, the
-stats, and the fp32 next-token logits read through the final cache (`generate.extend` of the last
+Each policy runs on one mesh a run (`mesh_of`: the policies in an order drawn from the run's seed, dealt
+to 8×1, 1×8 and 2×4 in turn, so every mesh gets a third of them each run and every policy meets every
+mesh across runs; a failure replays from the printed seed). The child reports what the parent checks
+against the unsharded run of the same policy on the same inputs: the greedy tokens, every cache array,
+the stats, and the fp32 next-token logits read through the final cache (`generate.extend` of the last
 token); where the cache's shards lie; and the size of every collective in the compiled program (no
 step may gather a layer's cache). It also runs the Pallas kernels per device (interpret mode) against
-their references, and asks for the errors a mesh that does not divide the heads or batch must give.
+their references, a decode loop fed its own state on a mesh, and asks for the errors a mesh that does
+not divide the heads or batch must give.
 
-The child compiles ~45 programs; it uses XLA:CPU's cheapest compile settings (they apply to the
-sharded and the unsharded runs alike) and a persistent compile cache inside its own temp directory,
-so programs that are the same HLO (the context-stage policies end in full attention's) compile once.
+Every policy on all three meshes took ~400 CPU s (each sharded program ~5 s to compile); one mesh
+each keeps every policy and every mesh in every run for a third of the sharded programs. The decode
+loop fed its own state runs likewise on one mesh a run (`carry_mesh`).
+
+The child uses XLA:CPU's cheapest compile settings (they apply to the sharded and the unsharded runs
+alike) and a persistent compile cache inside its own temp directory, so programs that are the same HLO
+(the context-stage policies end in full attention's) compile once.
 """
 
 from __future__ import annotations
@@ -94,6 +101,14 @@ def _policies(cfg) -> dict:
     return {n: p.with_tokenizer(tok) for n, p in out.items()}
 
 
+def mesh_of(names, seed: int) -> dict[str, str]:
+    """The one mesh each policy runs on this run: ``names`` in an order drawn from ``seed``, dealt to
+    `MESHES` in turn (each mesh gets a third of the policies every run; across runs every policy
+    meets every mesh)."""
+    order = np.random.default_rng([seed, 0x5EED]).permutation(sorted(names))
+    return {str(n): MESHES[i % len(MESHES)] for i, n in enumerate(order)}
+
+
 def _diff(a, b) -> float:
     """Largest ``|a - b| / max(1, |b|)`` (equal infinities count as equal)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
@@ -103,8 +118,8 @@ def _diff(a, b) -> float:
     return float(np.max(np.where(same, 0.0, np.abs(a - b) / np.maximum(1.0, np.abs(b))), initial=0.0))
 
 
-def _generate_rows(cfg, params, meshes, rng) -> None:
-    """Every policy unsharded, then on each mesh: one JSON line per (policy, mesh)."""
+def _generate_rows(cfg, params, meshes, rng, seed: int) -> None:
+    """Every policy unsharded, then on its mesh of this run (`mesh_of`): one JSON line per policy."""
     import jax
 
     from sparsekv_jax import engine as E
@@ -118,7 +133,9 @@ def _generate_rows(cfg, params, meshes, rng) -> None:
     ones = np.ones(B, np.int32)
     next_logits = jax.jit(lambda p, cache, token: G.extend(p, cache, token[:, None], ones)[0])
     placed = {m: sharding.shard_params(params, mesh) for m, mesh in meshes.items()}  # once, not per policy
-    for name, policy in _policies(cfg).items():
+    policies = _policies(cfg)
+    assigned = mesh_of(policies, seed)
+    for name, policy in policies.items():
         page = PAGE.get(name, 16)
         ref = G.generate(params, policy, tokens, lengths=lengths, suffix=suffix, max_new_tokens=NEW, stop_tokens=(),
                          page_size=page)
@@ -131,28 +148,29 @@ def _generate_rows(cfg, params, meshes, rng) -> None:
         if "context" in ref.stats:
             ctx = ref.stats["context"]
             acted["context_kept_fraction"] = float(np.mean(ctx["kept_tokens"] / ctx["context_tokens"]))
-        for mesh_name, mesh in meshes.items():
-            t0 = time.process_time()
-            # what `generate(..., mesh=mesh)` does, with the compiled program kept for its HLO
-            p2, backend = sharding.on_mesh(placed[mesh_name], tokens, mesh, None)
-            run = E.setup(p2, policy, tokens, lengths, suffix=suffix, max_new_tokens=NEW, stop_tokens=(),
-                          page_size=page, backend=backend)
-            args = (p2, run, jax.random.key(0))
-            compiled = E.generate_program.lower(*args).compile()
-            out = compiled(*args)
-            k = out.cache.layers.k
-            print(json.dumps({
-                "policy": name, "mesh": mesh_name, "acted": acted, "counters": counters,
-                "tokens_equal": bool((np.asarray(out.tokens) == np.asarray(ref.tokens)).all()),
-                "cache_diff": max(_diff(a, b) for a, b in zip(jax.tree.leaves(out.cache), ref_leaves, strict=True)),
-                "stats_diff": max(_diff(out.stats[s], ref.stats[s]) for s in out.stats),
-                "logits_diff": _diff(next_logits(p2, out.cache, out.tokens[:, -1]), ref_logits),
-                "cache_specs": sorted({str(tuple(x.sharding.spec)) for x in jax.tree.leaves(out.cache.layers)}),
-                "k_shard": list(k.addressable_shards[0].data.shape), "k_shape": list(k.shape),
-                "devices": len(k.sharding.device_set),
-                "collectives": sharding.collectives(compiled.as_text()),
-                "cpu_s": time.process_time() - t0,
-            }), flush=True)
+        mesh_name = assigned[name]
+        mesh = meshes[mesh_name]
+        t0 = time.process_time()
+        # what `generate(..., mesh=mesh)` does, with the compiled program kept for its HLO
+        p2, backend = sharding.on_mesh(placed[mesh_name], tokens, mesh, None)
+        run = E.setup(p2, policy, tokens, lengths, suffix=suffix, max_new_tokens=NEW, stop_tokens=(),
+                      page_size=page, backend=backend)
+        args = (p2, run, jax.random.key(0))
+        compiled = E.generate_program.lower(*args).compile()
+        out = compiled(*args)
+        k = out.cache.layers.k
+        print(json.dumps({
+            "policy": name, "mesh": mesh_name, "acted": acted, "counters": counters,
+            "tokens_equal": bool((np.asarray(out.tokens) == np.asarray(ref.tokens)).all()),
+            "cache_diff": max(_diff(a, b) for a, b in zip(jax.tree.leaves(out.cache), ref_leaves, strict=True)),
+            "stats_diff": max(_diff(out.stats[s], ref.stats[s]) for s in out.stats),
+            "logits_diff": _diff(next_logits(p2, out.cache, out.tokens[:, -1]), ref_logits),
+            "cache_specs": sorted({str(tuple(x.sharding.spec)) for x in jax.tree.leaves(out.cache.layers)}),
+            "k_shard": list(k.addressable_shards[0].data.shape), "k_shape": list(k.shape),
+            "devices": len(k.sharding.device_set),
+            "collectives": sharding.collectives(compiled.as_text()),
+            "cpu_s": time.process_time() - t0,
+        }), flush=True)
 
 
 def _kernel_rows(meshes, rng) -> None:
@@ -205,13 +223,22 @@ def _kernel_rows(meshes, rng) -> None:
     print("KERNELS " + json.dumps(rows), flush=True)
 
 
-def _carry_rows(cfg, params, meshes) -> None:
+CARRY_MESHES = ("2x4", "1x8")
+
+
+def carry_mesh(seed: int) -> str:
+    """The mesh of this run's decode loop (`_carry_rows`), drawn from ``seed``: rows × heads or heads
+    alone (each ~20 CPU s: one of them a run, both across runs)."""
+    return CARRY_MESHES[int(np.random.default_rng([seed, 0xCA77]).integers(len(CARRY_MESHES)))]
+
+
+def _carry_rows(cfg, params, meshes, seed: int) -> None:
     """A decode loop outside `generate` (the benchmarks', a user's): CHESS's decode steps through the
-    Pallas decode kernel per device, its state and cache donated and fed back. The state a step
-    returns must be split as the cache (rows × KV heads) whatever split it was given: otherwise a
-    compiled loop fed its own output is refused (CHESS's page lists, built replicated, came back
-    split by heads only: found on two H200s). `sharding.place_state` gives an eagerly built state that
-    split."""
+    Pallas decode kernel per device, its state and cache donated and fed back, on this run's
+    `carry_mesh`. The state a step returns must be split as the cache (rows × KV heads) whatever split
+    it was given: otherwise a compiled loop fed its own output is refused (CHESS's page lists, built
+    replicated, came back split by heads only: found on two H200s). `sharding.place_state` gives an
+    eagerly built state that split."""
     import jax
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -223,29 +250,29 @@ def _carry_rows(cfg, params, meshes) -> None:
     from sparsekv_jax.policies.chess import CHESS
 
     rows = {}
-    for name in ("2x4", "1x8"):
-        mesh = meshes[name]
-        backend = Backend(mesh=mesh, decode_attention="pallas", interpret=True)
-        # bf16 as the benchmarks' random caches (`decode_cache`)
-        sparams = sharding.shard_params(jax.tree.map(
-            lambda x: x.astype("bfloat16") if x.dtype == np.float32 else x, params), mesh)
-        policy = CHESS.from_spec("aggressive", chunk_pages=2, grid_chunks=2).bind(
-            Setup(cfg, prompt_len=128, max_new_tokens=4, backend=backend))
-        cache, obs = decode_cache(cfg, policy, 128, B, 4, jax.random.key(3), mesh=mesh)
-        # replicated, as an eager decode_init may leave it; place_state gives the split a step returns
-        state = sharding.place_state(jax.device_put(policy.decode_init(cache, obs), NamedSharding(mesh, P())),
-                                     cache, mesh)
-        token = jax.device_put(np.ones((B,), np.int32), NamedSharding(mesh, P("data")))
-        fn = decode_fn(sparams, policy, 2, start=(cache.length, cache.next_position), backend=backend)
-        want = NamedSharding(mesh, P("data", "model"))
-        try:  # one compiled loop fed its own output
-            compiled = fn.lower(sparams, cache, state, token).compile()
-            for _ in range(3):
-                cache, state, token = jax.block_until_ready(compiled(sparams, cache, state, token))
-            rows[name] = {"fed_back": None}
-        except ValueError as e:
-            rows[name] = {"fed_back": str(e)[:600]}
-        rows[name].update({k: state[1][k].sharding.is_equivalent_to(want, state[1][k].ndim) for k in ("ids", "counts")})
+    name = carry_mesh(seed)
+    mesh = meshes[name]
+    backend = Backend(mesh=mesh, decode_attention="pallas", interpret=True)
+    # bf16 as the benchmarks' random caches (`decode_cache`)
+    sparams = sharding.shard_params(jax.tree.map(
+        lambda x: x.astype("bfloat16") if x.dtype == np.float32 else x, params), mesh)
+    policy = CHESS.from_spec("aggressive", chunk_pages=2, grid_chunks=2).bind(
+        Setup(cfg, prompt_len=128, max_new_tokens=4, backend=backend))
+    cache, obs = decode_cache(cfg, policy, 128, B, 4, jax.random.key(3), mesh=mesh)
+    # replicated, as an eager decode_init may leave it; place_state gives the split a step returns
+    state = sharding.place_state(jax.device_put(policy.decode_init(cache, obs), NamedSharding(mesh, P())),
+                                 cache, mesh)
+    token = jax.device_put(np.ones((B,), np.int32), NamedSharding(mesh, P("data")))
+    fn = decode_fn(sparams, policy, 2, start=(cache.length, cache.next_position), backend=backend)
+    want = NamedSharding(mesh, P("data", "model"))
+    try:  # one compiled loop fed its own output
+        compiled = fn.lower(sparams, cache, state, token).compile()
+        for _ in range(3):
+            cache, state, token = jax.block_until_ready(compiled(sparams, cache, state, token))
+        rows[name] = {"fed_back": None}
+    except ValueError as e:
+        rows[name] = {"fed_back": str(e)[:600]}
+    rows[name].update({k: state[1][k].sharding.is_equivalent_to(want, state[1][k].ndim) for k in ("ids", "counts")})
     print("CARRY " + json.dumps(rows), flush=True)
 
 
@@ -292,9 +319,9 @@ def _child() -> None:
     print("REGISTERED " + json.dumps(sorted({type(f()).__name__ for n, f in REGISTRY.items() if n != "pipeline"})),
           flush=True)
     _error_rows(cfg, params, meshes)
-    _carry_rows(cfg, params, meshes)
+    _carry_rows(cfg, params, meshes, seed)
     _kernel_rows(meshes, rng)
-    _generate_rows(cfg, params, meshes, rng)
+    _generate_rows(cfg, params, meshes, rng, seed)
 
 
 def _run_child(seed: int) -> dict:
@@ -329,12 +356,15 @@ def child(tmp_path_factory) -> dict:
 
 
 def test_sharded_generate_equals_unsharded_for_every_policy(child):
-    """Identical greedy tokens; fp32 logits and stats within 1e-5, cache arrays within 5e-5 (relative
-    above 1); the cache split over every device of the mesh as planned; no collective as large as a
-    quarter of a layer's prompt keys (the cache is never gathered); every policy acted on the prompt."""
+    """Each policy on its mesh of this run (`mesh_of`; every mesh used): identical greedy tokens; fp32
+    logits and stats within 1e-5, cache arrays within 5e-5 (relative above 1); the cache split over
+    every device of the mesh as planned; no collective as large as a quarter of a layer's prompt keys
+    (the cache is never gathered); every policy acted on the prompt."""
     rows = child["rows"]
     seen = {r["policy"] for r in rows}
-    assert {r["mesh"] for r in rows} == set(MESHES) and len(rows) == len(seen) * len(MESHES)
+    assert len(rows) == len(seen), [(r["policy"], r["mesh"]) for r in rows]  # one mesh per policy
+    assert {r["policy"]: r["mesh"] for r in rows} == mesh_of(seen, child["seed"]), child["seed"]
+    assert {r["mesh"] for r in rows} == set(MESHES), [(r["policy"], r["mesh"]) for r in rows]
     registered = child["registered"]  # the child's own registry (this worker's may hold other tests' policies)
     assert len(seen) == len(registered), (sorted(seen), registered)
     layer_keys = B * 8 * T * 32 * 4  # one layer's prompt keys (fp32), the smallest cache array worth gathering
@@ -375,7 +405,8 @@ def test_pallas_kernels_run_per_device_under_shard_map(child):
 def test_a_decode_loop_feeds_its_state_back_on_a_mesh(child):
     """The state a sharded decode step returns is split as the cache, rows × KV heads (CHESS's page
     lists through the Pallas decode kernel, given replicated), and one compiled loop takes its own
-    output back."""
+    output back: on this run's `carry_mesh` (2×4 or 1×8)."""
+    assert list(child["carry"]) == [carry_mesh(child["seed"])], (child["carry"], child["seed"])
     for mesh, c in child["carry"].items():
         assert c == {"ids": True, "counts": True, "fed_back": None}, (mesh, c)
 
