@@ -297,6 +297,24 @@ case "$STAGE" in
       ev 0.12 agnostic agnostic 8k,32k,4k,16k "chess('moderate', calibration='$RUNS/chess_calibration.json')" \
         --suite ruler --no-fullkv; } > "$RUNS/chess.log" 2>&1 &
     ;;
+  13)  # DETACH=1 SAE_DIR=/tmp/qwen_sae_r2 (2026-11-28, one machine): issue 37 again, the stage-8 SAEs being lost. The
+      # paper's run for this model alone first (a new SAE_DIR, so its rows get keys of their own and are not taken for
+      # stage 8's finished ones); then, sharing the GPU: S3 with these SAEs and with their random-direction control on
+      # the same RULER 8k aware rows (what the learned dictionary adds), both sets in the 16k retrieval table, and S3
+      # at 32k (retrieval at the 16k table's fraction, 4,096 of 32,768 tokens; RULER aware beside BM25).
+    { sae_train && {
+        [ -f "$CONTROL" ] || python experiments/s3_control_saes.py "$SAES" "$CONTROL" --seed 0 || exit 1
+        ev 0.12 aware_8k aware 8k "s3hybrid(0.25, saes='$SAES'), s3hybrid(0.25, saes='$CONTROL'), \
+s3pure(0.25, saes='$SAES'), s3pure(0.25, saes='$CONTROL')" --suite ruler --no-fullkv > "$RUNS/s3_8k.log" 2>&1 &
+        S3_MINUTES=${S3_MINUTES:-9} s3_control_retrieval > "$RUNS/s3_control_16k.log" 2>&1 &
+        XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout "$(left)" python experiments/s3_retrieval_quality.py \
+          --model "$MODEL" --dtype bfloat16 --length 32768 --ruler-length 32768 --n 6 --budget 4096 --chunk 4096 \
+          --pad 1024 --saes paper="$SAES" --saes control="$CONTROL" --max-minutes "${S3_MINUTES:-9}" --no-progress \
+          --out "$RUNS/s3_retrieval_32k" > "$RUNS/s3_retrieval_32k.log" 2>&1 &
+        ev 0.2 aware_32k aware 32k "s3hybrid(0.25, saes='$SAES'), bm25(0.25)" --suite ruler --no-fullkv \
+          > "$RUNS/s3_32k.log" 2>&1 &
+        wait; }; } > "$RUNS/sae_s3.log" 2>&1 &
+    ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
 wait
