@@ -114,6 +114,35 @@ def test_a_time_budget_shortens_the_schedule(tmp_path):
     assert not (tmp_path / "budget" / "checkpoints").exists()
 
 
+@pytest.mark.parametrize("refit, steps", [(40, 41), (90, 100)])
+def test_the_budget_is_fitted_again_before_the_decay(tmp_path, monkeypatch, refit, steps):
+    """A step clock: 10 ms a step for the timed steps, 100 ms after them (logging and checkpoints came in).
+    Fitted at step 23, a 1-second budget gives 23 + 0.77 s / 10 ms = 100 steps; fitted again at step 40 from the
+    mean since step 3 (the budget already spent), the run ends at 41. At step 90 the decay of a 100-step WSD
+    schedule (its last 20%) has begun: no refit moves it, and the run keeps its 100 steps."""
+    import sparsekv_jax.sae.run as run_mod
+
+    calls = {"n": 0}
+    inner = run_mod._buffered_step
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return inner(*args, **kwargs)
+
+    def clock() -> float:
+        n = calls["n"]
+        return 0.01 * n if n <= 23 else 0.23 + 0.1 * (n - 23)
+
+    monkeypatch.setattr(run_mod, "_buffered_step", counted)
+    monkeypatch.setattr(run_mod, "_clock", clock)
+    monkeypatch.setattr(run_mod, "_REFIT", refit)
+    params = random_params(TINY, jax.random.key(7), jnp.float32, scale=0.1)
+    cfg = _tiny_run_config(tmp_path / "run", steps=1000, max_minutes=1 / 60, schedule="wsd", decay_fraction=0.2,
+                           checkpoint_every=1000, log_every=50)
+    record = run(cfg, progress=False, params=params, tokenizer=CharTokenizer())
+    assert record["steps"] == steps and calls["n"] == steps
+
+
 # `sparsekv train-sae` on SmolLM2 at toy sizes: 80 steps, a checkpoint every 10, every step logged
 SMOKE_ARGS = ["--config", str(REPO / "sae_training/configs/smoke.yaml"), "--steps", "80", "--layers", "0,2",
               "--seq-len", "68", "--rows-per-chunk", "2", "--batch-size", "128", "--checkpoint-every", "10",
