@@ -302,6 +302,26 @@ def gpu_command(lengths: Sequence[int] = (16384, 32768)) -> str:
     return "\n".join(cmds)
 
 
+def summarize_records(out: Path, note: str = "") -> dict[str, Any]:
+    """``summary.md`` / ``summary.json`` from ``out/records.jsonl`` alone, for a run its machine's deadline stopped
+    before it summarized (``--summarize``). Methods and SAE set names are read from the records; no model loads."""
+    path = out / "records.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"--summarize: no records in {path}")
+    records = [json.loads(line) for line in path.open() if line.strip()]
+    if not records:
+        raise SystemExit(f"--summarize: {path} is empty")
+    first = records[0]
+    methods = [k for k, v in first.items() if k != "full" and isinstance(v, dict) and "recall" in v]
+    names = list(first.get("scan_seconds", {}))
+    summary = summarize(records, methods, names)
+    meta = {"summarized_from_records": True, "date": time.strftime("%Y-%m-%d"), "samples": len(records),
+            "tasks": sorted({r["task"] for r in records}), "note": note}
+    (out / "summary.json").write_text(json.dumps({"meta": meta, "summary": summary}, indent=2) + "\n")
+    (out / "summary.md").write_text(markdown(summary, methods, note))
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="embedded model name (smollm2, qwen2.5-coder-1.5b, ...)")
@@ -327,9 +347,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="out/s3_retrieval_quality")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar")
     p.add_argument("--gpu-command", action="store_true", help="print the Qwen2.5-Coder-1.5B GPU commands and exit")
+    p.add_argument("--summarize", action="store_true",
+                   help="only write summary.md / summary.json from --out's records.jsonl (no model; a stopped run)")
+    p.add_argument("--note", default="", help="with --summarize: a line printed above the tables")
     a = p.parse_args(argv)
     if a.gpu_command:
         print(gpu_command())
+        return 0
+    if a.summarize:
+        summarize_records(Path(a.out), a.note)
+        print((Path(a.out) / "summary.md").read_text())
         return 0
     if a.budget <= 0 or (a.budget >= 1 and a.budget != int(a.budget)):
         p.error(f"--budget {a.budget}: a fraction in (0, 1) or a whole token count")

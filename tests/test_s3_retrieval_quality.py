@@ -117,3 +117,35 @@ def test_recall_interval_against_a_numpy_replay():
     lo, hi = np.percentile(draws, [2.5, 97.5])
     assert got["difference"] == [pytest.approx(0.0), pytest.approx(lo, abs=1e-3), pytest.approx(hi, abs=1e-3)]
     assert got["policy"][0] == pytest.approx(60.0) and got["reference"][0] == pytest.approx(60.0)
+
+
+def test_summarize_from_records_alone(tmp_path, rng):
+    """``--summarize``: a run its deadline stopped is summarized from records.jsonl alone (no model), with the
+    methods and SAE set names read from the records; the means are the records' own, recomputed here."""
+    mod = _module()
+    methods = ["s3pure[a]", "s3hybrid[a]", "s3pure[b]", "s3hybrid[b]", "bm25"]
+    tasks = ["niah_single_1@words", "niah_single_1@uuids", "qa_1", "hotpotqa"]
+    records = []
+    for i in range(12):
+        def row():
+            return {"prediction": "x", "score": float(rng.random()), "recall": float(rng.integers(0, 2)),
+                    "kl": float(rng.random()), "nll": float(rng.random() * 4), "kept_tokens": int(rng.integers(1, 99))}
+        records.append({"task": tasks[i % 4], "index": i // 4, "answers": ["x"], "scan_seconds": {"a": 1.0, "b": 2.0},
+                        "full": {**row(), "context_tokens": 100}, **{m: row() for m in methods}})
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert mod.main(["--summarize", "--out", str(tmp_path), "--note", "stopped early"]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())["summary"]
+    assert set(summary) == {"all", "longbench_qa", "ruler_qa", "niah@words", "niah@uuids", "niah"}
+    for m in methods:
+        for k in ("score", "recall", "kl", "nll", "kept_tokens"):
+            assert summary["all"][m][k] == pytest.approx(np.mean([r[m][k] for r in records]), rel=1e-12)
+        words = [r[m]["recall"] for r in records if r["task"] == tasks[0]]
+        assert summary["niah@words"][m]["recall"] == pytest.approx(np.mean(words), rel=1e-12)
+    # the hybrid of each set against BM25, and set b against set a (the first named)
+    assert set(summary["all"]["intervals"]) == {"s3hybrid[a] - bm25", "s3hybrid[b] - bm25",
+                                                "s3pure[b] - s3pure[a]", "s3hybrid[b] - s3hybrid[a]"}
+    md = (tmp_path / "summary.md").read_text()
+    assert md.startswith("stopped early") and "| s3hybrid[b] |" in md
+    (tmp_path / "records.jsonl").write_text("")
+    with pytest.raises(SystemExit, match="is empty"):
+        mod.main(["--summarize", "--out", str(tmp_path)])
