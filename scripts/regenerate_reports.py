@@ -38,6 +38,10 @@ REPORTS: dict[str, tuple[str, ...]] = {
 _CHESS = "chess('moderate', calibration='qwen2.5-coder-1.5b')"
 # S3's rows name the SAE file by its path on the GPU machine: the paper run of docs/results/sae_paper_qwen_h200
 _QWEN_SAES = "/tmp/qwen_sae/paper_qwen2.5-coder-1.5b.safetensors"
+# stage 13's rerun of that config (docs/results/sae_paper_qwen_h200/run2) and its random-direction control
+# (experiments/s3_control_saes.py --seed 0)
+_QWEN_SAES2 = "/tmp/qwen_sae_r2/paper_qwen2.5-coder-1.5b.safetensors"
+_QWEN_CONTROL = "/tmp/qwen_sae_r2/control_qwen2.5-coder-1.5b.safetensors"
 PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
     "qwen2.5-coder-1.5b_h200": (
         ("adakv(snapkv(0.25))", "snapkv(0.25)"), ("pyramidkv(snapkv(0.25))", "snapkv(0.25)"),
@@ -49,7 +53,13 @@ PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
         ("semanticache(0.1)", "snapkv(0.1)"), ("semanticache(0.5)", "snapkv(0.5)"),
         ("semanticache(0.25, similarity='keys_values')", "semanticache(0.25)"),
         ("semanticache(0.5, similarity='keys_values')", "semanticache(0.5)"),
-        ("quest(0.1)", "quest(0.25)"), ("h2o(0.5)", "snapkv(0.5)")),
+        ("quest(0.1)", "quest(0.25)"), ("h2o(0.5)", "snapkv(0.5)"),
+        (f"s3hybrid(0.25, saes='{_QWEN_SAES2}')", f"s3hybrid(0.25, saes='{_QWEN_CONTROL}')"),
+        (f"s3pure(0.25, saes='{_QWEN_SAES2}')", f"s3pure(0.25, saes='{_QWEN_CONTROL}')"),
+        (f"s3hybrid(0.25, saes='{_QWEN_SAES2}')", "bm25(0.25)"),
+        (f"s3hybrid(0.25, saes='{_QWEN_CONTROL}')", "bm25(0.25)"),
+        (f"s3hybrid(0.25, saes='{_QWEN_SAES2}')", f"s3hybrid(0.25, saes='{_QWEN_SAES}')"),
+        (f"s3pure(0.25, saes='{_QWEN_SAES2}')", f"s3pure(0.25, saes='{_QWEN_SAES}')")),
 }
 
 # the fields of a report row that are results (a newer report may add fields, e.g. coverage, and its prose
