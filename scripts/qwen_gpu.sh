@@ -98,16 +98,26 @@ if [ -f "$SAES" ] && [ -f "$SAE_DIR/carried" ]; then
   echo "$SAES_SHA  $SAES" | sha256sum -c --quiet || { echo "carried SAEs: sha256 mismatch"; exit 1; }
 fi
 CONTROL="$SAE_DIR/control_$MODEL.safetensors"
+retrieval() {  # retrieval OUTDIR MEM_FRACTION [s3_retrieval_quality.py arguments]: S3's retrieval table. A run the
+  # deadline stops (rc 124: --max-minutes counts from its first sample, not from the model load) is summarized from
+  # its records, so the stage still leaves its tables (stage 13's two were summarized by hand afterwards)
+  local out="$RUNS/$1" mem=$2 rc=0; shift 2
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$mem timeout "$(left)" python experiments/s3_retrieval_quality.py --model "$MODEL" \
+    --dtype bfloat16 --pad 1024 --no-progress --out "$out" "$@" || rc=$?
+  if [ "$rc" = 124 ] && [ -s "$out/records.jsonl" ]; then
+    python experiments/s3_retrieval_quality.py --summarize --out "$out" \
+      --note "Partial: the stage's deadline stopped the run; summarized from its records (--summarize)." > /dev/null
+  fi
+  return $rc
+}
 s3_control() {  # issue 37: is S3Hybrid's gain over BM25 the SAEs'? The same hybrid with random-direction SAEs
   [ -f "$CONTROL" ] || python experiments/s3_control_saes.py "$SAES" "$CONTROL" --seed 0 || return 1
   ev 0.15 aware_8k aware 8k "s3hybrid(0.25, saes='$CONTROL'), s3pure(0.25, saes='$CONTROL')" --suite ruler --no-fullkv
 }
 s3_control_retrieval() {  # the 16k retrieval table with both sets (a new folder: stage 8's has one set)
   [ -f "$CONTROL" ] || python experiments/s3_control_saes.py "$SAES" "$CONTROL" --seed 0 || return 1
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 timeout "$(left)" python experiments/s3_retrieval_quality.py --model "$MODEL" \
-    --dtype bfloat16 --length 16384 --ruler-length 16384 --n 10 --budget 2048 --chunk 4096 --pad 1024 \
-    --saes paper="$SAES" --saes control="$CONTROL" --max-minutes "${S3_MINUTES:-10}" --no-progress \
-    --out "$RUNS/s3_control_16k"
+  retrieval s3_control_16k 0.15 --length 16384 --ruler-length 16384 --n 10 --budget 2048 --chunk 4096 \
+    --saes paper="$SAES" --saes control="$CONTROL" --max-minutes "${S3_MINUTES:-10}"
 }
 sae_train() {  # issue 37: the paper's SAE run for this model (its schedule fitted into SAE_MINUTES)
   [ -f "$SAES" ] && return 0
@@ -116,9 +126,8 @@ sae_train() {  # issue 37: the paper's SAE run for this model (its schedule fitt
   [ -f "$SAES" ]
 }
 s3_retrieval() {  # S3 with this model's SAEs: answer recall, KL and NLL against BM25 (experiments/s3_retrieval_quality.py)
-  XLA_PYTHON_CLIENT_MEM_FRACTION=${S3_MEM:-0.3} timeout "$(left)" python experiments/s3_retrieval_quality.py --model "$MODEL" \
-    --dtype bfloat16 --length 16384 --ruler-length 16384 --n 10 --budget 2048 --chunk 4096 --pad 1024 \
-    --saes paper="$SAES" --max-minutes "${S3_MINUTES:-6}" --no-progress --out "$RUNS/s3_retrieval_16k"
+  retrieval s3_retrieval_16k "${S3_MEM:-0.3}" --length 16384 --ruler-length 16384 --n 10 --budget 2048 --chunk 4096 \
+    --saes paper="$SAES" --max-minutes "${S3_MINUTES:-6}"
 }
 s3_ruler() {  # S3's RULER rows, question-aware at 8k, beside BM25 at the same budget
   ev "${S3_MEM:-0.3}" aware_8k aware 8k "s3hybrid(0.25, saes='$SAES'), s3pure(0.25, saes='$SAES'), bm25(0.25)" --suite ruler \
@@ -312,10 +321,9 @@ case "$STAGE" in
         ev 0.12 aware_8k aware 8k "s3hybrid(0.25, saes='$SAES'), s3hybrid(0.25, saes='$CONTROL'), \
 s3pure(0.25, saes='$SAES'), s3pure(0.25, saes='$CONTROL')" --suite ruler --no-fullkv > "$RUNS/s3_8k.log" 2>&1 &
         S3_MINUTES=${S3_MINUTES:-9} s3_control_retrieval > "$RUNS/s3_control_16k.log" 2>&1 &
-        XLA_PYTHON_CLIENT_MEM_FRACTION=0.2 timeout "$(left)" python experiments/s3_retrieval_quality.py \
-          --model "$MODEL" --dtype bfloat16 --length 32768 --ruler-length 32768 --n 6 --budget 4096 --chunk 4096 \
-          --pad 1024 --saes paper="$SAES" --saes control="$CONTROL" --max-minutes "${S3_MINUTES:-9}" --no-progress \
-          --out "$RUNS/s3_retrieval_32k" > "$RUNS/s3_retrieval_32k.log" 2>&1 &
+        retrieval s3_retrieval_32k 0.2 --length 32768 --ruler-length 32768 --n 6 --budget 4096 --chunk 4096 \
+          --saes paper="$SAES" --saes control="$CONTROL" --max-minutes "${S3_MINUTES:-9}" \
+          > "$RUNS/s3_retrieval_32k.log" 2>&1 &
         ev 0.2 aware_32k aware 32k "s3hybrid(0.25, saes='$SAES'), bm25(0.25)" --suite ruler --no-fullkv \
           > "$RUNS/s3_32k.log" 2>&1 &
         wait; }; } > "$RUNS/sae_s3.log" 2>&1 &
