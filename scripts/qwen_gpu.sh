@@ -67,6 +67,10 @@ for f in "$SEED"/*/results.jsonl.gz; do
   [ -f "$f" ] || continue; d="$RUNS/$(basename "$(dirname "$f")")"
   if [ ! -f "$d/results.jsonl" ]; then mkdir -p "$d"; gunzip -c "$f" > "$d/results.jsonl"; fi
 done
+for f in "$SEED"/s3_*/records.jsonl; do  # S3's retrieval tables resume from their committed records as well
+  [ -f "$f" ] || continue; d="$RUNS/$(basename "$(dirname "$f")")"
+  if [ ! -f "$d/records.jsonl" ]; then mkdir -p "$d"; cp "$f" "$d/"; fi
+done
 # convert once (dequantise + orbax cache) before the jobs start, not four times at once
 python -c "import time; t=time.time(); from sparsekv_jax.models.embedded import load; load('$MODEL'); print(f'loaded in {time.time()-t:.0f} s')" || exit 1
 
@@ -118,6 +122,11 @@ s3_control_retrieval() {  # the 16k retrieval table with both sets (a new folder
   [ -f "$CONTROL" ] || python experiments/s3_control_saes.py "$SAES" "$CONTROL" --seed 0 || return 1
   retrieval s3_control_16k 0.15 --length 16384 --ruler-length 16384 --n 10 --budget 2048 --chunk 4096 \
     --saes paper="$SAES" --saes control="$CONTROL" --max-minutes "${S3_MINUTES:-10}"
+}
+s3_control_retrieval_32k() {  # the same at 32k, 4,096 kept tokens (the 16k table's fraction)
+  [ -f "$CONTROL" ] || python experiments/s3_control_saes.py "$SAES" "$CONTROL" --seed 0 || return 1
+  retrieval s3_retrieval_32k 0.2 --length 32768 --ruler-length 32768 --n 6 --budget 4096 --chunk 4096 \
+    --saes paper="$SAES" --saes control="$CONTROL" --max-minutes "${S3_MINUTES:-9}"
 }
 sae_train() {  # issue 37: the paper's SAE run for this model (its schedule fitted into SAE_MINUTES)
   [ -f "$SAES" ] && return 0
@@ -321,12 +330,22 @@ case "$STAGE" in
         ev 0.12 aware_8k aware 8k "s3hybrid(0.25, saes='$SAES'), s3hybrid(0.25, saes='$CONTROL'), \
 s3pure(0.25, saes='$SAES'), s3pure(0.25, saes='$CONTROL')" --suite ruler --no-fullkv > "$RUNS/s3_8k.log" 2>&1 &
         S3_MINUTES=${S3_MINUTES:-9} s3_control_retrieval > "$RUNS/s3_control_16k.log" 2>&1 &
-        retrieval s3_retrieval_32k 0.2 --length 32768 --ruler-length 32768 --n 6 --budget 4096 --chunk 4096 \
-          --saes paper="$SAES" --saes control="$CONTROL" --max-minutes "${S3_MINUTES:-9}" \
-          > "$RUNS/s3_retrieval_32k.log" 2>&1 &
+        S3_MINUTES=${S3_MINUTES:-9} s3_control_retrieval_32k > "$RUNS/s3_retrieval_32k.log" 2>&1 &
         ev 0.2 aware_32k aware 32k "s3hybrid(0.25, saes='$SAES'), bm25(0.25)" --suite ruler --no-fullkv \
           > "$RUNS/s3_32k.log" 2>&1 &
         wait; }; } > "$RUNS/sae_s3.log" 2>&1 &
+    ;;
+  14)  # DETACH=1 SAE_DIR=/tmp/qwen_sae_r2, run2's SAEs carried there (planned; its sha256 is checked above): stage 13's
+      # partial S3 rows resumed (RULER aware at 32k; the retrieval tables at 16k and 32k from their committed records),
+      # and issue 35's 8k leftovers: the paper's SemantiCache(0.25) beyond its first 3 tasks, --fidelity on every task
+    [ -f "$SAES" ] || { echo "stage 14 needs run2's SAEs in $SAES (see the header)"; exit 2; }
+    ev 0.2 aware_32k aware 32k "s3hybrid(0.25, saes='$SAES'), bm25(0.25)" --suite ruler --no-fullkv \
+      > "$RUNS/s3_32k.log" 2>&1 &
+    S3_MINUTES=${S3_MINUTES:-12} s3_control_retrieval > "$RUNS/s3_control_16k.log" 2>&1 &
+    S3_MINUTES=${S3_MINUTES:-12} s3_control_retrieval_32k > "$RUNS/s3_retrieval_32k.log" 2>&1 &
+    ev 0.12 agnostic_8k agnostic 8k "semanticache(0.25)" --suite ruler --no-fullkv > "$RUNS/sc8k.log" 2>&1 &
+    ev 0.12 fidelity_8k agnostic 8k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25), adakv(snapkv(0.25))" \
+      --suite ruler --fidelity > "$RUNS/fidelity8k.log" 2>&1 &
     ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
