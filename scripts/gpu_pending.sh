@@ -10,6 +10,7 @@
 #   PART=7 bash scripts/gpu_pending.sh   # issue 35's speed rows: every policy on Qwen2.5-Coder-1.5B's shapes at 32k
 #   PART=8 bash scripts/gpu_pending.sh   # PART=7's batch-64 points again, one process per policy (bench e2e since)
 #   PART=9 OLD_DECODE=.carryold/decode.py bash scripts/gpu_pending.sh   # the decode kernel's listed runs by count
+#   PART=10 bash scripts/gpu_pending.sh  # Quest's page selection alone, argsort vs lax.top_k (issue 40, batch 1)
 # Each command has its share of DEADLINE seconds; logs and JSON land in $OUT; a short table is printed last.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -85,6 +86,14 @@ chess('moderate', calibration='qwen2.5-coder-1.5b'), semanticache(0.25, chunking
          --models llama3.1-8b,qwen2.5-coder-1.5b --prefill-contexts "" --contexts 32k --batches 1,8 \
          --policies "fullkv, quest(0.25)" --iters 9 --out "$OUT/listed_$run.json"
      done ;;
+  10) # Quest decodes 1.48x slower than full attention at batch 1 on Qwen's shapes, and the page walk is not the cause
+      # (PART=9); its selection alone, every layer as one program, with the shipped top-k (a stable argsort) and with
+      # lax.top_k, and the bounds without a top-k; then Quest's decode step beside full attention's in the same call
+      # (the excess the selection's time is set against)
+     step quest_select 240 python experiments/quest_select_bench.py --models qwen,llama --batches 1,8 --length 32768 \
+       --out "$OUT"
+     step quest_e2e 200 python -m sparsekv_jax.bench.e2e --models qwen2.5-coder-1.5b,llama3.1-8b --prefill-contexts "" \
+       --contexts 32k --batches 1,8 --policies "fullkv, quest(0.25)" --iters 9 --out "$OUT/quest_e2e.json" ;;
   *) echo "unknown PART=$PART"; exit 2 ;;
 esac
 # the device returns at most 8 files a call: everything also travels as one archive
