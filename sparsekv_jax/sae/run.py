@@ -25,7 +25,8 @@ holds each step's rows once. What an interruption keeps: docs/INTERRUPTION.md.
 set to the steps that fit (never more than ``steps``) and recorded in the checkpoint. It is fitted
 again after the first checkpoint (step ``_REFIT``) from the mean step time since the timed steps,
 which then includes logging and checkpoint writes: fitted on the first steps alone, Qwen's 8- and
-10-minute runs took 12.5 and 15.6 minutes (2026-11-27/28). A refit never moves a decay that has begun.
+10-minute runs took 12.5 and 15.6 minutes (2026-11-27/28). A refit never moves a decay that has begun,
+nor a cosine schedule (fitted once).
 """
 
 from __future__ import annotations
@@ -315,8 +316,10 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, change
             cursor = jnp.asarray((step % steps_per_chunk) * cfg.batch_size, jnp.int32)
             state, buf, metrics = _buffered_step(state, buf, cursor, tcfg)
             step += 1
-            decaying = cfg.schedule == "wsd" and step >= (1 - cfg.decay_fraction) * total
-            if fit_budget and (step in _CALIBRATE or (step == _REFIT and step < total and not decaying)):
+            # a refit moves no learning rate already used: not within a WSD decay, never a cosine (its curve
+            # depends on the total from the first step after warm-up)
+            refit = cfg.schedule == "constant" or (cfg.schedule == "wsd" and step < (1 - cfg.decay_fraction) * total)
+            if fit_budget and (step in _CALIBRATE or (step == _REFIT and step < total and refit)):
                 jax.block_until_ready(state.step)
                 if step == _CALIBRATE[0]:
                     t_cal = _clock()
