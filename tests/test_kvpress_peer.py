@@ -32,6 +32,10 @@ from sparsekv_jax.policies import Prompt, SnapKV, StreamingLLM
 ROOT = Path(__file__).resolve().parents[1]
 PEER_PY = Path(os.environ.get("SPARSEKV_KVPRESS_PYTHON", ROOT / ".venv-kvpress" / "bin" / "python"))
 T = 512
+# torch on one thread: the peer's two forward passes are small, and on CI's 2 cores (the other pytest worker busy)
+# a second OpenMP thread mostly spins: the peer took 58 CPU s with torch's default threads, 41 s with one (the same
+# kept indices)
+PEER_ENV = {"OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,7 @@ def peer_run(smol, tmp_path_factory):
         np.save(tmp / "ids.npy", ids)
         res = subprocess.run([str(PEER_PY), str(ROOT / "tests" / "peer" / "kvpress_kept.py"), str(gguf),
                               str(tmp / "ids.npy"), str(tmp / "out.npz"), "snapkv:0.75", "streamingllm:0.75"],
-                             capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+                             capture_output=True, text=True, env={**os.environ, "TQDM_DISABLE": "1", **PEER_ENV})
         (tmp / "returncode").write_text(str(res.returncode))
         (tmp / "stderr").write_text(res.stderr[-3000:])
 

@@ -13,6 +13,11 @@ Time, with the dependencies' wheels in pip's cache, on 2 cores shared with other
 wheel 7 s, install 55 s (``--no-compile``), generate in both installs 65 s, eval 126 s with trec
 (64 tokens of few-shot labels), 37 s with hotpotqa (load 8-9; the test's process 105 -> 82 CPU s);
 3-5 min in all. The first run downloads the dependencies (~200 MB, jax and jaxlib the largest).
+The venv has no pip of its own (the outer pip installs into it with ``--python``: ensurepip's few
+seconds saved), and one child of the venv's python reports where the package is imported from and
+runs ``generate`` and ``eval`` through ``sparsekv_jax.cli.main`` (one JAX import and model load, not
+three processes'); the console script is checked by its text (the venv's interpreter, the CLI's
+``main``), not run.
 """
 
 from __future__ import annotations
@@ -30,6 +35,22 @@ PROMPT = "Name the capital of France in one word."
 # hotpotqa: a chat prompt (the template through jinja2 in eval too) asking for the answer alone (<= 32 tokens,
 # stopped at EOS); trec's few-shot prompt ran all its 64 tokens, ~0.5 CPU s a decode step under the cheap XLA flags
 EVAL_ARGS = ["--suite", "longbench", "--tasks", "hotpotqa", "--lengths", "512", "--n", "1", "--batch-size", "1", "-q"]
+
+
+# Run by the venv's python: where the package was imported from and whether torch is there (a JSON line), then
+# ``sparsekv_jax.cli.main`` on each command of argv[1] (a JSON list), each output after a \x1e, its exit status
+# after a \x1f.
+CHILD = """import importlib.util, json, sys
+import sparsekv_jax
+print(json.dumps([sparsekv_jax.__file__, importlib.util.find_spec("torch") is None]))
+from sparsekv_jax.cli import main
+for args in json.loads(sys.argv[1]):
+    sys.stdout.write("\\x1e")
+    sys.stdout.flush()
+    rc = main(args)
+    sys.stdout.flush()
+    sys.stdout.write(f"\\x1f{rc}")
+"""
 
 
 def _run(cmd: list[str], env: dict[str, str], cwd: Path, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -54,31 +75,34 @@ def test_the_wheel_installed_without_extras_runs_chat_generate_and_eval(smol, tm
     (wheel,) = (tmp_path / "dist").glob("sparsekv_jax-*.whl")
     t_wheel = time.perf_counter() - t0
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", venv], env, tmp_path)
+    # no pip in the venv (ensurepip's ~5 s): the outer pip installs into it, run by the venv's interpreter
+    _run([sys.executable, "-m", "venv", "--without-pip", venv], env, tmp_path)
     py = venv / "bin" / "python"
-    _run([py, "-m", "pip", "install", "-q", "--no-compile", wheel], env, tmp_path)  # no .pyc of unused modules
+    _run([sys.executable, "-m", "pip", "--python", py, "install", "-q", "--no-compile", wheel], env, tmp_path)
     t_install = time.perf_counter() - t0 - t_wheel
     with capsys.disabled():
         print(f"\nwheel built in {t_wheel:.0f} s, installed in {t_install:.0f} s")
-    where = _run([py, "-c", "import sparsekv_jax, importlib.util as u; print(sparsekv_jax.__file__); "
-                            "print(u.find_spec('torch') is None)"], env, tmp_path).stdout.split()
-    assert where == [str(venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
-                         / "sparsekv_jax" / "__init__.py"), "True"]  # the installed wheel, and no torch
+    script = (venv / "bin" / "sparsekv").read_text()  # the console script: the venv's python, the CLI's main
+    assert script.startswith(f"#!{py}\n") and "from sparsekv_jax.cli import main" in script, script
 
-    sparsekv = venv / "bin" / "sparsekv"
-    gen = _run([sparsekv, "generate", "--chat", "--max-new-tokens", "8", "-q", PROMPT], env, tmp_path)
-    assert "PyTorch was not found" not in gen.stderr and "Traceback" not in gen.stderr, gen.stderr
+    # one child for where the package is, generate and eval (one JAX import and model load, not three)
+    commands = [["generate", "--chat", "--max-new-tokens", "8", "-q", PROMPT],
+                ["eval", *EVAL_ARGS, "--out", str(tmp_path / "eval_wheel")]]
+    child = _run([py, "-c", CHILD, json.dumps(commands)], env, tmp_path)
+    assert "PyTorch was not found" not in child.stderr and "Traceback" not in child.stderr, child.stderr
+    where, *outs = child.stdout.split("\x1e")
+    assert json.loads(where) == [str(venv / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+                                     / "site-packages" / "sparsekv_jax" / "__init__.py"), True]  # the wheel, no torch
+    (gen, gen_rc), (_, ev_rc) = (o.rsplit("\x1f", 1) for o in outs)
+    assert (gen_rc, ev_rc) == ("0", "0"), child.stdout
+    t1 = time.perf_counter()
     monkeypatch.setenv("SPARSEKV_CACHE", str(cache))
     capsys.readouterr()
     assert main(["generate", "--chat", "--max-new-tokens", "8", "-q", PROMPT]) == 0
-    assert gen.stdout.strip() and gen.stdout == capsys.readouterr().out  # the development install's answer
-
-    t1 = time.perf_counter()
-    ev = _run([sparsekv, "eval", *EVAL_ARGS, "--out", tmp_path / "eval_wheel"], env, tmp_path)
-    t2 = time.perf_counter()
-    assert "PyTorch was not found" not in ev.stderr and "Traceback" not in ev.stderr, ev.stderr
+    assert gen.strip() and gen == capsys.readouterr().out  # the development install's answer
     with capsys.disabled():
-        print(f"generate --chat (both installs) {t1 - t0 - t_wheel - t_install:.0f} s, eval {t2 - t1:.0f} s")
+        print(f"generate --chat and eval in the wheel's venv {t1 - t0 - t_wheel - t_install:.0f} s, "
+              f"generate here {time.perf_counter() - t1:.0f} s")
     (rec,) = [json.loads(line) for line in (tmp_path / "eval_wheel" / "results.jsonl").read_text().splitlines()]
     assert rec["task"] == "hotpotqa" and rec["policy"] == "fullkv" and rec["prediction"].strip()
     assert 0 <= rec["score"] <= 1

@@ -224,11 +224,13 @@ def _kernel_rows(meshes, rng) -> None:
 
 
 CARRY_MESHES = ("2x4", "1x8")
+CARRY_B = 2  # the decode loop's rows: split over the 2x4 mesh's data axis (one a device row), whole on 1x8; B = 8
+# (the generate rows' batch, which the 8x1 mesh needs) took 17.4 CPU s here, 2 rows 11.3 s
 
 
 def carry_mesh(seed: int) -> str:
     """The mesh of this run's decode loop (`_carry_rows`), drawn from ``seed``: rows × heads or heads
-    alone (each ~20 CPU s: one of them a run, both across runs)."""
+    alone (each ~11 CPU s: one of them a run, both across runs)."""
     return CARRY_MESHES[int(np.random.default_rng([seed, 0xCA77]).integers(len(CARRY_MESHES)))]
 
 
@@ -258,11 +260,11 @@ def _carry_rows(cfg, params, meshes, seed: int) -> None:
         lambda x: x.astype("bfloat16") if x.dtype == np.float32 else x, params), mesh)
     policy = CHESS.from_spec("aggressive", chunk_pages=2, grid_chunks=2).bind(
         Setup(cfg, prompt_len=128, max_new_tokens=4, backend=backend))
-    cache, obs = decode_cache(cfg, policy, 128, B, 4, jax.random.key(3), mesh=mesh)
+    cache, obs = decode_cache(cfg, policy, 128, CARRY_B, 4, jax.random.key(3), mesh=mesh)
     # replicated, as an eager decode_init may leave it; place_state gives the split a step returns
     state = sharding.place_state(jax.device_put(policy.decode_init(cache, obs), NamedSharding(mesh, P())),
                                  cache, mesh)
-    token = jax.device_put(np.ones((B,), np.int32), NamedSharding(mesh, P("data")))
+    token = jax.device_put(np.ones((CARRY_B,), np.int32), NamedSharding(mesh, P("data")))
     fn = decode_fn(sparams, policy, 2, start=(cache.length, cache.next_position), backend=backend)
     want = NamedSharding(mesh, P("data", "model"))
     try:  # one compiled loop fed its own output
