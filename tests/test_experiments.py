@@ -132,7 +132,7 @@ def test_readme_plot_draws_the_recorded_rows(tmp_path):
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cpu_speed_toy(tmp_path):
+def test_cpu_speed_toy(tmp_path, optimized_xla):
     """SmolLM2 (fetched into the shared cache as the other SmolLM2 tests do) on a 256-token prompt,
     our default configuration only: runs, writes its record, decodes the tokens asked for."""
     mod = _module("cpu_speed")
@@ -145,7 +145,7 @@ def test_cpu_speed_toy(tmp_path):
     assert med["prefill_s"] > 0 and med["decode_ms_per_token"] > 0
 
 
-def test_semanticache_audit_toy(tmp_path):
+def test_semanticache_audit_toy(tmp_path, optimized_xla):
     """SmolLM2 on one 512-token uuid needle prompt at half the budget: the audit reads the clusters the
     compress step made, so what it reports must obey the policy's contract (never more entries than the
     budget; shares in [0, 1]; every merged answer piece sits in a cluster of two or more)."""

@@ -116,16 +116,19 @@ def test_compressors_see_the_global_layers_and_leave_the_rings_alone(tiny):
     prompt = Prompt(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths))
     capacity = policy.compressed_capacity(T, 8)
 
-    def prefilled(pol, backend, ring):
+    def prefilled(pol, backend, ring):  # jitted, as the library runs it (eagerly: each op compiled on its own)
         cache = init_cache(cfg, 2, cap, dtype=jnp.float32, ring=ring)
-        return prefill(params, pol, jnp.asarray(tokens), jnp.asarray(lengths), cache, backend=backend.resolve(params))
+        run = jax.jit(lambda p, t, n, c: prefill(p, pol, t, n, c, backend=backend.resolve(params)))
+        return run(params, jnp.asarray(tokens), jnp.asarray(lengths), cache)
+
+    compress = jax.jit(lambda cache, obs: policy.compress(cache, obs, capacity, prompt))
 
     _, ring_cache, ring_obs, _ = prefilled(policy, RING, cfg.sliding_window)
     _, full_cache, full_obs, _ = prefilled(policy, FULL, None)
     ids = np.asarray(cfg.global_layer_ids())
     assert ring_obs["compress"].shape[0] == len(ids)
-    got = policy.compress(ring_cache, ring_obs["compress"], capacity, prompt)
-    want = policy.compress(_global_only(full_cache, cfg), full_obs["compress"][ids], capacity, prompt)
+    got = compress(ring_cache, ring_obs["compress"])
+    want = compress(_global_only(full_cache, cfg), full_obs["compress"][ids])
     np.testing.assert_array_equal(np.asarray(got.layers.positions), np.asarray(want.layers.positions))
     np.testing.assert_allclose(np.asarray(got.layers.k), np.asarray(want.layers.k), atol=TOL)
     assert got.capacity < ring_cache.capacity

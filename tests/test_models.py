@@ -37,9 +37,13 @@ def test_logits_match_transformers(family, hf_tiny_dir):
 
 
 def _greedy_by_recompute(params, prompt: list[int], n: int) -> list[int]:
-    seq = list(prompt)
+    """Greedy tokens by a whole causal forward per step. The sequence is padded to its final length
+    (``prompt + n``) so every step runs one compiled program: a causal model's logits at the last
+    real position do not depend on the padding after it."""
+    seq, total = list(prompt), len(prompt) + n
     for _ in range(n):
-        seq.append(int(np.asarray(full_logits(params, np.array([seq])))[0, -1].argmax()))
+        padded = np.array([seq + [0] * (total - len(seq))])
+        seq.append(int(np.asarray(full_logits(params, padded))[0, len(seq) - 1].argmax()))
     return seq[len(prompt):]
 
 

@@ -27,6 +27,9 @@ CFG = ModelConfig(family="llama", vocab_size=61, hidden_size=64, num_layers=4, n
                   head_dim=16, intermediate_size=48, max_position_embeddings=1024, eos_token_ids=(0,))
 LAYERS = (0, 2)
 WIDTH, K = 64, 4
+# the reference's per-token features, jitted: called eagerly, each op compiled on its own (the scan test spent
+# most of its 18 s there); every call below passes keys or queries of one [B, T, H, D] shape per model
+_token_features = jax.jit(token_features, static_argnames=("k",))
 
 
 class WordTokenizer:
@@ -53,7 +56,7 @@ def _index_of(saes, keys, ctx):
     """{(layer, row, feature): positions}: brute force from keys ``[n, B, T, H, D]``."""
     out = {}
     for li in range(len(LAYERS)):
-        ids, acts = map(np.asarray, token_features(saes.layer(li), jnp.asarray(keys[li]), K))  # [B, T, K]
+        ids, acts = map(np.asarray, _token_features(saes.layer(li), jnp.asarray(keys[li]), k=K))  # [B, T, K]
         for b, L in enumerate(ctx):
             member = np.zeros((L, WIDTH), bool)
             for j in range(K):
@@ -82,9 +85,10 @@ def test_scan_postings_equal_full_context_keys_when_nothing_is_cut(model, scan):
         np.testing.assert_array_equal(res.index.feature_postings(li, b, f), pos)
     if scan.window:  # the question saw the whole context: its queries are full attention's
         for li in range(len(LAYERS)):
+            # every token's features at once (a token's features are its own): the question's rows sliced out
+            all_ids, all_acts = map(np.asarray, _token_features(saes.layer(li), queries[li], k=K))
             for b in range(2):
-                q = queries[li, b, ctx[b]: ctx[b] + ql[b]]
-                ids, acts = map(np.asarray, token_features(saes.layer(li), q, K))
+                ids, acts = (x[b, ctx[b]: ctx[b] + ql[b]] for x in (all_ids, all_acts))
                 dense = np.zeros(WIDTH)
                 np.add.at(dense, ids.ravel(), acts.ravel())
                 np.testing.assert_allclose(np.asarray(res.query_weights[li, b]), dense, rtol=1e-4, atol=1e-5)
@@ -352,8 +356,9 @@ def test_gemma_scan_keys_and_queries_equal_transformers_at_every_layer(gemma, sc
     weights = scan_step(params, saes, carry, jnp.asarray(tok[:, ctx_len:]), qpos, jnp.full((B,), T, jnp.int32),
                         layers=layers, scan=scan, queries=True)
     for li in layers:
+        all_ids, all_acts = map(np.asarray, _token_features(saes.layer(li), jnp.asarray(ref_q[li]), k=K))
         for b in range(B):
-            ids, acts = map(np.asarray, token_features(saes.layer(li), jnp.asarray(ref_q[li, b, ctx_len:]), K))
+            ids, acts = all_ids[b, ctx_len:], all_acts[b, ctx_len:]
             dense = np.zeros(WIDTH)
             np.add.at(dense, ids.ravel(), acts.ravel())
             np.testing.assert_allclose(np.asarray(weights[li, b]), dense, rtol=1e-3, atol=1e-4)

@@ -42,11 +42,14 @@ def _train(cfg, data, state, steps):
 
 
 def test_training_recovers_a_known_sparse_dictionary():
+    """500 steps (was 700): over 6 fresh draws at 500 steps the worst mean best-cosine was 0.991 (> 0.97), the worst
+    share above 0.95 was 62/64 (>= 0.9) and the worst final FVU 0.061 (< 0.1), close to 700 steps' (0.992, 62/64,
+    0.055 over 4 draws); 350 steps left the FVU at up to 0.079."""
     rng = seeded_rng()
     data = SparseDictionary(rng, d=32, atoms=64, active=3)
     cfg = TrainConfig(width=128, k=3, batch_size=1024, lr=3e-3, warmup_steps=30, schedule="wsd",
                       dead_after=50 * 1024, topk="lax")
-    steps = 700
+    steps = 500
     state = init_train_state(jax.random.key(int(rng.integers(1 << 30))), jnp.asarray(data.sample(4096))[None],
                              cfg, steps)
     state, metrics = _train(cfg, data, state, steps)
@@ -171,8 +174,8 @@ def test_geometric_median_minimises_the_sum_of_distances():
     x = rng.standard_cauchy(size=(2, 500, 4)).astype(np.float32)  # heavy tails: median far from the mean
     gm = np.asarray(geometric_median(jnp.asarray(x), iters=200))
 
-    def cost(y, i):
-        return np.linalg.norm(x[i] - y, axis=-1).sum()
+    def cost(y, i):  # in float64: the sums reach ~1e5-1e6, where float32's spacing (~0.03) is over the 1e-3 margin
+        return np.linalg.norm(x[i].astype(np.float64) - y, axis=-1).sum()
 
     for i in range(2):
         c = cost(gm[i], i)

@@ -198,8 +198,10 @@ def tiny():
 
 
 def _prefill_logits(params, policy, tokens, lengths):
+    """One jitted `prefill` (eagerly, each of its ops compiled on its own for each shape)."""
     cache = init_cache(params.config, tokens.shape[0], tokens.shape[1], page_size=8, dtype=jnp.float32)
-    logits, cache, _, fraction = prefill(params, policy, jnp.asarray(tokens), jnp.asarray(lengths), cache)
+    run = jax.jit(lambda p, t, n, c: prefill(p, policy, t, n, c))
+    logits, cache, _, fraction = run(params, jnp.asarray(tokens), jnp.asarray(lengths), cache)
     return np.asarray(logits), cache, float(fraction)
 
 
@@ -232,8 +234,8 @@ def test_covering_lists_equal_dense_attention_and_short_rows_stay_exact(tiny):
         np.testing.assert_array_equal(np.asarray(counts[b, :, :rows]), np.broadcast_to(np.arange(rows) + 1, (2, rows)))
         for i in range(rows):
             assert sorted(np.asarray(ids[b, 0, i, :i + 1]).tolist()) == list(range(i + 1))
-    out = attention.prefill(q, k, v, (ids, counts, 16))
-    dense = attention.dense_causal_attention(q, k, v)
+    out = jax.jit(lambda q, k, v, ids, counts: attention.prefill(q, k, v, (ids, counts, 16)))(q, k, v, ids, counts)
+    dense = jax.jit(attention.dense_causal_attention)(q, k, v)
     np.testing.assert_allclose(np.asarray(out[0]), np.asarray(dense[0]), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(out[1, :77]), np.asarray(dense[1, :77]), rtol=1e-5, atol=1e-5)
 
