@@ -10,7 +10,7 @@
 #   PART=7 bash scripts/gpu_pending.sh   # issue 35's speed rows: every policy on Qwen2.5-Coder-1.5B's shapes at 32k
 #   PART=8 bash scripts/gpu_pending.sh   # PART=7's batch-64 points again, one process per policy (bench e2e since)
 #   PART=9 OLD_DECODE=.carryold/decode.py bash scripts/gpu_pending.sh   # the decode kernel's listed runs by count
-#   PART=10 bash scripts/gpu_pending.sh  # Quest's page selection alone, argsort vs lax.top_k (issue 40, batch 1)
+#   PART=10 bash scripts/gpu_pending.sh  # Quest's page selection alone, argsort vs lax.top_k (issue 40, batch 1; ran 2026-11-28)
 # Each command has its share of DEADLINE seconds; logs and JSON land in $OUT; a short table is printed last.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1

@@ -335,7 +335,7 @@ s3pure(0.25, saes='$SAES'), s3pure(0.25, saes='$CONTROL')" --suite ruler --no-fu
           > "$RUNS/s3_32k.log" 2>&1 &
         wait; }; } > "$RUNS/sae_s3.log" 2>&1 &
     ;;
-  14)  # DETACH=1 SAE_DIR=/tmp/qwen_sae_r2, run2's SAEs carried there (planned; its sha256 is checked above): stage 13's
+  14)  # DETACH=1 SAE_DIR=/tmp/qwen_sae_r2, run2's SAEs carried there (ran 2026-11-28; sha256 checked above): stage 13's
       # partial S3 rows resumed (RULER aware at 32k; the retrieval tables at 16k and 32k from their committed records),
       # and issue 35's 8k leftovers: the paper's SemantiCache(0.25) beyond its first 3 tasks, --fidelity on every task
     [ -f "$SAES" ] || { echo "stage 14 needs run2's SAEs in $SAES (see the header)"; exit 2; }
