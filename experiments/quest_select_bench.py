@@ -12,7 +12,11 @@ context length, all layers' selections as one program (``lax.scan`` over the lay
 - ``select[lax.top_k]``: the same with `jax.lax.top_k` in place of the sort (traced with
   `policies.common.top_k` swapped; the ids are checked equal first);
 - ``top_k[argsort]`` / ``top_k[lax.top_k]``: the top-k alone on ``[B, Hkv, P]`` scores, every layer;
-- ``bounds``: the selection without its top-k (the scores' sum, so nothing is dead code).
+- ``bounds``: the selection without its top-k (the scores' sum, so nothing is dead code);
+- ``select[split-sign]``, ``select[split-sign, lax.top_k]``, ``bounds[split-sign]``: the same with the bound
+  computed as two matrix products, ``relu(q)·max + min(q, 0)·min`` (for each ``d``, ``max(q_d·min_d, q_d·max_d)``
+  is ``q_d·max_d`` when ``q_d ≥ 0`` and ``q_d·min_d`` otherwise: the same sum in another order), instead of the
+  elementwise ``[G, P, D]`` product and its reduction (`QuestSplitSign`; its page lists are checked equal first).
 
 Variants are interleaved and the whole set repeated (``--repeats``); each number is the median of ``--iters``
 calls after a warm-up (`bench.timing.median_time`). Prints a table last and writes ``quest_select.json``.
@@ -37,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import struct  # noqa: E402
 
 from sparsekv_jax.bench.timing import median_time  # noqa: E402
 from sparsekv_jax.cache import LayerKV  # noqa: E402
@@ -66,6 +71,17 @@ def top_k_as(impl: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]] | Non
         common.top_k = shipped
 
 
+@struct.dataclass
+class QuestSplitSign(Quest):
+    """Quest with the bound as two matrix products (the experiment's variant; the shipped policy is `Quest`)."""
+
+    def page_bound(self, qg: jax.Array, lo: jax.Array, hi: jax.Array) -> jax.Array:
+        hp = jax.lax.Precision.HIGHEST
+        pos, neg = jnp.maximum(qg, 0.0), jnp.minimum(qg, 0.0)
+        return (jnp.einsum("bhgd,bhpd->bhgp", pos, hi.astype(jnp.float32), precision=hp)
+                + jnp.einsum("bhgd,bhpd->bhgp", neg, lo.astype(jnp.float32), precision=hp))
+
+
 def summaries(key: jax.Array, layers: int, batch: int, kv_heads: int, pages: int, head_dim: int,
               dtype: Any) -> LayerKV:
     """All layers' Quest summaries of random keys: per page the min and max of 16 normal keys' entries (drawn as
@@ -80,7 +96,9 @@ def summaries(key: jax.Array, layers: int, batch: int, kv_heads: int, pages: int
 
 
 def programs(policy: Quest, kv: LayerKV, q: jax.Array, length: jax.Array) -> dict[str, Callable[[], Any]]:
-    """The timed programs (each jitted under its top-k, every layer in one ``lax.scan``)."""
+    """The timed programs (each jitted under its top-k, every layer in one ``lax.scan``); ``policy`` a `Quest`,
+    whose `QuestSplitSign` twin gives the split-sign variants."""
+    split = QuestSplitSign(policy.budget, policy.page_size, policy.dense_layers, policy.prompt_len)
 
     def per_layer(fn):
         def step(carry, xs):
@@ -88,47 +106,62 @@ def programs(policy: Quest, kv: LayerKV, q: jax.Array, length: jax.Array) -> dic
             return carry, fn(layer_q, layer_kv, index)
         return lambda kv_, q_: jax.lax.scan(step, 0, (kv_, q_, jnp.arange(q_.shape[0])))[1]
 
-    def select(layer_q, layer_kv, index):
-        return policy.decode_select(layer_q, layer_kv, length, None, None, index, CACHE_PAGE)
+    def selecting(pol):
+        return lambda layer_q, layer_kv, index: pol.decode_select(layer_q, layer_kv, length, None, None, index,
+                                                                   CACHE_PAGE)
 
-    def bounds(layer_q, layer_kv, index):  # the bound as decode_select computes it, reduced (no top-k)
-        B, Hkv, P, D = layer_kv.page_min.shape
-        qg = layer_q.reshape(B, Hkv, -1, D).astype(jnp.float32)
-        lo, hi = layer_kv.page_min.astype(jnp.float32), layer_kv.page_max.astype(jnp.float32)
-        bound = jnp.maximum(qg[:, :, :, None] * lo[:, :, None], qg[:, :, :, None] * hi[:, :, None]).sum(-1)
-        return (bound.max(2) + layer_kv.page_max_bias).sum()
+    def bounding(pol):  # the bound as decode_select computes it, reduced (no top-k)
+        def bounds(layer_q, layer_kv, index):
+            B, Hkv, P, D = layer_kv.page_min.shape
+            qg = layer_q.reshape(B, Hkv, -1, D).astype(jnp.float32)
+            bound = pol.page_bound(qg, layer_kv.page_min, layer_kv.page_max)
+            return (bound.max(2) + layer_kv.page_max_bias).sum()
+        return bounds
 
     k = policy.pages_read(policy.prompt_len) - 1
     scores = jax.random.normal(jax.random.key(3), kv.page_max_bias.shape, jnp.float32)
     out: dict[str, Callable[[], Any]] = {}
     for name, impl in (("argsort", None), ("lax.top_k", lax_top_k)):
         with top_k_as(impl):
-            fn = jax.jit(per_layer(select))
+            fn = jax.jit(per_layer(selecting(policy)))
             fn(kv, q)  # traced (and compiled) while the swap holds
             out[f"select[{name}]"] = (lambda f: lambda: f(kv, q))(fn)
             tk = jax.jit(lambda s: common.top_k(s, k)[1])
             tk(scores)
             out[f"top_k[{name}]"] = (lambda f: lambda: f(scores))(tk)
-    bnd = jax.jit(per_layer(bounds))
+    bnd = jax.jit(per_layer(bounding(policy)))
     out["bounds"] = lambda: bnd(kv, q)
+    for name, impl in (("split-sign", None), ("split-sign, lax.top_k", lax_top_k)):
+        with top_k_as(impl):
+            fn = jax.jit(per_layer(selecting(split)))
+            fn(kv, q)
+            out[f"select[{name}]"] = (lambda f: lambda: f(kv, q))(fn)
+    bnd_split = jax.jit(per_layer(bounding(split)))
+    out["bounds[split-sign]"] = lambda: bnd_split(kv, q)
     return out
 
 
 def check_same_selection(policy: Quest, kv: LayerKV, q: jax.Array, length: jax.Array) -> None:
-    """The two top-k implementations give the same page lists and counts (random scores: no ties)."""
-    lists = []
-    for impl in (None, lax_top_k):
+    """The two top-k implementations, and the split-sign bound, give the shipped page lists and counts (random
+    scores: no ties)."""
+    split = QuestSplitSign(policy.budget, policy.page_size, policy.dense_layers, policy.prompt_len)
+    lists = {}
+    for name, pol, impl in (("argsort", policy, None), ("lax.top_k", policy, lax_top_k),
+                            ("split-sign", split, None)):
         with top_k_as(impl):
-            ids, counts = jax.jit(lambda kv_, q_: policy.decode_select(q_[2], jax.tree.map(lambda x: x[2], kv_),
-                                                                      length, None, None, jnp.int32(2),
-                                                                      CACHE_PAGE))(kv, q)
-        lists.append((np.asarray(ids), np.asarray(counts)))
-    (ids_a, n_a), (ids_b, n_b) = lists
-    if not np.array_equal(n_a, n_b):
-        raise AssertionError("page counts differ between argsort and lax.top_k")
-    for row in np.ndindex(n_a.shape):  # the listed entries (past the count the ids are filler)
-        if not np.array_equal(np.sort(ids_a[row][: n_a[row]]), np.sort(ids_b[row][: n_b[row]])):
-            raise AssertionError(f"page lists differ between argsort and lax.top_k at (row, head) {row}")
+            ids, counts = jax.jit(lambda kv_, q_, p=pol: p.decode_select(q_[2], jax.tree.map(lambda x: x[2], kv_),
+                                                                         length, None, None, jnp.int32(2),
+                                                                         CACHE_PAGE))(kv, q)
+        lists[name] = (np.asarray(ids), np.asarray(counts))
+    ids_a, n_a = lists["argsort"]
+    for name in ("lax.top_k", "split-sign"):
+        ids_b, n_b = lists[name]
+        if not np.array_equal(n_a, n_b):
+            raise AssertionError(f"page counts differ between the shipped selection and {name}")
+        for row in np.ndindex(n_a.shape):  # the listed entries (past the count the ids are filler)
+            if not np.array_equal(np.sort(ids_a[row][: n_a[row]]), np.sort(ids_b[row][: n_b[row]])):
+                raise AssertionError(f"page lists differ between the shipped selection and {name} at (row, head) "
+                                     f"{row}")
 
 
 def run(models: list[str], batches: list[int], length: int, budget: float, iters: int, repeats: int,

@@ -11,6 +11,7 @@
 #   PART=8 bash scripts/gpu_pending.sh   # PART=7's batch-64 points again, one process per policy (bench e2e since)
 #   PART=9 OLD_DECODE=.carryold/decode.py bash scripts/gpu_pending.sh   # the decode kernel's listed runs by count
 #   PART=10 bash scripts/gpu_pending.sh  # Quest's page selection alone, argsort vs lax.top_k (issue 40, batch 1; ran 2026-11-28)
+#   PART=11 bash scripts/gpu_pending.sh  # PART=10's selection again with the split-sign bound (two matrix products)
 # Each command has its share of DEADLINE seconds; logs and JSON land in $OUT; a short table is printed last.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -94,6 +95,11 @@ chess('moderate', calibration='qwen2.5-coder-1.5b'), semanticache(0.25, chunking
        --out "$OUT"
      step quest_e2e 200 python -m sparsekv_jax.bench.e2e --models qwen2.5-coder-1.5b,llama3.1-8b --prefill-contexts "" \
        --contexts 32k --batches 1,8 --policies "fullkv, quest(0.25)" --iters 9 --out "$OUT/quest_e2e.json" ;;
+  11) # PART=10 (2026-11-28): the selection is Quest's whole excess at batch 1, and launch-bound (45 us a layer for
+      # 2 MB of summaries); the bound is 39% of it. The same table with the bound as two matrix products
+      # (relu(q).max + min(q,0).min: experiments/quest_select_bench.py's QuestSplitSign, page lists checked equal)
+     step quest_select 300 python experiments/quest_select_bench.py --models qwen,llama --batches 1,8 --length 32768 \
+       --out "$OUT" ;;
   *) echo "unknown PART=$PART"; exit 2 ;;
 esac
 # the device returns at most 8 files a call: everything also travels as one archive

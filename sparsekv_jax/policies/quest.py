@@ -68,6 +68,13 @@ class Quest(Policy):
     def pages_read(self, prompt_len: int) -> int:
         return -(-budget_tokens(self.budget, prompt_len) // self.page_size)
 
+    def page_bound(self, qg: jax.Array, lo: jax.Array, hi: jax.Array) -> jax.Array:
+        """``sum_d max(q_d * min_d, q_d * max_d)`` of every page for every query head: ``qg`` ``[B, Hkv, G, D]``
+        float32, ``lo``/``hi`` ``[B, Hkv, Pq, D]`` → ``[B, Hkv, G, Pq]`` float32 (the paper's elementwise form;
+        `experiments/quest_select_bench.py` times an equal sign-split form beside it)."""
+        lo, hi = lo.astype(jnp.float32), hi.astype(jnp.float32)
+        return jnp.maximum(qg[:, :, :, None] * lo[:, :, None], qg[:, :, :, None] * hi[:, :, None]).sum(-1)
+
     def decode_select(self, q: jax.Array, kv: LayerKV, length: jax.Array, layer_state: Any, shared_state: Any,
                       layer_index: jax.Array, page_size: int) -> Selection:
         """The pages to read: ``None`` (an exact budget) or ``(page_ids [B, Hkv, P], counts [B, Hkv])``. ``kv``'s
@@ -96,9 +103,8 @@ class Quest(Policy):
 
         lo, hi = grouped(kv.page_min, jnp.min), grouped(kv.page_max, jnp.max)
         qg = q.reshape(B, Hkv, -1, D).astype(jnp.float32)  # [B, Hkv, G, D]
-        bound = jnp.maximum(qg[:, :, :, None] * lo[:, :, None], qg[:, :, :, None] * hi[:, :, None]).sum(-1)
         bias = grouped(kv.page_max_bias, jnp.max)  # [B, Hkv, Pq]
-        score = bound.max(2) / jnp.sqrt(jnp.float32(D)) + bias  # [B, Hkv, Pq]
+        score = self.page_bound(qg, lo, hi).max(2) / jnp.sqrt(jnp.float32(D)) + bias  # [B, Hkv, Pq]
         # each (row, head)'s length: a page pool's [B, Hkv] (each head's own pages in use) or the rows' [B]
         lengths = jnp.broadcast_to(length if length.ndim == 2 else length[:, None], (B, Hkv))
         used = -(-lengths // self.page_size)  # Quest pages in use
