@@ -347,6 +347,22 @@ s3pure(0.25, saes='$SAES'), s3pure(0.25, saes='$CONTROL')" --suite ruler --no-fu
     ev 0.12 fidelity_8k agnostic 8k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25), adakv(snapkv(0.25))" \
       --suite ruler --fidelity > "$RUNS/fidelity8k.log" 2>&1 &
     ;;
+  15)  # DETACH=1 (planned for the next machine; no SAEs needed): issue 35's leftovers after stage 14, every job resuming
+      # its committed records: 10% / 50% at 32k (qa_2 and the tasks stage 11 left) with H2O there at every budget,
+      # AdaKV / PyramidKV at 10% / 50% at 8k (and PyramidKV's last 4 tasks at 25%), the quantised rows' last tasks,
+      # and --fidelity at 32k
+    ev 0.12 agnostic_32k_budgets agnostic 32k "$A10, h2o(0.1)" --suite ruler --no-fullkv > "$RUNS/agn32k_10.log" 2>&1 &
+    ev 0.12 agnostic_32k_budgets agnostic 32k "$A50, h2o(0.5)" --suite ruler --no-fullkv > "$RUNS/agn32k_50.log" 2>&1 &
+    ev 0.12 agnostic_32k agnostic 32k "h2o(0.25)" --suite ruler --no-fullkv > "$RUNS/h2o32k.log" 2>&1 &
+    ev 0.12 alloc_8k agnostic 8k "pyramidkv(snapkv(0.25)), adakv(snapkv(0.1)), pyramidkv(snapkv(0.1)), \
+adakv(snapkv(0.5)), pyramidkv(snapkv(0.5))" --suite ruler --no-fullkv > "$RUNS/alloc8k.log" 2>&1 &
+    { ev 0.1 kvq_8k agnostic 8k "fullkv, snapkv(0.25), quest(0.25)" --suite ruler --kv-dtype int8
+      ev 0.1 kvq_8k agnostic 8k "fullkv, snapkv(0.25), quest(0.25)" --suite ruler --kv-dtype float8_e4m3fn
+    } > "$RUNS/kvq8k.log" 2>&1 &
+    ev 0.1 kvq_32k agnostic 32k "fullkv, snapkv(0.25)" --suite ruler --kv-dtype int8 > "$RUNS/kvq32k.log" 2>&1 &
+    ev 0.12 fidelity_32k agnostic 32k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" --suite ruler \
+      --fidelity > "$RUNS/fidelity32k.log" 2>&1 &
+    ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
 wait
