@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 
 import jax
@@ -12,7 +13,7 @@ import pytest
 from conftest import seeded_rng
 
 from sparsekv_jax.sae.config import TrainConfig
-from sparsekv_jax.sae.model import TopKSAE, encode, init_sae
+from sparsekv_jax.sae.model import TopKSAE, encode, init_sae, pre_activations
 from sparsekv_jax.sae.optim import lr_at, make_optimizer, project_decoder_gradient, unit_norm_decoder
 from sparsekv_jax.sae.train import geometric_median, init_train_state, losses, train_step
 
@@ -118,6 +119,44 @@ def test_auxk_revives_planted_dead_latents(aux_coef):
         assert revived > 0.75, revived  # ...and AuxK brings most of them back
     else:
         assert revived == 0.0, revived  # without AuxK nothing does
+
+
+@pytest.mark.parametrize("dead_bias_step", [0.0, 1.0])
+def test_closed_latents_stay_dead_under_auxk_and_reopen_with_dead_bias_step(dead_bias_step):
+    """Latents whose pre-activation is <= 0 on every vector (their encoder bias set below minus twice their largest
+    pre-activation) get no gradient from the loss or from AuxK, whose activations pass the same ReLU: AuxK alone
+    revives none (what the Qwen paper run shows, docs/SAE.md); ``dead_bias_step`` (opt-in) raises their bias
+    until they fire again. The step is in units of the planted margin, so about 2 steps reopen a latent."""
+    rng = seeded_rng()
+    data = SparseDictionary(rng, d=32, atoms=64, active=4)
+    width, batch = 128, 512
+    cfg = TrainConfig(width=width, k=4, batch_size=batch, lr=3e-3, warmup_steps=10, schedule="constant",
+                      dead_after=5 * batch, aux_coef=1 / 32, topk="lax")
+    state = init_train_state(jax.random.key(2), jnp.asarray(data.sample(2048))[None], cfg, 300)
+    planted = np.arange(0, width, 4)
+    pre = np.asarray(pre_activations(state.sae, jnp.asarray(data.sample(4096))[None]))[0]  # [N, width]
+    margin = 2.0 * np.abs(pre[:, planted]).max() + 1e-3
+    closed = state.sae.b_enc.at[:, planted].set(-margin)
+    state = state.replace(sae=state.sae.replace(b_enc=closed))
+    cfg = dataclasses.replace(cfg, dead_bias_step=dead_bias_step * margin / 2)
+    step = jax.jit(partial(train_step, cfg=cfg))
+    fired = np.zeros(width, bool)
+    for i in range(60):
+        state, metrics = step(state, jnp.asarray(data.sample(batch))[None])
+        fired |= np.asarray(state.steps_since_fired[0]) == 0
+        if i == 10 and not dead_bias_step:
+            assert float(metrics["auxk"][0]) > 0, "AuxK runs while the planted latents are dead"
+    revived = fired[planted].mean()
+    if dead_bias_step:
+        assert revived > 0.9, revived
+    else:
+        assert revived == 0.0, revived
+
+
+def test_dead_bias_step_is_refused_when_negative():
+    for bad in (-1e-3, float("nan")):
+        with pytest.raises(ValueError, match="dead_bias_step"):
+            TrainConfig(width=8, k=2, batch_size=4, dead_bias_step=bad)
 
 
 def test_dead_counters_count_steps_since_each_latent_fired():

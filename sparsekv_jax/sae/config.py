@@ -31,6 +31,11 @@ class TrainConfig:
       aux_k: dead latents in the AuxK reconstruction (None: d_in // 2, Gao et al. §B.1).
       aux_coef: AuxK loss weight (1/32 in both references); 0 turns AuxK off.
       dead_after: vectors without firing after which a latent counts as dead.
+      dead_bias_step: opt-in, not the paper's nor the references' (0: off): after each optimizer step the
+        encoder bias of every dead latent rises by this much (in the pre-activation's units). A latent whose
+        pre-activation is <= 0 on every vector gets no gradient from the loss or from AuxK (whose activations
+        pass the same ReLU); raising its bias reopens it until it wins top-k slots and the reconstruction trains
+        it again (docs/SAE.md, "Why 96–97% of the latents die").
       b_dec_init: ``"geometric_median"`` or ``"mean"`` of the init sample.
       topk: top-k algorithm (`sparsekv_jax.sae.topk`), or ``"fused"``: the encoder matmul, ReLU and top-k in
         one kernel (`sparsekv_jax.pallas.sae_encode`; what ``"auto"`` takes on a GPU where it applies, with
@@ -52,6 +57,7 @@ class TrainConfig:
     aux_k: int | None = None
     aux_coef: float = 1 / 32
     dead_after: int = 10_000_000
+    dead_bias_step: float = 0.0
     b_dec_init: str = "geometric_median"
     topk: str = "auto"
     compute_dtype: str = "float32"
@@ -75,6 +81,8 @@ class TrainConfig:
             raise ValueError(f"aux_coef={self.aux_coef} must be >= 0")
         if self.dead_after < 1:
             raise ValueError(f"dead_after={self.dead_after} must be >= 1")
+        if not self.dead_bias_step >= 0:  # NaN refused too
+            raise ValueError(f"dead_bias_step={self.dead_bias_step} must be >= 0")
         if self.b_dec_init not in ("geometric_median", "mean"):
             raise ValueError(f"b_dec_init={self.b_dec_init!r} is not 'geometric_median' or 'mean'")
         if self.topk not in TOPK_METHODS:
@@ -127,6 +135,7 @@ class RunConfig:
     aux_k: int | None = None
     aux_coef: float = 1 / 32
     dead_after: int = 10_000_000
+    dead_bias_step: float = 0.0
     b_dec_init: str = "geometric_median"
     topk: str = "auto"
     compute_dtype: str = "float32"
@@ -163,7 +172,8 @@ class RunConfig:
         return TrainConfig(width=self.width, k=self.k, batch_size=self.batch_size, lr=self.lr,
                            warmup_steps=self.warmup_steps, schedule=self.schedule,
                            decay_fraction=self.decay_fraction, aux_k=self.aux_k, aux_coef=self.aux_coef,
-                           dead_after=self.dead_after, b_dec_init=self.b_dec_init, topk=self.topk,
+                           dead_after=self.dead_after, dead_bias_step=self.dead_bias_step,
+                           b_dec_init=self.b_dec_init, topk=self.topk,
                            compute_dtype=self.compute_dtype, decode=self.decode)
 
     @classmethod

@@ -10,6 +10,9 @@ openai/sparse_autoencoder and EleutherAI/sparsify:
   (sparsify). This gives dead latents a gradient and revives them (Gao et al. §A.2).
 * **Dead latents**: a latent is dead once it has not fired (activation > 0) for ``dead_after``
   training vectors (10M in both references); counted per latent in steps since it last fired.
+* **Opt-in, neither the paper's nor the references'**: ``dead_bias_step`` raises the encoder bias of
+  every dead latent after each step (`TrainConfig`), for latents closed on every vector, which AuxK
+  cannot reach.
 * **Init**: ``b_dec`` at the geometric median of a data sample (Weiszfeld's algorithm; the
   references use the geom_median package / the batch mean), tied encoder = decoderᵀ, and the
   encoder scaled so that initial reconstructions have the data's norm (openai's
@@ -189,6 +192,8 @@ def train_step(state: TrainState, x: jax.Array, cfg: TrainConfig) -> tuple[Train
     opt_state = state.opt_state._replace(hyperparams={**state.opt_state.hyperparams, "learning_rate": lr})
     updates, opt_state = optimizer(cfg).update(grads, opt_state, state.sae)
     sae = optax.apply_updates(state.sae, updates)
+    if cfg.dead_bias_step > 0:  # opt-in: reopen the gates of latents no gradient reaches (TrainConfig)
+        sae = sae.replace(b_enc=sae.b_enc + cfg.dead_bias_step * dead.astype(sae.b_enc.dtype))
     since = jnp.where(parts["fired"], 0, state.steps_since_fired + 1)
     metrics = {"fvu": parts["fvu"], "auxk": parts["auxk"], "l0": parts["l0"],
                "dead_fraction": jnp.mean(since >= cfg.dead_after_steps, axis=-1), "lr": lr}
