@@ -7,6 +7,8 @@
 #   PHASE=compare MODEL=smollm2 bash scripts/sae_paper_gpu.sh      # new SAEs against the shipped, same held-out keys
 #   RUN=/tmp/k16 EXTRA="--k 16 --steps 15000" PHASE=run bash scripts/sae_paper_gpu.sh   # an ablation of the paper config
 #   RUN=/tmp/k16 SETS="/tmp/paper_smollm2/paper_smollm2.safetensors" PHASE=compare bash scripts/sae_paper_gpu.sh
+#   PHASE=dead MODEL=qwen2.5-coder-1.5b PIECES=/tmp/pieces CARRY=.carrysae bash scripts/sae_paper_gpu.sh
+#     # why the latents die (docs/SAE.md): short arms side by side on layers 0 and 25, one process each
 #
 # The run's directory ($RUN, default /tmp/paper_$MODEL) stays on the machine (its checkpoints hold the shuffle
 # buffer: 0.4-1.1 GB); curves, the record, the exported SAEs (if done) and the logs are copied to $OUT each call.
@@ -51,5 +53,21 @@ case "${PHASE:-run}" in
       --dtype bfloat16 --attention cudnn --seq-len 4100 --max-rows "${MAX_ROWS:-32}" --out "$OUT/compare.json" \
       > "$OUT/compare.log" 2>&1
     echo "rc=$?" | tee -a "$OUT/compare.log"; grep -v "^WARNING\|^I0000\|^W0000" "$OUT/compare.log" | tail -n 30 ;;
-  *) echo "PHASE is run or compare, not $PHASE"; exit 2 ;;
+  dead)  # docs/SAE.md "Why 96-97% of the latents die": the baseline, AuxK off (inert: the same dead fraction?),
+    # the opt-in dead_bias_step at two sizes, k 32 and lr 2e-4; 4,000 steps on layers 0 and 25, a latent dead after
+    # 2M vectors (about 245 steps) so deaths show within the run; each arm's curves and record in $OUT/dead_<arm>
+    python -c "from sparsekv_jax.models.embedded import load; load('$MODEL')" || exit 1  # converted once, not per arm
+    ARMS=${ARMS:-"base: aux0:--aux-coef=0 bias3:--dead-bias-step=1e-3 bias2:--dead-bias-step=1e-2 k32:--k=32 lr:--lr=2e-4"}
+    for arm in $ARMS; do
+      name=${arm%%:*}; extra=${arm#*:}; mkdir -p "$OUT/dead_$name"
+      ( XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM:-0.15} timeout "$DEADLINE" env OUT="/tmp/dead_$name" \
+          bash sae_training/run_paper.sh "$MODEL" --layers 0,25 --steps "${STEPS:-4000}" --dead-after 2000000 \
+          --checkpoint-every 100000 ${extra//=/ } > "$OUT/dead_$name/run.log" 2>&1
+        echo "rc=$?" >> "$OUT/dead_$name/run.log"
+        for f in curves.csv curves.png "paper_$MODEL.json"; do
+          [ -f "/tmp/dead_$name/$f" ] && cp "/tmp/dead_$name/$f" "$OUT/dead_$name/"; done ) &
+    done
+    wait
+    for d in "$OUT"/dead_*/; do echo "== $d"; tail -n 3 "$d/curves.csv" 2>/dev/null; tail -n 1 "$d/run.log"; done ;;
+  *) echo "PHASE is run, compare or dead, not $PHASE"; exit 2 ;;
 esac
