@@ -54,10 +54,10 @@ case "${PHASE:-run}" in
       > "$OUT/compare.log" 2>&1
     echo "rc=$?" | tee -a "$OUT/compare.log"; grep -v "^WARNING\|^I0000\|^W0000" "$OUT/compare.log" | tail -n 30 ;;
   dead)  # docs/SAE.md "Why 96-97% of the latents die": the baseline, AuxK off (inert: the same dead fraction?),
-    # the opt-in dead_bias_step at two sizes, k 32 and lr 2e-4; 4,000 steps on layers 0 and 25, a latent dead after
+    # the opt-in dead_bias_step at two sizes and w_dec_init=data, k 32 and lr 2e-4; 4,000 steps on layers 0 and 25, a latent dead after
     # 2M vectors (about 245 steps) so deaths show within the run; each arm's curves and record in $OUT/dead_<arm>
     python -c "from sparsekv_jax.models.embedded import load; load('$MODEL')" || exit 1  # converted once, not per arm
-    ARMS=${ARMS:-"base: aux0:--aux-coef=0 bias3:--dead-bias-step=1e-3 bias2:--dead-bias-step=1e-2 k32:--k=32 lr:--lr=2e-4"}
+    ARMS=${ARMS:-"base: aux0:--aux-coef=0 bias3:--dead-bias-step=1e-3 bias2:--dead-bias-step=1e-2 data:--w-dec-init=data k32:--k=32 lr:--lr=2e-4"}
     for arm in $ARMS; do
       name=${arm%%:*}; extra=${arm#*:}; mkdir -p "$OUT/dead_$name"
       ( XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM:-0.15} timeout "$DEADLINE" env OUT="/tmp/dead_$name" \

@@ -153,10 +153,33 @@ def test_closed_latents_stay_dead_under_auxk_and_reopen_with_dead_bias_step(dead
         assert revived == 0.0, revived
 
 
-def test_dead_bias_step_is_refused_when_negative():
+def test_dead_bias_step_and_w_dec_init_refuse_bad_values():
     for bad in (-1e-3, float("nan")):
         with pytest.raises(ValueError, match="dead_bias_step"):
             TrainConfig(width=8, k=2, batch_size=4, dead_bias_step=bad)
+    with pytest.raises(ValueError, match="w_dec_init='zeros'"):
+        TrainConfig(width=8, k=2, batch_size=4, w_dec_init="zeros")
+
+
+def test_data_init_puts_every_decoder_row_in_the_data_subspace():
+    """Keys of 32 dims that live in a 4-dim subspace (plus an offset): with ``w_dec_init="data"`` the unit
+    decoder rows lie in it up to the 1% random mix (random rows: about sqrt(28/32) outside), the encoder is
+    their transpose scaled as the random init's, and the rows differ from each other."""
+    rng = seeded_rng()
+    d, rank, width = 32, 4, 128
+    basis = np.linalg.qr(rng.normal(size=(d, rank)))[0]  # [d, rank] orthonormal
+    sample = rng.normal(size=(1, 2048, rank)) @ basis.T + rng.normal(size=d)
+    outside = np.eye(d) - basis @ basis.T
+    for init, lo, hi in (("data", 0.0, 0.03), ("random", 0.6, 1.0)):
+        cfg = TrainConfig(width=width, k=4, batch_size=256, w_dec_init=init, topk="lax")
+        state = init_train_state(jax.random.key(int(rng.integers(1 << 30))), jnp.asarray(sample, jnp.float32), cfg, 10)
+        w_dec, w_enc = np.asarray(state.sae.w_dec[0]), np.asarray(state.sae.w_enc[0])
+        np.testing.assert_allclose(np.linalg.norm(w_dec, axis=-1), 1.0, atol=1e-5)
+        off = np.linalg.norm(w_dec @ outside, axis=-1).mean()
+        assert lo <= off <= hi, (init, off)
+        ratio = w_enc.T / w_dec  # tied: the encoder is the decoder's transpose times one scale
+        np.testing.assert_allclose(ratio, ratio.flat[0], rtol=1e-4, err_msg=init)
+        assert len({tuple(np.round(r, 4)) for r in w_dec}) == width, init
 
 
 def test_dead_counters_count_steps_since_each_latent_fired():

@@ -37,6 +37,10 @@ class TrainConfig:
         pass the same ReLU); raising its bias reopens it until it wins top-k slots and the reconstruction trains
         it again (docs/SAE.md, "Why 96–97% of the latents die").
       b_dec_init: ``"geometric_median"`` or ``"mean"`` of the init sample.
+      w_dec_init: ``"random"`` (unit Gaussian rows, the references') or ``"data"`` (opt-in: rows drawn from the
+        init sample, centred at ``b_dec`` and normalised, with 1% of the random rows mixed in so no two are equal),
+        so that every latent starts inside the data's subspace: the low-rank keys of a first layer leave most
+        random directions unused from the start (docs/SAE.md, "Why 96–97% of the latents die").
       topk: top-k algorithm (`sparsekv_jax.sae.topk`), or ``"fused"``: the encoder matmul, ReLU and top-k in
         one kernel (`sparsekv_jax.pallas.sae_encode`; what ``"auto"`` takes on a GPU where it applies, with
         fp32 encoder inputs; `sparsekv_jax.sae.model.resolve_select`).
@@ -59,6 +63,7 @@ class TrainConfig:
     dead_after: int = 10_000_000
     dead_bias_step: float = 0.0
     b_dec_init: str = "geometric_median"
+    w_dec_init: str = "random"
     topk: str = "auto"
     compute_dtype: str = "float32"
     decode: str = "auto"
@@ -85,6 +90,8 @@ class TrainConfig:
             raise ValueError(f"dead_bias_step={self.dead_bias_step} must be >= 0")
         if self.b_dec_init not in ("geometric_median", "mean"):
             raise ValueError(f"b_dec_init={self.b_dec_init!r} is not 'geometric_median' or 'mean'")
+        if self.w_dec_init not in ("random", "data"):
+            raise ValueError(f"w_dec_init={self.w_dec_init!r} is not 'random' or 'data'")
         if self.topk not in TOPK_METHODS:
             raise ValueError(f"topk={self.topk!r} is not one of {TOPK_METHODS}")
         if self.compute_dtype not in ("float32", "bfloat16"):
@@ -137,6 +144,7 @@ class RunConfig:
     dead_after: int = 10_000_000
     dead_bias_step: float = 0.0
     b_dec_init: str = "geometric_median"
+    w_dec_init: str = "random"
     topk: str = "auto"
     compute_dtype: str = "float32"
     decode: str = "auto"
@@ -173,7 +181,7 @@ class RunConfig:
                            warmup_steps=self.warmup_steps, schedule=self.schedule,
                            decay_fraction=self.decay_fraction, aux_k=self.aux_k, aux_coef=self.aux_coef,
                            dead_after=self.dead_after, dead_bias_step=self.dead_bias_step,
-                           b_dec_init=self.b_dec_init, topk=self.topk,
+                           b_dec_init=self.b_dec_init, w_dec_init=self.w_dec_init, topk=self.topk,
                            compute_dtype=self.compute_dtype, decode=self.decode)
 
     @classmethod

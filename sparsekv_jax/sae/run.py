@@ -365,7 +365,8 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, change
         "train_tokens": int(len(rows.tokens)), "heldout_tokens": int(held.size), "steps": step,
         "batch_size": cfg.batch_size, "vectors_seen": step * cfg.batch_size, "lr": cfg.lr,
         "schedule": cfg.schedule, "aux_coef": cfg.aux_coef, "dead_after": cfg.dead_after,
-        **({"dead_bias_step": cfg.dead_bias_step} if cfg.dead_bias_step else {}),  # opt-in: named when used
+        **({"dead_bias_step": cfg.dead_bias_step} if cfg.dead_bias_step else {}),  # opt-ins: named when used
+        **({"w_dec_init": cfg.w_dec_init} if cfg.w_dec_init != "random" else {}),
         "seq_len": cfg.seq_len, "drop_first": cfg.drop_first, "seed": cfg.seed,
         "max_minutes": cfg.max_minutes, "train_seconds": round(t_train, 1), "device": jax.devices()[0].device_kind,
         "heldout": None,  # until measured below

@@ -13,6 +13,7 @@ openai/sparse_autoencoder and EleutherAI/sparsify:
 * **Opt-in, neither the paper's nor the references'**: ``dead_bias_step`` raises the encoder bias of
   every dead latent after each step (`TrainConfig`), for latents closed on every vector, which AuxK
   cannot reach.
+* **Opt-in**: ``w_dec_init="data"`` draws the decoder rows from the init sample (`TrainConfig`).
 * **Init**: ``b_dec`` at the geometric median of a data sample (Weiszfeld's algorithm; the
   references use the geom_median package / the batch mean), tied encoder = decoderᵀ, and the
   encoder scaled so that initial reconstructions have the data's norm (openai's
@@ -90,6 +91,14 @@ def init_train_state(key: jax.Array, sample: jax.Array, cfg: TrainConfig, total_
     sample = sample.astype(jnp.float32)
     b_dec = geometric_median(sample) if cfg.b_dec_init == "geometric_median" else jnp.mean(sample, axis=1)
     sae = init_sae(key, D, cfg.width, cfg.k, stack=(L,), b_dec=b_dec)
+    if cfg.w_dec_init == "data":  # opt-in (TrainConfig): rows from the sample, 1% of the random ones mixed in
+        rows = jax.random.choice(jax.random.fold_in(key, 1), sample.shape[1], (cfg.width,),
+                                 replace=cfg.width > sample.shape[1])
+        picked = sample[:, rows] - b_dec[:, None]
+        picked = picked / jnp.maximum(jnp.linalg.norm(picked, axis=-1, keepdims=True), 1e-12)
+        w_dec = picked + 0.01 * sae.w_dec
+        w_dec = w_dec / jnp.linalg.norm(w_dec, axis=-1, keepdims=True)
+        sae = sae.replace(w_dec=w_dec, w_enc=jnp.swapaxes(w_dec, -1, -2))
     # scale the encoder so that the initial reconstructions have the data's norm (b_enc = 0, so the
     # activations and x̂ - b_dec are linear in the encoder's scale)
     probe = sample[:, : min(sample.shape[1], 4096)]
