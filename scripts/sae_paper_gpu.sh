@@ -60,7 +60,7 @@ case "${PHASE:-run}" in
     ARMS=${ARMS:-"base: aux0:--aux-coef=0 bias3:--dead-bias-step=1e-3 bias2:--dead-bias-step=1e-2 data:--w-dec-init=data k32:--k=32 lr:--lr=2e-4"}
     for arm in $ARMS; do
       name=${arm%%:*}; extra=${arm#*:}; mkdir -p "$OUT/dead_$name"
-      ( XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM:-0.15} timeout "$DEADLINE" env OUT="/tmp/dead_$name" \
+      ( XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM:-0.13} timeout "$DEADLINE" env OUT="/tmp/dead_$name" \
           bash sae_training/run_paper.sh "$MODEL" --layers 0,25 --steps "${STEPS:-4000}" --dead-after 2000000 \
           --checkpoint-every 100000 ${extra//=/ } > "$OUT/dead_$name/run.log" 2>&1
         echo "rc=$?" >> "$OUT/dead_$name/run.log"
