@@ -106,13 +106,21 @@ def _decode_init(pol, cache):
     return pol.decode_init(cache, None)
 
 
-@settings(max_examples=25, deadline=None)
+@jax.jit
+def _decode_update(pol, st, cache, logits):
+    """``pol.decode_update`` as one program, the policy a pytree argument (its thresholds leaves)."""
+    return pol.decode_update(st, cache, logits)
+
+
+@settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), preset=st.sampled_from(sorted(PRESETS)), sinks=st.integers(0, 2),
        window=st.integers(1, 3), chess_page=st.sampled_from([16, 32]))
 def test_sinks_and_window_always_read(seed, preset, sinks, window, chess_page):
+    """Each drawn policy is a program of its own (its fields are static): 10 policies of 8 rows each (80 rows of
+    random lengths; it was 25 policies of 3 rows), the rows' lengths the cheap axis, the policies the costly one."""
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, 500, 3)
-    cache = _filled_cache(rng, 3, 512, lengths)
+    lengths = rng.integers(1, 500, 8)
+    cache = _filled_cache(rng, 8, 512, lengths)
     pol = CHESS(ratios=preset, page_size=chess_page, sink_pages=sinks, window_pages=window, chunk_pages=2,
                 grid_chunks=2).bind(SETUP)
     _, shared = _decode_init(pol, cache)
@@ -184,7 +192,9 @@ def test_backtracking_reproduces_output_when_selection_unchanged(params):
     rng = seeded_rng()
     tokens, lengths = rng.integers(0, CFG.vocab_size, (2, 300)), np.array([300, 300])
     kw = dict(ratios="aggressive", page_size=16, chunk_pages=2, grid_chunks=2, prompt_end=300)
-    calm = _gen(params, _StableCHESS(**kw), tokens, lengths)
+    # max_backtracks=3 in the calm run too (never used there: it never triggers), so that the two runs differ in
+    # their thresholds only, pytree leaves of the policy: one compiled program for both
+    calm = _gen(params, _StableCHESS(**kw, max_backtracks=3), tokens, lengths)
     shaky = _gen(params, _StableCHESS(**kw, entropy_threshold=0.0, varentropy_threshold=0.0, max_backtracks=3),
                  tokens, lengths)
     np.testing.assert_array_equal(np.asarray(shaky.stats["backtracks"]), [3, 3])
@@ -209,14 +219,19 @@ def test_regeneration_changes_the_page_when_selection_changes(params):
 
 
 def test_batch_rows_independent(params):
+    """A row's tokens and backtracks do not depend on its batch-mate: each row again, next to a fresh prompt of
+    another length in place of the other row (the same program as the first run: batch 2, width 300)."""
     rng = seeded_rng()
     tokens, lengths = rng.integers(0, CFG.vocab_size, (2, 300)), np.array([300, 190])
     pol = CHESS.aggressive(page_size=16, chunk_pages=2, grid_chunks=2, entropy_threshold=2.0, trigger_on="either")
     both = _gen(params, pol, tokens, lengths, n=60)
     for b in range(2):
-        one = _gen(params, pol, tokens[b:b + 1, : lengths[b]], None, n=60)
-        np.testing.assert_array_equal(np.asarray(one.tokens[0]), np.asarray(both.tokens[b]))
-        assert int(one.stats["backtracks"][0]) == int(both.stats["backtracks"][b])
+        mates, mate_lengths = tokens.copy(), lengths.copy()
+        mates[1 - b] = rng.integers(0, CFG.vocab_size, 300)
+        mate_lengths[1 - b] = rng.integers(150, 300)
+        one = _gen(params, pol, mates, mate_lengths, n=60)
+        np.testing.assert_array_equal(np.asarray(one.tokens[b]), np.asarray(both.tokens[b]))
+        assert int(one.stats["backtracks"][b]) == int(both.stats["backtracks"][b])
 
 
 def test_interval_trigger_counts(params):
@@ -597,10 +612,9 @@ def test_varentropy_of_a_page_of_nearly_equal_entropies_is_not_lost_to_rounding(
     for threshold, fires in ((0.5 * var.min(), True), (2.0 * var.max(), False)):
         pol = CHESS(ratios="aggressive", page_size=ps, regenerate=False, trigger_on="both",
                     entropy_threshold=0.0, varentropy_threshold=float(threshold)).bind(SETUP)
-        _, st = pol.decode_init(cache, None)
-        step = jax.jit(lambda st, lg, pol=pol: pol.decode_update(st, cache, lg))
+        _, st = _decode_init(pol, cache)  # the thresholds are leaves of the policy: one program for both
         for t in range(ps):
-            st = step(st, jnp.asarray(logits[t]))
+            st = _decode_update(pol, st, cache, jnp.asarray(logits[t]))
         assert np.asarray(st["reselections"]).tolist() == [int(fires)] * B, (threshold, var)
 
 
@@ -641,17 +655,26 @@ def test_a_stopped_row_keeps_its_state_while_the_batch_runs_on(params, extra):
         free = np.asarray(_gen(params, pol, tokens, None, n=64).tokens)
         candidates = [int(t) for j, t in enumerate(free[0]) if 8 <= j <= 20 and t not in free[0, :j]
                       and t not in free[1]]
-        stop = next((c for c in candidates if int(generate(params, pol, tokens, max_new_tokens=64, stop_tokens=(c,),
-                                                                 page_size=16).num_generated[1]) == 64), None)
-        if stop is not None:
+        # `stop_tokens` is static: each candidate tried is a program; the run that accepts one is the test's run
+        both = None
+        for c in candidates:
+            run = generate(params, pol, tokens, max_new_tokens=64, stop_tokens=(c,), page_size=16)
+            if int(run.num_generated[1]) == 64:
+                stop, both = c, run
+                break
+        if both is not None:
             break
     else:
         pytest.fail(f"no stop token for row 0 in 4 draws that row 1 never generates: {free.tolist()}")
-    both = generate(params, pol, tokens, max_new_tokens=64, stop_tokens=(stop,), page_size=16)
-    alone = generate(params, pol, tokens[:1], max_new_tokens=64, stop_tokens=(stop,), page_size=16)
+    # row 0 "alone": a batch of row 0 twice, the same program as `both`'s; both its rows stop together, so the loop
+    # ends where row 0 stops, as row 0 run by itself would
+    alone = generate(params, pol, tokens[[0, 0]], max_new_tokens=64, stop_tokens=(stop,), page_size=16)
+    np.testing.assert_array_equal(np.asarray(alone.tokens[1]), np.asarray(alone.tokens[0]))
     n0 = int(alone.num_generated[0])
+    assert int(alone.num_generated[1]) == n0
     assert int(both.num_generated[0]) == n0 < 22 and int(both.num_generated[1]) == 64  # row 1 runs on 40+ steps
     np.testing.assert_array_equal(np.asarray(both.tokens[0]), np.asarray(alone.tokens[0]))
     for key in ("reselections", "backtracks", "changed_backtracks"):
-        assert int(both.stats[key][0]) == int(alone.stats[key][0]), (key, both.stats[key], alone.stats[key])
+        assert int(both.stats[key][0]) == int(alone.stats[key][0]) == int(alone.stats[key][1]), (
+            key, both.stats[key], alone.stats[key])
     assert int(both.stats["reselections"][1]) > int(both.stats["reselections"][0])  # row 1's counters did run on

@@ -107,8 +107,9 @@ def test_padded_steps_are_masked(params, prompts):
     ref = fid.reference(params, tokens, lengths=lengths, forced=forced, steps=steps)
     policy = StreamingLLM(budget=16, sinks=4)
     rows = fid.compare(params, policy, ref)
-    full, _ = teacher_force(params, Dense(), tokens, forced, lengths=lengths)
-    pol, _ = teacher_force(params, policy, tokens, forced, lengths=lengths)
+    # collect_attention as `reference` and `compare` ask (the attention outputs unused here): their programs
+    full, _ = teacher_force(params, Dense(), tokens, forced, lengths=lengths, collect_attention=True)
+    pol, _ = teacher_force(params, policy, tokens, forced, lengths=lengths, collect_attention=True)
     kl = np_kl(np.asarray(full), np.asarray(pol))
     agree = np.asarray(full).argmax(-1) == np.asarray(pol).argmax(-1)
     for b, n in enumerate(steps):
@@ -141,17 +142,21 @@ def test_fidelity_runs_on_the_given_backend(params, prompts):
     out = generate(params, Dense(), tokens, lengths=lengths, max_new_tokens=NEW, stop_tokens=(), backend=int8)
     forced = np.asarray(out.tokens)
     np.testing.assert_array_equal(np.asarray(ref.forced), forced)  # the int8 run's answer (no stop: no padding)
-    full, _ = teacher_force(params, Dense(), tokens, forced, lengths=lengths, backend=int8)
+    # the teacher-forced runs collect the attention outputs as `reference` and `compare` do (unused here): one
+    # program each for `reference`'s and `compare`'s runs and these; the float pair's are
+    # test_padded_steps_are_masked's
+    tf = dict(lengths=lengths, collect_attention=True)
+    full, _ = teacher_force(params, Dense(), tokens, forced, backend=int8, **tf)
     np.testing.assert_array_equal(np.asarray(ref.logits), np.asarray(full))
-    pol, _ = teacher_force(params, policy, tokens, forced, lengths=lengths, backend=int8)
+    pol, _ = teacher_force(params, policy, tokens, forced, backend=int8, **tf)
     kl = np_kl(np.asarray(full), np.asarray(pol))
     agree = (np.asarray(full).argmax(-1) == np.asarray(pol).argmax(-1)).mean(-1)
     rows = fid.compare(params, policy, ref)
     np.testing.assert_allclose([r["kl_mean"] for r in rows], kl.mean(-1), rtol=2e-3, atol=1e-6)
     np.testing.assert_allclose([r["top1_agreement"] for r in rows], agree)
     # the float cache's KL along the same answer is another number: the backend was not ignored
-    full_f, _ = teacher_force(params, Dense(), tokens, forced, lengths=lengths)
-    pol_f, _ = teacher_force(params, policy, tokens, forced, lengths=lengths)
+    full_f, _ = teacher_force(params, Dense(), tokens, forced, **tf)
+    pol_f, _ = teacher_force(params, policy, tokens, forced, **tf)
     assert np.abs(np_kl(np.asarray(full_f), np.asarray(pol_f)).mean(-1) - kl.mean(-1)).max() > 1e-5
     assert all(r["kl_mean"] == 0.0 and r["top1_agreement"] == 1.0 for r in fid.compare(params, Dense(), ref))
     assert fid.fidelity(params, policy, tokens, lengths=lengths, max_new_tokens=NEW, stop_tokens=(),
