@@ -9,8 +9,9 @@ against the unsharded run of the same policy on the same inputs: the greedy toke
 the stats, and the fp32 next-token logits read through the final cache (`generate.extend` of the last
 token); where the cache's shards lie; and the size of every collective in the compiled program (no
 step may gather a layer's cache). It also runs the Pallas kernels per device (interpret mode) against
-their references, a decode loop fed its own state on a mesh, and asks for the errors a mesh that does
-not divide the heads or batch must give.
+their references, a decode loop fed its own state on a mesh, the int8 KV cache on a 1×2 mesh against one
+device (`_int8_rows`; tests/test_kv_quant.py started a child of its own for it, ~37 CPU s), and asks for the
+errors a mesh that does not divide the heads or batch must give.
 
 Every policy on all three meshes took ~400 CPU s (each sharded program ~5 s to compile); one mesh
 each keeps every policy and every mesh in every run for a third of the sharded programs. The decode
@@ -300,6 +301,53 @@ def _error_rows(cfg, params, meshes) -> None:
     print("ERRORS " + json.dumps(errors), flush=True)
 
 
+INT8_POLICIES = ("fullkv", "quest(budget=16)")
+INT8_RUNS = ("one", "mesh", "float")
+
+
+def _int8_rows(seed: int) -> None:
+    """The int8 KV cache on a 1×2 mesh (KV heads split over ``model``) against one device and against
+    the float cache, for full attention and Quest through the Pallas decode kernel: greedy tokens, key
+    codes and teacher-forced logits (`test_int8_cache_on_a_device_mesh_equals_one_device`; it had its
+    own child on 2 forced devices in tests/test_kv_quant.py). The float cache's run gives only the
+    reference logits, so it is teacher-forced alone (its `generate` was never read)."""
+    import jax
+    import jax.numpy as jnp
+
+    from sparsekv_jax.backend import Backend
+    from sparsekv_jax.generate import generate, teacher_force
+    from sparsekv_jax.models.config import ModelConfig
+    from sparsekv_jax.models.params import random_params
+    from sparsekv_jax.policies import parse_policy
+    from sparsekv_jax.sharding import make_mesh
+
+    t0 = time.process_time()
+    cfg = ModelConfig(family="llama", vocab_size=61, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, intermediate_size=48, max_position_embeddings=512, eos_token_ids=(0,))
+    params = random_params(cfg, jax.random.key(seed), jnp.float32, 0.3)
+    rng = np.random.default_rng([seed, 0x1218])
+    tokens, lengths = rng.integers(1, 61, (2, 40)), np.array([40, 29])
+    mesh = make_mesh(data=1, model=2)  # the first 2 of the 8 devices
+    out = {}
+    for policy in INT8_POLICIES:
+        forced = None
+        for name in INT8_RUNS:
+            on, backend = (mesh if name == "mesh" else None), Backend(decode_attention="pallas",
+                                                                       kv_dtype=None if name == "float" else "int8")
+            row = {}
+            if name != "float":
+                res = generate(params, parse_policy(policy), tokens, lengths=lengths, max_new_tokens=4,
+                               stop_tokens=(), backend=backend, mesh=on)
+                forced = np.asarray(res.tokens) if forced is None else forced  # every run scores one's tokens
+                row = {"tokens": np.asarray(res.tokens).tolist(), "k": np.asarray(res.cache.layers.k).tolist(),
+                       "spec": str(res.cache.layers.k_scale.sharding.spec) if on is not None else ""}
+            logits = teacher_force(params, parse_policy(policy), tokens, forced, lengths=lengths, backend=backend,
+                                   mesh=on)[0]
+            out[f"{policy}/{name}"] = {**row, "logits": np.asarray(logits).tolist()}
+    out["cpu_s"] = time.process_time() - t0
+    print("INT8 " + json.dumps(out), flush=True)
+
+
 def _child() -> None:
     import tempfile
 
@@ -321,6 +369,7 @@ def _child() -> None:
     print("REGISTERED " + json.dumps(sorted({type(f()).__name__ for n, f in REGISTRY.items() if n != "pipeline"})),
           flush=True)
     _error_rows(cfg, params, meshes)
+    _int8_rows(seed)
     _carry_rows(cfg, params, meshes, seed)
     _kernel_rows(meshes, rng)
     _generate_rows(cfg, params, meshes, rng, seed)
@@ -354,6 +403,7 @@ def child(tmp_path_factory) -> dict:
             "kernels": json.loads(next(x[8:] for x in lines if x.startswith("KERNELS "))),
             "errors": json.loads(next(x[7:] for x in lines if x.startswith("ERRORS "))),
             "carry": json.loads(next(x[6:] for x in lines if x.startswith("CARRY "))),
+            "int8": json.loads(next(x[5:] for x in lines if x.startswith("INT8 "))),
             "registered": json.loads(next(x[11:] for x in lines if x.startswith("REGISTERED ")))}
 
 
@@ -411,6 +461,36 @@ def test_a_decode_loop_feeds_its_state_back_on_a_mesh(child):
     assert list(child["carry"]) == [carry_mesh(child["seed"])], (child["carry"], child["seed"])
     for mesh, c in child["carry"].items():
         assert c == {"ids": True, "counts": True, "fed_back": None}, (mesh, c)
+
+
+def test_int8_cache_on_a_device_mesh_equals_one_device(child):
+    """On a 1×2 mesh (KV heads split over ``model``), the int8 cache's scales are split as the cache
+    and the Pallas decode kernel runs per device with its shard of codes and scales: the same tokens,
+    codes and logits as on one device, for full attention and Quest (`_int8_rows`, in the child: the
+    device count is fixed before JAX starts)."""
+    res = child["int8"]
+    for policy in INT8_POLICIES:
+        one, mesh, exact = (res[f"{policy}/{name}"] for name in INT8_RUNS)
+        where = f"{policy} (seed {child['seed']})"
+        assert "model" in mesh["spec"], (where, mesh["spec"])
+        # codes equal, up to a rounding tie the two programs' float keys may break differently
+        codes = np.asarray(mesh["k"]), np.asarray(one["k"])
+        assert np.abs(codes[0] - codes[1]).max() <= 1 and (codes[0] == codes[1]).mean() > 0.99, where
+        # Both programs quantise the same keys; a tie broken the other way errs by half a step either
+        # way, so the mesh is as far from the unquantised cache's logits as one device is (a shard
+        # reading another shard's scales would err by O(1)). A fixed tolerance on mesh - one failed CI
+        # (6.6e-3 at seed 1215500086): one flipped code moves a logit by a step's share of q.k.
+        ref, one_l, mesh_l = (np.asarray(r["logits"]) for r in (exact, one, mesh))
+        noise = np.abs(one_l - ref).max()
+        assert noise > 0, where  # the int8 cache quantised something
+        assert np.abs(mesh_l - ref).max() <= 2 * noise + 1e-4, (where, np.abs(mesh_l - ref).max(), noise)
+        # and closer to one device than either is to it: a flipped code is one error among thousands
+        typical = np.median(np.abs(one_l - ref))
+        assert np.median(np.abs(mesh_l - one_l)) <= 0.25 * typical, (where, np.median(np.abs(mesh_l - one_l)), typical)
+        # generated tokens agree up to a step whose top-two margin is within the quantisation noise
+        top2 = np.sort(one_l, axis=-1)[..., -2:]
+        clear = np.cumprod(top2[..., 1] - top2[..., 0] > 4 * noise, axis=1).astype(bool)
+        assert (np.asarray(mesh["tokens"]) == np.asarray(one["tokens"]))[clear].all(), where
 
 
 def test_meshes_that_do_not_divide_give_clear_errors(child):
