@@ -98,10 +98,11 @@ def test_chess_on_a_shuffled_pool_rewinds_step_by_step_as_the_uniform_cache(para
     cache, each rewind applied as `decode_loop` applies it (the uniform cache's length, the pool's through
     `rewind_pool`): the same logits (1e-5), pages read and rewinds at every step; after each step the pool's
     lengths are the uniform cache's; a rewind keeps the pages held (more than its length needs) and pops or
-    frees none, and the regenerated tokens refill them. Then `Session.decode` on the shuffled pool gives the
-    uniform path's tokens and backtracks. On the interpreted kernel in int8, the one step-by-step CHESS run of the
-    int8 kernel (each compile of it is slow); nothing checked here depends on the backend, and `generate` on the
-    pool is checked on the jnp path and the kernel in fp32 above, in int8 on jnp below."""
+    frees none, and the regenerated tokens refill them (the greedy tokens of either layout are the argmax of these
+    equal logits). On the interpreted kernel in int8, the one step-by-step CHESS run of the int8 kernel (each
+    compile of it is slow); nothing checked here depends on the backend, and `generate` (the decode loop) on the
+    pool is checked on the jnp path and the kernel in fp32 above, in int8 on jnp below: its two decode loops on the
+    int8 kernel (pool and uniform, for the tokens and backtracks again) are left out."""
     kw = _kw("kernel-int8")
     tokens = rng.integers(1, CFG.vocab_size, (2, T))
     N = 60  # the prompt's 2·2·2·5 = 40 pages and 20 free ones (each head opens 3 while decoding: 12 in all)
@@ -128,10 +129,6 @@ def test_chess_on_a_shuffled_pool_rewinds_step_by_step_as_the_uniform_cache(para
     most = ref["lengths"].max(0)  # [B]
     np.testing.assert_array_equal(got["held"][-1], np.broadcast_to(-(-most // PS)[None, :, None], (2, 2, 2)))
     assert int(got["free"][-1]) == N - 2 * 2 * int((-(-most // PS)).sum())
-    out = pool.decode()
-    want = generate(params, CHESS8, tokens, max_new_tokens=NEW, **kw)
-    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(want.tokens))
-    np.testing.assert_array_equal(_stats(out)["backtracks"], _stats(want)["backtracks"])
 
 
 def test_chess_on_an_int8_pool_stores_the_uniform_int8_caches_codes(params, rng):

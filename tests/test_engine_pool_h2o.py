@@ -69,8 +69,8 @@ def _uniform_positions(cache) -> np.ndarray:
 
 
 # each budget and each store once (every compile of the interpreted kernel is slow): H2O(0.5) on the jnp path,
-# H2O(0.25) on the kernel in int8. H2O(0.25) on the jnp path and on the kernel in fp32: the step-by-step test below
-# (logits, scores and victims at every step), and the shuffled-pool and stopped-row tests (tokens) on jnp.
+# H2O(0.25) on the kernel in int8. H2O(0.25) on the jnp path or on the kernel in fp32 (drawn): the step-by-step test
+# below (logits, scores and victims at every step), and the shuffled-pool and stopped-row tests (tokens) on jnp.
 RUNS = {"jnp-0.5": ("jnp", 0.5), "kernel-int8-0.25": ("kernel-int8", 0.25)}
 
 
@@ -163,11 +163,14 @@ def test_h2o_that_appends_on_the_pool(params, rng):
     np.testing.assert_array_equal(np.asarray(covering.cache.lengths), np.asarray(full.cache.lengths))
 
 
-@pytest.mark.parametrize("backend", ["jnp", "kernel"])
-def test_h2o_pool_scores_follow_the_uniform_scores_step_by_step(params, rng, backend):
+def test_h2o_pool_scores_follow_the_uniform_scores_step_by_step(params, rng):
     """`decode_step` along forced tokens on either layout (the same jitted step): after every step the logits
     (1e-5) and the accumulated scores of every logical slot (``decode_observe`` fed the pool's probabilities at
-    logical slots; 1e-5) equal the uniform cache's, and so do the positions held (the same victims)."""
+    logical slots; 1e-5) equal the uniform cache's, and so do the positions held (the same victims). On the jnp path
+    or the interpreted kernel in fp32, drawn from the run's seed (each over runs, a failure replays with ``--seed``;
+    each compiles its own steps; both backends run H2O on a pool each run in the tests above)."""
+    backend = ("jnp", "kernel")[int(rng.integers(2))]
+    print(f"on the {backend} backend")
     kw, policy = _kw(backend), H2O(0.25, recent_ratio=0.25)  # a short recent window: the scores pick most victims
     tokens = rng.integers(1, CFG.vocab_size, (2, T))
     forced = rng.integers(1, CFG.vocab_size, (2, NEW))
@@ -204,13 +207,16 @@ def _steps(params, session, forced: np.ndarray) -> list[tuple[np.ndarray, np.nda
     return out
 
 
-@pytest.mark.parametrize("kv_dtype", [None, "int8"])
-def test_an_overwrite_through_the_table_is_the_uniform_in_place_write(rng, kv_dtype):
+def test_an_overwrite_through_the_table_is_the_uniform_in_place_write(rng):
     """`append_token_pool` with ``overwrite``: one token per (row, head) at a slot below the head's length, mapped
     through a shuffled table (junk in every free page), gives exactly the uniform in-place `append_token`'s layer:
     K/V (int8: codes and the re-scaled page's scales), positions, biases and every page summary, page max bias
     included (the slots carry random biases, as a merging compressor's do). The slots include offset 0 of a
-    full page and of a partly filled last page: neither is a fresh page (an append's offset 0 would be)."""
+    full page and of a partly filled last page: neither is a fresh page (an append's offset 0 would be). The store,
+    fp32 or int8, drawn from the run's seed (each over runs, a failure replays with ``--seed``; each compiles its own
+    programs; an int8 pool's in-place writes run every time in the ``kernel-int8`` case above)."""
+    kv_dtype = (None, "int8")[int(rng.integers(2))]
+    print(f"kv_dtype: {kv_dtype}")
     Lc, Bc, Hc, D, ps, S = 2, 2, 2, 16, 4, 12
     length = np.array([12, 9])
     cfg = dataclasses.replace(CFG, num_layers=Lc, num_kv_heads=Hc, head_dim=D)

@@ -232,7 +232,9 @@ def test_adakv_pool_is_snapkv_memory_in_miniature(rng):
         n = int(pool_pages_needed(jnp.asarray(c), ps))
         S = out.capacity
         idx = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (Ln, Bn, Hkv, S))
-        pool = write_kept_pool(out, idx, jnp.asarray(c), cap, num_pages=n)
+        # one jitted program (eagerly, each of its operations compiles on its own)
+        pool = jax.jit(write_kept_pool, static_argnums=(3,), static_argnames=("num_pages",))(
+            out, idx, jnp.asarray(c), cap, num_pages=n)
         assert not bool(pool.alloc.overflow.any()) and int(pool.alloc.num_free) == 0
         assert pool.nbytes() == pool_nbytes(out.layers, Ln, Bn, Hkv, page_size=ps,
                                             max_pages_per_head=pool.max_pages_per_head, num_pages=n)
