@@ -11,7 +11,7 @@
 #   PART=8 bash scripts/gpu_pending.sh   # PART=7's batch-64 points again, one process per policy (bench e2e since)
 #   PART=9 OLD_DECODE=.carryold/decode.py bash scripts/gpu_pending.sh   # the decode kernel's listed runs by count
 #   PART=10 bash scripts/gpu_pending.sh  # Quest's page selection alone, argsort vs lax.top_k (issue 40, batch 1; ran 2026-11-28)
-#   PART=11 bash scripts/gpu_pending.sh  # PART=10's selection again with the split-sign bound (two matrix products)
+#   PART=11 bash scripts/gpu_pending.sh  # PART=10's selection again with the split-sign bound (two matrix products; ran 2026-11-28: slower, not adopted)
 # Each command has its share of DEADLINE seconds; logs and JSON land in $OUT; a short table is printed last.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
