@@ -46,6 +46,10 @@ PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
     "qwen2.5-coder-1.5b_h200": (
         ("adakv(snapkv(0.25))", "snapkv(0.25)"), ("pyramidkv(snapkv(0.25))", "snapkv(0.25)"),
         ("adakv(snapkv(0.1))", "snapkv(0.1)"), ("pyramidkv(snapkv(0.1))", "snapkv(0.1)"),
+        ("adakv(snapkv(0.5))", "snapkv(0.5)"), ("pyramidkv(snapkv(0.5))", "snapkv(0.5)"),
+        ("h2o(0.1)", "snapkv(0.1)"), ("h2o(0.25)", "snapkv(0.25)"),
+        ("snapkv(0.25) [kv=int8]", "snapkv(0.25)"), ("quest(0.25) [kv=int8]", "quest(0.25)"),
+        ("quest(0.25) [kv=float8_e4m3fn]", "quest(0.25)"), ("snapkv(0.25) [kv=float8_e4m3fn]", "snapkv(0.25)"),
         ("semanticache(0.25)", "snapkv(0.25)"), ("streamingllm(0.25)", "snapkv(0.25)"),
         ("bser(0.25)", "snapkv(0.25)"), (_CHESS, "quest(0.25)"),
         (f"s3hybrid(0.25, saes='{_QWEN_SAES}')", "bm25(0.25)"), (f"s3pure(0.25, saes='{_QWEN_SAES}')", "bm25(0.25)"),
