@@ -111,10 +111,7 @@ def test_variant_matches_reference(rng, case):
     from the printed seed. Before, every case ran with every variant (12 tests)."""
     dequant = CHECKED[(case + _OFFSET) % len(CHECKED)]
     print(f"dequant={dequant!r}")  # shown with a failure
-    _variant_matches_reference(rng, dequant, *CASES[case])
-
-
-def _variant_matches_reference(rng, dequant, kv_dtype, sparse, stacked, q_dtype, zero, block_k):
+    kv_dtype, sparse, stacked, q_dtype, zero, block_k = CASES[case]
     B, Hq, Hkv, D, P, ps = 3, 8, 2, 32, 6, 16
     q, kc, vc, ks, vs, kz, lengths, k64, v64 = _inputs(rng, kv_dtype, B, Hq, Hkv, D, P, ps, q_dtype, zero)
     kw = {}
