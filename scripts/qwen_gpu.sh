@@ -347,7 +347,8 @@ s3pure(0.25, saes='$SAES'), s3pure(0.25, saes='$CONTROL')" --suite ruler --no-fu
     ev 0.12 fidelity_8k agnostic 8k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25), adakv(snapkv(0.25))" \
       --suite ruler --fidelity > "$RUNS/fidelity8k.log" 2>&1 &
     ;;
-  15)  # DETACH=1 (planned for the next machine; no SAEs needed): issue 35's leftovers after stage 14, every job resuming
+  15)  # DETACH=1 (ran 2026-11-28 at 8a93da9, docs/RESULTS.md "Stage 15"; no SAEs needed): issue 35's leftovers after
+      # stage 14, every job resuming
       # its committed records: 10% / 50% at 32k (qa_2 and the tasks stage 11 left) with H2O there at every budget,
       # AdaKV / PyramidKV at 10% / 50% at 8k (and PyramidKV's last 4 tasks at 25%), the quantised rows' last tasks,
       # and --fidelity at 32k
@@ -362,6 +363,24 @@ adakv(snapkv(0.5)), pyramidkv(snapkv(0.5))" --suite ruler --no-fullkv > "$RUNS/a
     ev 0.1 kvq_32k agnostic 32k "fullkv, snapkv(0.25)" --suite ruler --kv-dtype int8 > "$RUNS/kvq32k.log" 2>&1 &
     ev 0.12 fidelity_32k agnostic 32k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" --suite ruler \
       --fidelity > "$RUNS/fidelity32k.log" 2>&1 &
+    ;;
+  16)  # DETACH=1 (planned for the next machine; no SAEs needed): after stage 15 (2026-11-28), every job resuming its
+      # committed records: qa_2 at 32k for the 10% / 50% rows (the last column they lack), H2O's last tasks at 32k,
+      # AdaKV / PyramidKV question-aware at 8k and 32k (PyramidKV lost to SnapKV at every budget question-agnostic;
+      # the paper measured it with the question in the window), --fidelity at 32k past niah_single, the int8 rows'
+      # last 4 tasks at 32k
+    ev 0.12 agnostic_32k_budgets agnostic 32k "$A10, $A50" --suite ruler --tasks qa_2 --no-fullkv \
+      > "$RUNS/qa2_32k.log" 2>&1 &
+    { ev 0.12 agnostic_32k agnostic 32k "h2o(0.25)" --suite ruler --no-fullkv
+      ev 0.12 agnostic_32k_budgets agnostic 32k "h2o(0.1), h2o(0.5)" --suite ruler --no-fullkv
+    } > "$RUNS/h2o32k.log" 2>&1 &
+    ev 0.15 aware_8k aware 8k "adakv(snapkv(0.25)), pyramidkv(snapkv(0.25))" --suite ruler --no-fullkv \
+      > "$RUNS/alloc_aware8k.log" 2>&1 &
+    ev 0.12 aware_32k aware 32k "adakv(snapkv(0.25)), pyramidkv(snapkv(0.25))" --suite ruler --no-fullkv \
+      > "$RUNS/alloc_aware32k.log" 2>&1 &
+    ev 0.12 fidelity_32k agnostic 32k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" --suite ruler \
+      --fidelity > "$RUNS/fidelity32k.log" 2>&1 &
+    ev 0.1 kvq_32k agnostic 32k "fullkv, snapkv(0.25)" --suite ruler --kv-dtype int8 > "$RUNS/kvq32k.log" 2>&1 &
     ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
