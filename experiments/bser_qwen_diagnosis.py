@@ -45,11 +45,11 @@ from sparsekv_jax.engine import setup, share_prefill
 from sparsekv_jax.engine.session import Session
 from sparsekv_jax.policies import BSER, parse_policy
 from sparsekv_jax.policies.base import Prompt
-from sparsekv_jax.policies.bser import QUERY_CHUNK, embedding_stats, max_filter, probe_queries
+from sparsekv_jax.policies.bser_probe import QUERY_CHUNK, embedding_stats, max_filter, probe_queries
 
 
 def block_local_attention(q, k, qpos, valid, block_size: int):
-    """``[B, T]``: like `bser.question_attention`, but each (query, head) softmax runs over one
+    """``[B, T]``: like `bser_probe.question_attention`, but each (query, head) softmax runs over one
     block's keys at a time (the paper's "attention maps between Q and B_i", Eq. 3, read as one
     probe per block), then is averaged over query heads and valid queries: every block sums to 1
     for a query after it, and each head weighs equally inside a block."""

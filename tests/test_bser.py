@@ -16,7 +16,7 @@ from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
 from sparsekv_jax.policies import BSER, Dense, parse_policy
 from sparsekv_jax.policies.base import Prompt, Setup
-from sparsekv_jax.policies.bser import embedding_stats, probe_queries, question_start
+from sparsekv_jax.policies.bser_probe import embedding_stats, probe_queries, question_start
 from sparsekv_jax.policies.common import budget_tokens
 
 # the tiny random model has no calibrated hidden-state thresholds: SmolLM2's, with a warning (tested below)
