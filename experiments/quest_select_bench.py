@@ -8,9 +8,10 @@ pages' bounds from the min/max key summaries (``[B, Hkv, G, P, D]`` products), a
 operand but gathers ``lax.top_k``'s), and the page list. This times, on random summaries of a model's shapes at a
 context length, all layers' selections as one program (``lax.scan`` over the layers, as a decode step runs them):
 
-- ``select[argsort]``: `Quest.decode_select` as shipped;
+- ``select[argsort]``: `Quest.decode_select` with the sort (an unbound Quest, as on a mesh);
 - ``select[lax.top_k]``: the same with `jax.lax.top_k` in place of the sort (traced with
-  `policies.common.top_k` swapped; the ids are checked equal first);
+  `policies.common.top_k` swapped; the ids are checked equal first): what a Quest bound off a mesh runs since
+  2026-11-28 (`Quest.backend`; end to end in docs/BENCHMARKS.md, `PART=12`);
 - ``top_k[argsort]`` / ``top_k[lax.top_k]``: the top-k alone on ``[B, Hkv, P]`` scores, every layer;
 - ``bounds``: the selection without its top-k (the scores' sum, so nothing is dead code);
 - ``select[split-sign]``, ``select[split-sign, lax.top_k]``, ``bounds[split-sign]``: the same with the bound
@@ -53,8 +54,9 @@ MODELS = {"qwen": ("Qwen2.5-Coder-1.5B", 28, 12, 2, 128), "llama": ("Llama-3.1-8
 CACHE_PAGE = 16
 
 
-def lax_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """`jax.lax.top_k` with `policies.common.top_k`'s signature (ties: the lower index first in both)."""
+def lax_top_k(x: jax.Array, k: int, by_sort: bool = True) -> tuple[jax.Array, jax.Array]:
+    """`jax.lax.top_k` with `policies.common.top_k`'s signature (ties: the lower index first in both), whatever
+    ``by_sort`` asks."""
     values, ids = jax.lax.top_k(x, k)
     return values, ids.astype(jnp.int32)
 

@@ -12,6 +12,7 @@
 #   PART=9 OLD_DECODE=.carryold/decode.py bash scripts/gpu_pending.sh   # the decode kernel's listed runs by count
 #   PART=10 bash scripts/gpu_pending.sh  # Quest's page selection alone, argsort vs lax.top_k (issue 40, batch 1; ran 2026-11-28)
 #   PART=11 bash scripts/gpu_pending.sh  # PART=10's selection again with the split-sign bound (two matrix products; ran 2026-11-28: slower, not adopted)
+#   PART=12 OLD_QUEST=.carryold bash scripts/gpu_pending.sh  # Quest end to end, page choice by lax.top_k vs the sort (ran 2026-11-28)
 # Each command has its share of DEADLINE seconds; logs and JSON land in $OUT; a short table is printed last.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TQDM_DISABLE=1
@@ -100,6 +101,20 @@ chess('moderate', calibration='qwen2.5-coder-1.5b'), semanticache(0.25, chunking
       # (relu(q).max + min(q,0).min: experiments/quest_select_bench.py's QuestSplitSign, page lists checked equal)
      step quest_select 300 python experiments/quest_select_bench.py --models qwen,llama --batches 1,8 --length 32768 \
        --out "$OUT" ;;
+  12) # Quest's page choice by lax.top_k off a mesh (2026-11-28; it was a stable sort everywhere, for sharding): Quest
+      # end to end beside full attention on Qwen2.5-Coder-1.5B's shapes at 32k, batch 1 and 8, the new files and the
+      # replaced ones (OLD_QUEST: a folder with the replaced policies/quest.py and policies/common.py, e.g.
+      # `git show 664d9c3:sparsekv_jax/policies/quest.py > .carryold/quest.py`, the same for common.py) alternating
+      # new, old, new, old
+     [ -f "${OLD_QUEST:-}/quest.py" ] && [ -f "$OLD_QUEST/common.py" ] || { echo "OLD_QUEST=folder of the old files"; exit 2; }
+     rm -rf /tmp/old_tree && mkdir -p /tmp/old_tree && cp -a sparsekv_jax /tmp/old_tree/ \
+       && cp "$OLD_QUEST/quest.py" "$OLD_QUEST/common.py" /tmp/old_tree/sparsekv_jax/policies/ || exit 1
+     for run in new1 old1 new2 old2; do
+       dir=$PWD; [ "${run#old}" != "$run" ] && dir=/tmp/old_tree
+       step "quest_topk_$run" 70 env -C "$dir" python -m sparsekv_jax.bench.e2e --models qwen2.5-coder-1.5b \
+         --prefill-contexts "" --contexts 32k --batches 1,8 --policies "fullkv, quest(0.25)" --iters 9 \
+         --out "$OUT/quest_topk_$run.json"
+     done ;;
   *) echo "unknown PART=$PART"; exit 2 ;;
 esac
 # the device returns at most 8 files a call: everything also travels as one archive

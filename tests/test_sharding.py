@@ -540,7 +540,7 @@ def test_partitionable_top_k_equals_lax_top_k_with_ties():
     import jax.numpy as jnp
     from conftest import seeded_rng  # here, not at the top: the child process runs this file
 
-    from sparsekv_jax.policies.common import top_k
+    from sparsekv_jax.policies.common import top_k, top_pages
     rng = seeded_rng()
     for _ in range(5):
         x = jnp.asarray(rng.integers(-3, 4, (3, 4, 40)).astype(np.float32))  # many ties
@@ -549,6 +549,13 @@ def test_partitionable_top_k_equals_lax_top_k_with_ties():
         lv, li = jax.lax.top_k(x, 17)
         np.testing.assert_array_equal(np.asarray(i), np.asarray(li))
         np.testing.assert_array_equal(np.asarray(v), np.asarray(lv))
+        # Quest's page choice off a mesh (`by_sort=False`) lists the same pages as the sort on one
+        used = jnp.asarray(rng.integers(1, 41, (3,)))
+        forced = jnp.asarray(rng.random((3, 4, 40)) < 0.05)
+        sorted_ids, sorted_counts = top_pages(x, used, 17, forced)
+        ids, counts = top_pages(x, used, 17, forced, by_sort=False)
+        np.testing.assert_array_equal(np.asarray(ids), np.asarray(sorted_ids))
+        np.testing.assert_array_equal(np.asarray(counts), np.asarray(sorted_counts))
 
 
 if __name__ == "__main__":

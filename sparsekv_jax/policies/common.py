@@ -113,11 +113,17 @@ def force_sinks_and_window(scores: jax.Array, length: jax.Array, sinks: int, win
     return jnp.where((slot < sinks) | in_window, forced.astype(scores.dtype), scores)
 
 
-def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+def top_k(x: jax.Array, k: int, by_sort: bool = True) -> tuple[jax.Array, jax.Array]:
     """``(values, indices)`` of the ``k`` largest entries of the last axis, as `jax.lax.top_k` (ties:
     the lower index first) but by a stable descending sort: XLA partitions a sort over the leading
     (layer, row, head) axes of a sharded operand, whereas it gathers `lax.top_k`'s operand whole onto
-    every device (`sparsekv_jax.sharding`). For a budget of many entries XLA sorts for a top-k anyway."""
+    every device (`sparsekv_jax.sharding`). For a budget of many entries XLA sorts for a top-k anyway.
+    ``by_sort=False``: `jax.lax.top_k` itself (the same entries, the same order), for a caller that knows
+    its operand is not sharded (Quest's per-step page choice: 18% of its selection on one GPU,
+    docs/BENCHMARKS.md "Quest's page selection alone")."""
+    if not by_sort:
+        values, ids = jax.lax.top_k(x, k)
+        return values, ids.astype(jnp.int32)
     ids = jnp.argsort(x, axis=-1, descending=True, stable=True)[..., :k]
     return jnp.take_along_axis(x, ids, axis=-1), ids.astype(jnp.int32)
 
@@ -349,12 +355,12 @@ def write_kept_pool(cache: KVCache | PoolCache, idx: jax.Array, counts: jax.Arra
 
 
 def top_pages(page_scores: jax.Array, used_pages: jax.Array, k: int,
-              forced: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+              forced: jax.Array | None = None, by_sort: bool = True) -> tuple[jax.Array, jax.Array]:
     """Top-``k`` pages per (row, KV head) among the pages in use.
 
     ``page_scores`` ``[B, H, P]``; ``used_pages`` ``[B]``, or ``[B, H]`` (a page pool's heads, each with its
-    own length: the pages are then its logical pages); ``forced`` ``[B, H, P]`` bool pages always selected.
-    Returns ``(page_ids [B, H, k], counts [B, H])`` (ids past ``count`` unused).
+    own length: the pages are then its logical pages); ``forced`` ``[B, H, P]`` bool pages always selected;
+    ``by_sort`` as in `top_k`. Returns ``(page_ids [B, H, k], counts [B, H])`` (ids past ``count`` unused).
     """
     P = page_scores.shape[-1]
     k = min(k, P)
@@ -365,7 +371,7 @@ def top_pages(page_scores: jax.Array, used_pages: jax.Array, k: int,
     if forced is not None:
         s = jnp.where(forced, KEEP + page, s)
     s = jnp.where(in_use, s, -jnp.inf)
-    _, ids = top_k(s, k)
+    _, ids = top_k(s, k, by_sort)
     fewer = jnp.minimum(used_pages, k)
     counts = jnp.broadcast_to(fewer if per_head else fewer[:, None], ids.shape[:2]).astype(jnp.int32)
     return ids.astype(jnp.int32), counts

@@ -36,12 +36,16 @@ class Quest(Policy):
       budget: tokens read per step: fraction of the prompt or token count.
       page_size: Quest page (paper: 16); a multiple of the cache's page size.
       dense_layers: leading layers that read every page (paper: 2).
+      backend: the run's `Backend`, set by `bind` (where the policy runs, not what it is: not in its
+        `spec_key`). Off a mesh the pages are chosen by `jax.lax.top_k`; on one (or unbound) by a stable sort,
+        which XLA partitions over the sharded heads (`policies.common.top_k`): the same pages either way.
     """
 
     budget: float | int = struct.field(pytree_node=False, default=0.25)
     page_size: int = struct.field(pytree_node=False, default=16)
     dense_layers: int = struct.field(pytree_node=False, default=2)
     prompt_len: int = struct.field(pytree_node=False, default=0)  # set by `bind` before jit
+    backend: Any = struct.field(pytree_node=False, default=None)  # set by `bind` before jit
 
     stages = ("decode",)
     selects_pages = True  # its decode stage only selects pages (`decode_select`): it runs on a page pool
@@ -58,7 +62,7 @@ class Quest(Policy):
         if self.page_size % setup.page_size:
             raise ValueError(f"Quest page_size={self.page_size} is not a multiple of the cache "
                              f"page_size={setup.page_size}")
-        return self.replace(prompt_len=setup.prompt_len)
+        return self.replace(prompt_len=setup.prompt_len, backend=setup.backend)
 
     @property
     def exact(self) -> bool:
@@ -113,7 +117,8 @@ class Quest(Policy):
         k = min(self.pages_read(self.prompt_len), Pq)
         # the k - 1 best pages before the newest one (all whole: every cache page in use), then the newest
         if k > 1:
-            best, n_best = top_pages(score, jnp.maximum(newest, 0), k - 1)
+            by_sort = self.backend is None or self.backend.mesh is not None
+            best, n_best = top_pages(score, jnp.maximum(newest, 0), k - 1, by_sort=by_sort)
         else:
             best, n_best = jnp.zeros((B, Hkv, 0), jnp.int32), jnp.zeros((B, Hkv), jnp.int32)
         slot = jnp.arange(Pq, dtype=jnp.int32)
