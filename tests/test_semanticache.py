@@ -267,8 +267,10 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
         pytest.fail("no draw without near-ties")
     cap = pol.compressed_capacity(T, 4)
     prompt = Prompt(tokens=jnp.asarray(tokens, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32))
-    got = jax.jit(lambda c, p: pol.compress(c, None, cap, p))(cache, prompt)
-    level, tau = map(np.asarray, jax.jit(pol.choices)(cache, prompt))
+    # `compress` and `choices` from one clustering (`compress` is `compress_with_choices`'s first half): one
+    # program traced and compiled per policy, not two programs that each cluster (the cases' cost)
+    got, chosen_by_policy = jax.jit(lambda c, p: pol.compress_with_choices(c, None, cap, p))(cache, prompt)
+    level, tau = map(np.asarray, chosen_by_policy)
     order = sorted(chosen)
     assert [int(level[i]) for i in order] == [chosen[i][0] for i in order]
     np.testing.assert_allclose([tau[i] for i in order], [chosen[i][1] for i in order], rtol=1e-6)
@@ -595,7 +597,9 @@ def test_delimiter_mask_of_smollm2(smol):
     # number words: a UUID's letters, "x86", "1990s" are kept whole; "fair-submission" and delimiters are not
     starts = np.asarray(pol.word_start_mask)
     text = ids("Code 3f2b8c1a-5d4e, x86 and 1990s fair-submission 12.")
-    kept = clustering.number_words(*(jnp.asarray(m[np.asarray(text)])[None] for m in (digits, starts, mask)))[0]
+    # the clustering functions jitted (one program each; eagerly, each of their ops compiled on its own)
+    kept = jax.jit(clustering.number_words)(*(jnp.asarray(m[np.asarray(text)])[None] for m in (digits, starts,
+                                                                                              mask)))[0]
     assert "".join(tok.decode([i]) for i, k in zip(text, np.asarray(kept), strict=True) if k) == (
         "3f2b8c1a-5d4e" " x86" "1990s" "12")
     assert SemantiCache.from_tokenizer(tok, 0.2, protect="digits").word_start_mask is None
@@ -610,8 +614,8 @@ def test_delimiter_mask_of_smollm2(smol):
     row = jnp.asarray(np.asarray(text))[None]
 
     def kept_text(longest):
-        kept = clustering.number_sentences(pol.number_mask[row], pol.sentence_end_mask[row],
-                                           jnp.asarray([len(text)]), longest)[0]
+        kept = jax.jit(clustering.number_sentences, static_argnums=3)(
+            pol.number_mask[row], pol.sentence_end_mask[row], jnp.asarray([len(text)]), longest)[0]
         return "".join(tok.decode([i]) for i, k in zip(text, np.asarray(kept), strict=True) if k)
 
     # "!\n" is one token: the newline closes "Nothing here!", which holds no digit
