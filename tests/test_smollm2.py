@@ -24,7 +24,16 @@ def _prompt_ids(tokenizer, n: int) -> np.ndarray:
     return np.asarray([ids])
 
 
-def test_logits_and_greedy_match_transformers_gguf(smol, monkeypatch):
+@pytest.fixture
+def one_torch_thread():
+    """Torch on one thread for the test (restored after it): see the test below."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_logits_and_greedy_match_transformers_gguf(smol, monkeypatch, one_torch_thread):
     """Logits of a fresh 256-token passage, then 16 greedy tokens after its first 64, equal transformers'.
 
     (Was 512 tokens and 32 after 128: the parity is the same check at half the length, as the 0.5B
@@ -43,15 +52,6 @@ def test_logits_and_greedy_match_transformers_gguf(smol, monkeypatch):
 
     monkeypatch.setattr(gguf_lib, "get_tensor_name_map", functools.lru_cache(None)(gguf_lib.get_tensor_name_map))
     monkeypatch.setattr(gguf_lib, "GGUFReader", functools.lru_cache(None)(gguf_lib.GGUFReader))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        _logits_and_greedy_match(smol)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _logits_and_greedy_match(smol):
     cache_dir, params, tokenizer, _ = smol
     gguf = embedded_gguf_path(cache_dir=cache_dir)
     model = tf.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, torch_dtype=torch.float32)
