@@ -143,25 +143,35 @@ def test_the_budget_is_fitted_again_before_the_decay(tmp_path, monkeypatch, refi
     assert record["steps"] == steps and calls["n"] == steps
 
 
-# `sparsekv train-sae` on SmolLM2 at toy sizes: 80 steps, a checkpoint every 10, every step logged
+# `sparsekv train-sae` on SmolLM2 at toy sizes: 80 steps, a checkpoint every 10, every step logged; the corpus is
+# `KJV_SLICE` characters of the KJV (what `smoke_run` writes next to its run): the whole KJV (4.3M characters) took
+# ~8 CPU s of each CLI run to read and tokenize, three runs in this file, for rows these runs draw a few dozen of
 SMOKE_ARGS = ["--config", str(REPO / "sae_training/configs/smoke.yaml"), "--steps", "80", "--layers", "0,2",
               "--seq-len", "68", "--rows-per-chunk", "2", "--batch-size", "128", "--checkpoint-every", "10",
               "--log-every", "1", "--eval-max-rows", "2", "-q"]
+KJV_SLICE = 200_000  # 10 documents of ~20k characters (`sae.data._pieces`): 9 to train on, 1 held out
+
+
+def _smoke_args(smoke_run: Path) -> list[str]:
+    """`SMOKE_ARGS` with the corpus `smoke_run` wrote (``smoke_run`` is its run's folder)."""
+    return [*SMOKE_ARGS, "--corpus", str(smoke_run.parent / "kjv_slice.txt")]
 
 
 @pytest.fixture(scope="module")
 def smoke_run(smol, tmp_path_factory):
     """The folder of one uninterrupted `sparsekv train-sae` run (`SMOKE_ARGS`), in this process.
 
-    Each CLI run pays ~20 CPU s besides its steps (the model loaded, WikiText-2 tokenized, its programs
+    Each CLI run pays ~12 CPU s besides its steps (the model loaded, the corpus tokenized, its programs
     compiled, the evaluation, the plot): one run serves both the test of its outputs and, as the
     uninterrupted reference, the killed-and-resumed run's test."""
     from sparsekv_jax.cli import main
+    from sparsekv_jax.sae.data import kjv_books
 
     def make(folder: Path) -> None:
+        (folder / "kjv_slice.txt").write_text("".join(kjv_books(str(smol[0])))[:KJV_SLICE], encoding="utf-8")
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("SPARSEKV_CACHE", str(smol[0]))
-            assert main(["train-sae", *SMOKE_ARGS, "--out", str(folder / "whole")]) == 0
+            assert main(["train-sae", *_smoke_args(folder / "whole"), "--out", str(folder / "whole")]) == 0
 
     return once_per_session(tmp_path_factory, "sae_smoke_run", make) / "whole"  # once, whichever worker asks
 
@@ -382,8 +392,8 @@ def test_a_killed_cli_run_resumes_to_the_uninterrupted_weights_and_curves(smol, 
     out = tmp_path / "killed"
     env = {**os.environ, "SPARSEKV_CACHE": str(cache), "PYTHONPATH": str(REPO)}
     with (tmp_path / "stderr.txt").open("w") as err:  # a file, not a pipe: a full pipe would stall the run
-        proc = subprocess.Popen([sys.executable, "-m", "sparsekv_jax.cli", "train-sae", *SMOKE_ARGS, "--out",
-                                 str(out)], env=env, stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen([sys.executable, "-m", "sparsekv_jax.cli", "train-sae", *_smoke_args(smoke_run),
+                                 "--out", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=err)
         logged = 0  # steps logged; killed at 20, far from the end (80) even on a fast machine
         t0 = time.monotonic()
         while logged < 20 and proc.poll() is None and time.monotonic() - t0 < 300:
@@ -399,7 +409,7 @@ def test_a_killed_cli_run_resumes_to_the_uninterrupted_weights_and_curves(smol, 
     # written as it went: every step's rows up to the kill are there, beyond the newest checkpoint
     assert steps_logged == list(range(1, len(steps_logged) + 1)) and len(steps_logged) >= max(20, newest)
     monkeypatch.setenv("SPARSEKV_CACHE", str(cache))
-    assert main(["train-sae", *SMOKE_ARGS, "--out", str(out), "--resume"]) == 0
+    assert main(["train-sae", *_smoke_args(smoke_run), "--out", str(out), "--resume"]) == 0
     rows = _curve(out / "curves.csv")
     assert [(r[0], r[1]) for r in rows] == [(str(s), str(L)) for s in range(1, 81) for L in (0, 2)]
     assert rows == _curve(smoke_run / "curves.csv")
