@@ -58,10 +58,14 @@ def test_toy_run_on_smollm2(tmp_path, smol, monkeypatch):
     shipped SAEs. Every prompt is padded to one width (``--pad 160``): each program compiles once. The budget
     keeps well under half of the context (every method must choose), and 32-token passages (four, the last
     partial) give BM25 and S3Hybrid passages to choose among. The run is bound by SmolLM2's forward passes
-    (two S3 scans, seven generate + teacher-forcing pairs), linear in the tokens: 512 tokens padded to 1024
-    took 181 s of the suite's time, 256 tokens (96 kept of 215, 64-token passages) 107 s. The model is the
-    session's (`smol`), not loaded again; the full-context row of the covering-budget check below is the
-    run's own `Prepared` (recorded as main makes it), not computed a second time."""
+    (two S3 scans, seven generate + teacher-forcing pairs). What keeps them short (the checks are of the
+    mechanics, not of quality): ``--chunk 128`` (the script's default chunk, 2,048, padded each scan's 120
+    context tokens to 2,048: 40 of the test's 92 s; one chunk of 128 holds the whole context as one of 2,048
+    does, the same chunk-only scan), 4 generated tokens (8 before) and the gold answer teacher-forced over 8
+    tokens (``GOLD_TOKENS``, 32 in the script: 31 decode steps a row; the needle's answer, a hyphenated word,
+    is fewer tokens than 8, asserted below, so its NLL is over the same tokens). The model is the session's
+    (`smol`), not loaded again; the full-context row of the covering-budget check below is the run's own
+    `Prepared` (recorded as main makes it), not computed a second time."""
     import sparsekv_jax.models.embedded as embedded
 
     _, params, tok, _ = smol
@@ -75,12 +79,15 @@ def test_toy_run_on_smollm2(tmp_path, smol, monkeypatch):
             made.append(self)
 
     monkeypatch.setattr(mod, "Prepared", Recorded)
+    monkeypatch.setattr(mod, "GOLD_TOKENS", 8)
     out = tmp_path / "run"
     args = ["--longbench", "", "--ruler", "niah_single_1@words", "--length", "160", "--n", "1", "--seed", "0",
-            "--budget", "48", "--passage", "32", "--max-new", "8", "--saes", "a=shipped:smollm2",
-            "--saes", "b=shipped:smollm2", "--rag-passage", "0", "--pad", "160", "--no-progress", "--out", str(out)]
+            "--budget", "48", "--passage", "32", "--max-new", "4", "--saes", "a=shipped:smollm2",
+            "--saes", "b=shipped:smollm2", "--rag-passage", "0", "--pad", "160", "--chunk", "128", "--no-progress",
+            "--out", str(out)]
     assert mod.main(args) == 0
     (prep,) = made
+    assert 0 < prep.gold_n < mod.GOLD_TOKENS  # the whole gold answer is teacher-forced
     (rec,) = [json.loads(line) for line in (out / "records.jsonl").open()]
     assert rec["task"] == "niah_single_1@words" and rec["full"]["recall"] == 1.0  # the needle is in the prompt
     methods = ["s3pure[a]", "s3hybrid[a]", "s3pure[b]", "s3hybrid[b]", "bm25"]
@@ -108,7 +115,7 @@ def test_toy_run_on_smollm2(tmp_path, smol, monkeypatch):
     # a budget covering the context keeps the prompt as it is: recall of full, KL 0, full's NLL and score
     from sparsekv_jax.policies import BM25Retrieval
 
-    setting = mod.Setting(params, tok, 160, 8)
+    setting = mod.Setting(params, tok, 160, 4)
     assert prep.full == rec["full"] and prep.full["context_tokens"] > 2 * 48 and prep.tokens.shape == (1, 160)
     row = mod.method_row(setting, prep, BM25Retrieval(budget=10**6).with_tokenizer(tok))
     assert row["kl"] == 0.0 and row["nll"] == prep.full["nll"] and row["recall"] == 1.0

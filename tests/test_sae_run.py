@@ -83,20 +83,29 @@ def test_orbax_checkpoint_round_trips_bit_exactly(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_a_stopped_and_resumed_run_continues_exactly(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_whole(tmp_path_factory) -> tuple[Path, dict]:
+    """(folder, record) of one uninterrupted tiny run (`_tiny_run_config`): the reference the stopped, cut
+    and failed runs below are compared with, run once for the three of them."""
+    folder = tmp_path_factory.mktemp("tiny") / "whole"
+    params = random_params(TINY, jax.random.key(7), jnp.float32, scale=0.1)
+    return folder, run(_tiny_run_config(folder), progress=False, params=params, tokenizer=CharTokenizer())
+
+
+def test_a_stopped_and_resumed_run_continues_exactly(tmp_path, tiny_whole):
     params = random_params(TINY, jax.random.key(7), jnp.float32, scale=0.1)
     tok = CharTokenizer()
-    whole = run(_tiny_run_config(tmp_path / "whole"), progress=False, params=params, tokenizer=tok)
+    whole_dir, whole = tiny_whole
     split = _tiny_run_config(tmp_path / "split")
     stopped = run(split, stop_at=5, progress=False, params=params, tokenizer=tok)
     assert stopped == {"stopped_at": 5, "total_steps": 12}
     assert not (tmp_path / "split" / "tiny.safetensors").exists()
     resumed = run(split, resume=True, progress=False, params=params, tokenizer=tok)
-    a, b = _curve(tmp_path / "whole" / "curves.csv"), _curve(tmp_path / "split" / "curves.csv")
+    a, b = _curve(whole_dir / "curves.csv"), _curve(tmp_path / "split" / "curves.csv")
     assert len(a) == 24 and a == b  # same losses, AuxK terms and dead fractions, step for step
     assert any(float(r[3]) > 0 for r in a)  # AuxK was active (dead_after = 2 steps)
     assert whole["heldout"] == resumed["heldout"]
-    sa, _ = load_saes(tmp_path / "whole" / "tiny.safetensors")
+    sa, _ = load_saes(whole_dir / "tiny.safetensors")
     sb, _ = load_saes(tmp_path / "split" / "tiny.safetensors")
     for layer in (0, 2):
         for f in ("w_enc", "b_enc", "w_dec", "b_dec"):
@@ -143,41 +152,53 @@ def test_the_budget_is_fitted_again_before_the_decay(tmp_path, monkeypatch, refi
     assert record["steps"] == steps and calls["n"] == steps
 
 
-# `sparsekv train-sae` on SmolLM2 at toy sizes: 80 steps, a checkpoint every 10, every step logged
-SMOKE_ARGS = ["--config", str(REPO / "sae_training/configs/smoke.yaml"), "--steps", "80", "--layers", "0,2",
-              "--seq-len", "68", "--rows-per-chunk", "2", "--batch-size", "128", "--checkpoint-every", "10",
+# `sparsekv train-sae` on SmolLM2 at toy sizes: `SMOKE_STEPS`, a checkpoint every 10, every step logged; the corpus is
+# `KJV_SLICE` characters of the KJV (what `smoke_run` writes next to its run): the whole KJV (4.3M characters) took
+# ~8 CPU s of each CLI run to read and tokenize, three runs in this file, for rows these runs draw a few dozen of
+SMOKE_STEPS = 50
+SMOKE_ARGS = ["--config", str(REPO / "sae_training/configs/smoke.yaml"), "--steps", str(SMOKE_STEPS), "--layers",
+              "0,2", "--seq-len", "68", "--rows-per-chunk", "2", "--batch-size", "128", "--checkpoint-every", "10",
               "--log-every", "1", "--eval-max-rows", "2", "-q"]
+KJV_SLICE = 200_000  # 10 documents of ~20k characters (`sae.data._pieces`): 9 to train on, 1 held out
+
+
+def _smoke_args(smoke_run: Path) -> list[str]:
+    """`SMOKE_ARGS` with the corpus `smoke_run` wrote (``smoke_run`` is its run's folder)."""
+    return [*SMOKE_ARGS, "--corpus", str(smoke_run.parent / "kjv_slice.txt")]
 
 
 @pytest.fixture(scope="module")
 def smoke_run(smol, tmp_path_factory):
     """The folder of one uninterrupted `sparsekv train-sae` run (`SMOKE_ARGS`), in this process.
 
-    Each CLI run pays ~20 CPU s besides its steps (the model loaded, WikiText-2 tokenized, its programs
+    Each CLI run pays ~12 CPU s besides its steps (the model loaded, the corpus tokenized, its programs
     compiled, the evaluation, the plot): one run serves both the test of its outputs and, as the
     uninterrupted reference, the killed-and-resumed run's test."""
     from sparsekv_jax.cli import main
+    from sparsekv_jax.sae.data import kjv_books
 
     def make(folder: Path) -> None:
+        (folder / "kjv_slice.txt").write_text("".join(kjv_books(str(smol[0])))[:KJV_SLICE], encoding="utf-8")
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("SPARSEKV_CACHE", str(smol[0]))
-            assert main(["train-sae", *SMOKE_ARGS, "--out", str(folder / "whole")]) == 0
+            assert main(["train-sae", *_smoke_args(folder / "whole"), "--out", str(folder / "whole")]) == 0
 
     return once_per_session(tmp_path_factory, "sae_smoke_run", make) / "whole"  # once, whichever worker asks
 
 
 def test_cli_trains_smollm2_keys_and_writes_every_output(smoke_run):
     out = smoke_run
-    # keep_checkpoints is 2: the newest two of 10, 20, ..., 80
-    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["70", "80"]
+    # keep_checkpoints is 2: the newest two of 10, 20, ..., 50
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["40", "50"]
     rows = list(csv.DictReader((out / "curves.csv").open()))
-    assert [(r["step"], r["layer"]) for r in rows] == [(str(s), str(L)) for s in range(1, 81) for L in (0, 2)]
+    assert [(r["step"], r["layer"]) for r in rows] == [(str(s), str(L)) for s in range(1, SMOKE_STEPS + 1)
+                                                       for L in (0, 2)]
     assert all(0 < float(r["fvu"]) < 2 and float(r["l0"]) == 8 for r in rows)
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     record = json.loads((out / "smoke.json").read_text())
     for key in ("model", "layers", "corpus", "steps", "k", "width", "heldout"):
         assert key in record
-    assert record["layers"] == [0, 2] and record["steps"] == 80 and record["k"] == 8 and record["width"] == 256
+    assert record["layers"] == [0, 2] and record["steps"] == SMOKE_STEPS and record["k"] == 8 and record["width"] == 256
     assert [r["layer"] for r in record["heldout"]] == [0, 2]
     assert all(0 < r["fvu"] < 2 and 0 <= r["dead_fraction"] <= 1 and r["l0"] == 8 for r in record["heldout"])
     saes, rec2 = load_shipped("smoke", directory=out)
@@ -344,14 +365,13 @@ def test_resume_with_a_changed_config_is_refused_naming_each_field(tmp_path, cap
         np.testing.assert_array_equal(a[key], b[key], err_msg=str(key))
 
 
-def test_curves_csv_is_cut_back_to_the_checkpoint_it_resumes_from(tmp_path):
+def test_curves_csv_is_cut_back_to_the_checkpoint_it_resumes_from(tmp_path, tiny_whole):
     """Rows logged after the newest checkpoint (here: checkpoint 7 removed, as a kill during its
     write leaves it) are dropped on resume and logged again once; a row cut off mid-line too."""
     import shutil
 
     params = random_params(TINY, jax.random.key(7), jnp.float32, scale=0.1)
     tok = CharTokenizer()
-    run(_tiny_run_config(tmp_path / "whole"), progress=False, params=params, tokenizer=tok)
     cfg = _tiny_run_config(tmp_path / "run")
     run(cfg, stop_at=7, progress=False, params=params, tokenizer=tok)
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "7")
@@ -362,16 +382,16 @@ def test_curves_csv_is_cut_back_to_the_checkpoint_it_resumes_from(tmp_path):
     run(cfg, resume=True, progress=False, params=params, tokenizer=tok)
     rows = _curve(path)
     assert [(r[0], r[1]) for r in rows] == [(str(s), str(L)) for s in range(1, 13) for L in (2, 0)]
-    assert rows == _curve(tmp_path / "whole" / "curves.csv")
+    assert rows == _curve(tiny_whole[0] / "curves.csv")
 
 
 def test_a_killed_cli_run_resumes_to_the_uninterrupted_weights_and_curves(smol, smoke_run, tmp_path, monkeypatch):
     """`sparsekv train-sae` in a subprocess, SIGKILLed mid-run (after a checkpoint, with rows logged
     beyond it), then `--resume`: the exported weights are bit-identical to an uninterrupted run's
     (`smoke_run`, the same arguments) and curves.csv holds every step's rows once, equal to the
-    uninterrupted run's. 80 steps (200 before; each costs every run ~0.1 CPU s), killed once 20 are
-    logged: 10 steps past the checkpoint at 10 (time for its write to finish), with rows beyond it, and 60
-    steps short of the end."""
+    uninterrupted run's. 50 steps (200, then 80 before; each costs every run ~0.1 CPU s), killed once 20 are
+    logged: 10 steps past the checkpoint at 10 (time for its write to finish), with rows beyond it, and 30
+    steps short of the end (3 s of steps at least, against a poll every 20 ms)."""
     import os
     import signal
     import time
@@ -382,9 +402,9 @@ def test_a_killed_cli_run_resumes_to_the_uninterrupted_weights_and_curves(smol, 
     out = tmp_path / "killed"
     env = {**os.environ, "SPARSEKV_CACHE": str(cache), "PYTHONPATH": str(REPO)}
     with (tmp_path / "stderr.txt").open("w") as err:  # a file, not a pipe: a full pipe would stall the run
-        proc = subprocess.Popen([sys.executable, "-m", "sparsekv_jax.cli", "train-sae", *SMOKE_ARGS, "--out",
-                                 str(out)], env=env, stdout=subprocess.DEVNULL, stderr=err)
-        logged = 0  # steps logged; killed at 20, far from the end (80) even on a fast machine
+        proc = subprocess.Popen([sys.executable, "-m", "sparsekv_jax.cli", "train-sae", *_smoke_args(smoke_run),
+                                 "--out", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=err)
+        logged = 0  # steps logged; killed at 20, far from the end (50) even on a fast machine
         t0 = time.monotonic()
         while logged < 20 and proc.poll() is None and time.monotonic() - t0 < 300:
             time.sleep(0.02)
@@ -394,21 +414,21 @@ def test_a_killed_cli_run_resumes_to_the_uninterrupted_weights_and_curves(smol, 
         proc.wait()
     assert proc.returncode == -signal.SIGKILL, (tmp_path / "stderr.txt").read_text()[-2000:]
     newest = max(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
-    assert 10 <= newest < 80 and not (out / "smoke.safetensors").exists()  # killed mid-run, not after it
+    assert 10 <= newest < SMOKE_STEPS and not (out / "smoke.safetensors").exists()  # killed mid-run, not after it
     steps_logged = [int(r[0]) for r in _curve(out / "curves.csv")][::2]
     # written as it went: every step's rows up to the kill are there, beyond the newest checkpoint
     assert steps_logged == list(range(1, len(steps_logged) + 1)) and len(steps_logged) >= max(20, newest)
     monkeypatch.setenv("SPARSEKV_CACHE", str(cache))
-    assert main(["train-sae", *SMOKE_ARGS, "--out", str(out), "--resume"]) == 0
+    assert main(["train-sae", *_smoke_args(smoke_run), "--out", str(out), "--resume"]) == 0
     rows = _curve(out / "curves.csv")
-    assert [(r[0], r[1]) for r in rows] == [(str(s), str(L)) for s in range(1, 81) for L in (0, 2)]
+    assert [(r[0], r[1]) for r in rows] == [(str(s), str(L)) for s in range(1, SMOKE_STEPS + 1) for L in (0, 2)]
     assert rows == _curve(smoke_run / "curves.csv")
     a, b = _weights(out / "smoke.safetensors"), _weights(smoke_run / "smoke.safetensors")
     for key in a:
         np.testing.assert_array_equal(a[key], b[key], err_msg=str(key))
 
 
-def test_a_failed_evaluation_keeps_the_exported_saes_and_resume_evaluates_them(tmp_path, monkeypatch):
+def test_a_failed_evaluation_keeps_the_exported_saes_and_resume_evaluates_them(tmp_path, monkeypatch, tiny_whole):
     """The Qwen paper run's loss (2026-11-27): all steps trained, the held-out evaluation ran out of GPU
     memory, and nothing was exported. Now the SAEs are exported before the evaluation: when it raises,
     NAME.safetensors holds the trained weights (record ``heldout: null``, no half-written file) and the
@@ -420,7 +440,7 @@ def test_a_failed_evaluation_keeps_the_exported_saes_and_resume_evaluates_them(t
 
     params = random_params(TINY, jax.random.key(7), jnp.float32, scale=0.1)
     tok = CharTokenizer()
-    whole = run(_tiny_run_config(tmp_path / "whole"), progress=False, params=params, tokenizer=tok)
+    whole_dir, whole = tiny_whole
     cfg = _tiny_run_config(tmp_path / "run")
 
     def out_of_memory(*args, **kwargs):
@@ -436,7 +456,7 @@ def test_a_failed_evaluation_keeps_the_exported_saes_and_resume_evaluates_them(t
     saes, record = load_saes(out / "tiny.safetensors")
     assert record == json.loads((out / "tiny.json").read_text())
     assert record["heldout"] is None and record["steps"] == 12 and record["layers"] == [2, 0]
-    want = _weights(tmp_path / "whole" / "tiny.safetensors")
+    want = _weights(whole_dir / "tiny.safetensors")
     for key, value in _weights(out / "tiny.safetensors").items():
         np.testing.assert_array_equal(value, want[key], err_msg=str(key))
     monkeypatch.undo()
