@@ -85,6 +85,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
                                                f"pytest {item.nodeid} --seed {_SEEDS['run']}"))
 
 
+def load_script(path: Path, name: str):
+    """A script or experiment of the repository (not a package module) imported from its file as ``name``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def seeded_rng() -> np.random.Generator:
     """A NumPy generator derived from the run's seed and where it is made: the file and line of the
     call, and how many were made there before in this test. In a test's body (directly or through a

@@ -3,13 +3,13 @@ implementations against a numpy reference, and a CPU run at toy size whose recor
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import load_script
 
 from sparsekv_jax.policies import common
 
@@ -17,11 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("experiments_quest_select_bench",
-                                                  ROOT / "experiments" / "quest_select_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "experiments" / "quest_select_bench.py", "experiments_quest_select_bench")
 
 
 def test_both_top_ks_match_a_stable_numpy_sort(rng):

@@ -5,23 +5,19 @@ SAE set: their rows must agree) checked row by row."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("experiments_s3_retrieval_quality",
-                                                  ROOT / "experiments" / "s3_retrieval_quality.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "experiments" / "s3_retrieval_quality.py", "experiments_s3_retrieval_quality")
 
 
 def test_recall_kl_and_arguments():
