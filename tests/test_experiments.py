@@ -23,7 +23,7 @@ GPU_ONLY = ("gemma3_speed", "gsc_gpu", "page_rope_gpu", "pool_decode_gpu", "sae_
             "kvpress_adakv_memory_gpu")  # PyTorch + kvpress; its --tiny runs in the kvpress venv (test below)
 REAL_MODEL = ("bser_qwen_diagnosis", "kv_quant_fp8_diagnosis")  # a real model's numerics: arguments parsed only
 RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "e2e_speed_table", "kv_quant_fp8_gpu_check", "kvq_quality_table",
-              "policy_pairs", "pool_memory_gpu", "readme_plot", "semanticache_audit")
+              "policy_pairs", "pool_memory_gpu", "readme_plot", "sae_dead_arms", "semanticache_audit")
 TESTED_ELSEWHERE = {"stem_ablation": "tests/test_stem.py::test_ablation_script_core (toy model, CPU)",
                     "s3_retrieval_quality": "tests/test_s3_retrieval_quality.py (SmolLM2, one RULER sample, CPU)",
                     "s3_control_saes": "tests/test_s3_control_saes.py (the shipped set's control; tiny model, CPU)",
@@ -420,3 +420,33 @@ def test_pool_decode_gpu_records_a_failing_variant_and_times_the_rest(tmp_path, 
     rows = {r["variant"]: r for r in json.loads(out.read_text())}
     assert "does not lower (test)" in rows["ahead1"]["error"] and rows["ahead1"]["pool_us"] is None
     assert rows["lanes"]["error"] is None and rows["lanes"]["max_abs_diff"] == 0.0 and rows["lanes"]["pool_us"] > 0
+
+
+def test_sae_dead_arms_reads_each_arm_at_the_last_step_all_reached(tmp_path, capsys, rng):
+    """Two arms of random curves, one logged further than the other: the table is at the shorter one's last step,
+    with each arm's own values there (compared with the rows written, formatted as the table formats them)."""
+    mod = _module("sae_dead_arms")
+    header = "step,layer,fvu,auxk,l0,dead_fraction,lr,vectors"
+    written = {}
+    for arm, last in (("base", 150), ("bias2", 100)):
+        (tmp_path / f"dead_{arm}").mkdir()
+        lines = [header]
+        for step in range(50, last + 1, 50):
+            for layer in (0, 25):
+                fvu, dead = rng.uniform(1e-5, 1e-2), rng.uniform(0, 1)
+                written[arm, step, layer] = (fvu, dead)
+                lines.append(f"{step},{layer},{fvu},0.0,128.0,{dead},0.001,{step * 8192}")
+        (tmp_path / f"dead_{arm}" / "curves.csv").write_text("\n".join(lines) + "\n")
+    step, text = mod.table(mod.read_arms(tmp_path))
+    assert step == 100
+    for arm in ("base", "bias2"):
+        row = next(line for line in text.splitlines() if line.startswith(f"| {arm} |"))
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        for i, layer in enumerate((0, 25)):
+            fvu, dead = written[arm, 100, layer]
+            assert cells[2 + 2 * i] == f"{dead:.3f}" and cells[3 + 2 * i] == f"{fvu:.2e}"
+    mod.main([str(tmp_path)])
+    assert (tmp_path / "dead_arms.png").stat().st_size > 10_000
+    assert "at step 100" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no dead_<arm>/curves.csv"):
+        mod.read_arms(tmp_path / "nothing")
