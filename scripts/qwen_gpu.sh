@@ -131,7 +131,7 @@ s3_control_retrieval_32k() {  # the same at 32k, 4,096 kept tokens (the 16k tabl
 sae_train() {  # issue 37: the paper's SAE run for this model (its schedule fitted into SAE_MINUTES)
   [ -f "$SAES" ] && return 0
   XLA_PYTHON_CLIENT_MEM_FRACTION=${SAE_MEM:-0.3} CARRY="${CARRY:-}" PHASE=run MODEL="$MODEL" RUN=/tmp/paper_$MODEL \
-    OUT="$SAE_DIR" DEADLINE="$(left)" EXTRA="--max-minutes ${SAE_MINUTES:-10}" bash scripts/sae_paper_gpu.sh
+    OUT="$SAE_DIR" DEADLINE="$(left)" EXTRA="--max-minutes ${SAE_MINUTES:-10} ${SAE_EXTRA:-}" bash scripts/sae_paper_gpu.sh
   [ -f "$SAES" ]
 }
 s3_retrieval() {  # S3 with this model's SAEs: answer recall, KL and NLL against BM25 (experiments/s3_retrieval_quality.py)
@@ -363,6 +363,18 @@ adakv(snapkv(0.5)), pyramidkv(snapkv(0.5))" --suite ruler --no-fullkv > "$RUNS/a
     ev 0.1 kvq_32k agnostic 32k "fullkv, snapkv(0.25)" --suite ruler --kv-dtype int8 > "$RUNS/kvq32k.log" 2>&1 &
     ev 0.12 fidelity_32k agnostic 32k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" --suite ruler \
       --fidelity > "$RUNS/fidelity32k.log" 2>&1 &
+    ;;
+  17)  # DETACH=1 SAE_DIR=/tmp/qwen_sae_db SAE_MINUTES=8 SAE_EXTRA="--dead-bias-step 1e-2" (planned): issue 37 after the
+      # dead-latent arms (docs/results/sae_dead_qwen_h200: 1e-2 kept layers 0 and 25 under 1% dead in training's
+      # window). The paper's run with that one change, alone on the GPU (a new SAE_DIR: its rows get keys of their own),
+      # its held-out record (dead fraction on held-out keys: issue 37's < 5%), then S3 with these SAEs on the RULER 8k
+      # aware rows that run2's SAEs and their control ran (aware_8k), and a 16k retrieval table of its own against BM25.
+    { sae_train && {
+        ev 0.15 aware_8k aware 8k "s3hybrid(0.25, saes='$SAES'), s3pure(0.25, saes='$SAES')" --suite ruler \
+          --no-fullkv > "$RUNS/s3_db_8k.log" 2>&1 &
+        retrieval s3_dead_bias_16k 0.2 --length 16384 --ruler-length 16384 --n 10 --budget 2048 --chunk 4096 \
+          --saes dead_bias="$SAES" --max-minutes "${S3_MINUTES:-8}" > "$RUNS/s3_db_16k.log" 2>&1 &
+        wait; }; } > "$RUNS/sae_db.log" 2>&1 &
     ;;
   16)  # DETACH=1 (planned for the next machine; no SAEs needed): after stage 15 (2026-11-28), every job resuming its
       # committed records: qa_2 at 32k for the 10% / 50% rows (the last column they lack), H2O's last tasks at 32k,
