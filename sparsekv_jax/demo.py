@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from sparsekv_jax._progress import bar_disabled
 from sparsekv_jax.bench.timing import timed_call
 
 # The demo's policies, in table order: full attention, the library's methods, the baselines.
@@ -140,7 +141,7 @@ def run(params: Any, tokenizer: Any, policies: list[tuple[str, Any]], tokens: np
                                  stop_tokens=stop_tokens, page_size=PAGE_SIZE)) for label, pol in policies]
     shared = [i for i, (_, r) in enumerate(runs)
               if type(r.policy.stage("prefill")) is Dense and type(r.policy.stage("context")) is Dense]
-    bar = tqdm(total=len(runs) + bool(shared), desc="demo", unit="step", disable=not progress, leave=False)
+    bar = tqdm(total=len(runs) + bool(shared), desc="demo", unit="step", disable=bar_disabled(progress), leave=False)
     programs = _Programs()
     rows = [Row(label) for label, _ in runs]
     prefilled: dict[int, Any] = {}

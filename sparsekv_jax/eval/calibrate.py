@@ -35,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+from sparsekv_jax._progress import bar_disabled
+
 SUMMARY_REQUEST = "\n\nSummarize the text above in a few paragraphs."
 
 
@@ -216,7 +218,7 @@ def calibrate(model: Any = "smollm2", suite: str = "wikitext", *,
                                                else [])}))
     entropies, steps = [], []
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
-    for batch in tqdm(batches, disable=not progress, desc="calibrate", unit="batch"):
+    for batch in tqdm(batches, disable=bar_disabled(progress), desc="calibrate", unit="batch"):
         rows = batch + [batch[-1]] * (batch_size - len(batch))  # one shape: one compile
         tokens = np.zeros((batch_size, width), np.int32)
         for i, r in enumerate(rows):

