@@ -393,6 +393,12 @@ adakv(snapkv(0.5)), pyramidkv(snapkv(0.5))" --suite ruler --no-fullkv > "$RUNS/a
     ev 0.12 fidelity_32k agnostic 32k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" --suite ruler \
       --fidelity > "$RUNS/fidelity32k.log" 2>&1 &
     ev 0.1 kvq_32k agnostic 32k "fullkv, snapkv(0.25)" --suite ruler --kv-dtype int8 > "$RUNS/kvq32k.log" 2>&1 &
+    # added after its first run (2026-11-28): KL / top-1 of the int8 and fp8 caches against full attention on the
+    # bf16 cache at 32k (stage 6 measured 8k), RULER's needle tasks x 2 samples
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 timeout "$(left)" python \
+      scripts/kv_quant_show.py fidelity --model "$MODEL" --lengths 32k --n 2 --batch-size 2 \
+      --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multivalue,niah_multiquery \
+      --policies "fullkv, snapkv(0.25), quest(0.25)" --out "$RUNS/kvq_fidelity_32k.json" > "$RUNS/kvq_fid32k.log" 2>&1 &
     ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
