@@ -147,10 +147,22 @@ def test_smollm2_config_from_gguf(smol):
     assert tok.convert_tokens_to_ids("<|im_end|>") in params.config.eos_token_ids
 
 
-def test_smollm2_gguf_matches_transformers(smol):
-    """Our dequantised (and q/k un-permuted) weights equal transformers' from the same GGUF."""
+def test_smollm2_gguf_matches_transformers(smol, monkeypatch):
+    """Our dequantised (and q/k un-permuted) weights equal transformers' from the same GGUF.
+
+    transformers' ``from_pretrained`` parses the GGUF twice (its config, then its tensors; ~5 CPU s each: the
+    49k-token vocabulary field by field) and builds gguf-py's tensor-name map once per module (~400 times, ~7
+    CPU s). Both are pure functions of their arguments: here they are memoised for this call (the same reader
+    object, read only, the same map), so transformers reads and converts the file as it always does, once."""
+    import functools
+
     cache, params, _, _ = smol
     path = embedded.embedded_gguf_path("smollm2", cache)
+    real_reader = gguf.GGUFReader
+    read_once = functools.cache(lambda p: real_reader(p))
+    monkeypatch.setattr(gguf, "GGUFReader", lambda p, *a, **k: real_reader(p, *a, **k) if a or k else
+                        read_once(os.fspath(p)))
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32)
     sd = model.state_dict()
