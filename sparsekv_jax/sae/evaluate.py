@@ -77,9 +77,13 @@ def _batch_stats(sae: TopKSAE, params: Params, tokens: jax.Array, weight: jax.Ar
         L, B, T, H, D = v.shape
         x = v.reshape(L, B * T * H, D)
         w = jnp.repeat(weight, T * H)  # padded rows weigh 0
-        out[name] = {"sum": jnp.einsum("n,lnd->ld", w, x), "n": jnp.sum(w),
-                     "sumsq": jnp.einsum("n,ln->l", w, jnp.sum(x * x, axis=-1)),
-                     **_encoded_stats(sae, x, w, chunk, method, fired=name == "k")}
+        # the batch's own mean and centred sum of squares (not sum and sum of squares: their difference
+        # cancels in float32 where a channel's mean is large against its spread, as in real keys);
+        # `evaluate` merges batches in float64 (Chan et al.'s pairwise update)
+        n = jnp.sum(w)
+        mean = jnp.einsum("n,lnd->ld", w, x) / n
+        m2 = jnp.einsum("n,ln->l", w, jnp.sum(jnp.square(x - mean[:, None]), axis=-1))
+        out[name] = {"n": n, "mean": mean, "m2": m2, **_encoded_stats(sae, x, w, chunk, method, fired=name == "k")}
     return out
 
 
@@ -117,17 +121,25 @@ def evaluate(sae: TopKSAE, params: Params, rows: np.ndarray, layers: tuple[int, 
                                             drop_first, method, attention, chunk))
         fired |= stats["k"].pop("fired")
         for name, s in stats.items():
+            s = {key: np.asarray(value, np.float64) for key, value in s.items()}
             a = acc.setdefault(name, {})
-            for key, value in s.items():
-                a[key] = a.get(key, 0) + np.asarray(value, np.float64)
+            if a:  # merge the centred moments: M2 = M2_a + M2_b + |mean_b - mean_a|^2 n_a n_b / n
+                n_a, n_b = a["n"], s["n"]
+                delta = s["mean"] - a["mean"]
+                a["m2"] = a["m2"] + s["m2"] + np.sum(np.square(delta), axis=-1) * n_a * n_b / (n_a + n_b)
+                a["mean"] = a["mean"] + delta * n_b / (n_a + n_b)
+                a["n"] = n_a + n_b
+                for key in ("sse", "active"):
+                    a[key] = a[key] + s[key]
+            else:
+                a.update(s)
     out = []
     for i, layer in enumerate(layers):
         rec: dict[str, Any] = {"layer": int(layer)}
         for name, suffix in (("k", ""), ("q", "_queries")):
             a = acc[name]
             n = float(a["n"])
-            var = a["sumsq"][i] - np.sum(np.square(a["sum"][i])) / n
-            rec["fvu" + suffix] = float(a["sse"][i] / max(var, 1e-30))
+            rec["fvu" + suffix] = float(a["sse"][i] / max(a["m2"][i], 1e-30))
             rec["l0" + suffix] = float(a["active"][i] / n)
             rec["vectors" + suffix] = int(round(n))
         rec["dead_fraction"] = float(1 - fired[i].mean())
