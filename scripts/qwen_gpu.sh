@@ -374,6 +374,17 @@ adakv(snapkv(0.5)), pyramidkv(snapkv(0.5))" --suite ruler --no-fullkv > "$RUNS/a
           --no-fullkv > "$RUNS/s3_db_8k.log" 2>&1 &
         retrieval s3_dead_bias_16k 0.2 --length 16384 --ruler-length 16384 --n 10 --budget 2048 --chunk 4096 \
           --saes dead_bias="$SAES" --max-minutes "${S3_MINUTES:-8}" > "$RUNS/s3_db_16k.log" 2>&1 &
+        # added 2026-11-28 (twenty-ninth session): stage 16's unfinished jobs share the GPU once the SAEs are trained
+        # (not during training: its step count is fixed from its first steps' speed, so a shared GPU would only
+        # lengthen it): AdaKV / PyramidKV question-aware at 32k (issue 38's setting; 7 of 13 tasks done), the
+        # int8 / fp8 caches' KL against bf16 at 32k, H2O's last tasks at 32k
+        ev 0.12 aware_32k aware 32k "adakv(snapkv(0.25)), pyramidkv(snapkv(0.25))" --suite ruler --no-fullkv \
+          > "$RUNS/alloc_aware32k.log" 2>&1 &
+        XLA_PYTHON_CLIENT_MEM_FRACTION=0.15 timeout "$(left)" python \
+          scripts/kv_quant_show.py fidelity --model "$MODEL" --lengths 32k --n 2 --batch-size 2 \
+          --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multivalue,niah_multiquery \
+          --policies "fullkv, snapkv(0.25), quest(0.25)" --out "$RUNS/kvq_fidelity_32k.json" > "$RUNS/kvq_fid32k.log" 2>&1 &
+        ev 0.12 agnostic_32k agnostic 32k "h2o(0.25)" --suite ruler --no-fullkv > "$RUNS/h2o32k.log" 2>&1 &
         wait; }; } > "$RUNS/sae_db.log" 2>&1 &
     ;;
   16)  # DETACH=1 (planned for the next machine; no SAEs needed): after stage 15 (2026-11-28), every job resuming its
