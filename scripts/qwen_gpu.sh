@@ -96,6 +96,7 @@ SAES="$SAE_DIR/paper_$MODEL.safetensors"
 # /tmp/qwen_sae_r2), when carried to $SAE_DIR (not committed: 34 MB)
 case "$SAE_DIR" in
   */qwen_sae_r2) SAES_SHA=fd067bae27cc32fcd4decb2db26e709011be2c200e2f0b5b8bfb9eb220992a54 ;;
+  */qwen_sae_db) SAES_SHA=faec157914bd62bb78a537f6a0c34c2592814155007dab6975b71e044928b086 ;;  # stage 17's (run3_dead_bias)
   *) SAES_SHA=fc51ad56e5b0f844c36eed956d84e2ef8b735832f34b6406ab8bb105d1a1382c ;;
 esac
 if [ -f "$SAES" ] && [ -f "$SAE_DIR/carried" ]; then

@@ -42,6 +42,8 @@ _QWEN_SAES = "/tmp/qwen_sae/paper_qwen2.5-coder-1.5b.safetensors"
 # (experiments/s3_control_saes.py --seed 0)
 _QWEN_SAES2 = "/tmp/qwen_sae_r2/paper_qwen2.5-coder-1.5b.safetensors"
 _QWEN_CONTROL = "/tmp/qwen_sae_r2/control_qwen2.5-coder-1.5b.safetensors"
+# stage 17's run with the opt-in --dead-bias-step 1e-2 (docs/results/sae_paper_qwen_h200/run3_dead_bias)
+_QWEN_SAES_DB = "/tmp/qwen_sae_db/paper_qwen2.5-coder-1.5b.safetensors"
 PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
     "qwen2.5-coder-1.5b_h200": (
         ("adakv(snapkv(0.25))", "snapkv(0.25)"), ("pyramidkv(snapkv(0.25))", "snapkv(0.25)"),
@@ -63,7 +65,10 @@ PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
         (f"s3hybrid(0.25, saes='{_QWEN_SAES2}')", "bm25(0.25)"),
         (f"s3hybrid(0.25, saes='{_QWEN_CONTROL}')", "bm25(0.25)"),
         (f"s3hybrid(0.25, saes='{_QWEN_SAES2}')", f"s3hybrid(0.25, saes='{_QWEN_SAES}')"),
-        (f"s3pure(0.25, saes='{_QWEN_SAES2}')", f"s3pure(0.25, saes='{_QWEN_SAES}')")),
+        (f"s3pure(0.25, saes='{_QWEN_SAES2}')", f"s3pure(0.25, saes='{_QWEN_SAES}')"),
+        (f"s3hybrid(0.25, saes='{_QWEN_SAES_DB}')", f"s3hybrid(0.25, saes='{_QWEN_SAES2}')"),
+        (f"s3pure(0.25, saes='{_QWEN_SAES_DB}')", f"s3pure(0.25, saes='{_QWEN_SAES2}')"),
+        (f"s3hybrid(0.25, saes='{_QWEN_SAES_DB}')", "bm25(0.25)")),
 }
 
 # the fields of a report row that are results (a newer report may add fields, e.g. coverage, and its prose

@@ -35,7 +35,8 @@ class TrainConfig:
         encoder bias of every dead latent rises by this much (in the pre-activation's units). A latent whose
         pre-activation is <= 0 on every vector gets no gradient from the loss or from AuxK (whose activations
         pass the same ReLU); raising its bias reopens it until it wins top-k slots and the reconstruction trains
-        it again (docs/SAE.md, "Why 96–97% of the latents die").
+        it again (docs/SAE.md, "Why 96–97% of the latents die"). Measured on Qwen2.5-Coder-1.5B at 1e-2: training's
+        window 1–3% dead, but 90–93% on held-out keys, and S3Pure 31 RULER points worse: not recommended for S3.
       b_dec_init: ``"geometric_median"`` or ``"mean"`` of the init sample.
       w_dec_init: ``"random"`` (unit Gaussian rows, the references') or ``"data"`` (opt-in: rows drawn from the
         init sample, centred at ``b_dec`` and normalised, with 1% of the random rows mixed in so no two are equal),
