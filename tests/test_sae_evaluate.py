@@ -14,7 +14,7 @@ from conftest import seeded_rng
 
 from sparsekv_jax.models.config import ModelConfig
 from sparsekv_jax.models.params import random_params
-from sparsekv_jax.sae.evaluate import _batch_stats, default_chunk, evaluate
+from sparsekv_jax.sae.evaluate import _batch_stats, batch_moments, default_chunk, evaluate, merge_moments
 from sparsekv_jax.sae.keys import projections
 from sparsekv_jax.sae.model import TopKSAE
 
@@ -134,3 +134,29 @@ def test_evaluation_memory_is_bounded_by_the_chunk_not_the_rows_or_heads():
     for got in (base, more_rows, more_heads):
         assert got <= 4 * chunk_scores, (base, more_rows, more_heads, chunk_scores)
     assert max(more_rows, more_heads) <= 1.25 * base, (base, more_rows, more_heads)
+
+
+def test_moments_far_from_zero_merge_to_the_float64_variance():
+    """Vectors whose mean (1e3) is large against their spread (0.1..1), as a real layer's keys can be, in
+    batches of unequal sizes with padding weighted 0: the merged centred sum of squares equals float64
+    numpy's within 1e-4. Sum of squares minus squared sum in float32 (what `evaluate` did before) misses by
+    orders of magnitude more, which the test shows on the same data."""
+    rng = seeded_rng()
+    L, D = 2, 16
+    sizes = [int(s) for s in rng.integers(50, 400, size=5)]
+    x = (1e3 + rng.normal(size=(L, sum(sizes), D)) * rng.uniform(0.1, 1.0, size=(L, 1, D))).astype(np.float32)
+    want = np.sum(np.square(x.astype(np.float64) - x.astype(np.float64).mean(1, keepdims=True)), axis=(1, 2))
+    acc = None
+    start = 0
+    for size in sizes:
+        part = np.concatenate([x[:, start:start + size], np.full((L, 7, D), 5e3, np.float32)], axis=1)
+        w = np.r_[np.ones(size), np.zeros(7)].astype(np.float32)  # padding of weight 0, far off the mean
+        m = {k: np.asarray(v, np.float64) for k, v in batch_moments(jnp.asarray(part), jnp.asarray(w)).items()}
+        acc = m if acc is None else merge_moments(acc, m)
+        start += size
+    assert acc["n"] == sum(sizes)
+    np.testing.assert_allclose(acc["mean"], x.astype(np.float64).mean(1), rtol=1e-6)
+    np.testing.assert_allclose(acc["m2"], want, rtol=1e-4)
+    x32 = jnp.asarray(x)
+    naive = jnp.sum(x32 * x32, axis=(1, 2)) - jnp.sum(jnp.square(jnp.sum(x32, axis=1)), axis=-1) / x.shape[1]
+    assert np.max(np.abs(np.asarray(naive, np.float64) / want - 1)) > 1e-2

@@ -77,14 +77,29 @@ def _batch_stats(sae: TopKSAE, params: Params, tokens: jax.Array, weight: jax.Ar
         L, B, T, H, D = v.shape
         x = v.reshape(L, B * T * H, D)
         w = jnp.repeat(weight, T * H)  # padded rows weigh 0
-        # the batch's own mean and centred sum of squares (not sum and sum of squares: their difference
-        # cancels in float32 where a channel's mean is large against its spread, as in real keys);
-        # `evaluate` merges batches in float64 (Chan et al.'s pairwise update)
-        n = jnp.sum(w)
-        mean = jnp.einsum("n,lnd->ld", w, x) / n
-        m2 = jnp.einsum("n,ln->l", w, jnp.sum(jnp.square(x - mean[:, None]), axis=-1))
-        out[name] = {"n": n, "mean": mean, "m2": m2, **_encoded_stats(sae, x, w, chunk, method, fired=name == "k")}
+        out[name] = {**batch_moments(x, w), **_encoded_stats(sae, x, w, chunk, method, fired=name == "k")}
     return out
+
+
+def batch_moments(x: jax.Array, w: jax.Array) -> dict[str, jax.Array]:
+    """``n``, per-layer ``mean`` ``[L, D]`` and centred sum of squares ``m2`` ``[L]`` of ``x`` ``[L, N, D]``
+    weighted by ``w`` ``[N]`` (of which some are > 0). Centred within the batch, not a sum of squares minus a
+    squared sum, whose difference cancels in float32 where a channel's mean is large against its spread (real
+    keys); batches are combined in float64 by `merge_moments`."""
+    n = jnp.sum(w)
+    mean = jnp.einsum("n,lnd->ld", w, x) / n
+    m2 = jnp.einsum("n,ln->l", w, jnp.sum(jnp.square(x - mean[:, None]), axis=-1))
+    return {"n": n, "mean": mean, "m2": m2}
+
+
+def merge_moments(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`batch_moments` of two disjoint sets combined (Chan, Golub and LeVeque's pairwise update, float64):
+    ``M2 = M2_a + M2_b + |mean_b - mean_a|² n_a n_b / n``."""
+    n_a, n_b = np.float64(a["n"]), np.float64(b["n"])
+    delta = np.asarray(b["mean"], np.float64) - np.asarray(a["mean"], np.float64)
+    n = n_a + n_b
+    return {"n": n, "mean": a["mean"] + delta * n_b / n,
+            "m2": np.asarray(a["m2"], np.float64) + b["m2"] + np.sum(np.square(delta), axis=-1) * n_a * n_b / n}
 
 
 def evaluate(sae: TopKSAE, params: Params, rows: np.ndarray, layers: tuple[int, ...], *, drop_first: int,
@@ -123,14 +138,8 @@ def evaluate(sae: TopKSAE, params: Params, rows: np.ndarray, layers: tuple[int, 
         for name, s in stats.items():
             s = {key: np.asarray(value, np.float64) for key, value in s.items()}
             a = acc.setdefault(name, {})
-            if a:  # merge the centred moments: M2 = M2_a + M2_b + |mean_b - mean_a|^2 n_a n_b / n
-                n_a, n_b = a["n"], s["n"]
-                delta = s["mean"] - a["mean"]
-                a["m2"] = a["m2"] + s["m2"] + np.sum(np.square(delta), axis=-1) * n_a * n_b / (n_a + n_b)
-                a["mean"] = a["mean"] + delta * n_b / (n_a + n_b)
-                a["n"] = n_a + n_b
-                for key in ("sse", "active"):
-                    a[key] = a[key] + s[key]
+            if a:
+                a.update(merge_moments(a, s), sse=a["sse"] + s["sse"], active=a["active"] + s["active"])
             else:
                 a.update(s)
     out = []
