@@ -365,7 +365,8 @@ adakv(snapkv(0.5)), pyramidkv(snapkv(0.5))" --suite ruler --no-fullkv > "$RUNS/a
     ev 0.12 fidelity_32k agnostic 32k "fullkv, snapkv(0.25), quest(0.25), semanticache(0.25)" --suite ruler \
       --fidelity > "$RUNS/fidelity32k.log" 2>&1 &
     ;;
-  17)  # DETACH=1 SAE_DIR=/tmp/qwen_sae_db SAE_MINUTES=8 SAE_EXTRA="--dead-bias-step 1e-2" (planned): issue 37 after the
+  17)  # DETACH=1 SAE_DIR=/tmp/qwen_sae_db SAE_MINUTES=8 SAE_EXTRA="--dead-bias-step 1e-2" (ran 2026-11-28:
+      # docs/results/sae_paper_qwen_h200/run3_dead_bias, docs/RESULTS.md "Stage 17"): issue 37 after the
       # dead-latent arms (docs/results/sae_dead_qwen_h200: 1e-2 kept layers 0 and 25 under 1% dead in training's
       # window). The paper's run with that one change, alone on the GPU (a new SAE_DIR: its rows get keys of their own),
       # its held-out record (dead fraction on held-out keys: issue 37's < 5%), then S3 with these SAEs on the RULER 8k
