@@ -307,8 +307,8 @@ case "$STAGE" in
       { sleep 60; s3_control_retrieval; } > "$RUNS/s3_control_16k.log" 2>&1 &
     fi
     ;;
-  12)  # DETACH=1 MODEL=qwen2.5-coder-0.5b (planned; its 8 pieces in PIECES): issue 35's second size, full attention at
-      # 4k-32k and the three policies that kept most of the 1.5B's score at 32k question-agnostic (Quest, Stem, CHESS
+  12)  # DETACH=1 MODEL=qwen2.5-coder-0.5b (ran 2026-11-28 in 17 min, docs/results/qwen2.5-coder-0.5b_h200; its 8
+      # pieces in PIECES): issue 35's second size, full attention at 4k-32k and the three policies that kept most of the 1.5B's score at 32k question-agnostic (Quest, Stem, CHESS
       # with this model's own thresholds, calibrated here), the 1.5B's lengths (8k, 32k) first. Does the ranking hold
       # across sizes?
     [ "$MODEL" = qwen2.5-coder-0.5b ] || { echo "STAGE=12 is for MODEL=qwen2.5-coder-0.5b"; exit 2; }

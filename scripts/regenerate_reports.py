@@ -32,10 +32,12 @@ REPORTS: dict[str, tuple[str, ...]] = {
     "bser_rows_h100": ("bser_rows_h100",),
     "gemma3_ruler_h100": ("gemma3_ruler_h100/runs",),
     "qwen2.5-coder-1.5b_h200": ("qwen2.5-coder-1.5b_h200",),
+    "qwen2.5-coder-0.5b_h200": ("qwen2.5-coder-0.5b_h200",),
 }
 
 # record folder -> (policy A, policy B) pairs compared on their shared samples (experiments/policy_pairs.py)
 _CHESS = "chess('moderate', calibration='qwen2.5-coder-1.5b')"
+_CHESS_05B = "chess('moderate', calibration='/tmp/runs_qwen2.5-coder-0.5b/chess_calibration.json')"
 # S3's rows name the SAE file by its path on the GPU machine: the paper run of docs/results/sae_paper_qwen_h200
 _QWEN_SAES = "/tmp/qwen_sae/paper_qwen2.5-coder-1.5b.safetensors"
 # stage 13's rerun of that config (docs/results/sae_paper_qwen_h200/run2) and its random-direction control
@@ -69,6 +71,10 @@ PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
         (f"s3hybrid(0.25, saes='{_QWEN_SAES_DB}')", f"s3hybrid(0.25, saes='{_QWEN_SAES2}')"),
         (f"s3pure(0.25, saes='{_QWEN_SAES_DB}')", f"s3pure(0.25, saes='{_QWEN_SAES2}')"),
         (f"s3hybrid(0.25, saes='{_QWEN_SAES_DB}')", "bm25(0.25)")),
+    # the 0.5B (stage 12): does the 1.5B's ranking hold? Its CHESS rows name the calibration by its path on the GPU
+    # machine; the same file ships as policies/calibration/qwen2.5-coder-0.5b.json
+    "qwen2.5-coder-0.5b_h200": (
+        ("stem", "quest(0.25)"), (_CHESS_05B, "quest(0.25)"), ("quest(0.25)", "snapkv(0.25)")),
 }
 
 # the fields of a report row that are results (a newer report may add fields, e.g. coverage, and its prose
