@@ -308,9 +308,9 @@ case "$STAGE" in
     fi
     ;;
   12)  # DETACH=1 MODEL=qwen2.5-coder-0.5b (ran 2026-11-28 in 17 min, docs/results/qwen2.5-coder-0.5b_h200; its 8
-      # pieces in PIECES): issue 35's second size, full attention at 4k-32k and the three policies that kept most of the 1.5B's score at 32k question-agnostic (Quest, Stem, CHESS
-      # with this model's own thresholds, calibrated here), the 1.5B's lengths (8k, 32k) first. Does the ranking hold
-      # across sizes?
+      # pieces in PIECES): issue 35's second size, full attention at 4k-32k and the three policies that kept most of
+      # the 1.5B's score at 32k question-agnostic (Quest, Stem, CHESS with this model's own thresholds, calibrated
+      # here), the 1.5B's lengths (8k, 32k) first. Does the ranking hold across sizes? (It does: docs/RESULTS.md.)
     [ "$MODEL" = qwen2.5-coder-0.5b ] || { echo "STAGE=12 is for MODEL=qwen2.5-coder-0.5b"; exit 2; }
     ev 0.12 full agnostic 8k,32k,4k,16k fullkv --suite ruler > "$RUNS/full.log" 2>&1 &
     ev 0.12 agnostic agnostic 8k,32k,4k,16k "quest(0.25)" --suite ruler --no-fullkv > "$RUNS/quest.log" 2>&1 &
