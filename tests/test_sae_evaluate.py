@@ -139,8 +139,8 @@ def test_evaluation_memory_is_bounded_by_the_chunk_not_the_rows_or_heads():
 def test_moments_far_from_zero_merge_to_the_float64_variance():
     """Vectors whose mean (1e3) is large against their spread (0.1..1), as a real layer's keys can be, in
     batches of unequal sizes with padding weighted 0: the merged centred sum of squares equals float64
-    numpy's within 1e-4. Sum of squares minus squared sum in float32 (what `evaluate` did before) misses by
-    orders of magnitude more, which the test shows on the same data."""
+    numpy's within 1e-4. Sum of squares minus squared sum in float32 over all vectors (the form `evaluate`
+    used within each batch before) misses by orders of magnitude more, which the test shows on this data."""
     rng = seeded_rng()
     L, D = 2, 16
     sizes = [int(s) for s in rng.integers(50, 400, size=5)]
