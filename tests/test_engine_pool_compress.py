@@ -91,10 +91,24 @@ def test_compressor_on_the_pool_gives_the_uniform_tokens_and_logits(params, rng,
     """`generate` and `teacher_force` with ``pool=True``: the default path's tokens and logits (within 1e-5;
     int8 with per-head counts: the module docstring); on the jnp fp32 path, the decode pool after the
     compress stage holds each head's count of the uniform cache's live entries in exactly its pages (for
-    SemantiCache, whose heads keep different counts of merged entries, also within its `compressed_pages`)."""
+    SemantiCache, whose heads keep different counts of merged entries, also within its `compressed_pages`). int8 with
+    per-head counts on the kernel: `teacher_force`'s logits only, along random tokens (its tokens and stats are the
+    kernel-fp32 case's, the same policy's, in the same run)."""
     pol, backend = parse_policy(POLICIES[policy]), CASES[case]
     kw = dict(lengths=LENGTHS, page_size=PS, backend=backend, stop_tokens=())
     tokens = rng.integers(1, CFG.vocab_size, (2, T))
+    if case == "kernel-int8" and policy in PER_HEAD:  # logits only (the module docstring), along random tokens: its
+        # tokens, stats and pool on the kernel are the kernel-fp32 case's, run with it
+        forced = rng.integers(1, CFG.vocab_size, (2, NEW))
+        want_logits, _ = teacher_force(params, pol, tokens, forced, **kw)
+        got_logits, _ = teacher_force(params, pol, tokens, forced, pool=True, **kw)
+        ref, _ = teacher_force(params, pol, tokens, forced, **{**kw, "backend": CASES["kernel-fp32"]})
+        np.testing.assert_array_equal(np.asarray(got_logits)[:, 0], np.asarray(want_logits)[:, 0])  # the prefill's
+        pool_err = np.abs(np.asarray(got_logits) - np.asarray(ref)).max()
+        uniform_err = np.abs(np.asarray(want_logits) - np.asarray(ref)).max()
+        print(f"{policy} int8: max |logit - fp32 logit| pool {pool_err:.4f}, uniform {uniform_err:.4f}")
+        assert pool_err <= 2 * uniform_err + 1e-3, (pool_err, uniform_err)
+        return
     want = generate(params, pol, tokens, max_new_tokens=NEW, **kw)
     forced = np.asarray(want.tokens)
     want_logits, _ = teacher_force(params, pol, tokens, forced, **kw)
@@ -112,14 +126,6 @@ def test_compressor_on_the_pool_gives_the_uniform_tokens_and_logits(params, rng,
     assert isinstance(got.cache, PoolCache)
     np.testing.assert_array_equal(np.asarray(got.stats["kv_stored_fraction"]),
                                   np.asarray(want.stats["kv_stored_fraction"]))
-    if case == "kernel-int8" and policy in PER_HEAD:
-        ref, _ = teacher_force(params, pol, tokens, forced, **{**kw, "backend": CASES["kernel-fp32"]})
-        np.testing.assert_array_equal(np.asarray(got_logits)[:, 0], np.asarray(want_logits)[:, 0])  # the prefill's
-        pool_err = np.abs(np.asarray(got_logits) - np.asarray(ref)).max()
-        uniform_err = np.abs(np.asarray(want_logits) - np.asarray(ref)).max()
-        print(f"{policy} int8: max |logit - fp32 logit| pool {pool_err:.4f}, uniform {uniform_err:.4f}")
-        assert pool_err <= 2 * uniform_err + 1e-3, (pool_err, uniform_err)
-        return
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-5, rtol=1e-5)
 

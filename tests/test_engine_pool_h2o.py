@@ -220,33 +220,44 @@ def test_an_overwrite_through_the_table_is_the_uniform_in_place_write(rng):
     Lc, Bc, Hc, D, ps, S = 2, 2, 2, 16, 4, 12
     length = np.array([12, 9])
     cfg = dataclasses.replace(CFG, num_layers=Lc, num_kv_heads=Hc, head_dim=D)
-    layers = init_cache(cfg, Bc, S, page_size=ps, dtype=jnp.float32, kv_dtype=kv_dtype).layers
     k, v = (jnp.asarray(rng.standard_normal((Lc, Bc, Hc, S, D)), jnp.float32) for _ in range(2))
-    pos = jnp.broadcast_to(jnp.arange(S), (Bc, S))
     n = jnp.asarray(length)
-    layers = jax.tree.map(lambda *a: jnp.stack(a), *[write_chunk(layer_view(layers, i), k[i], v[i], 0, pos, n)
-                                                       for i in range(Lc)])
     slot = np.stack([rng.integers(0, m, (Lc, Hc)) for m in length], axis=1)  # [L, B, H]
     slot[0, 0, 1], slot[1, 1, 0], slot[0, 1, 1] = 4, 8, 8  # offset 0: a full page's, the last partial page's
     live = np.arange(S) < length[None, :, None, None]
     bias = np.where(live, rng.uniform(-3, 0.5, (Lc, Bc, Hc, S)), 0.0)
     # each evicted slot held its page's max bias, above the new token's 0: the page's max must come down
     np.put_along_axis(bias, slot[..., None], 0.9, axis=-1)
-    layers = summarize_pages(layers.replace(bias=jnp.asarray(bias, jnp.float32)), n, ps)
-    pool = pool_from_stack(layers, n, n, page_size=ps, num_pages=Lc * Bc * Hc * 3 + 6)
+
+    @jax.jit  # one program each (eagerly, every op compiles on its own: 3x the time)
+    def build(k, v, bias):
+        layers = init_cache(cfg, Bc, S, page_size=ps, dtype=jnp.float32, kv_dtype=kv_dtype).layers
+        pos = jnp.broadcast_to(jnp.arange(S), (Bc, S))
+        layers = jax.tree.map(lambda *a: jnp.stack(a), *[write_chunk(layer_view(layers, i), k[i], v[i], 0, pos, n)
+                                                           for i in range(Lc)])
+        layers = summarize_pages(layers.replace(bias=bias), n, ps)
+        return layers, pool_from_stack(layers, n, n, page_size=ps, num_pages=Lc * Bc * Hc * 3 + 6)
+
+    layers, pool = build(k, v, jnp.asarray(bias, jnp.float32))
     pool = shuffle_pages(pool, rng.permutation(pool.num_pages), junk_like(rng))
     kn, vn = (jnp.asarray(rng.standard_normal((Lc, Bc, Hc, D)) * 5, jnp.float32) for _ in range(2))
     at = jnp.asarray(length + 100, jnp.int32)  # the new token's position
-    for i in range(Lc):
-        layers = append_token(layers, kn[i], vn[i], jnp.asarray(slot[i], jnp.int32), at, n, ps, layer=i)
-        table = layer_tables(pool, i)[0]
-        phys = jnp.take_along_axis(table, jnp.asarray(slot[i] // ps)[..., None], axis=-1)[..., 0]
-        pool = append_token_pool(pool, i, kn[i], vn[i], at, phys, jnp.asarray(slot[i] % ps),
-                                 overwrite=jnp.ones((Bc, Hc), jnp.bool_))
+
+    @jax.jit
+    def write(layers, pool):
+        for i in range(Lc):
+            layers = append_token(layers, kn[i], vn[i], jnp.asarray(slot[i], jnp.int32), at, n, ps, layer=i)
+            table = layer_tables(pool, i)[0]
+            phys = jnp.take_along_axis(table, jnp.asarray(slot[i] // ps)[..., None], axis=-1)[..., 0]
+            pool = append_token_pool(pool, i, kn[i], vn[i], at, phys, jnp.asarray(slot[i] % ps),
+                                     overwrite=jnp.ones((Bc, Hc), jnp.bool_))
+        return pool, [layer_kv(pool, i) for i in range(Lc)], [layer_view(layers, i) for i in range(Lc)]
+
+    pool, got_layers, want_layers = write(layers, pool)
     np.testing.assert_array_equal(np.asarray(pool.lengths), np.broadcast_to(length[None, :, None], (Lc, Bc, Hc)))
     used = np.arange(S // ps) < pages_for(length, ps)[:, None, None]  # [B, 1, P] pages in use
     for i in range(Lc):
-        got, want = layer_kv(pool, i), layer_view(layers, i)
+        got, want = got_layers[i], want_layers[i]
         for name in ("k", "v", "positions", "bias", "page_sum", "page_min", "page_max", "page_max_bias", "k_scale",
                      "k_zero", "v_scale"):
             g, w = getattr(got, name), getattr(want, name)
