@@ -480,11 +480,11 @@ def test_batch_of_two_ragged_rows_equals_each_row_alone(tiny, kv_dtype):
         for b in range(2):
             alone = np.asarray(teacher_force(params, Dense(), tokens[b:b + 1, :lengths[b]], forced[b:b + 1],
                                              backend=backend)[0])
-            # the same codes up to a rounding tie the two programs' float keys may break differently (one
-            # int8 step moves the logits after it by up to ~1e-3: seed 1444115305 gave 4.1e-4, median 1.1e-5); padding
-            # that leaked into the scales would move every logit, and the scales are compared exactly below
+            # the same codes up to a rounding tie the two programs' float keys may break differently: one key code
+            # one step apart (--seed 424242, row 0, which has no padding; its scales equal) moved the logits 8.2e-3,
+            # median 1.1e-5. Padding leaking into the scales moves every logit (median), and scales are compared below
             diff = np.abs(both[b] - alone[0])
-            assert diff.max() < 2e-3 and np.median(diff) < 1e-4, (b, diff.max(), np.median(diff))
+            assert diff.max() < 2e-2 and np.median(diff) < 1e-4, (b, diff.max(), np.median(diff))
         solo = generate(params, Dense(), tokens[1:, :29], max_new_tokens=4, stop_tokens=(), backend=backend)
         n = 29 + 3  # the prompt and the appended tokens (the last one sampled is not written)
         pages = -(-n // 16)
