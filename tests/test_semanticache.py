@@ -399,7 +399,8 @@ def test_digits_are_kept_as_they_are():
     for keep_numbers in (True, False):
         rule = "digits" if keep_numbers else None
         pol = masked(SemantiCache(0.6, chunk_size=8, sinks=2, window=2, protect=rule)).bind(Setup(CFG, prompt_len=T))
-        out = jax.tree.map(np.asarray, pol.compress(cache, None, T, prompt).layers)
+        # jitted: one program (eagerly, each of the clustering's many ops compiled on its own)
+        out = jax.tree.map(np.asarray, jax.jit(lambda c, p, pol=pol: pol.compress(c, None, T, p))(cache, prompt).layers)
         found = []
         for b, n in enumerate(lengths):
             digits = [t for t in range(2, n - 2) if tokens[b, t] in NUMBERS]
@@ -509,7 +510,8 @@ def test_merged_duplicates_attend_like_the_originals():
                                                                       positions=pos), ln, 8),
                           length=ln, next_position=ln)
     pol = masked(SemantiCache(1.0, tau=0.999, sinks=0, window=0, chunking="none", keys="post_rope"))
-    merged = pol.compress(cache, None, T, Prompt(jnp.zeros((B, T), jnp.int32), ln))
+    # jitted: one program each (eagerly, each of their many ops compiled on its own)
+    merged = jax.jit(lambda c, p: pol.compress(c, None, T, p))(cache, Prompt(jnp.zeros((B, T), jnp.int32), ln))
     for b in range(B):  # one entry per run, bias log of its size (distinct random keys never reach 0.999)
         for h in range(H):
             n = len(sizes[b][h])
@@ -520,14 +522,14 @@ def test_merged_duplicates_attend_like_the_originals():
     at = jnp.asarray([T + 3, T + 3])
     for impl in ("jnp", "pallas"):
         backend = Backend(decode_attention=impl)
-        ref = attention.decode(q, at, jax.tree.map(lambda x: x[0], cache.layers), cache.length, 8, None,
-                               backend=backend)[0]
-        got = attention.decode(q, at, jax.tree.map(lambda x: x[0], merged.layers), merged.length, 8, None,
-                               backend=backend)[0]
+        read = jax.jit(lambda kv, length, b=backend: attention.decode(
+            q, at, jax.tree.map(lambda x: x[0], kv), length, 8, None, backend=b)[0])
+        ref = read(cache.layers, cache.length)
+        got = read(merged.layers, merged.length)
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-6)
-    unbiased = jax.tree.map(lambda x: x[0], merged.layers)
-    unbiased = unbiased.replace(bias=jnp.where(jnp.isneginf(unbiased.bias), -jnp.inf, 0.0))
-    plain = attention.decode(q, at, unbiased, merged.length, 8, None)[0]
+    unbiased = merged.layers.replace(bias=jnp.where(jnp.isneginf(merged.layers.bias), -jnp.inf, 0.0))
+    plain = jax.jit(lambda kv, length: attention.decode(q, at, jax.tree.map(lambda x: x[0], kv), length, 8,
+                                                        None)[0])(unbiased, merged.length)
     assert not np.allclose(np.asarray(plain), np.asarray(ref), atol=1e-3)
 
 
@@ -574,8 +576,29 @@ def test_composes_with_quest_and_chess(params):
 
 # -- the tokenizer, specs, bad input -------------------------------------------------------------
 
+class _DecodeOnce:
+    """``tok`` whose `batch_decode` answers a request it has answered before from memory: each mask
+    `SemantiCache.from_tokenizer` builds decodes every one of SmolLM2's 49k ids (~1 s each, and the
+    test below builds ten of them); what it returns is the tokenizer's own answer."""
+
+    def __init__(self, tok):
+        self._tok, self._seen = tok, {}
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __len__(self) -> int:
+        return len(self._tok)
+
+    def batch_decode(self, seqs, **kw):
+        key = (tuple(map(tuple, seqs)), tuple(sorted(kw.items())))
+        if key not in self._seen:
+            self._seen[key] = self._tok.batch_decode(seqs, **kw)
+        return self._seen[key]
+
+
 def test_delimiter_mask_of_smollm2(smol):
-    tok = smol[2]
+    tok = _DecodeOnce(smol[2])
     pol = SemantiCache.from_tokenizer(tok, 0.2, protect="digit_sentences")
     mask = np.asarray(pol.delimiter_mask)
     assert mask.shape == (len(tok),)
