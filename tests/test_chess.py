@@ -219,17 +219,19 @@ def test_regeneration_changes_the_page_when_selection_changes(params):
 
 
 def test_batch_rows_independent(params):
-    """A row's tokens and backtracks do not depend on its batch-mate: each row again, next to a fresh prompt of
-    another length in place of the other row (the same program as the first run: batch 2, width 300)."""
+    """A row's tokens and backtracks do not depend on its batch-mates: each row again, next to fresh prompts of
+    other lengths in place of the other rows (the same program as the first run: batch 3, width 300, 70 steps,
+    and the same as `test_regeneration_changes_the_page_when_selection_changes`'s: the thresholds are leaves)."""
     rng = seeded_rng()
-    tokens, lengths = rng.integers(0, CFG.vocab_size, (2, 300)), np.array([300, 190])
+    tokens, lengths = rng.integers(0, CFG.vocab_size, (3, 300)), np.array([300, 190, 245])
     pol = CHESS.aggressive(page_size=16, chunk_pages=2, grid_chunks=2, entropy_threshold=2.0, trigger_on="either")
-    both = _gen(params, pol, tokens, lengths, n=60)
-    for b in range(2):
+    both = _gen(params, pol, tokens, lengths, n=70)
+    for b in range(3):
         mates, mate_lengths = tokens.copy(), lengths.copy()
-        mates[1 - b] = rng.integers(0, CFG.vocab_size, 300)
-        mate_lengths[1 - b] = rng.integers(150, 300)
-        one = _gen(params, pol, mates, mate_lengths, n=60)
+        others = [r for r in range(3) if r != b]
+        mates[others] = rng.integers(0, CFG.vocab_size, (2, 300))
+        mate_lengths[others] = rng.integers(150, 300, 2)
+        one = _gen(params, pol, mates, mate_lengths, n=70)
         np.testing.assert_array_equal(np.asarray(one.tokens[b]), np.asarray(both.tokens[b]))
         assert int(one.stats["backtracks"][b]) == int(both.stats["backtracks"][b])
 
@@ -585,10 +587,10 @@ def test_trigger_mask_on_hand_made_uncertainty(trigger_on):
     pol = CHESS(ratios="aggressive", page_size=ps, trigger_on=trigger_on, regenerate=False,
                 entropy_threshold=2.0, varentropy_threshold=0.5).bind(SETUP)
     cache = _filled_cache(seeded_rng(), B, 256, np.full(B, 200))
-    _, st = pol.decode_init(cache, None)
+    _, st = _decode_init(pol, cache)  # one program each, not op-by-op dispatch (compiling each op at its shape)
     st = {**st, "in_page": jnp.full((B,), ps - 1, jnp.int32), "ent_sum": jnp.asarray(ps * m - h, jnp.float32),
           "ent_sq": jnp.asarray(ps * (vr + m * m) - h * h, jnp.float32)}
-    st = pol.decode_update(st, cache, jnp.zeros((B, CFG.vocab_size), jnp.float32))
+    st = _decode_update(pol, st, cache, jnp.zeros((B, CFG.vocab_size), jnp.float32))
     np.testing.assert_array_equal(np.asarray(st["reselections"]), want[rows].astype(int))
     assert not np.asarray(st["rewind"]).any()
 
@@ -635,16 +637,24 @@ def test_new_options_named_and_checked():
             CHESS(**bad)
 
 
-@pytest.mark.parametrize("extra", [dict(trigger="interval", interval=1),
-                                   dict(entropy_threshold=0.0, varentropy_threshold=0.0, max_backtracks=1)],
-                         ids=["interval", "uncertainty"])
-def test_a_stopped_row_keeps_its_state_while_the_batch_runs_on(params, extra):
+STOPPED_ROW_TRIGGERS = {"interval": dict(trigger="interval", interval=1),
+                        "uncertainty": dict(entropy_threshold=0.0, varentropy_threshold=0.0, max_backtracks=1)}
+
+
+def test_a_stopped_row_keeps_its_state_while_the_batch_runs_on(params):
     """Batch of 2 where row 0 hits its stop token early: from then on its CHESS state stays put
     (the decode loop holds a stopped row's shared state), so its counters (rebuilds, pages taken
     back) equal those of row 0 run alone, which stops there. Before, the stopped row kept going
     through `decode_update`: its pages kept completing and its rebuilds kept counting while row 1
-    ran on (the interval trigger: one rebuild per page of 16 steps)."""
+    ran on (the interval trigger: one rebuild per page of 16 steps).
+
+    One trigger a run (`STOPPED_ROW_TRIGGERS`: the interval one, or the uncertainty one that backtracks),
+    drawn from the run's seed and printed: each is ~8 s of programs of its own (a stop token is static), and
+    the seeds together run both."""
     rng = seeded_rng()
+    trigger = sorted(STOPPED_ROW_TRIGGERS)[int(rng.integers(len(STOPPED_ROW_TRIGGERS)))]
+    print(f"trigger of this run: {trigger}")
+    extra = STOPPED_ROW_TRIGGERS[trigger]
     pol = CHESS.aggressive(page_size=16, chunk_pages=2, grid_chunks=2, **extra)
     # row 0's stop: a token it generates between steps 8 and 20 that row 1 never does (nor row 0 before).
     # Row 1's output does not show the pages it took back: it may have generated the token in one
