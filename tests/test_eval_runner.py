@@ -349,10 +349,12 @@ def test_runs_at_two_cache_dtypes_share_an_out_dir_and_fidelity_uses_the_backend
 
 def test_shared_context_questions_read_one_compressed_context(tiny, tmp_path):
     """``ruler-shared``: a context's four one-key questions run on the same context tokens; question-
-    agnostic compression (it never sees the question) keeps the same entries for all four."""
+    agnostic compression (it never sees the question) keeps the same entries for all four. The context
+    of `shared_plan` (512 tokens), its compressing SnapKV(0.5) and its batch of 2 rows: the programs that
+    `test_shared_context_compressing_policy_equals_session_ask_by_hand` runs again."""
     out = tmp_path / "shared"
-    summary = runner.run_eval(tiny, suite="ruler-shared", tasks=["niah_multiquery"], lengths=[1024],
-                              policies=[SnapKV(0.25)], n=1, batch_size=4, out_dir=out, question="agnostic",
+    summary = runner.run_eval(tiny, suite="ruler-shared", tasks=["niah_multiquery"], lengths=[512],
+                              policies=[SnapKV(0.5)], n=1, batch_size=2, out_dir=out, question="agnostic",
                               progress=False, pad_multiple=256, add_fullkv=False)
     recs = _lines(out / "results.jsonl")
     assert sorted(r["index"] for r in recs) == [0, 1, 2, 3]
@@ -360,7 +362,7 @@ def test_shared_context_questions_read_one_compressed_context(tiny, tmp_path):
     assert len({r["context_tokens"] for r in recs}) == 1  # one context
     assert len({tuple(r["answers"]) for r in recs}) == 4  # four questions
     assert len({r["stats"]["kv_stored_fraction"] for r in recs}) == 1
-    assert summary["columns"] == ["niah_multiquery@split@1k"]
+    assert summary["columns"] == ["niah_multiquery@split@512"]
     # compressed once, asked in turn: every record says so, with its question's place
     assert all(r["shared_context"] for r in recs)
     assert sorted(r["question_index"] for r in recs) == [0, 1, 2, 3]
