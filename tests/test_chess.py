@@ -112,6 +112,18 @@ def _decode_update(pol, st, cache, logits):
     return pol.decode_update(st, cache, logits)
 
 
+@jax.jit
+def _select_pages(pol, cache, anchor_end):
+    """``pol.select_pages`` as one program (as `_decode_init`): op-by-op it compiled each op at each shape."""
+    return pol.select_pages(cache, anchor_end)
+
+
+@jax.jit
+def _page_scores(pol, cache, anchor_end):
+    """``pol._page_scores`` as one program (as `_select_pages`)."""
+    return pol._page_scores(cache, anchor_end)
+
+
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), preset=st.sampled_from(sorted(PRESETS)), sinks=st.integers(0, 2),
        window=st.integers(1, 3), chess_page=st.sampled_from([16, 32]))
@@ -142,7 +154,7 @@ def test_ratios_one_select_every_page_and_equal_dense(params):
     lengths = rng.integers(100, 400, 2)
     cache = _filled_cache(rng, 2, 512, lengths)
     pol = CHESS(ratios=(1.0, 1.0, 1.0)).bind(SETUP)
-    selected = np.asarray(pol.select_pages(cache, cache.length))
+    selected = np.asarray(_select_pages(pol, cache, cache.length))
     used = np.arange(selected.shape[1])[None] < -(-lengths[:, None] // 32)
     np.testing.assert_array_equal(selected, used)
     # and end to end, through the sparse-list path (not the `exact` shortcut)
@@ -300,8 +312,8 @@ def test_scores_ignore_keys_past_the_anchor_end(keys):
     k = jnp.where(jnp.swapaxes(gone, 1, 2)[None], 0.0, cache.layers.k)
     trimmed = cache.replace(layers=summarize_pages(cache.layers.replace(k=k), end, 16))
     pol = CHESS(page_size=32, keys=keys).bind(SETUP)
-    got, used = pol._page_scores(cache, end)
-    want, used2 = pol._page_scores(trimmed, end)
+    got, used = _page_scores(pol, cache, end)
+    want, used2 = _page_scores(pol, trimmed, end)
     np.testing.assert_array_equal(np.asarray(used), np.asarray(used2))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
 
@@ -382,7 +394,7 @@ def test_pre_rope_scores_with_per_layer_positions_equal_brute_force():
                                   positions=jnp.asarray(pos, jnp.int32))
     cache = cache.replace(layers=summarize_pages(layers, jnp.asarray(lengths), 16))
     pol = CHESS(page_size=ps).bind(SETUP)
-    got = np.asarray(pol._page_scores(cache, cache.length)[0])
+    got = np.asarray(_page_scores(pol, cache, cache.length)[0])
     content = _rotate(np.asarray(cache.layers.k, np.float64), -np.maximum(pos, 0), inverse_frequencies(CFG))
     for b, n in enumerate(lengths):
         pages = -(-n // ps)
@@ -401,7 +413,7 @@ def test_page_list_kept_across_steps_equals_a_fresh_one(trigger):
     extra = {"interval": 2} if trigger == "interval" else {"entropy_threshold": 0.0, "varentropy_threshold": 0.0}
     pol = CHESS(ratios="aggressive", page_size=16, trigger=trigger, chunk_pages=2, grid_chunks=2,
                 **extra).bind(SETUP)
-    _, st = pol.decode_init(cache, None)
+    _, st = _decode_init(pol, cache)
     update = jax.jit(pol.decode_update)
     fired = 0
     for _ in range(80):
@@ -423,11 +435,11 @@ def test_pre_rope_scores_do_not_depend_on_positions():
     b, _ = _positioned_cache(np.random.default_rng(2), lengths, 256, raw)
     for centred in (False, True):
         pre = CHESS(page_size=32, keys="pre_rope", centred=centred).bind(SETUP)
-        np.testing.assert_allclose(np.asarray(pre._page_scores(a, a.length)[0]),
-                                   np.asarray(pre._page_scores(b, b.length)[0]), rtol=1e-4, atol=1e-2)
+        np.testing.assert_allclose(np.asarray(_page_scores(pre, a, a.length)[0]),
+                                   np.asarray(_page_scores(pre, b, b.length)[0]), rtol=1e-4, atol=1e-2)
     post = CHESS(page_size=32, keys="post_rope")
-    assert not np.allclose(np.asarray(post._page_scores(a, a.length)[0]), np.asarray(post._page_scores(b, b.length)[0]),
-                           rtol=1e-2)
+    assert not np.allclose(np.asarray(_page_scores(post, a, a.length)[0]),
+                           np.asarray(_page_scores(post, b, b.length)[0]), rtol=1e-2)
 
 
 def test_pre_rope_variant_end_to_end(params):
@@ -488,9 +500,9 @@ def test_next_pages_adds_the_pages_after_each_semantic_page(next_pages):
     for _ in range(5):
         lengths = rng.integers(200, 500, 3)
         cache = _filled_cache(rng, 3, 512, lengths)
-        sel_base = np.asarray(base.select_pages(cache, cache.length))
-        sel = np.asarray(pol.select_pages(cache, cache.length))
-        in_use = np.asarray(base._page_scores(cache, cache.length)[1])
+        sel_base = np.asarray(_select_pages(base, cache, cache.length))
+        sel = np.asarray(_select_pages(pol, cache, cache.length))
+        in_use = np.asarray(_page_scores(base, cache, cache.length)[1])
         forced = np.asarray(base._forced(cache.length, in_use.shape[1]))
         want = sel_base.copy()
         for b, p in zip(*np.nonzero(sel_base & ~forced), strict=True):
@@ -536,7 +548,7 @@ def test_backtrack_on_the_first_page_rebuilds_from_the_uncertain_page():
     full = _planted_cache(rng, lengths)
     pol = CHESS(ratios=(1.0, 1.0, 0.2), page_size=16, chunk_pages=2, grid_chunks=2, entropy_threshold=0.0,
                 varentropy_threshold=0.0).bind(SETUP)
-    _, st = pol.decode_init(full.replace(length=jnp.asarray(lengths, jnp.int32)), None)
+    _, st = _decode_init(pol, full.replace(length=jnp.asarray(lengths, jnp.int32)))
     assert not np.asarray(st["selected"])[:, 10].any(), "the prompt-end anchor should miss the needle page"
     assert np.asarray(st["selected"])[:, [3, 6, 13]].all()
     update = jax.jit(pol.decode_update)
