@@ -112,6 +112,18 @@ def _decode_update(pol, st, cache, logits):
     return pol.decode_update(st, cache, logits)
 
 
+@jax.jit
+def _select_pages(pol, cache, anchor_end):
+    """``pol.select_pages`` as one program (as `_decode_init`): op-by-op it compiled each op at each shape."""
+    return pol.select_pages(cache, anchor_end)
+
+
+@jax.jit
+def _page_scores(pol, cache, anchor_end):
+    """``pol._page_scores`` as one program (as `_select_pages`)."""
+    return pol._page_scores(cache, anchor_end)
+
+
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), preset=st.sampled_from(sorted(PRESETS)), sinks=st.integers(0, 2),
        window=st.integers(1, 3), chess_page=st.sampled_from([16, 32]))
@@ -142,7 +154,7 @@ def test_ratios_one_select_every_page_and_equal_dense(params):
     lengths = rng.integers(100, 400, 2)
     cache = _filled_cache(rng, 2, 512, lengths)
     pol = CHESS(ratios=(1.0, 1.0, 1.0)).bind(SETUP)
-    selected = np.asarray(pol.select_pages(cache, cache.length))
+    selected = np.asarray(_select_pages(pol, cache, cache.length))
     used = np.arange(selected.shape[1])[None] < -(-lengths[:, None] // 32)
     np.testing.assert_array_equal(selected, used)
     # and end to end, through the sparse-list path (not the `exact` shortcut)
@@ -219,17 +231,19 @@ def test_regeneration_changes_the_page_when_selection_changes(params):
 
 
 def test_batch_rows_independent(params):
-    """A row's tokens and backtracks do not depend on its batch-mate: each row again, next to a fresh prompt of
-    another length in place of the other row (the same program as the first run: batch 2, width 300)."""
+    """A row's tokens and backtracks do not depend on its batch-mates: each row again, next to fresh prompts of
+    other lengths in place of the other rows (the same program as the first run: batch 3, width 300, 70 steps,
+    and the same as `test_regeneration_changes_the_page_when_selection_changes`'s: the thresholds are leaves)."""
     rng = seeded_rng()
-    tokens, lengths = rng.integers(0, CFG.vocab_size, (2, 300)), np.array([300, 190])
+    tokens, lengths = rng.integers(0, CFG.vocab_size, (3, 300)), np.array([300, 190, 245])
     pol = CHESS.aggressive(page_size=16, chunk_pages=2, grid_chunks=2, entropy_threshold=2.0, trigger_on="either")
-    both = _gen(params, pol, tokens, lengths, n=60)
-    for b in range(2):
+    both = _gen(params, pol, tokens, lengths, n=70)
+    for b in range(3):
         mates, mate_lengths = tokens.copy(), lengths.copy()
-        mates[1 - b] = rng.integers(0, CFG.vocab_size, 300)
-        mate_lengths[1 - b] = rng.integers(150, 300)
-        one = _gen(params, pol, mates, mate_lengths, n=60)
+        others = [r for r in range(3) if r != b]
+        mates[others] = rng.integers(0, CFG.vocab_size, (2, 300))
+        mate_lengths[others] = rng.integers(150, 300, 2)
+        one = _gen(params, pol, mates, mate_lengths, n=70)
         np.testing.assert_array_equal(np.asarray(one.tokens[b]), np.asarray(both.tokens[b]))
         assert int(one.stats["backtracks"][b]) == int(both.stats["backtracks"][b])
 
@@ -298,8 +312,8 @@ def test_scores_ignore_keys_past_the_anchor_end(keys):
     k = jnp.where(jnp.swapaxes(gone, 1, 2)[None], 0.0, cache.layers.k)
     trimmed = cache.replace(layers=summarize_pages(cache.layers.replace(k=k), end, 16))
     pol = CHESS(page_size=32, keys=keys).bind(SETUP)
-    got, used = pol._page_scores(cache, end)
-    want, used2 = pol._page_scores(trimmed, end)
+    got, used = _page_scores(pol, cache, end)
+    want, used2 = _page_scores(pol, trimmed, end)
     np.testing.assert_array_equal(np.asarray(used), np.asarray(used2))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-3)
 
@@ -380,7 +394,7 @@ def test_pre_rope_scores_with_per_layer_positions_equal_brute_force():
                                   positions=jnp.asarray(pos, jnp.int32))
     cache = cache.replace(layers=summarize_pages(layers, jnp.asarray(lengths), 16))
     pol = CHESS(page_size=ps).bind(SETUP)
-    got = np.asarray(pol._page_scores(cache, cache.length)[0])
+    got = np.asarray(_page_scores(pol, cache, cache.length)[0])
     content = _rotate(np.asarray(cache.layers.k, np.float64), -np.maximum(pos, 0), inverse_frequencies(CFG))
     for b, n in enumerate(lengths):
         pages = -(-n // ps)
@@ -399,7 +413,7 @@ def test_page_list_kept_across_steps_equals_a_fresh_one(trigger):
     extra = {"interval": 2} if trigger == "interval" else {"entropy_threshold": 0.0, "varentropy_threshold": 0.0}
     pol = CHESS(ratios="aggressive", page_size=16, trigger=trigger, chunk_pages=2, grid_chunks=2,
                 **extra).bind(SETUP)
-    _, st = pol.decode_init(cache, None)
+    _, st = _decode_init(pol, cache)
     update = jax.jit(pol.decode_update)
     fired = 0
     for _ in range(80):
@@ -421,11 +435,11 @@ def test_pre_rope_scores_do_not_depend_on_positions():
     b, _ = _positioned_cache(np.random.default_rng(2), lengths, 256, raw)
     for centred in (False, True):
         pre = CHESS(page_size=32, keys="pre_rope", centred=centred).bind(SETUP)
-        np.testing.assert_allclose(np.asarray(pre._page_scores(a, a.length)[0]),
-                                   np.asarray(pre._page_scores(b, b.length)[0]), rtol=1e-4, atol=1e-2)
+        np.testing.assert_allclose(np.asarray(_page_scores(pre, a, a.length)[0]),
+                                   np.asarray(_page_scores(pre, b, b.length)[0]), rtol=1e-4, atol=1e-2)
     post = CHESS(page_size=32, keys="post_rope")
-    assert not np.allclose(np.asarray(post._page_scores(a, a.length)[0]), np.asarray(post._page_scores(b, b.length)[0]),
-                           rtol=1e-2)
+    assert not np.allclose(np.asarray(_page_scores(post, a, a.length)[0]),
+                           np.asarray(_page_scores(post, b, b.length)[0]), rtol=1e-2)
 
 
 def test_pre_rope_variant_end_to_end(params):
@@ -486,9 +500,9 @@ def test_next_pages_adds_the_pages_after_each_semantic_page(next_pages):
     for _ in range(5):
         lengths = rng.integers(200, 500, 3)
         cache = _filled_cache(rng, 3, 512, lengths)
-        sel_base = np.asarray(base.select_pages(cache, cache.length))
-        sel = np.asarray(pol.select_pages(cache, cache.length))
-        in_use = np.asarray(base._page_scores(cache, cache.length)[1])
+        sel_base = np.asarray(_select_pages(base, cache, cache.length))
+        sel = np.asarray(_select_pages(pol, cache, cache.length))
+        in_use = np.asarray(_page_scores(base, cache, cache.length)[1])
         forced = np.asarray(base._forced(cache.length, in_use.shape[1]))
         want = sel_base.copy()
         for b, p in zip(*np.nonzero(sel_base & ~forced), strict=True):
@@ -534,7 +548,7 @@ def test_backtrack_on_the_first_page_rebuilds_from_the_uncertain_page():
     full = _planted_cache(rng, lengths)
     pol = CHESS(ratios=(1.0, 1.0, 0.2), page_size=16, chunk_pages=2, grid_chunks=2, entropy_threshold=0.0,
                 varentropy_threshold=0.0).bind(SETUP)
-    _, st = pol.decode_init(full.replace(length=jnp.asarray(lengths, jnp.int32)), None)
+    _, st = _decode_init(pol, full.replace(length=jnp.asarray(lengths, jnp.int32)))
     assert not np.asarray(st["selected"])[:, 10].any(), "the prompt-end anchor should miss the needle page"
     assert np.asarray(st["selected"])[:, [3, 6, 13]].all()
     update = jax.jit(pol.decode_update)
@@ -585,10 +599,10 @@ def test_trigger_mask_on_hand_made_uncertainty(trigger_on):
     pol = CHESS(ratios="aggressive", page_size=ps, trigger_on=trigger_on, regenerate=False,
                 entropy_threshold=2.0, varentropy_threshold=0.5).bind(SETUP)
     cache = _filled_cache(seeded_rng(), B, 256, np.full(B, 200))
-    _, st = pol.decode_init(cache, None)
+    _, st = _decode_init(pol, cache)  # one program each, not op-by-op dispatch (compiling each op at its shape)
     st = {**st, "in_page": jnp.full((B,), ps - 1, jnp.int32), "ent_sum": jnp.asarray(ps * m - h, jnp.float32),
           "ent_sq": jnp.asarray(ps * (vr + m * m) - h * h, jnp.float32)}
-    st = pol.decode_update(st, cache, jnp.zeros((B, CFG.vocab_size), jnp.float32))
+    st = _decode_update(pol, st, cache, jnp.zeros((B, CFG.vocab_size), jnp.float32))
     np.testing.assert_array_equal(np.asarray(st["reselections"]), want[rows].astype(int))
     assert not np.asarray(st["rewind"]).any()
 
@@ -635,16 +649,24 @@ def test_new_options_named_and_checked():
             CHESS(**bad)
 
 
-@pytest.mark.parametrize("extra", [dict(trigger="interval", interval=1),
-                                   dict(entropy_threshold=0.0, varentropy_threshold=0.0, max_backtracks=1)],
-                         ids=["interval", "uncertainty"])
-def test_a_stopped_row_keeps_its_state_while_the_batch_runs_on(params, extra):
+STOPPED_ROW_TRIGGERS = {"interval": dict(trigger="interval", interval=1),
+                        "uncertainty": dict(entropy_threshold=0.0, varentropy_threshold=0.0, max_backtracks=1)}
+
+
+def test_a_stopped_row_keeps_its_state_while_the_batch_runs_on(params):
     """Batch of 2 where row 0 hits its stop token early: from then on its CHESS state stays put
     (the decode loop holds a stopped row's shared state), so its counters (rebuilds, pages taken
     back) equal those of row 0 run alone, which stops there. Before, the stopped row kept going
     through `decode_update`: its pages kept completing and its rebuilds kept counting while row 1
-    ran on (the interval trigger: one rebuild per page of 16 steps)."""
+    ran on (the interval trigger: one rebuild per page of 16 steps).
+
+    One trigger a run (`STOPPED_ROW_TRIGGERS`: the interval one, or the uncertainty one that backtracks),
+    drawn from the run's seed and printed: each is ~8 s of programs of its own (a stop token is static), and
+    the seeds together run both."""
     rng = seeded_rng()
+    trigger = sorted(STOPPED_ROW_TRIGGERS)[int(rng.integers(len(STOPPED_ROW_TRIGGERS)))]
+    print(f"trigger of this run: {trigger}")
+    extra = STOPPED_ROW_TRIGGERS[trigger]
     pol = CHESS.aggressive(page_size=16, chunk_pages=2, grid_chunks=2, **extra)
     # row 0's stop: a token it generates between steps 8 and 20 that row 1 never does (nor row 0 before).
     # Row 1's output does not show the pages it took back: it may have generated the token in one
