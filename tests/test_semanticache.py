@@ -577,12 +577,11 @@ def test_composes_with_quest_and_chess(params):
 # -- the tokenizer, specs, bad input -------------------------------------------------------------
 
 class _DecodeOnce:
-    """``tok`` whose `batch_decode` answers a request it has answered before from memory: each mask
-    `SemantiCache.from_tokenizer` builds decodes every one of SmolLM2's 49k ids (~1 s each, and the
-    test below builds ten of them); what it returns is the tokenizer's own answer."""
+    """``tok`` whose `batch_decode` answers a request it has answered before from memory (the test below
+    builds four policies; decoding SmolLM2's 49k ids takes ~1 s) and counts the requests it is sent."""
 
     def __init__(self, tok):
-        self._tok, self._seen = tok, {}
+        self._tok, self._seen, self.calls = tok, {}, 0
 
     def __getattr__(self, name):
         return getattr(self._tok, name)
@@ -591,6 +590,7 @@ class _DecodeOnce:
         return len(self._tok)
 
     def batch_decode(self, seqs, **kw):
+        self.calls += 1
         key = (tuple(map(tuple, seqs)), tuple(sorted(kw.items())))
         if key not in self._seen:
             self._seen[key] = self._tok.batch_decode(seqs, **kw)
@@ -600,6 +600,7 @@ class _DecodeOnce:
 def test_delimiter_mask_of_smollm2(smol):
     tok = _DecodeOnce(smol[2])
     pol = SemantiCache.from_tokenizer(tok, 0.2, protect="digit_sentences")
+    assert tok.calls == 1  # its four masks read one decoding of the vocabulary
     mask = np.asarray(pol.delimiter_mask)
     assert mask.shape == (len(tok),)
 

@@ -10,6 +10,7 @@ The write of the merged entries into a new cache is `common.write_entries`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -26,39 +27,46 @@ SENTENCE_ENDS = ".?!\n"  # the delimiters that close a sentence
 MERGE_ALL = -2.0  # below every cosine: one cluster per chunk
 
 
-def delimiter_mask(tokenizer: Any, delimiters: str = DELIMITERS) -> np.ndarray:
+def vocabulary_texts(tokenizer: Any) -> list[str]:
+    """Each id of ``tokenizer`` decoded on its own (``[V]`` strings). Decoding a 49k-152k vocabulary takes
+    about a second, so the masks below take it as ``texts`` when a caller builds several."""
+    return tokenizer.batch_decode([[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False)
+
+
+def delimiter_mask(tokenizer: Any, delimiters: str = DELIMITERS, texts: Sequence[str] | None = None) -> np.ndarray:
     """``[V]`` bool over the tokenizer's ids: the decoded token is non-empty and made only of
     ``delimiters`` characters."""
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False)
+    texts = vocabulary_texts(tokenizer) if texts is None else texts
     chars = set(delimiters)
     return np.array([bool(s) and set(s) <= chars for s in texts], bool)
 
 
-def number_mask(tokenizer: Any) -> np.ndarray:
+def number_mask(tokenizer: Any, texts: Sequence[str] | None = None) -> np.ndarray:
     """``[V]`` bool over the tokenizer's ids: the decoded token, without surrounding whitespace, is
     non-empty and made only of the digits 0-9 (SmolLM2: the ten single digits)."""
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False)
+    texts = vocabulary_texts(tokenizer) if texts is None else texts
     return np.array([bool(s.strip()) and set(s.strip()) <= set("0123456789") for s in texts], bool)
 
 
-def word_start_mask(tokenizer: Any) -> np.ndarray:
+def word_start_mask(tokenizer: Any, texts: Sequence[str] | None = None) -> np.ndarray:
     """``[V]`` bool over the tokenizer's ids: the token begins a word. Its decoded text starts with
     whitespace, or its piece carries the tokenizer's word-start marker (byte-level BPE's ``Ġ``,
     SentencePiece's ``▁``: some tokenizers drop the space when decoding one token; a tokenizer
     without ``convert_ids_to_tokens`` is read from its decoded text alone)."""
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False)
+    texts = vocabulary_texts(tokenizer) if texts is None else texts
     to_pieces = getattr(tokenizer, "convert_ids_to_tokens", None)  # a minimal tokenizer may only decode
     pieces = to_pieces(list(range(len(tokenizer)))) if to_pieces else [""] * len(texts)
     return np.array([(bool(s) and s[0].isspace()) or str(p or "").startswith(("\u0120", "\u2581"))
                      for s, p in zip(texts, pieces, strict=True)], bool)
 
 
-def sentence_delimiter_mask(tokenizer: Any, ends: str = SENTENCE_ENDS) -> np.ndarray:
+def sentence_delimiter_mask(tokenizer: Any, ends: str = SENTENCE_ENDS,
+                            texts: Sequence[str] | None = None) -> np.ndarray:
     """``[V]`` bool over the tokenizer's ids: a token made only of delimiters (`delimiter_mask`) that holds
     one of ``ends`` (``.`` ``?`` ``!`` newline): the last token of a sentence for SemantiCache's
     ``protect="digit_sentences"`` (SmolLM2: ``"."``, ``".\\n\\n"``, ``" ?"``). Not S³'s sentence ends
     (`retrieval.text.sentence_end_mask`), which also count a word that ends in a mark and special tokens."""
-    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))], clean_up_tokenization_spaces=False)
+    texts = vocabulary_texts(tokenizer) if texts is None else texts
     delims, marks = set(DELIMITERS), set(ends)
     return np.array([bool(s) and set(s) <= delims and bool(set(s) & marks) for s in texts], bool)
 

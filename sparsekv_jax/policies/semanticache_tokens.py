@@ -69,11 +69,13 @@ def tokenizer_masks(tokenizer: Any, protect: str | None) -> dict[str, jax.Array 
     """The ``[V]`` bool leaves `SemantiCache.with_tokenizer` sets from ``tokenizer``: the delimiter
     mask always; the digit, word-start and sentence-end masks where ``protect`` reads them (else
     ``None``)."""
-    return {"delimiter_mask": jnp.asarray(clustering.delimiter_mask(tokenizer)),
-            "number_mask": jnp.asarray(clustering.number_mask(tokenizer)) if protect in DIGITS else None,
-            "word_start_mask": jnp.asarray(clustering.word_start_mask(tokenizer)) if protect in WORDS else None,
-            "sentence_end_mask": (jnp.asarray(clustering.sentence_delimiter_mask(tokenizer)) if protect in SENTENCES
-                                  else None)}
+    texts = clustering.vocabulary_texts(tokenizer)  # decoded once for every mask
+    return {"delimiter_mask": jnp.asarray(clustering.delimiter_mask(tokenizer, texts=texts)),
+            "number_mask": jnp.asarray(clustering.number_mask(tokenizer, texts)) if protect in DIGITS else None,
+            "word_start_mask": (jnp.asarray(clustering.word_start_mask(tokenizer, texts)) if protect in WORDS
+                                else None),
+            "sentence_end_mask": (jnp.asarray(clustering.sentence_delimiter_mask(tokenizer, texts=texts))
+                                  if protect in SENTENCES else None)}
 
 
 def check_masks(pol: SemantiCache) -> None:
