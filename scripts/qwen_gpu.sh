@@ -413,7 +413,7 @@ adakv(snapkv(0.5)), pyramidkv(snapkv(0.5))" --suite ruler --no-fullkv > "$RUNS/a
       --tasks niah_single_1,niah_single_2,niah_single_3,niah_multikey_1,niah_multikey_2,niah_multivalue,niah_multiquery \
       --policies "fullkv, snapkv(0.25), quest(0.25)" --out "$RUNS/kvq_fidelity_32k.json" > "$RUNS/kvq_fid32k.log" 2>&1 &
     ;;
-  18)  # DETACH=1 (2026-11-29, one machine; no SAEs needed): H2O at 32k, issue 35's last RULER rows without SAEs
+  18)  # DETACH=1 (ran 2026-11-29 on two machines, docs/RESULTS.md "Stage 18"; no SAEs needed; run again to go on): H2O at 32k, issue 35's last RULER rows without SAEs
       # (25%'s last tasks, then 10% and 50%, each resuming its committed records), and issue 36's SemantiCache(0.5)
       # on LongBench beside SnapKV(0.5) (full attention's and the 25% rows are committed)
     { ev 0.12 agnostic_32k agnostic 32k "h2o(0.25)" --suite ruler --no-fullkv
