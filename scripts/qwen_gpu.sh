@@ -423,6 +423,20 @@ adakv(snapkv(0.5)), pyramidkv(snapkv(0.5))" --suite ruler --no-fullkv > "$RUNS/a
     ev 0.12 longbench agnostic 32k "semanticache(0.5), snapkv(0.5)" --suite longbench --no-fullkv \
       > "$RUNS/longbench_50.log" 2>&1 &
     ;;
+  19)  # DETACH=1 SAE_DIR=/tmp/qwen_sae_r4 SAE_MINUTES=8 (planned for the next machine): issue 35's last rows. S3
+      # question-agnostic at 32k needs this model's SAEs, and run2's file (34 MB, not committed) was lost with its
+      # machine: the paper's run again, alone on the GPU (its step count is fixed from its first steps' speed), its
+      # pieces come back with every `STAGE=wait` call; then S3Hybrid beside BM25 at 32k without the question, and
+      # H2O's 10% / 50% rows at 32k resuming stage 18's records. The KJV corpus wheel (17 MB) does not fit in the
+      # launch call beside the tree and RULER's wheel: carry it alone first (`mkdir -p /tmp/kjv && cp .carryk/* /tmp/kjv/`)
+      # and launch with CARRY=/tmp/kjv
+    { sae_train && {
+        ev 0.2 agnostic_32k agnostic 32k "s3hybrid(0.25, saes='$SAES'), bm25(0.25)" --suite ruler --no-fullkv \
+          > "$RUNS/s3_agnostic32k.log" 2>&1 &
+        ev 0.12 agnostic_32k_budgets agnostic 32k "h2o(0.1)" --suite ruler --no-fullkv > "$RUNS/h2o32k.log" 2>&1 &
+        ev 0.12 agnostic_32k_budgets agnostic 32k "h2o(0.5)" --suite ruler --no-fullkv > "$RUNS/h2o32k_50.log" 2>&1 &
+        wait; }; } > "$RUNS/sae_s3_agnostic.log" 2>&1 &
+    ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
 wait
