@@ -206,10 +206,10 @@ def tiny():
 
 
 def _prefill_logits(params, policy, tokens, lengths):
-    """One jitted `prefill` (eagerly, each of its ops compiled on its own for each shape)."""
-    cache = init_cache(params.config, tokens.shape[0], tokens.shape[1], page_size=8, dtype=jnp.float32)
-    run = jax.jit(lambda p, t, n, c: prefill(p, policy, t, n, c))
-    logits, cache, _, fraction = run(params, jnp.asarray(tokens), jnp.asarray(lengths), cache)
+    """One jitted `prefill` on a fresh cache (eagerly, each of their ops compiled on its own for each shape)."""
+    run = jax.jit(lambda p, t, n: prefill(p, policy, t, n, init_cache(p.config, t.shape[0], t.shape[1], page_size=8,
+                                                                      dtype=jnp.float32)))
+    logits, cache, _, fraction = run(params, jnp.asarray(tokens), jnp.asarray(lengths))
     return np.asarray(logits), cache, float(fraction)
 
 
