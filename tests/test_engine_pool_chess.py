@@ -212,7 +212,8 @@ def test_which_chess_runs_on_a_pool(params, rng):
         with pytest.raises(ValueError, match=rf"pool=True is experimental and policy .* does not decode from a page "
                                              rf"pool yet: {why}.*CHESS \(pre-RoPE keys, after full attention\)"):
             engine.setup(params, parse_policy(spec), tokens, pool=True)
-    cache = init_pool(CFG, 2, T + NEW, prompt=T, page_size=PS)
+    # one jitted program (eagerly, each of its ops compiled on its own: ~2 s)
+    cache = jax.jit(lambda: init_pool(CFG, 2, T + NEW, prompt=T, page_size=PS))()
     with pytest.raises(ValueError, match=r"tokens must be an int array \[B=2\], got int32 of shape \(3,\)"):
         rewind_pool(cache, jnp.ones((3,), jnp.int32))
     with pytest.raises(ValueError, match=r"positions must be an int array \[B=2\], got float32 of shape \(2,\)"):

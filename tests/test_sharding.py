@@ -1,20 +1,23 @@
-"""Sharded `generate` equals unsharded, for every registered policy, on 8 forced CPU devices.
+"""Sharded `generate` equals unsharded, for every registered policy (half of them a run, all across runs),
+on 8 forced CPU devices.
 
 The sharded runs need ``--xla_force_host_platform_device_count=8`` before JAX starts, so they run in
 one child process (this file run as a script: `_child`); the rest of the suite keeps its one device.
-Each policy runs on one mesh a run (`mesh_of`: the policies in an order drawn from the run's seed, dealt
-to 8×1, 1×8 and 2×4 in turn, so every mesh gets a third of them each run and every policy meets every
-mesh across runs; a failure replays from the printed seed). The child reports what the parent checks
-against the unsharded run of the same policy on the same inputs: the greedy tokens, every cache array,
-the stats, and the fp32 next-token logits read through the final cache (`generate.extend` of the last
-token); where the cache's shards lie; and the size of every collective in the compiled program (no
-step may gather a layer's cache). It also runs the Pallas kernels per device (interpret mode) against
-their references, a decode loop fed its own state on a mesh, the int8 KV cache on a 1×2 mesh against one
-device (`_int8_rows`; tests/test_kv_quant.py started a child of its own for it, ~37 CPU s), and asks for the
-errors a mesh that does not divide the heads or batch must give.
+Half the policies run a run, each on one mesh (`mesh_of`: the policies in an order drawn from the run's
+seed, the first half of it dealt to 8×1, 1×8 and 2×4 in turn, so every mesh gets a third of them each run,
+and across runs every policy runs and meets every mesh; a failure replays from the printed seed). The child
+reports what the parent checks against the unsharded run of the same policy on the same inputs: the greedy
+tokens, every cache array, the stats, and the fp32 next-token logits read through the final cache
+(`generate.extend` of the last token); where the cache's shards lie; and the size of every collective in the
+compiled program (no step may gather a layer's cache). It also runs the Pallas kernels per device (interpret
+mode) against their references, a decode loop fed its own state on a mesh, the int8 KV cache on a 1×2 mesh
+against one device (`_int8_rows`; tests/test_kv_quant.py started a child of its own for it, ~37 CPU s), and
+asks for the errors a mesh that does not divide the heads or batch must give.
 
 Every policy on all three meshes took ~400 CPU s (each sharded program ~5 s to compile); one mesh
-each keeps every policy and every mesh in every run for a third of the sharded programs. The decode
+each kept every policy and every mesh in every run for a third of the sharded programs (the file ~180 s on
+2 cores); half the policies a run (`SHARE`) halves the programs again, every mesh still in every run and
+every policy covered across runs (each one's chance to sit out k runs in a row is 2^-k). The decode
 loop fed its own state runs likewise on one mesh a run (`carry_mesh`).
 
 The child uses XLA:CPU's cheapest compile settings (they apply to the sharded and the unsharded runs
@@ -102,11 +105,14 @@ def _policies(cfg) -> dict:
     return {n: p.with_tokenizer(tok) for n, p in out.items()}
 
 
+SHARE = 2  # a run takes 1/SHARE of the policies (`mesh_of`)
+
+
 def mesh_of(names, seed: int) -> dict[str, str]:
-    """The one mesh each policy runs on this run: ``names`` in an order drawn from ``seed``, dealt to
-    `MESHES` in turn (each mesh gets a third of the policies every run; across runs every policy
-    meets every mesh)."""
-    order = np.random.default_rng([seed, 0x5EED]).permutation(sorted(names))
+    """This run's policies and the one mesh each runs on: ``names`` in an order drawn from ``seed``, the
+    first ``ceil(len(names) / SHARE)`` of it dealt to `MESHES` in turn (each mesh gets a third of them every
+    run; across runs, as the seeds change, every policy runs and meets every mesh)."""
+    order = np.random.default_rng([seed, 0x5EED]).permutation(sorted(names))[:-(-len(names) // SHARE)]
     return {str(n): MESHES[i % len(MESHES)] for i, n in enumerate(order)}
 
 
@@ -120,7 +126,8 @@ def _diff(a, b) -> float:
 
 
 def _generate_rows(cfg, params, meshes, rng, seed: int) -> None:
-    """Every policy unsharded, then on its mesh of this run (`mesh_of`): one JSON line per policy."""
+    """This run's policies (`mesh_of`), each unsharded, then on its mesh of this run: one JSON line per
+    policy, after a line naming every policy (those of this run and the others)."""
     import jax
 
     from sparsekv_jax import engine as E
@@ -135,8 +142,11 @@ def _generate_rows(cfg, params, meshes, rng, seed: int) -> None:
     next_logits = jax.jit(lambda p, cache, token: G.extend(p, cache, token[:, None], ones)[0])
     placed = {m: sharding.shard_params(params, mesh) for m, mesh in meshes.items()}  # once, not per policy
     policies = _policies(cfg)
+    print("POLICIES " + json.dumps(sorted(policies)), flush=True)
     assigned = mesh_of(policies, seed)
     for name, policy in policies.items():
+        if name not in assigned:
+            continue
         page = PAGE.get(name, 16)
         ref = G.generate(params, policy, tokens, lengths=lengths, suffix=suffix, max_new_tokens=NEW, stop_tokens=(),
                          page_size=page)
@@ -413,21 +423,26 @@ def child(tmp_path_factory) -> dict:
             "errors": json.loads(next(x[7:] for x in lines if x.startswith("ERRORS "))),
             "carry": json.loads(next(x[6:] for x in lines if x.startswith("CARRY "))),
             "int8": json.loads(next(x[5:] for x in lines if x.startswith("INT8 "))),
-            "registered": json.loads(next(x[11:] for x in lines if x.startswith("REGISTERED ")))}
+            "registered": json.loads(next(x[11:] for x in lines if x.startswith("REGISTERED "))),
+            "policies": json.loads(next(x[9:] for x in lines if x.startswith("POLICIES ")))}
 
 
 def test_sharded_generate_equals_unsharded_for_every_policy(child):
-    """Each policy on its mesh of this run (`mesh_of`; every mesh used): identical greedy tokens; fp32
+    """This run's half of the policies (`mesh_of`: every policy across runs), each on its mesh of this run
+    (every mesh used): identical greedy tokens; fp32
     logits and stats within 1e-5, cache arrays within 5e-5 (relative above 1); the cache split over
     every device of the mesh as planned; no collective as large as a quarter of a layer's prompt keys
     (the cache is never gathered); every policy acted on the prompt."""
     rows = child["rows"]
     seen = {r["policy"] for r in rows}
+    print(f"policies of this run (seed {child['seed']}): {sorted(seen)}")
     assert len(rows) == len(seen), [(r["policy"], r["mesh"]) for r in rows]  # one mesh per policy
-    assert {r["policy"]: r["mesh"] for r in rows} == mesh_of(seen, child["seed"]), child["seed"]
+    every = child["policies"]
+    assert {r["policy"]: r["mesh"] for r in rows} == mesh_of(every, child["seed"]), child["seed"]
+    assert len(seen) == -(-len(every) // SHARE), (sorted(seen), every)
     assert {r["mesh"] for r in rows} == set(MESHES), [(r["policy"], r["mesh"]) for r in rows]
     registered = child["registered"]  # the child's own registry (this worker's may hold other tests' policies)
-    assert len(seen) == len(registered), (sorted(seen), registered)
+    assert len(every) == len(registered), (every, registered)  # one policy a registered class, dealt from
     layer_keys = B * 8 * T * 32 * 4  # one layer's prompt keys (fp32), the smallest cache array worth gathering
     expected_specs = {"8x1": {"(None, 'data')"}, "1x8": {"(None, None, 'model')"},
                       "2x4": {"(None, 'data', 'model')"}}

@@ -5,6 +5,7 @@ ablation script."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from fractions import Fraction
@@ -39,6 +40,13 @@ def _qkv(rng: np.random.Generator, B: int, T: int, Hq: int, Hkv: int, D: int = 1
     k = rng.normal(size=(B, T, Hkv, D))
     v = rng.normal(size=(B, T, Hkv, D)) * np.exp(rng.normal(size=(B, T, Hkv, 1)))
     return (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+
+
+@jax.jit
+def _block_metric(pol: Stem, q, k, v, lengths):
+    """``pol.block_metric`` as one program, the policy a pytree argument (its static fields key the program):
+    eagerly, each of its ops compiled on its own at each shape."""
+    return pol.block_metric(q, k, v, lengths)
 
 
 def eq3(length: int, block_size: int, ratio: float | None, mu: float, min_blocks: int | None,
@@ -111,7 +119,7 @@ def test_lists_are_causal_distinct_forced_and_top_scored(hq, hkv):
     ln = jnp.asarray(lengths)
     ids, counts, bs = jax.jit(pol.prefill_pattern)(q, k, v, jnp.int32(0), Prompt(jnp.zeros((3, T), jnp.int32), ln))
     ids, counts = np.asarray(ids), np.asarray(counts)
-    metric = np.asarray(pol.block_metric(q, k, v, ln))
+    metric = np.asarray(_block_metric(pol, q, k, v, ln))
     n = -(-T // 16)
     assert bs == 16 and ids.shape == (3, hkv, n, pol.list_width(T)) and counts.shape == (3, hkv, n)
     check_index_lists(ids, counts, upper=n, name="stem", causal_limit=np.arange(n))
@@ -176,7 +184,7 @@ def test_oam_metric_matches_bruteforce(gqa):
     lengths = np.array([T, int(rng.integers(20, T))])
     q, k, v = _qkv(rng, 2, T, 6, 2)
     pol = Stem(block_size=16, stride=4, beta=0.2, gqa=gqa)
-    got = np.asarray(pol.block_metric(q, k, v, jnp.asarray(lengths)))
+    got = np.asarray(_block_metric(pol, q, k, v, jnp.asarray(lengths)))
     ref = _metric_reference(q, k, v, lengths, 16, 4, 0.2, gqa)
     n = ref.shape[-1]
     for b in range(2):
@@ -184,10 +192,10 @@ def test_oam_metric_matches_bruteforce(gqa):
         np.testing.assert_allclose(got[b][:, live], ref[b][:, live], rtol=1e-4, atol=1e-4)
     # beta = 0: routing only, V never read
     sam = pol.replace(beta=0.0)
-    a = np.asarray(sam.block_metric(q, k, v, jnp.asarray(lengths)))
-    b_ = np.asarray(sam.block_metric(q, k, v * 1e3 + 5.0, jnp.asarray(lengths)))
+    a = np.asarray(_block_metric(sam, q, k, v, jnp.asarray(lengths)))
+    b_ = np.asarray(_block_metric(sam, q, k, v * 1e3 + 5.0, jnp.asarray(lengths)))
     np.testing.assert_array_equal(a, b_)
-    assert not np.allclose(np.asarray(pol.block_metric(q, k, v * 1e3, jnp.asarray(lengths))), got)
+    assert not np.allclose(np.asarray(_block_metric(pol, q, k, v * 1e3, jnp.asarray(lengths))), got)
 
 
 @pytest.fixture(scope="module")
@@ -198,10 +206,10 @@ def tiny():
 
 
 def _prefill_logits(params, policy, tokens, lengths):
-    """One jitted `prefill` (eagerly, each of its ops compiled on its own for each shape)."""
-    cache = init_cache(params.config, tokens.shape[0], tokens.shape[1], page_size=8, dtype=jnp.float32)
-    run = jax.jit(lambda p, t, n, c: prefill(p, policy, t, n, c))
-    logits, cache, _, fraction = run(params, jnp.asarray(tokens), jnp.asarray(lengths), cache)
+    """One jitted `prefill` on a fresh cache (eagerly, each of their ops compiled on its own for each shape)."""
+    run = jax.jit(lambda p, t, n: prefill(p, policy, t, n, init_cache(p.config, t.shape[0], t.shape[1], page_size=8,
+                                                                      dtype=jnp.float32)))
+    logits, cache, _, fraction = run(params, jnp.asarray(tokens), jnp.asarray(lengths))
     return np.asarray(logits), cache, float(fraction)
 
 
@@ -228,7 +236,8 @@ def test_covering_lists_equal_dense_attention_and_short_rows_stay_exact(tiny):
     lengths = jnp.asarray([T, 77])
     n = -(-T // 16)
     metric = jnp.asarray(rng.normal(size=(2, 2, n, n)), jnp.float32)
-    ids, counts = select_blocks(metric, jnp.full((2, n), n + 5), lengths, 16, 4, 4, n)
+    ids, counts = jax.jit(select_blocks, static_argnums=(3, 4, 5, 6))(metric, jnp.full((2, n), n + 5), lengths,
+                                                                      16, 4, 4, n)
     for b, length in enumerate([T, 77]):
         rows = -(-length // 16)
         np.testing.assert_array_equal(np.asarray(counts[b, :, :rows]), np.broadcast_to(np.arange(rows) + 1, (2, rows)))
@@ -351,14 +360,15 @@ def test_route_kernel_interpret_matches_tile_metric(rng, gqa):
     T = int(rng.integers(150, 230))
     lengths = jnp.asarray([T, int(rng.integers(20, T - 32))])
     q, k, v = _qkv(rng, B, T, hq, hkv, D)
-    qs, ks, rows_in = strided(q, k, lengths, bs, S)
-    bonus = 0.2 * jnp.maximum(value_magnitude(v, lengths, bs), 0.0)
+    # each step one jitted program (eagerly, each op compiled on its own at each shape)
+    qs, ks, rows_in = jax.jit(strided, static_argnums=(3, 4))(q, k, lengths, bs, S)
+    bonus = jax.jit(lambda v, lengths: 0.2 * jnp.maximum(value_magnitude(v, lengths, bs), 0.0))(v, lengths)
     n = qs.shape[0]
     qi = jnp.asarray(np.sort(rng.choice(n, 4, replace=False)), jnp.int32)
     kw = dict(gqa=gqa, scale=1.0 / (S * math.sqrt(D)))
-    ref = np.asarray(tile_metric(qs[qi], qi, rows_in[qi], ks, bonus, **kw))
-    got = np.asarray(stem_tile_metric_kernel(qs[qi], qi, rows_in[qi], ks, bonus, chunk=16, feature_chunk=32,
-                                             interpret=True, **kw))
+    ref = np.asarray(jax.jit(functools.partial(tile_metric, **kw))(qs[qi], qi, rows_in[qi], ks, bonus))
+    kernel = functools.partial(stem_tile_metric_kernel, chunk=16, feature_chunk=32, interpret=True, **kw)
+    got = np.asarray(jax.jit(kernel)(qs[qi], qi, rows_in[qi], ks, bonus))
     assert got.shape == ref.shape == (B, hkv, 4, n)
     causal = np.arange(n)[None, :] <= np.asarray(qi)[:, None]
     np.testing.assert_allclose(got[:, :, causal], ref[:, :, causal], rtol=1e-5, atol=1e-4)
@@ -402,7 +412,7 @@ def test_kernel_routing_lists_match_the_full_metrics_up_to_near_ties(rng):
     ref_ids, ref_counts = _pattern(full, q, k, v, lengths)
     ids, counts = _pattern(full.replace(routing="kernel"), q, k, v, lengths)
     np.testing.assert_array_equal(counts, ref_counts)
-    metric = np.asarray(full.block_metric(q, k, v, jnp.asarray(lengths)))
+    metric = np.asarray(_block_metric(full, q, k, v, jnp.asarray(lengths)))
     same = 0
     for b, h, i in np.ndindex(*counts.shape):
         want, have = set(ref_ids[b, h, i, :counts[b, h, i]]), set(ids[b, h, i, :counts[b, h, i]])
@@ -418,12 +428,17 @@ def test_pallas_kernel_interpret_matches_jnp():
     T = 72  # not a multiple of the block: the kernel pads KV, the lists stay valid
     q, k, v = _qkv(rng, 1, T, 4, 2)
     pol = Stem(block_size=16, stride=4, sink_blocks=1, local_blocks=1, min_blocks=2, k_start_ratio=0.4)
-    pattern = pol.prefill_pattern(q, k, v, jnp.int32(0), Prompt(jnp.zeros((1, T), jnp.int32), jnp.asarray([T])))
-    assert (np.asarray(pattern[1]) < np.arange(5) + 1).any()
-    ref = attention.prefill(q, k, v, pattern, backend=Backend(sparse_prefill="jnp"))
-    got = attention.prefill(q, k, v, pattern, backend=Backend(sparse_prefill="pallas"))
+    ids, counts = _pattern(pol, q, k, v, [T])
+    assert (counts < np.arange(5) + 1).any()
+    pattern = (jnp.asarray(ids), jnp.asarray(counts), pol.block_size)
+    # each one jitted program (eagerly, each op compiled on its own)
+    run = {impl: jax.jit(lambda q, k, v, ids, counts, impl=impl: attention.prefill(
+        q, k, v, (ids, counts, pol.block_size), backend=Backend(sparse_prefill=impl))) for impl in ("jnp", "pallas")}
+    ref = run["jnp"](q, k, v, *pattern[:2])
+    got = run["pallas"](q, k, v, *pattern[:2])
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=2e-5, atol=2e-5)
-    assert not np.allclose(np.asarray(ref), np.asarray(attention.dense_causal_attention(q, k, v)), atol=1e-3)
+    dense = jax.jit(attention.dense_causal_attention)(q, k, v)
+    assert not np.allclose(np.asarray(ref), np.asarray(dense), atol=1e-3)
 
 
 @pytest.mark.parametrize("make, match", [
