@@ -103,24 +103,25 @@ def test_suffix_on_the_pool_gives_the_uniform_tokens_and_logits(params, rng, pol
     read only through the tables. Its greedy tokens equal the uniform layout's (`generate`), its logits after the suffix
     and step by step (`decode_forced`) the uniform `teacher_force`'s (1e-5); the suffix matters (the logits without it
     differ); after `begin` each head's length is its compressed length plus its row's suffix length, the suffix's K/V
-    and positions are at those logical slots, and the pool holds no page more than the heads need. (`generate` and
-    `teacher_force` on the pool with a suffix, the programs that fuse these steps: the tests below.)"""
+    and positions are at those logical slots, and the pool holds no page more than the heads need. The session keeps
+    the suffix's room (``question_tokens``) and `begin` reads it, as `Session.ask` reads a question: FullKV's and
+    AdaKV's are the ask test's sessions, their programs compiled once for both. (A run's own ``suffix`` on the pool:
+    `generate` and `teacher_force`, the programs that fuse these steps, and the int8 sessions: the tests below.)"""
     spec, prompt = POLICIES[policy], _prompt(rng)
     forced = rng.integers(1, CFG.vocab_size, (2, NEW))
     want = generate(params, parse_policy(spec), max_new_tokens=NEW, **prompt, **_kw("jnp-fp32"))
     want_logits, _ = teacher_force(params, parse_policy(spec), forced=forced, **prompt, **_kw("jnp-fp32"))
     want_logits = np.asarray(want_logits)
 
-    p = dict(prompt)
-    pooled = engine.Session.start(params, parse_policy(spec), p.pop("tokens"), max_new_tokens=NEW, pool=True, **p,
-                                  **_kw("jnp-fp32"))
+    pooled = engine.Session.start(params, parse_policy(spec), prompt["tokens"], lengths=LENGTHS, max_new_tokens=NEW,
+                                  question_tokens=TQ, pool=True, **_kw("jnp-fp32"))
     compressed = pooled.compress()
     before = compressed.cache
     free = int(before.alloc.num_free)
     assert free > 0
     pooled.compressed = compressed.replace(cache=shuffle_pages(before, rng.permutation(before.num_pages),
                                                                junk_like(rng)))
-    after = pooled.begin()
+    after = pooled.begin(prompt["suffix"], prompt["suffix_lengths"])
     assert int(after.cache.alloc.num_free) < free  # the suffix took some of the junk pages
     np.testing.assert_allclose(np.asarray(after.logits), want_logits[:, 0], atol=1e-5, rtol=1e-5)
     # the suffix changes the answer: the logits after it are not the prompt's last token's
