@@ -78,7 +78,8 @@ def _uniform_positions(cache) -> np.ndarray:
 
 # each budget and each store once (every compile of the interpreted kernel is slow): H2O(0.5) on the jnp path,
 # H2O(0.25) on the kernel in int8. H2O(0.25) on the jnp path or on the kernel in fp32 (drawn): the step-by-step test
-# below (logits, scores and victims at every step), and the shuffled-pool test with a stopped row (tokens) on jnp.
+# below (logits, scores and victims at every step). The shuffled-pool test with a stopped row (tokens): H2O(0.5) on
+# jnp, its uniform run without a stop token the jnp-0.5 case's program.
 RUNS = {"jnp-0.5": ("jnp", 0.5), "kernel-int8-0.25": ("kernel-int8", 0.25)}
 
 
@@ -121,9 +122,9 @@ def test_h2o_on_a_shuffled_pool_with_room_and_a_row_that_stops(params, rng):
     still free at the end (an overwrite takes no page). Row 1 stops early (a stop token taken from the uniform run's
     own output): on the pool it then writes nothing (every head still at its row's budget), and both rows' tokens
     equal the uniform path's (row 0 decodes on, evicting, beside it). (One run, not one each: each stop token set
-    compiles its own decode loop.)"""
-    kw, policy = _kw("jnp"), H2O(0.25)
-    kept, pages = _budget_pages(0.25)
+    compiles its own decode loop; H2O(0.5), whose uniform run without a stop token is the jnp-0.5 case's program.)"""
+    kw, policy = _kw("jnp"), H2O(0.5)
+    kept, pages = _budget_pages(0.5)
     tokens = rng.integers(1, CFG.vocab_size, (2, T))
     free = generate(params, policy, tokens, max_new_tokens=NEW, **kw)
     row1 = np.asarray(free.tokens)[1]
