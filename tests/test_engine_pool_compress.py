@@ -34,7 +34,7 @@ from sparsekv_jax.cache_pool import owned
 from sparsekv_jax.cache_pooled import PoolCache
 from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig
-from sparsekv_jax.models.params import random_params
+from sparsekv_jax.models.params import expected_shapes, params_from_arrays
 from sparsekv_jax.policies import FullKV, SnapKV, parse_policy
 from sparsekv_jax.policies.base import Policy
 from sparsekv_jax.policies.bser import BSER
@@ -63,9 +63,17 @@ RUNS = ([(p, "jnp-fp32") for p in POLICIES if p not in (EQUAL_INT8, PER_HEAD_KER
         + [(EQUAL_INT8, "jnp-int8"), (PER_HEAD_KERNEL, "kernel-fp32"), (PER_HEAD_KERNEL, "kernel-int8")])
 
 
+def _random_params(cfg: ModelConfig, rng: np.random.Generator):
+    """`random_params`' weights (norms near 1, the rest normal at scale 0.3) drawn with NumPy: drawn by JAX eagerly,
+    each weight's shape compiled programs of its own (~2 s a model)."""
+    return params_from_arrays(cfg, {name: jnp.asarray(1 + 0.1 * rng.standard_normal(shape) if name.endswith("norm")
+                                                      else 0.3 * rng.standard_normal(shape), jnp.float32)
+                                    for name, shape in expected_shapes(cfg).items()})
+
+
 @pytest.fixture(scope="module")
 def params():
-    return random_params(CFG, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, scale=0.3)
+    return _random_params(CFG, seeded_rng())
 
 
 def _live_counts(cache) -> np.ndarray:
@@ -162,7 +170,7 @@ def test_adakv_pool_is_snapkv_memory(rng):
     row, KV head) of SnapKV's, in pages and in `PoolCache.nbytes()` (plus its wider tables), and the pages
     its heads hold are too; its uniform cache, every head at the largest head's capacity, is several times
     its pool."""
-    p = random_params(MEM_CFG, jax.random.key(int(rng.integers(1 << 30))), jnp.float32, scale=0.3)
+    p = _random_params(MEM_CFG, rng)
     T2, ps = 128, 8
     tokens = rng.integers(1, MEM_CFG.vocab_size, (2, T2))
     kw = dict(lengths=np.array([128, 100]), page_size=ps, max_new_tokens=2, stop_tokens=())
@@ -173,7 +181,9 @@ def test_adakv_pool_is_snapkv_memory(rng):
     L, B, H = MEM_CFG.num_layers, 2, MEM_CFG.num_kv_heads
     assert 0 <= a.num_pages - s.num_pages <= L * B * H, (a.num_pages, s.num_pages)
     # a page: its slots and summaries, and its entry on the allocator's free stack
-    page_bytes = sum(x[0].size * x.dtype.itemsize for x in jax.tree.leaves(s.pages)) + s.alloc.free.dtype.itemsize
+    # (its leaves' sizes read from their shapes: x[0] of a device array was an eager slice, compiled)
+    page_bytes = (sum(x.size // x.shape[0] * x.dtype.itemsize for x in jax.tree.leaves(s.pages))
+                  + s.alloc.free.dtype.itemsize)
     table_bytes = (a.max_pages_per_head - s.max_pages_per_head) * L * B * H * 4
     assert a.nbytes() - s.nbytes() == (a.num_pages - s.num_pages) * page_bytes + table_bytes
     held_a, held_s = int(np.asarray(a.alloc.held).sum()), int(np.asarray(s.alloc.held).sum())

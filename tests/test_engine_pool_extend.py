@@ -37,7 +37,7 @@ from sparsekv_jax.cache_pool import owned
 from sparsekv_jax.cache_pooled import PoolCache, grow_tokens, init_pool, layer_kv, shuffle_pages, write_tokens_pool
 from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig
-from sparsekv_jax.models.params import random_params
+from sparsekv_jax.models.params import expected_shapes, params_from_arrays
 from sparsekv_jax.pallas.testing import junk_like
 from sparsekv_jax.policies import parse_policy
 
@@ -58,7 +58,12 @@ OTHERS = {"streaming_llm": "streaming_llm(0.25, sinks=2)", "pyramidkv": "pyramid
 
 @pytest.fixture(scope="module")
 def params():
-    return random_params(CFG, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, scale=0.3)
+    """`random_params`' weights (norms near 1, the rest normal at scale 0.3) drawn with NumPy: drawn by JAX eagerly,
+    each weight's shape compiled programs of its own (~2 s a module)."""
+    rng = seeded_rng()
+    return params_from_arrays(CFG, {name: jnp.asarray(1 + 0.1 * rng.standard_normal(shape) if name.endswith("norm")
+                                                      else 0.3 * rng.standard_normal(shape), jnp.float32)
+                                    for name, shape in expected_shapes(CFG).items()})
 
 
 def _prompt(rng: np.random.Generator) -> dict:
@@ -79,6 +84,9 @@ def _sessions(params, spec: str, prompt: dict, case: str, **extra) -> tuple[engi
                                       **_kw(case), **extra) for pool in (False, True))
 
 
+_layer_kv = jax.jit(layer_kv, static_argnums=1)  # one program (eagerly: one per gather and reshape)
+
+
 def _check_pages(pool: PoolCache, lengths: np.ndarray, at_least: int = 0) -> None:
     """Each head holds ``max(at_least, ceil(length / ps))`` pages, no page twice, every other page free."""
     held = np.asarray(pool.alloc.held).reshape(lengths.shape)
@@ -95,24 +103,25 @@ def test_suffix_on_the_pool_gives_the_uniform_tokens_and_logits(params, rng, pol
     read only through the tables. Its greedy tokens equal the uniform layout's (`generate`), its logits after the suffix
     and step by step (`decode_forced`) the uniform `teacher_force`'s (1e-5); the suffix matters (the logits without it
     differ); after `begin` each head's length is its compressed length plus its row's suffix length, the suffix's K/V
-    and positions are at those logical slots, and the pool holds no page more than the heads need. (`generate` and
-    `teacher_force` on the pool with a suffix, the programs that fuse these steps: the tests below.)"""
+    and positions are at those logical slots, and the pool holds no page more than the heads need. The session keeps
+    the suffix's room (``question_tokens``) and `begin` reads it, as `Session.ask` reads a question: FullKV's and
+    AdaKV's are the ask test's sessions, their programs compiled once for both. (A run's own ``suffix`` on the pool:
+    `generate` and `teacher_force`, the programs that fuse these steps, and the int8 sessions: the tests below.)"""
     spec, prompt = POLICIES[policy], _prompt(rng)
     forced = rng.integers(1, CFG.vocab_size, (2, NEW))
     want = generate(params, parse_policy(spec), max_new_tokens=NEW, **prompt, **_kw("jnp-fp32"))
     want_logits, _ = teacher_force(params, parse_policy(spec), forced=forced, **prompt, **_kw("jnp-fp32"))
     want_logits = np.asarray(want_logits)
 
-    p = dict(prompt)
-    pooled = engine.Session.start(params, parse_policy(spec), p.pop("tokens"), max_new_tokens=NEW, pool=True, **p,
-                                  **_kw("jnp-fp32"))
+    pooled = engine.Session.start(params, parse_policy(spec), prompt["tokens"], lengths=LENGTHS, max_new_tokens=NEW,
+                                  question_tokens=TQ, pool=True, **_kw("jnp-fp32"))
     compressed = pooled.compress()
     before = compressed.cache
     free = int(before.alloc.num_free)
     assert free > 0
     pooled.compressed = compressed.replace(cache=shuffle_pages(before, rng.permutation(before.num_pages),
                                                                junk_like(rng)))
-    after = pooled.begin()
+    after = pooled.begin(prompt["suffix"], prompt["suffix_lengths"])
     assert int(after.cache.alloc.num_free) < free  # the suffix took some of the junk pages
     np.testing.assert_allclose(np.asarray(after.logits), want_logits[:, 0], atol=1e-5, rtol=1e-5)
     # the suffix changes the answer: the logits after it are not the prompt's last token's
@@ -125,20 +134,23 @@ def test_suffix_on_the_pool_gives_the_uniform_tokens_and_logits(params, rng, pol
     # on the uniform cache `generate` left: its decode appended after the suffix and wrote no earlier slot (none of
     # these policies evicts while decoding), so the row's compressed length is its length less the suffix and decode
     row = np.asarray(want.cache.length) - SUFFIX - (NEW - 1)
-    ulayers, nxt = want.cache.layers, np.asarray(before.next_position)
+    nxt = np.asarray(before.next_position)
+    # on the host (sliced on the device, each slice's shape compiled a program of its own)
+    ulayers = {name: np.asarray(getattr(want.cache.layers, name)) for name in ("positions", "k", "v")}
     for layer in range(CFG.num_layers):
-        kv = layer_kv(after.cache, layer)
+        kv = _layer_kv(after.cache, layer)
+        pooled_layer = {name: np.asarray(getattr(kv, name)) for name in ("positions", "k", "v")}
         for b in range(2):
             q = SUFFIX[b]
             for h in range(CFG.num_kv_heads):
                 s = n0[layer, b, h]
-                np.testing.assert_array_equal(np.asarray(kv.positions[b, h, s:s + q]), nxt[b] + np.arange(q))
-                np.testing.assert_array_equal(np.asarray(ulayers.positions[layer, b, h, row[b]:row[b] + q]),
+                np.testing.assert_array_equal(pooled_layer["positions"][b, h, s:s + q], nxt[b] + np.arange(q))
+                np.testing.assert_array_equal(ulayers["positions"][layer, b, h, row[b]:row[b] + q],
                                               nxt[b] + np.arange(q))
                 if not kv.quantized:
                     for name in ("k", "v"):
-                        np.testing.assert_allclose(np.asarray(getattr(kv, name)[b, h, s:s + q]),
-                                                   np.asarray(getattr(ulayers, name)[layer, b, h, row[b]:row[b] + q]),
+                        np.testing.assert_allclose(pooled_layer[name][b, h, s:s + q],
+                                                   ulayers[name][layer, b, h, row[b]:row[b] + q],
                                                    atol=1e-5, rtol=1e-5)  # layer 1: layer 0 summed in another order
     got = pooled.decode(after)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
@@ -232,14 +244,16 @@ def test_the_other_compressors_read_a_suffix_as_the_uniform_path(params, rng, po
 
 def test_bad_input_to_the_pool_extend_helpers_is_refused():
     """`grow_tokens` and `write_tokens_pool` name the bad value: shapes, dtypes, a negative count."""
-    pool = init_pool(CFG, 2, 32, prompt=16, page_size=PS, dtype=jnp.float32)
+    # the pool and the valid growth as one program each (eagerly, each op compiled on its own); the refusals run
+    # eagerly, as a caller's would (the negative count is a check on the values)
+    pool = jax.jit(lambda: init_pool(CFG, 2, 32, prompt=16, page_size=PS, dtype=jnp.float32))()
     with pytest.raises(ValueError, match=r"tokens must be an int array \[B=2\], got float32 of shape \(2,\)"):
         grow_tokens(pool, jnp.ones((2,), jnp.float32))
     with pytest.raises(ValueError, match=r"tokens must be an int array \[B=2\], got int32 of shape \(3,\)"):
         grow_tokens(pool, jnp.ones((3,), jnp.int32))
     with pytest.raises(ValueError, match="tokens must be >= 0, got a minimum of -1"):
         grow_tokens(pool, jnp.array([1, -1], jnp.int32))
-    grown = grow_tokens(pool, jnp.array([3, 5], jnp.int32))
+    grown = jax.jit(grow_tokens)(pool, jnp.array([3, 5], jnp.int32))
     np.testing.assert_array_equal(np.asarray(grown.lengths), np.broadcast_to(np.array([3, 5])[None, :, None],
                                                                               (2, 2, 2)))
     k = jnp.zeros((2, 5, CFG.num_kv_heads, CFG.head_dim))

@@ -33,7 +33,7 @@ from sparsekv_jax.cache_pooled import (
 )
 from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig
-from sparsekv_jax.models.params import random_params
+from sparsekv_jax.models.params import expected_shapes, params_from_arrays
 from sparsekv_jax.pallas.testing import junk_like
 from sparsekv_jax.policies import FullKV
 from sparsekv_jax.policies.h2o import H2O
@@ -49,7 +49,12 @@ BACKENDS = {"jnp": Backend(), "kernel": Backend.kernels(),  # the kernel interpr
 
 @pytest.fixture(scope="module")
 def params():
-    return random_params(CFG, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, scale=0.3)
+    """`random_params`' weights (norms near 1, the rest normal at scale 0.3) drawn with NumPy: drawn by JAX eagerly,
+    each weight's shape compiled programs of its own (~2 s a module)."""
+    rng = seeded_rng()
+    return params_from_arrays(CFG, {name: jnp.asarray(1 + 0.1 * rng.standard_normal(shape) if name.endswith("norm")
+                                                      else 0.3 * rng.standard_normal(shape), jnp.float32)
+                                    for name, shape in expected_shapes(CFG).items()})
 
 
 def _kw(backend: str) -> dict:
@@ -62,6 +67,9 @@ def _budget_pages(budget: float) -> tuple[np.ndarray, int]:
     return kept, CFG.num_layers * CFG.num_kv_heads * sum(pages_for(int(n), PS) for n in kept)
 
 
+_logical_positions = jax.jit(logical_positions)  # one program (eagerly: one per op)
+
+
 def _uniform_positions(cache) -> np.ndarray:
     """``[L, B, Hkv, S]`` a uniform cache's positions, -1 at and past each row's length."""
     pos = np.asarray(cache.layers.positions)
@@ -70,7 +78,8 @@ def _uniform_positions(cache) -> np.ndarray:
 
 # each budget and each store once (every compile of the interpreted kernel is slow): H2O(0.5) on the jnp path,
 # H2O(0.25) on the kernel in int8. H2O(0.25) on the jnp path or on the kernel in fp32 (drawn): the step-by-step test
-# below (logits, scores and victims at every step), and the shuffled-pool and stopped-row tests (tokens) on jnp.
+# below (logits, scores and victims at every step). The shuffled-pool test with a stopped row (tokens): H2O(0.5) on
+# jnp, its uniform run without a stop token the jnp-0.5 case's program.
 RUNS = {"jnp-0.5": ("jnp", 0.5), "kernel-int8-0.25": ("kernel-int8", 0.25)}
 
 
@@ -91,7 +100,7 @@ def test_h2o_on_the_pool_gives_the_uniform_tokens_and_logits(params, rng, case):
     np.testing.assert_array_equal(np.asarray(want.cache.length), kept)  # the uniform cache stays at the budget
     np.testing.assert_array_equal(np.asarray(got.cache.lengths), np.broadcast_to(kept[None, :, None], (2, 2, 2)))
     # the same entries evicted: each logical slot holds the uniform slot's position (decoded ones included)
-    got_pos, want_pos = np.asarray(logical_positions(got.cache)), _uniform_positions(want.cache)
+    got_pos, want_pos = np.asarray(_logical_positions(got.cache)), _uniform_positions(want.cache)
     np.testing.assert_array_equal(got_pos, want_pos[..., :got_pos.shape[-1]])
     assert (want_pos[..., got_pos.shape[-1]:] == -1).all()
     assert (got_pos.max(-1) == (LENGTHS + NEW - 2)[None, :, None]).all()  # the last token written is held
@@ -106,15 +115,24 @@ def test_h2o_on_the_pool_gives_the_uniform_tokens_and_logits(params, rng, case):
     np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=tol, rtol=tol)
 
 
-def test_h2o_on_a_shuffled_pool_with_room_decodes_the_same(params, rng):
-    """After the compression the decode pool (8 pages more than the budget's) has its pages moved by a random
-    permutation and every free page filled with junk (NaN, random positions): the eviction's slots, read and
-    written through the tables, give the uniform path's tokens, and the 8 free pages are still free at the end
-    (an overwrite takes no page)."""
-    kw, policy = _kw("jnp"), H2O(0.25)
-    _, pages = _budget_pages(0.25)
+def test_h2o_on_a_shuffled_pool_with_room_and_a_row_that_stops(params, rng):
+    """One pooled run checks two things. After the compression the decode pool (8 pages more than the budget's) has
+    its pages moved by a random permutation and every free page filled with junk (NaN, random positions): the
+    eviction's slots, read and written through the tables, give the uniform path's tokens, and the 8 free pages are
+    still free at the end (an overwrite takes no page). Row 1 stops early (a stop token taken from the uniform run's
+    own output): on the pool it then writes nothing (every head still at its row's budget), and both rows' tokens
+    equal the uniform path's (row 0 decodes on, evicting, beside it). (One run, not one each: each stop token set
+    compiles its own decode loop; H2O(0.5), whose uniform run without a stop token is the jnp-0.5 case's program.)"""
+    kw, policy = _kw("jnp"), H2O(0.5)
+    kept, pages = _budget_pages(0.5)
     tokens = rng.integers(1, CFG.vocab_size, (2, T))
+    free = generate(params, policy, tokens, max_new_tokens=NEW, **kw)
+    row1 = np.asarray(free.tokens)[1]
+    stop = next(int(t) for t in row1[2:] if t not in np.asarray(free.tokens)[0] and t not in row1[:2])
+    kw["stop_tokens"] = (stop,)
     want = generate(params, policy, tokens, max_new_tokens=NEW, **kw)
+    n = np.asarray(want.num_generated)
+    assert n[0] == NEW and n[1] < NEW, n  # row 1 stopped, row 0 did not
     N = pages + 8
     session = engine.Session.start(params, policy, tokens, max_new_tokens=NEW, pool=True, pool_pages=N, **kw)
     compressed = session.compress()
@@ -122,25 +140,9 @@ def test_h2o_on_a_shuffled_pool_with_room_decodes_the_same(params, rng):
     session.compressed = compressed.replace(cache=shuffle_pages(compressed.cache, rng.permutation(N),
                                                                 junk_like(rng)))
     got = session.decode()
+    np.testing.assert_array_equal(np.asarray(got.num_generated), n)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
     assert int(got.cache.alloc.num_free) == 8
-
-
-def test_h2o_on_the_pool_with_a_row_that_stops(params, rng):
-    """Row 1 stops early (a stop token taken from the uniform run's own output): on the pool it then writes
-    nothing, and both rows' tokens equal the uniform path's (row 0 decodes on, evicting, beside it)."""
-    kw, policy = _kw("jnp"), H2O(0.25)
-    tokens = rng.integers(1, CFG.vocab_size, (2, T))
-    free = generate(params, policy, tokens, max_new_tokens=NEW, **kw)
-    row1 = np.asarray(free.tokens)[1]
-    stop = next(int(t) for t in row1[2:] if t not in np.asarray(free.tokens)[0] and t not in row1[:2])
-    kw["stop_tokens"] = (stop,)
-    want = generate(params, policy, tokens, max_new_tokens=NEW, **kw)
-    got = generate(params, policy, tokens, max_new_tokens=NEW, pool=True, **kw)
-    n = np.asarray(want.num_generated)
-    assert n[0] == NEW and n[1] < NEW, n  # row 1 stopped, row 0 did not
-    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
-    kept, _ = _budget_pages(0.25)
     np.testing.assert_array_equal(np.asarray(got.cache.lengths), np.broadcast_to(kept[None, :, None], (2, 2, 2)))
 
 
@@ -196,7 +198,7 @@ def _steps(params, session, forced: np.ndarray) -> list[tuple[np.ndarray, np.nda
                                                                   backend=session.run.backend))
 
     def seen(logits, cache, state):
-        pos = np.asarray(logical_positions(cache)) if isinstance(cache, PoolCache) else _uniform_positions(cache)
+        pos = np.asarray(_logical_positions(cache)) if isinstance(cache, PoolCache) else _uniform_positions(cache)
         return np.asarray(logits), np.asarray(state[0]["scores"]), pos
 
     out, cache, state = [seen(ready.logits, ready.cache, ready.state)], ready.cache, ready.state

@@ -23,6 +23,8 @@ in the header, ``pytest --seed N`` replays it)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -35,7 +37,7 @@ from sparsekv_jax.cache import pages_for
 from sparsekv_jax.cache_pooled import PoolCache, logical_positions, shuffle_pages
 from sparsekv_jax.generate import generate
 from sparsekv_jax.models.config import ModelConfig
-from sparsekv_jax.models.params import random_params
+from sparsekv_jax.models.params import expected_shapes, params_from_arrays
 from sparsekv_jax.pallas.testing import junk_like
 from sparsekv_jax.policies import H2O, Pipeline
 from sparsekv_jax.policies.chess import CHESS
@@ -56,7 +58,12 @@ CHESS8 = CHESS(page_size=CHESS_PS, ratios="aggressive", chunk_pages=2, grid_chun
 
 @pytest.fixture(scope="module")
 def params():
-    return random_params(CFG, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, scale=0.3)
+    """`random_params`' weights (norms near 1, the rest normal at scale 0.3) drawn with NumPy: drawn by JAX eagerly,
+    each weight's shape compiled programs of its own (~2 s a module)."""
+    rng = seeded_rng()
+    return params_from_arrays(CFG, {name: jnp.asarray(1 + 0.1 * rng.standard_normal(shape) if name.endswith("norm")
+                                                      else 0.3 * rng.standard_normal(shape), jnp.float32)
+                                    for name, shape in expected_shapes(CFG).items()})
 
 
 def _prompt(rng: np.random.Generator) -> dict:
@@ -78,6 +85,9 @@ def _heads(x: np.ndarray) -> np.ndarray:
     return np.broadcast_to(np.asarray(x)[None, :, None], (CFG.num_layers, 2, CFG.num_kv_heads))
 
 
+_logical_positions = jax.jit(logical_positions)  # one program (eagerly: one per op)
+
+
 def _uniform_positions(cache) -> np.ndarray:
     """``[L, B, Hkv, S]`` a uniform cache's positions, -1 at and past each row's length."""
     pos = np.asarray(cache.layers.positions)
@@ -86,7 +96,7 @@ def _uniform_positions(cache) -> np.ndarray:
 
 def _positions(cache) -> np.ndarray:
     """Positions per slot, -1 past each head's (a pool) or row's (uniform) length."""
-    return np.asarray(logical_positions(cache)) if isinstance(cache, PoolCache) else _uniform_positions(cache)
+    return np.asarray(_logical_positions(cache)) if isinstance(cache, PoolCache) else _uniform_positions(cache)
 
 
 def _check_positions(got: np.ndarray, want: np.ndarray, msg: str = "") -> None:
@@ -125,16 +135,19 @@ def test_h2o_scores_after_a_suffix_on_a_shuffled_pool_follow_the_uniform_cache(p
     positions); the suffix opens some of them. Then along forced tokens, one jitted `decode_step` at a time on
     either layout: after the suffix and after every step the logits (1e-5), each head's length, the positions kept
     at every logical slot and their accumulated scores (1e-5) equal the uniform cache's; right after the suffix its
-    slots score 0 (`H2O.decode_init`) and it changed the logits."""
+    slots score 0 (`H2O.decode_init`) and it changed the logits. The sessions keep the suffix's room
+    (``question_tokens``) and `begin` reads it, as `Session.ask` reads a question: the ask test's sessions, so the
+    prefill, compress and suffix programs compiled once serve both (`generate` reads a run's own ``suffix``: the
+    test above)."""
     prompt, kw = _prompt(rng), _kw(H2O_PS)
     tokens = prompt.pop("tokens")
     forced = rng.integers(1, CFG.vocab_size, (2, H2O_NEW))
-    uniform = engine.Session.start(params, H2O_POLICY, tokens, max_new_tokens=H2O_NEW, **prompt, **kw)
-    pooled = engine.Session.start(params, H2O_POLICY, tokens, max_new_tokens=H2O_NEW, pool=True, **prompt, **kw)
+    uniform, pooled = (engine.Session.start(params, H2O_POLICY, tokens, max_new_tokens=H2O_NEW, question_tokens=TQ,
+                                            pool=pool, **kw) for pool in (False, True))
     compressed = pooled.compress()
     pool, free = compressed.cache, int(compressed.cache.alloc.num_free)
     pooled.compressed = compressed.replace(cache=shuffle_pages(pool, rng.permutation(pool.num_pages), junk_like(rng)))
-    got, want = _h2o_steps(params, pooled, forced), _h2o_steps(params, uniform, forced)
+    got, want = (_h2o_steps(params, session, forced, prompt) for session in (pooled, uniform))
     assert got["free"] < free  # the suffix took some of the junk pages
     assert np.abs(got["logits"][0] - np.asarray(compressed.logits)).max() > 1e-2  # the suffix changes the answer
     size, kept = _kept() + SUFFIX, _kept()
@@ -155,11 +168,11 @@ def test_h2o_scores_after_a_suffix_on_a_shuffled_pool_follow_the_uniform_cache(p
         assert (got["scores"][-1][:, b, :, :int(size[b])] != got["scores"][0][:, b, :, :int(size[b])]).any()
 
 
-def _h2o_steps(params, session, forced: np.ndarray) -> dict[str, list[np.ndarray]]:
-    """``session`` from `begin` (its suffix read) fed ``forced``'s tokens but the last one `decode_step` at a time:
-    after the suffix and after each step the logits, lengths (a row's; a pool's per head), positions (-1 past them)
-    and H2O's scores; and the pool's free pages after the suffix."""
-    ready = session.begin()
+def _h2o_steps(params, session, forced: np.ndarray, prompt: dict) -> dict[str, list[np.ndarray]]:
+    """``session`` from `begin` (``prompt``'s suffix read) fed ``forced``'s tokens but the last one `decode_step` at a
+    time: after the suffix and after each step the logits, lengths (a row's; a pool's per head), positions (-1 past
+    them) and H2O's scores; and the pool's free pages after the suffix."""
+    ready = session.begin(prompt["suffix"], prompt["suffix_lengths"])
     step = jax.jit(lambda cache, token, state: engine.decode_step(params, session.run.policy, cache, token, state,
                                                                   backend=session.run.backend))
     rec: dict = {"logits": [], "lengths": [], "positions": [], "scores": []}
@@ -239,17 +252,19 @@ def test_chess_after_a_suffix_on_a_shuffled_pool_rewinds_step_by_step_as_the_uni
     opens some. Decoding greedily one jitted `decode_step` at a time on either layout, each rewind applied as
     `decode_loop` applies it: after the suffix and every step the logits (1e-5), pages read and rewinds are the
     uniform cache's, and so are the lengths after every rewind, which never go below the prompt and its suffix
-    (a backtrack takes back decoded tokens only); the suffix's positions are still at their slots at the end."""
+    (a backtrack takes back decoded tokens only); the suffix's positions are still at their slots at the end.
+    CHESS as a `Pipeline`'s decode stage, the sessions keeping the suffix's room (``question_tokens``) and `begin`
+    reading it as `Session.ask` reads a question: the ask test's sessions, so the prefill, compress and suffix programs
+    compiled once serve both (`generate` reads a run's own ``suffix`` before CHESS alone: the test above)."""
     prompt, kw = _prompt(rng), _kw(CHESS_PS)
     tokens = prompt.pop("tokens")
-    N = 72  # the prompt's 2·2·2·5 = 40 pages, 32 free (each head grows to 8 pages: 64 in all)
-    pooled = engine.Session.start(params, CHESS8, tokens, max_new_tokens=CHESS_NEW, pool=True, pool_pages=N,
-                                  **prompt, **kw)
+    N = 72  # the default prefill pool: the prompt's 2·2·2·5 = 40 pages, 32 free (each head grows to 8 pages: 64)
+    uniform, pooled = (engine.Session.start(params, Pipeline(decode=CHESS8), tokens, max_new_tokens=CHESS_NEW,
+                                            question_tokens=TQ, pool=pool, **kw) for pool in (False, True))
     pre = pooled.prefill()
     assert pre.cache.num_pages == N and int(pre.cache.alloc.num_free) == N - 40
     pooled.prefilled = pre.replace(cache=shuffle_pages(pre.cache, rng.permutation(N), junk_like(rng)))
-    uniform = engine.Session.start(params, CHESS8, tokens, max_new_tokens=CHESS_NEW, **prompt, **kw)
-    got, ref = decode_rewinding(params, pooled, CHESS_NEW - 1), decode_rewinding(params, uniform, CHESS_NEW - 1)
+    got, ref = (decode_rewinding(params, _with_suffix(session, prompt), CHESS_NEW - 1) for session in (pooled, uniform))
     assert got["free_after_begin"] < N - 40  # the suffix opened junk pages
     np.testing.assert_allclose(got["logits"], ref["logits"], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(got["read"], ref["read"], rtol=1e-6)
@@ -261,10 +276,16 @@ def test_chess_after_a_suffix_on_a_shuffled_pool_rewinds_step_by_step_as_the_uni
     assert (ref["lengths"] >= floor).all()
     back = ref["rewind"] > 0  # [steps, B]: each takes the first generated page back, down to the question's end
     np.testing.assert_array_equal(ref["lengths"][back], floor[np.nonzero(back)[1]])
-    pos = np.asarray(logical_positions(got["cache"]))
+    pos = np.asarray(_logical_positions(got["cache"]))
     for b in range(2):  # the question, never rewound, still at its slots in every layer and head
         np.testing.assert_array_equal(pos[:, b, :, LENGTHS[b]:floor[b]],
                                       np.broadcast_to(LENGTHS[b] + np.arange(SUFFIX[b]), (2, 2, SUFFIX[b])))
+
+
+def _with_suffix(session: engine.Session, prompt: dict) -> SimpleNamespace:
+    """``session`` as `conftest.decode_rewinding` reads it (``run``, ``begin()``), its `begin` reading ``prompt``'s
+    suffix."""
+    return SimpleNamespace(run=session.run, begin=lambda: session.begin(prompt["suffix"], prompt["suffix_lengths"]))
 
 
 def test_a_suffix_before_h2o_and_chess_is_admitted_on_a_pool(params, rng):
