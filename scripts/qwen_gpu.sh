@@ -97,6 +97,7 @@ SAES="$SAE_DIR/paper_$MODEL.safetensors"
 case "$SAE_DIR" in
   */qwen_sae_r2) SAES_SHA=fd067bae27cc32fcd4decb2db26e709011be2c200e2f0b5b8bfb9eb220992a54 ;;
   */qwen_sae_db) SAES_SHA=faec157914bd62bb78a537f6a0c34c2592814155007dab6975b71e044928b086 ;;  # stage 17's (run3_dead_bias)
+  */qwen_sae_r4) SAES_SHA=a7047e6bfb2e718512ef17bb18707a573ae1b824570a6b8622642ab8eeb6d009 ;;  # stage 19's (run4)
   *) SAES_SHA=fc51ad56e5b0f844c36eed956d84e2ef8b735832f34b6406ab8bb105d1a1382c ;;
 esac
 if [ -f "$SAES" ] && [ -f "$SAE_DIR/carried" ]; then
@@ -423,12 +424,12 @@ adakv(snapkv(0.5)), pyramidkv(snapkv(0.5))" --suite ruler --no-fullkv > "$RUNS/a
     ev 0.12 longbench agnostic 32k "semanticache(0.5), snapkv(0.5)" --suite longbench --no-fullkv \
       > "$RUNS/longbench_50.log" 2>&1 &
     ;;
-  19)  # DETACH=1 SAE_DIR=/tmp/qwen_sae_r4 SAE_MINUTES=8 (planned for the next machine): issue 35's last rows. S3
+  19)  # DETACH=1 SAE_DIR=/tmp/qwen_sae_r4 SAE_MINUTES=8 CARRY=/tmp/kjv (ran 2026-11-29): issue 35's last rows. S3
       # question-agnostic at 32k needs this model's SAEs, and run2's file (34 MB, not committed) was lost with its
       # machine: the paper's run again, alone on the GPU (its step count is fixed from its first steps' speed), its
       # pieces come back with every `STAGE=wait` call; then S3Hybrid beside BM25 at 32k without the question, and
-      # H2O's 10% / 50% rows at 32k resuming stage 18's records. The KJV corpus wheel (17 MB) does not fit in the
-      # launch call beside the tree and RULER's wheel: carry it alone first (`mkdir -p /tmp/kjv && cp .carryk/* /tmp/kjv/`)
+      # H2O's 10% / 50% rows at 32k resuming stage 18's records. The KJV corpus wheel (1.8 MB) does not fit in the
+      # launch call beside the tree (42 MB) and RULER's wheel (18 MB): carry it alone first (`mkdir -p /tmp/kjv && cp .carryk/* /tmp/kjv/`)
       # and launch with CARRY=/tmp/kjv
     { sae_train && {
         ev 0.2 agnostic_32k agnostic 32k "s3hybrid(0.25, saes='$SAES'), bm25(0.25)" --suite ruler --no-fullkv \

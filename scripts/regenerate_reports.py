@@ -46,6 +46,8 @@ _QWEN_SAES2 = "/tmp/qwen_sae_r2/paper_qwen2.5-coder-1.5b.safetensors"
 _QWEN_CONTROL = "/tmp/qwen_sae_r2/control_qwen2.5-coder-1.5b.safetensors"
 # stage 17's run with the opt-in --dead-bias-step 1e-2 (docs/results/sae_paper_qwen_h200/run3_dead_bias)
 _QWEN_SAES_DB = "/tmp/qwen_sae_db/paper_qwen2.5-coder-1.5b.safetensors"
+# stage 19's rerun of the paper config (docs/results/sae_paper_qwen_h200/run4), S3 without the question at 32k
+_QWEN_SAES4 = "/tmp/qwen_sae_r4/paper_qwen2.5-coder-1.5b.safetensors"
 PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
     "qwen2.5-coder-1.5b_h200": (
         ("adakv(snapkv(0.25))", "snapkv(0.25)"), ("pyramidkv(snapkv(0.25))", "snapkv(0.25)"),
@@ -70,7 +72,9 @@ PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
         (f"s3pure(0.25, saes='{_QWEN_SAES2}')", f"s3pure(0.25, saes='{_QWEN_SAES}')"),
         (f"s3hybrid(0.25, saes='{_QWEN_SAES_DB}')", f"s3hybrid(0.25, saes='{_QWEN_SAES2}')"),
         (f"s3pure(0.25, saes='{_QWEN_SAES_DB}')", f"s3pure(0.25, saes='{_QWEN_SAES2}')"),
-        (f"s3hybrid(0.25, saes='{_QWEN_SAES_DB}')", "bm25(0.25)")),
+        (f"s3hybrid(0.25, saes='{_QWEN_SAES_DB}')", "bm25(0.25)"),
+        (f"s3hybrid(0.25, saes='{_QWEN_SAES4}')", "bm25(0.25)"),
+        (f"s3hybrid(0.25, saes='{_QWEN_SAES4}')", "snapkv(0.25)")),
     # the 0.5B (stage 12): does the 1.5B's ranking hold? Its CHESS rows name the calibration by its path on the GPU
     # machine; the same file ships as policies/calibration/qwen2.5-coder-0.5b.json
     "qwen2.5-coder-0.5b_h200": (
