@@ -112,34 +112,47 @@ def test_compare_eval_runs_pairs_a_renamed_spec_and_counts_other_prompts(tmp_pat
 
 
 def test_readme_plot_draws_the_recorded_rows(tmp_path, monkeypatch):
-    """The README's plot reads the Qwen records through the report's functions: its summaries are the
-    committed report's (results.json, written by `python -m sparsekv_jax.eval.report`), row for row. ``main``
-    then draws from the records and summaries checked here (read and bootstrapped once: each took ~5 CPU s
-    more when main did them again)."""
+    """The README's plot reads the Qwen records through the report's functions: on RULER's panels each drawn row
+    is the committed report's (results.json, written by `python -m sparsekv_jax.eval.report`), interval for
+    interval. ``main`` then draws from the records and panel summaries checked here (read and bootstrapped once:
+    each took ~5 CPU s more when main did them again)."""
     mod = _module("readme_plot")
     committed = json.loads((mod.RECORDS / "report" / "results.json").read_text())
     recs = mod.records()
-    summaries, summary = {}, mod.summary
+    panels, panel_summary = {}, mod.panel_summary
 
-    def once(rs, suite, length, question="agnostic"):
+    def once(rs, suite, length):
         assert rs is recs
-        if (suite, length, question) not in summaries:
-            summaries[suite, length, question] = summary(rs, suite, length, question)
-        return summaries[suite, length, question]
+        if (suite, length) not in panels:
+            panels[suite, length] = panel_summary(rs, suite, length)
+        return panels[suite, length]
 
     monkeypatch.setattr(mod, "records", lambda *a, **k: recs)
-    monkeypatch.setattr(mod, "summary", once)
+    monkeypatch.setattr(mod, "panel_summary", once)
     for suite, length, _ in mod.PANELS:
-        mine = mod.summary(recs, suite, length)
-        theirs = next(s for s in committed if "rows" in s and s["model"] == mod.MODEL and s["suite"] == suite
-                      and s["length"] == length and s["question"] == "agnostic")
-        assert [(r["policy"], r["ci"], r["coverage"]["complete"]) for r in mine["rows"]] == [
-            (r["policy"], r["ci"], r["coverage"]["complete"]) for r in theirs["rows"]]
-    # the three CHESS readings sit on one point at 8k: named once; a policy alone in its family keeps the
-    # record's spelling (the digit rule is not passed off as SemantiCache's default)
-    groups = {tuple(g[2]) for g in mod.point_groups(mod.summary(recs, "ruler", 8192))}
-    assert ("chess ×3",) in groups and ("stem(routing='full')",) in groups
-    assert ("semanticache(0.25, protect='digit_sentences')",) in groups
+        mine = mod.panel_summary(recs, suite, length)
+        if suite == "ruler-variants":
+            continue  # averaged on the columns every drawn row ran: checked below
+        theirs = {r["policy"]: r for s in committed if "rows" in s and s["model"] == mod.MODEL
+                  and s["suite"] == suite and s["length"] == length and s["question"] == "agnostic"
+                  for r in s["rows"]}
+        assert [r["policy"] for r in mine["rows"]] == [p for p in theirs if mod.drawn(p)]
+        assert [(r["ci"], r["coverage"]["complete"]) for r in mine["rows"]] == [
+            (theirs[r["policy"]]["ci"], theirs[r["policy"]]["coverage"]["complete"]) for r in mine["rows"]]
+    # drawn: each method as its paper sets it; an opt-in rule, an ablation or a quantised cache is not (the
+    # digit rule must not pass for SemantiCache's default), what a method needs (CHESS's calibration) is
+    chess = "chess('moderate', calibration='qwen2.5-coder-1.5b')"
+    assert mod.drawn(chess) and mod.drawn("adakv(snapkv(0.25))") and mod.drawn("fullkv")
+    for opt_in in ("semanticache(0.25, protect='digit_sentences')", "stem(routing='full')", f"{chess[:-1]}, "
+                   "regenerate=False)", "snapkv(0.25) [kv=int8]", "pyramidkv(snapkv(0.25))"):
+        assert not mod.drawn(opt_in), opt_in
+    groups = {tuple(g[2]) for g in mod.point_groups(mod.panel_summary(recs, "ruler", 8192))}
+    assert ("chess('moderate')",) in groups and not any("digit" in n for g in groups for n in g)
+    # the value-type panel: the columns every drawn row ran, so every drawn row is complete on them
+    variants = mod.panel_summary(recs, "ruler-variants", 16384)
+    assert len(variants["rows"]) >= 4 and all(r["coverage"]["complete"] for r in variants["rows"])
+    assert len(variants["columns"]) % 3 == 0 and {c.split("@")[1] for c in variants["columns"]} == {
+        "numbers", "words", "uuids"}
     mod.main(["--out", str(tmp_path / "plot.png")])
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
