@@ -438,6 +438,17 @@ adakv(snapkv(0.5)), pyramidkv(snapkv(0.5))" --suite ruler --no-fullkv > "$RUNS/a
         ev 0.12 agnostic_32k_budgets agnostic 32k "h2o(0.5)" --suite ruler --no-fullkv > "$RUNS/h2o32k_50.log" 2>&1 &
         wait; }; } > "$RUNS/sae_s3_agnostic.log" 2>&1 &
     ;;
+  20)  # DETACH=1 SAE_DIR=/tmp/qwen_sae_r4 (planned for the next machine): run4's SAEs (stage 19's, 34 MB, kept outside
+      # the repo) carried alone first: `mkdir -p /tmp/qwen_sae_r4 && cp .carrysae/*.safetensors /tmp/qwen_sae_r4/ &&
+      # touch /tmp/qwen_sae_r4/carried` (sha256 checked above). H2O(0.1)'s last RULER tasks at 32k (issue 35), and
+      # issue 37's 32k retrieval table with run4's SAEs and their random-direction control (run2's table is partial
+      # and its SAEs are lost: a folder of its own)
+    ev 0.12 agnostic_32k_budgets agnostic 32k "h2o(0.1)" --suite ruler --no-fullkv > "$RUNS/h2o32k.log" 2>&1 &
+    { [ -f "$CONTROL" ] || python experiments/s3_control_saes.py "$SAES" "$CONTROL" --seed 0
+      retrieval s3_retrieval_32k_r4 0.2 --length 32768 --ruler-length 32768 --n 6 --budget 4096 --chunk 4096 \
+        --saes paper="$SAES" --saes control="$CONTROL" --max-minutes "${S3_MINUTES:-12}"
+    } > "$RUNS/s3_retrieval32k_r4.log" 2>&1 &
+    ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
 wait
