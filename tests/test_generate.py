@@ -12,16 +12,25 @@ from flax import struct
 from sparsekv_jax.cache import SUMMARIES, init_cache, page_mean
 from sparsekv_jax.generate import Sampling, full_logits, generate, sample
 from sparsekv_jax.models.config import ModelConfig
-from sparsekv_jax.models.params import random_params
+from sparsekv_jax.models.params import expected_shapes, params_from_arrays
 from sparsekv_jax.policies import CHESS, Dense, Pipeline, Quest, SnapKV
 
 CFG = ModelConfig(family="llama", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                   head_dim=8, intermediate_size=48, max_position_embeddings=64, eos_token_ids=(0,))
 
 
+def _random_params(cfg: ModelConfig, rng: np.random.Generator, dtype=jnp.float32):
+    """`random_params`' weights (norms near 1, the rest normal at scale 0.3) drawn with NumPy: drawn by JAX
+    eagerly, each weight's shape compiled programs of its own."""
+    return params_from_arrays(cfg, {
+        name: jnp.asarray(1 - cfg.norm_weight_offset + 0.1 * rng.standard_normal(shape) if name.endswith("norm")
+                          else 0.3 * rng.standard_normal(shape), dtype)
+        for name, shape in expected_shapes(cfg).items()})
+
+
 @pytest.fixture(scope="module")
 def params():
-    return random_params(CFG, jax.random.key(seeded_rng().integers(1 << 30)), jnp.float32, scale=0.3)
+    return _random_params(CFG, seeded_rng())
 
 
 @pytest.mark.parametrize("tokens, match", [
@@ -90,9 +99,16 @@ def test_chunked_prefill_only_for_policies_that_need_no_whole_prompt(params):
     generate(params, SnapKV(0.9), tokens, lengths=lengths, max_new_tokens=2, prefill_chunk=48)
 
 
-def test_top_k_one_and_tiny_top_p_are_greedy(params):
+@pytest.fixture(scope="module")
+def greedy(params):
+    """(tokens, greedy `generate` output): the one eager run the sampling and the user-jit tests compare with
+    (one program, not one each)."""
     tokens = seeded_rng().integers(1, CFG.vocab_size, (3, 9))
-    greedy = generate(params, None, tokens, max_new_tokens=6, stop_tokens=())
+    return tokens, generate(params, None, tokens, max_new_tokens=6, stop_tokens=())
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(params, greedy):
+    tokens, greedy = greedy
     for s in (Sampling(temperature=1.5, top_k=1), Sampling(temperature=1.5, top_p=1e-6)):
         out = generate(params, None, tokens, max_new_tokens=6, stop_tokens=(), sampling=s, seed=3)
         np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(greedy.tokens))
@@ -201,7 +217,7 @@ def test_bf16_cache_page_min_max_are_exact_in_the_keys_dtype():
     """Min/max summaries are stored in the cache's dtype (half of float32's bytes) and, being
     minima and maxima of stored keys, equal them exactly — after prefill and after appends."""
     rng = seeded_rng()
-    params16 = random_params(CFG, jax.random.key(int(rng.integers(1 << 30))), jnp.bfloat16, scale=0.3)
+    params16 = _random_params(CFG, rng, jnp.bfloat16)
     tokens = rng.integers(1, CFG.vocab_size, (2, 19))
     lengths = np.array([19, 11])
     cache = generate(params16, EverySummary(), tokens, lengths=lengths, max_new_tokens=6, stop_tokens=(),
@@ -218,10 +234,9 @@ def test_bf16_cache_page_min_max_are_exact_in_the_keys_dtype():
         assert not np.any(lo[:, b, :, -(-n // 8):]) and not np.any(hi[:, b, :, -(-n // 8):])  # empty pages: 0
 
 
-def test_generate_traces_under_user_jit(params):
-    tokens = seeded_rng().integers(1, CFG.vocab_size, (2, 8))
-    eager = generate(params, None, tokens, max_new_tokens=4, stop_tokens=())
-    jitted = jax.jit(lambda p, t: generate(p, None, t, max_new_tokens=4, stop_tokens=()).tokens)(params, tokens)
+def test_generate_traces_under_user_jit(params, greedy):
+    tokens, eager = greedy
+    jitted = jax.jit(lambda p, t: generate(p, None, t, max_new_tokens=6, stop_tokens=()).tokens)(params, tokens)
     np.testing.assert_array_equal(np.asarray(jitted), np.asarray(eager.tokens))
 
 
@@ -248,10 +263,13 @@ def test_suffix_after_dense_prefill_equals_one_prompt(params):
     lengths, qlen = [30, 19], [7, 3]
     out = generate(params, None, ctx, lengths=np.array(lengths), suffix=q, suffix_lengths=np.array(qlen),
                    max_new_tokens=6, stop_tokens=(), page_size=8)
+    # each row's context and question as one prompt, right-padded into one batch (one program, not one per row)
+    wholes = np.zeros((2, 37), ctx.dtype)
     for b in range(2):
-        whole = np.concatenate([ctx[b, : lengths[b]], q[b, : qlen[b]]])[None]
-        alone = generate(params, None, whole, max_new_tokens=6, stop_tokens=(), page_size=8)
-        assert out.sequences()[b] == alone.sequences()[0]
+        wholes[b, :lengths[b] + qlen[b]] = np.concatenate([ctx[b, : lengths[b]], q[b, : qlen[b]]])
+    alone = generate(params, None, wholes, lengths=np.add(lengths, qlen), max_new_tokens=6, stop_tokens=(),
+                     page_size=8)
+    assert out.sequences() == alone.sequences()
 
 
 def test_teacher_force_dense_equals_full_forward(params):

@@ -37,7 +37,7 @@ from sparsekv_jax.cache import (
 )
 from sparsekv_jax.generate import generate, teacher_force
 from sparsekv_jax.models.config import ModelConfig
-from sparsekv_jax.models.params import random_params
+from sparsekv_jax.models.params import expected_shapes, params_from_arrays
 from sparsekv_jax.models.rope import inverse_frequencies
 from sparsekv_jax.pallas.decode import decode_attention, decode_attention_reference
 from sparsekv_jax.pallas.testing import random_page_lists, rel_err
@@ -57,6 +57,7 @@ write_tokens_jit = jax.jit(write_tokens)
 append_token_jit = jax.jit(append_token, static_argnums=6)  # page_size
 write_kept_jit = jax.jit(write_kept, static_argnums=3)  # capacity
 dequantize_f32 = jax.jit(lambda kv: dequantize_kv(kv, jnp.float32))
+write_entries_jit = jax.jit(write_entries, static_argnums=6)  # capacity
 
 
 def _np_scale(amax: np.ndarray, qmax: float) -> np.ndarray:
@@ -443,9 +444,18 @@ def test_write_tokens_rescales_every_page_it_touches(rng, kv_dtype):
             np.testing.assert_allclose(np.asarray(kv.page_max)[0, :, 0], keys.max(1), rtol=0, atol=1e-6)
 
 
+def _random_params(cfg: ModelConfig, rng: np.random.Generator):
+    """`random_params`' weights (norms near 1, the rest normal at scale 0.3) drawn with NumPy: drawn by JAX
+    eagerly, each weight's shape compiled programs of its own."""
+    return params_from_arrays(cfg, {
+        name: jnp.asarray(1 - cfg.norm_weight_offset + 0.1 * rng.standard_normal(shape) if name.endswith("norm")
+                          else 0.3 * rng.standard_normal(shape), jnp.float32)
+        for name, shape in expected_shapes(cfg).items()})
+
+
 @pytest.fixture(scope="module")
 def tiny():
-    params = random_params(TINY, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, 0.3)
+    params = _random_params(TINY, seeded_rng())
     tokens = seeded_rng().integers(1, TINY.vocab_size, (2, 40))
     return params, tokens
 
@@ -650,7 +660,7 @@ def test_chess_scores_on_an_int8_cache_are_those_of_its_dequantised_keys(rng, ke
     k = _np_rotate(content, pos, inv_freq).astype(np.float32)
     pol = CHESS(page_size=ps, keys=keys).bind(Setup(TINY, backend=Backend(page_sums=impl).resolve()))
     cache = init_cache(TINY, B, S, page_size=cps, dtype=jnp.float32, kv_dtype="int8", summaries=pol.page_summaries)
-    cache = write_entries(cache, jnp.asarray(k), jnp.asarray(k), jnp.asarray(pos, jnp.int32),
+    cache = write_entries_jit(cache, jnp.asarray(k), jnp.asarray(k), jnp.asarray(pos, jnp.int32),
                           jnp.zeros((L, B, H, S)), jnp.asarray(lengths, jnp.int32), S)
     assert cache.layers.k.dtype == jnp.int8 and np.asarray(cache.length).tolist() == lengths.tolist()
     got, used = (np.asarray(x, np.float64) for x in jax.jit(pol._page_scores)(cache, jnp.asarray(end, jnp.int32)))
@@ -697,7 +707,7 @@ def test_semanticache_on_an_int8_cache_merges_its_dequantised_entries(rng, setti
     for _ in range(6):  # redraw when a cosine lies within rounding of a threshold
         _, keys, values, positions, tokens = sc_planted(int(rng.integers(1 << 30)), lengths, T, 0.15)
         cache = init_cache(SC_CFG, B, T + 8, page_size=8, dtype=jnp.float32, kv_dtype="int8", summaries=())
-        cache = write_entries(cache, jnp.asarray(keys), jnp.asarray(values), jnp.asarray(positions, jnp.int32),
+        cache = write_entries_jit(cache, jnp.asarray(keys), jnp.asarray(values), jnp.asarray(positions, jnp.int32),
                               jnp.zeros((L, B, H, T)), jnp.asarray(lengths, jnp.int32), T + 8)
         cache = cache.replace(next_position=cache.length)
         lay = jax.tree.map(np.asarray, cache.layers)
