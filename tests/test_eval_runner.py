@@ -21,7 +21,7 @@ from sparsekv_jax.datasets import LONGBENCH_MINI_DIR
 from sparsekv_jax.eval import runner
 from sparsekv_jax.eval.specs import is_dense, policy_budget, policy_family
 from sparsekv_jax.models.config import ModelConfig
-from sparsekv_jax.models.params import random_params
+from sparsekv_jax.models.params import expected_shapes, params_from_arrays
 from sparsekv_jax.policies import ContextResult, Dense, Pipeline, Policy, Quest, SnapKV
 
 
@@ -38,7 +38,15 @@ def tiny(smol) -> tuple[Any, Any]:
     cfg = ModelConfig(family="llama", vocab_size=real.config.vocab_size, hidden_size=64, num_layers=3, num_heads=4,
                       num_kv_heads=2, head_dim=16, intermediate_size=96, max_position_embeddings=2048,
                       eos_token_ids=real.config.eos_token_ids)
-    return random_params(cfg, jax.random.key(0), jnp.float32, scale=0.3), tok
+    # `random_params`' weights (norms near 1, the rest normal at scale 0.3) drawn with NumPy: drawn by JAX
+    # eagerly, each weight's shape compiled programs of its own (~2.5 s for the 49k-row embeddings). One fixed
+    # draw, as the JAX key 0 was: the tests below need a model whose answers run long and differ by question
+    rng = np.random.default_rng(0)
+    params = params_from_arrays(cfg, {name: jnp.asarray(1 + 0.1 * rng.standard_normal(shape, np.float32)
+                                                        if name.endswith("norm")
+                                                        else 0.3 * rng.standard_normal(shape, np.float32))
+                                      for name, shape in sorted(expected_shapes(cfg).items())})
+    return params, tok
 
 
 @pytest.fixture

@@ -215,31 +215,39 @@ def tiny():
     return random_params(cfg, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, 0.3)
 
 
+def _logits_after(params, pol, tokens, lengths):
+    """Logits of prefill, compress (if ``pol`` has that stage) and 4 greedy decode steps, run eagerly."""
+    cache = init_cache(params.config, 2, 48, page_size=8, dtype=jnp.float32)
+    first, cache, obs, _ = prefill(params, pol, tokens, lengths, cache)
+    squeeze = pol.stage("compress")
+    cap = squeeze.compressed_capacity(40, 8)
+    if cap is not None:
+        cache = squeeze.compress(cache, obs["compress"], cap, Prompt(tokens, lengths))
+    state = pol.stage("decode").decode_init(cache, obs.get("decode"))
+    out = [first]
+    tok = jnp.argmax(first, -1).astype(jnp.int32)
+    for _ in range(4):
+        lg, cache, state, _ = decode_step(params, pol, cache, tok, state)
+        out.append(lg)
+        tok = jnp.argmax(lg, -1).astype(jnp.int32)
+    return np.stack([np.asarray(x) for x in out])
+
+
+@pytest.fixture(scope="module")
+def dense_run(tiny):
+    """(tokens, lengths, full attention's logits): one prompt and its reference, shared by the policies
+    compared with it (the reference is ~2 s of eager dispatch, the same run for each)."""
+    tokens = jnp.asarray(seeded_rng().integers(0, 89, (2, 40)), jnp.int32)
+    lengths = jnp.asarray([40, 23], jnp.int32)
+    return tokens, lengths, _logits_after(tiny, Dense(), tokens, lengths)
+
+
 @pytest.mark.parametrize("policy", [StreamingLLM(budget=40), SnapKV(budget=1.0), H2O(budget=40), Quest(budget=40),
                                     Pipeline(compress=SnapKV(budget=64), decode=Quest(budget=1.0))])
-def test_budget_covering_prompt_is_exactly_dense(tiny, policy):
-    rng = seeded_rng()
-    tokens = jnp.asarray(rng.integers(0, 89, (2, 40)), jnp.int32)
-    lengths = jnp.asarray([40, 23], jnp.int32)
+def test_budget_covering_prompt_is_exactly_dense(tiny, dense_run, policy):
+    tokens, lengths, dense = dense_run
     bound = policy.bind(Setup(tiny.config, prompt_len=40, page_size=8))
-
-    def logits_after(pol):
-        cache = init_cache(tiny.config, 2, 48, page_size=8, dtype=jnp.float32)
-        first, cache, obs, _ = prefill(tiny, pol, tokens, lengths, cache)
-        squeeze = pol.stage("compress")
-        cap = squeeze.compressed_capacity(40, 8)
-        if cap is not None:
-            cache = squeeze.compress(cache, obs["compress"], cap, Prompt(tokens, lengths))
-        state = pol.stage("decode").decode_init(cache, obs.get("decode"))
-        out = [first]
-        tok = jnp.argmax(first, -1).astype(jnp.int32)
-        for _ in range(4):
-            lg, cache, state, _ = decode_step(tiny, pol, cache, tok, state)
-            out.append(lg)
-            tok = jnp.argmax(lg, -1).astype(jnp.int32)
-        return np.stack([np.asarray(x) for x in out])
-
-    np.testing.assert_array_equal(logits_after(bound), logits_after(Dense()))
+    np.testing.assert_array_equal(_logits_after(tiny, bound, tokens, lengths), dense)
 
 
 def test_h2o_running_eviction_keeps_cache_size_and_recent(tiny):
