@@ -18,8 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ROOT / "experiments"
 RECORD = ROOT / "docs" / "results" / "ruler4k"  # a committed `sparsekv eval` record
-GPU_ONLY = ("gemma3_speed", "gsc_gpu", "page_rope_gpu", "pool_decode_gpu", "sae_decode_gpu", "stem_routing_gpu",
-            "topk_gpu", "kvq_kernel_sweep_gpu", "kvq_ptx_check",
+GPU_ONLY = ("gemma3_speed", "gsc_gpu", "h2o_mass_gpu", "page_rope_gpu", "pool_decode_gpu", "sae_decode_gpu",
+            "stem_routing_gpu", "topk_gpu", "kvq_kernel_sweep_gpu", "kvq_ptx_check",
             "kvpress_adakv_memory_gpu")  # PyTorch + kvpress; its --tiny runs in the kvpress venv (test below)
 REAL_MODEL = ("bser_qwen_diagnosis", "kv_quant_fp8_diagnosis")  # a real model's numerics: arguments parsed only
 RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "e2e_speed_table", "kv_quant_fp8_gpu_check", "kvq_quality_table",

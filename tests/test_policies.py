@@ -158,8 +158,8 @@ def test_h2o_compress_properties(budget, lengths, seed):
     _check_compressed(cache, comp, keep, 0, np.floor(0.5 * keep).astype(int))
 
 
-@pytest.mark.parametrize("implementation", ["dense", "blocked"])
-def test_attention_mass_matches_dense_reference(implementation):
+@pytest.mark.parametrize("implementation, segments", [("dense", 1), ("dense", 3), ("dense", 8), ("blocked", 8)])
+def test_attention_mass_matches_dense_reference(implementation, segments):
     rng = seeded_rng()
     B, Tq, Hq, Hkv, D = 2, 37, 6, 2, 8
     q = rng.normal(size=(B, Tq, Hq, D)).astype(np.float32)
@@ -168,7 +168,7 @@ def test_attention_mass_matches_dense_reference(implementation):
     from sparsekv_jax.policies.h2o import attention_mass
 
     got = np.asarray(attention_mass(jnp.asarray(q), jnp.asarray(k), jnp.asarray(lengths), block=8,
-                                    implementation=implementation))
+                                    implementation=implementation, segments=segments))
     kk = np.repeat(k, Hq // Hkv, axis=2)
     s = np.einsum("bqhd,bthd->bhqt", q, kk) / np.sqrt(D)
     s = np.where(np.tril(np.ones((Tq, Tq), bool)), s, -np.inf)
