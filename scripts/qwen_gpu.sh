@@ -441,9 +441,8 @@ adakv(snapkv(0.5)), pyramidkv(snapkv(0.5))" --suite ruler --no-fullkv > "$RUNS/a
   20)  # DETACH=1 SAE_DIR=/tmp/qwen_sae_r4 (planned for the next machine): run4's SAEs (stage 19's, 34 MB, kept outside
       # the repo) carried alone first: `mkdir -p /tmp/qwen_sae_r4 && cp .carrysae/*.safetensors /tmp/qwen_sae_r4/ &&
       # touch /tmp/qwen_sae_r4/carried` (sha256 checked above). H2O's prefill-mass timing (issue 39), H2O(0.1)'s last
-      # RULER tasks at 32k (issue 35), and
-      # issue 37's 32k retrieval table with run4's SAEs and their random-direction control (run2's table is partial
-      # and its SAEs are lost: a folder of its own)
+      # RULER tasks at 32k (issue 35), and issue 37's 32k retrieval table with run4's SAEs and their random-direction
+      # control (run2's table is partial and its SAEs are lost: a folder of its own)
     # first, alone on the GPU (~2 min): H2O's prefill mass in causal segments against the whole square, one run
     # interleaved (experiments/h2o_mass_gpu.py); its table decides attention_mass's default `segments`
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout "$(left)" python experiments/h2o_mass_gpu.py --out "$RUNS/h2o_mass" \
