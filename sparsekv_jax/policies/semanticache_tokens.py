@@ -71,8 +71,8 @@ def tokenizer_masks(tokenizer: Any, protect: str | None) -> dict[str, jax.Array 
     ``None``)."""
     texts = clustering.vocabulary_texts(tokenizer)  # decoded once for every mask
     return {"delimiter_mask": jnp.asarray(clustering.delimiter_mask(tokenizer, texts=texts)),
-            "number_mask": jnp.asarray(clustering.number_mask(tokenizer, texts)) if protect in DIGITS else None,
-            "word_start_mask": (jnp.asarray(clustering.word_start_mask(tokenizer, texts)) if protect in WORDS
+            "number_mask": jnp.asarray(clustering.number_mask(tokenizer, texts=texts)) if protect in DIGITS else None,
+            "word_start_mask": (jnp.asarray(clustering.word_start_mask(tokenizer, texts=texts)) if protect in WORDS
                                 else None),
             "sentence_end_mask": (jnp.asarray(clustering.sentence_delimiter_mask(tokenizer, texts=texts))
                                   if protect in SENTENCES else None)}
