@@ -6,8 +6,8 @@ the paper), summed over the query heads of its GQA group. After prefill the cach
 ``recent`` most recent tokens plus the heaviest hitters, ``budget`` in all (paper: half and
 half). During decode the cache stays at that size: each new token overwrites the entry with the
 lowest accumulated score outside the recent window, and every step's attention adds to the
-scores. The prefill mass is computed blockwise over query blocks (no T×T matrix; on a CPU only
-the causal tiles, `attention_mass`).
+scores. The prefill mass is computed blockwise over query blocks (no T×T matrix; on a GPU in 16
+causal segments, about half the square; on a CPU only the causal tiles: `attention_mass`).
 When the budget covers the whole prompt the policy is exact dense: no compression, no eviction.
 """
 
@@ -30,7 +30,7 @@ from sparsekv_jax.policies.scored import ScoredCompression
 
 def attention_mass(q: jax.Array, k: jax.Array, lengths: jax.Array, block: int = 256,
                    implementation: str | None = None, backend: Backend | None = None,
-                   segments: int = 1) -> jax.Array:
+                   segments: int = 16) -> jax.Array:
     """Attention mass each key receives from all valid causal queries: ``[B, Hkv, T]`` fp32.
 
     ``q`` ``[B, T, Hq, D]``, ``k`` ``[B, T, Hkv, D]``. Query blocks are scanned so that no ``T×T``
@@ -42,8 +42,9 @@ def attention_mass(q: jax.Array, k: jax.Array, lengths: jax.Array, block: int = 
 
     ``segments`` (dense only): the query blocks in that many causal runs, each against the keys up to its
     last query (static slices), so the slabs cover about ``(1 + 1/segments) / 2`` of the ``T×T`` square
-    (56% at 8). 1 (the whole square) stays the default until a GPU times it against 1 in one run
-    (`experiments/h2o_mass_gpu.py`; on a CPU, 600 tokens, 3 segments took 0.62x the square's time).
+    (53% at 16; 1 is the whole square). 16 because it was the fastest of 1, 2, 4, 8, 16 in every case timed on an
+    H200 (Qwen2.5-Coder-1.5B's heads, 8k and 32k, batch 1 and 3): 0.55-0.57x the square's time at 32k, 0.70-0.75x
+    at 8k (docs/BENCHMARKS.md, "H2O's prefill mass in causal segments").
     """
     if implementation is None:
         implementation = "dense" if resolved(backend).gpu else "blocked"
