@@ -453,7 +453,7 @@ adakv(snapkv(0.5)), pyramidkv(snapkv(0.5))" --suite ruler --no-fullkv > "$RUNS/a
         --saes paper="$SAES" --saes control="$CONTROL" --max-minutes "${S3_MINUTES:-12}"
     } > "$RUNS/s3_retrieval32k_r4.log" 2>&1 &
     ;;
-  21)  # (planned 2026-11-29, the 10 minutes left after stage 20; in the call, no DETACH; no SAEs needed): issue 35's
+  21)  # (ran 2026-11-29 at 74534d0, docs/RESULTS.md "Stage 21"; in the call, no DETACH; no SAEs needed): issue 35's
       # question-aware rows at 10% and 50% at 8k, which no stage had run (aware was 25% only). Three jobs share the
       # GPU; each resumes its records, so a cut row is kept partial and goes on next time
     ev 0.2 aware_8k aware 8k "snapkv(0.1), snapkv(0.5), bm25(0.1), bm25(0.5)" --suite ruler --no-fullkv \

@@ -74,7 +74,10 @@ PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
         (f"s3pure(0.25, saes='{_QWEN_SAES_DB}')", f"s3pure(0.25, saes='{_QWEN_SAES2}')"),
         (f"s3hybrid(0.25, saes='{_QWEN_SAES_DB}')", "bm25(0.25)"),
         (f"s3hybrid(0.25, saes='{_QWEN_SAES4}')", "bm25(0.25)"),
-        (f"s3hybrid(0.25, saes='{_QWEN_SAES4}')", "snapkv(0.25)")),
+        (f"s3hybrid(0.25, saes='{_QWEN_SAES4}')", "snapkv(0.25)"),
+        # stage 21: question-aware 8k at 10% and 50%
+        ("bser(0.1)", "snapkv(0.1)"), ("bser(0.5)", "snapkv(0.5)"),
+        ("bm25(0.1)", "snapkv(0.1)"), ("bm25(0.5)", "snapkv(0.5)")),
     # the 0.5B (stage 12): does the 1.5B's ranking hold? Its CHESS rows name the calibration by its path on the GPU
     # machine; the same file ships as policies/calibration/qwen2.5-coder-0.5b.json
     "qwen2.5-coder-0.5b_h200": (
