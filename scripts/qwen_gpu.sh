@@ -438,11 +438,12 @@ adakv(snapkv(0.5)), pyramidkv(snapkv(0.5))" --suite ruler --no-fullkv > "$RUNS/a
         ev 0.12 agnostic_32k_budgets agnostic 32k "h2o(0.5)" --suite ruler --no-fullkv > "$RUNS/h2o32k_50.log" 2>&1 &
         wait; }; } > "$RUNS/sae_s3_agnostic.log" 2>&1 &
     ;;
-  20)  # DETACH=1 SAE_DIR=/tmp/qwen_sae_r4 (ran 2026-11-29 at e3a26ad, docs/RESULTS.md "Stage 20"): run4's SAEs (stage 19's, 34 MB, kept outside
-      # the repo) carried alone first: `mkdir -p /tmp/qwen_sae_r4 && cp .carrysae/*.safetensors /tmp/qwen_sae_r4/ &&
-      # touch /tmp/qwen_sae_r4/carried` (sha256 checked above). H2O's prefill-mass timing (issue 39), H2O(0.1)'s last
-      # RULER tasks at 32k (issue 35), and issue 37's 32k retrieval table with run4's SAEs and their random-direction
-      # control (run2's table is partial and its SAEs are lost: a folder of its own)
+  20)  # DETACH=1 SAE_DIR=/tmp/qwen_sae_r4 (ran 2026-11-29 at e3a26ad, docs/RESULTS.md "Stage 20"): run4's SAEs
+      # (stage 19's, 34 MB, kept outside the repo) carried alone first: `mkdir -p /tmp/qwen_sae_r4 && cp
+      # .carrysae/*.safetensors /tmp/qwen_sae_r4/ && touch /tmp/qwen_sae_r4/carried` (sha256 checked above). H2O's
+      # prefill-mass timing (issue 35's speed rows: H2O took 2-9 s a sample at 32k), H2O(0.1)'s last RULER tasks at
+      # 32k (issue 35), and issue 37's 32k retrieval table with run4's SAEs and their random-direction control
+      # (run2's table is partial and its SAEs are lost: a folder of its own)
     # first, alone on the GPU (~2 min): H2O's prefill mass in causal segments against the whole square, one run
     # interleaved (experiments/h2o_mass_gpu.py); its table decides attention_mass's default `segments`
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout "$(left)" python experiments/h2o_mass_gpu.py --out "$RUNS/h2o_mass" \
