@@ -143,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
                 policy_pairs.main([str(RESULTS / run), *(f"--pair={a}::{b}" for a, b in pairs),
                                    "--out", str(RESULTS / run / "policy_pairs.md")])
             print(f"{run}: {(RESULTS / run / 'policy_pairs.md').relative_to(ROOT)}")
+        import issue35_coverage  # which of issue 35's rows exist, for the model the issue is judged on
+
+        with contextlib.redirect_stdout(io.StringIO()):
+            issue35_coverage.main([str(RESULTS / "qwen2.5-coder-1.5b_h200")])
+        print(f"qwen2.5-coder-1.5b_h200: {(RESULTS / 'qwen2.5-coder-1.5b_h200' / 'coverage.md').relative_to(ROOT)}")
     return 1 if differ else 0
 
 

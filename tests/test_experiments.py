@@ -27,7 +27,8 @@ RUN_ON_CPU = ("compare_eval_runs", "cpu_speed", "e2e_speed_table", "kv_quant_fp8
 TESTED_ELSEWHERE = {"stem_ablation": "tests/test_stem.py::test_ablation_script_core (toy model, CPU)",
                     "s3_retrieval_quality": "tests/test_s3_retrieval_quality.py (SmolLM2, one RULER sample, CPU)",
                     "s3_control_saes": "tests/test_s3_control_saes.py (the shipped set's control; tiny model, CPU)",
-                    "quest_select_bench": "tests/test_quest_select_bench.py (toy shapes, CPU)"}
+                    "quest_select_bench": "tests/test_quest_select_bench.py (toy shapes, CPU)",
+                    "issue35_coverage": "tests/test_issue35_coverage.py (a toy report and the committed one, CPU)"}
 
 
 def _module(name: str):
