@@ -463,6 +463,18 @@ adakv(snapkv(0.5)), pyramidkv(snapkv(0.5))" --suite ruler --no-fullkv > "$RUNS/a
       --suite ruler --no-fullkv > "$RUNS/aware8k_budgets_b.log" 2>&1 &
     ev 0.2 aware_8k aware 8k "bser(0.1), bser(0.5)" --suite ruler --no-fullkv > "$RUNS/aware8k_budgets_c.log" 2>&1 &
     ;;
+  22)  # DETACH=1 (planned for the next machine; no SAEs needed): the cheapest of the cells issue 35's grid still lacks
+      # (docs/results/qwen2.5-coder-1.5b_h200/coverage.md, `experiments/issue35_coverage.py`). At 8k, question-aware:
+      # the question-blind compressors at 10 / 25 / 50%, CHESS and Stem, and AdaKV's / PyramidKV's last two tasks of
+      # stage 21; then the 16k value-type variants for H2O, StreamingLLM, AdaKV and PyramidKV at 25%. Every job
+      # resumes its records; the 8k rows first (about 1.5 min a row alone at batch 12)
+    ev 0.15 aware_8k aware 8k "$AT25" --suite ruler --no-fullkv > "$RUNS/aware8k_25.log" 2>&1 &
+    ev 0.15 aware_8k aware 8k "$AT10, $AT50" --suite ruler --no-fullkv > "$RUNS/aware8k_10_50.log" 2>&1 &
+    { ev 0.15 aware_8k aware 8k "adakv(snapkv(0.1)), adakv(snapkv(0.5)), pyramidkv(snapkv(0.1)), pyramidkv(snapkv(0.5)), \
+chess('moderate', calibration='qwen2.5-coder-1.5b')" --suite ruler --no-fullkv
+      ev 0.2 variants_16k agnostic 16k "h2o(0.25), streamingllm(0.25), adakv(snapkv(0.25)), pyramidkv(snapkv(0.25))" \
+        --suite ruler-variants --no-fullkv; } > "$RUNS/aware8k_rest_variants.log" 2>&1 &
+    ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
 wait
