@@ -463,7 +463,7 @@ adakv(snapkv(0.5)), pyramidkv(snapkv(0.5))" --suite ruler --no-fullkv > "$RUNS/a
       --suite ruler --no-fullkv > "$RUNS/aware8k_budgets_b.log" 2>&1 &
     ev 0.2 aware_8k aware 8k "bser(0.1), bser(0.5)" --suite ruler --no-fullkv > "$RUNS/aware8k_budgets_c.log" 2>&1 &
     ;;
-  22)  # DETACH=1 (planned for the next machine; no SAEs needed): the cheapest of the cells issue 35's grid still lacks
+  22)  # DETACH=1 (ran 2026-11-29 at 631873f, JOB_DEADLINE=1440, docs/RESULTS.md "Stage 22"; no SAEs needed): the cheapest of the cells issue 35's grid still lacks
       # (docs/results/qwen2.5-coder-1.5b_h200/coverage.md, `experiments/issue35_coverage.py`). At 8k, question-aware:
       # the question-blind compressors at 10 / 25 / 50%, CHESS and Stem, and AdaKV's / PyramidKV's last two tasks of
       # stage 21; then the 16k value-type variants for H2O, StreamingLLM, AdaKV and PyramidKV at 25%. Every job
