@@ -36,8 +36,6 @@ FAMILIES = ("fullkv", "snapkv", "streamingllm", "h2o", "quest", "semanticache", 
             "stem", "chess", "bm25", "s3hybrid", "s3pure")
 _FILE_ARG = re.compile(r",?\s*(saes|calibration)='[^']*'")
 _DEFAULT = re.compile(r"^(?P<name>[a-z0-9_]+)(\((?:(?P<inner>[a-z0-9_]+)\()?(?P<budget>[0-9.]+)?\)?\))?$")
-
-
 BUDGETLESS = ("fullkv", "stem", "chess")  # their single configuration goes in the 25% column
 
 
@@ -53,9 +51,8 @@ def default_config(policy: str) -> tuple[str, float | None] | None:
     if not m:
         return None
     family = {"streaming_llm": "streamingllm"}.get(m["name"], m["name"])
-    if family not in FAMILIES or (family in ("adakv", "pyramidkv")) != (m["inner"] == "snapkv"):
-        return None
-    if m["inner"] and family not in ("adakv", "pyramidkv"):
+    wrapper = family in ("adakv", "pyramidkv")  # their default wraps SnapKV; no other family wraps anything
+    if family not in FAMILIES or m["inner"] != ("snapkv" if wrapper else None):
         return None
     if (m["budget"] is None) != (family in BUDGETLESS):
         return None
@@ -102,6 +99,7 @@ def markdown(report: list[dict], title: str) -> str:
              "records, · not run; full attention, Stem and CHESS, which take no budget, in the 25% column).", "",
              "| policy | " + " | ".join(head(c) for c in columns) + " |",
              "|---|" + "---:|" * len(columns)]
+
     def applies(c: tuple, family: str) -> bool:
         return family not in BUDGETLESS or c[3] == 0.25
 
