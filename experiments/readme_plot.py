@@ -6,7 +6,7 @@ uses (:mod:`sparsekv_jax.eval.report`), so every number here is the report's.
 
 Drawn: each method and baseline as its paper sets it (:func:`drawn`), at every budget it ran; the ablations,
 opt-in variants and quantised caches are in the report, not here (with them the legend outgrew the panels).
-The value-type panel averages the columns every drawn row ran (:func:`shared_columns`).
+The value-type panel averages the columns every nearly complete drawn row ran (:func:`shared_columns`).
 
     python experiments/readme_plot.py            # writes docs/results/readme_frontier.png
 """
@@ -65,12 +65,23 @@ def short_name(policy: str) -> str:
     return _NEEDED.sub("", policy)
 
 
-def shared_columns(recs: list[dict[str, Any]]) -> set[str]:
-    """The columns every policy of ``recs`` has records in."""
+def shared_columns(recs: list[dict[str, Any]], share: float = 0.9) -> set[str]:
+    """The columns that every policy of ``recs`` running at least ``share`` of all the columns has records in,
+    kept only for the tasks that have all their value types among them (so the panel weighs the types alike).
+    A row that ran fewer columns is then partial on the panel, and not drawn: without the threshold, two rows
+    that ran half the suite cut the panel to 4 of its 8 tasks."""
     by_policy: dict[str, set[str]] = {}
     for r in recs:
         by_policy.setdefault(r["policy"], set()).add(r["column"])
-    return set.intersection(*by_policy.values()) if by_policy else set()
+    if not by_policy:
+        return set()
+    every = set.union(*by_policy.values())
+    cols = set.intersection(*(c for c in by_policy.values() if len(c) >= share * len(every)))
+    types = {c.split("@")[1] for c in every}
+    per_task: dict[str, set[str]] = {}
+    for c in cols:
+        per_task.setdefault(c.split("@")[0], set()).add(c.split("@")[1])
+    return {c for c in cols if per_task[c.split("@")[0]] == types}
 
 
 def panel_summary(recs: list[dict[str, Any]], suite: str, length: int) -> dict[str, Any]:
@@ -85,18 +96,17 @@ def panel_summary(recs: list[dict[str, Any]], suite: str, length: int) -> dict[s
 
 
 def point_groups(summ: dict[str, Any]) -> list[tuple[float, float, list[str]]]:
-    """The drawn points (complete rows but full attention) that sit together (KV kept within 10%, scores within
-    5 points) as ``(x, y, [policy names])``, to name each group once beside it (``chess ×3``: three readings)."""
+    """The drawn points (complete rows but full attention) that sit together as ``(x, y, [policy names])``, to name
+    each group once beside it (``chess ×3``: three readings). A point joins a group when its KV kept is within 10%
+    of the group's first and its score within 5 points of any member's (a chain: two groups 6 points apart would
+    otherwise print their multi-line labels over each other)."""
     pts = sorted((report.kv_kept(r), r["ci"]["average"][0], r["policy"])
                  for r in summ["rows"] if report.is_complete(r) and r["family"] != "fullkv" and r.get("ci")
                  and report.kv_kept(r) is not None)
     groups: list[list[tuple[float, float, str]]] = []
     for p in pts:
-        g = next((g for g in groups if abs(g[0][0] - p[0]) <= 0.1 * p[0] and abs(g[0][1] - p[1]) <= 5), None)
-        if g is None:
-            groups.append([p])
-        else:
-            g.append(p)
+        linked = [g for g in groups if abs(g[0][0] - p[0]) <= 0.1 * p[0] and any(abs(q[1] - p[1]) <= 5 for q in g)]
+        groups = [g for g in groups if g not in linked] + [[q for g in linked for q in g] + [p]]  # p may join two
     out = []
     for g in groups:
         # a policy alone in its family is named as its record spells it (an opt-in rule, e.g. SemantiCache's

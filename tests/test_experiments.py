@@ -149,11 +149,15 @@ def test_readme_plot_draws_the_recorded_rows(tmp_path, monkeypatch):
         assert not mod.drawn(opt_in), opt_in
     groups = {tuple(g[2]) for g in mod.point_groups(mod.panel_summary(recs, "ruler", 8192))}
     assert ("chess('moderate')",) in groups and not any("digit" in n for g in groups for n in g)
-    # the value-type panel: the columns every drawn row ran, so every drawn row is complete on them
+    # the value-type panel: the columns the nearly complete drawn rows all ran, each task with its three value
+    # types; those rows are complete on them, a row that ran half the suite is partial (and not drawn)
     variants = mod.panel_summary(recs, "ruler-variants", 16384)
-    assert len(variants["rows"]) >= 4 and all(r["coverage"]["complete"] for r in variants["rows"])
-    assert len(variants["columns"]) % 3 == 0 and {c.split("@")[1] for c in variants["columns"]} == {
-        "numbers", "words", "uuids"}
+    complete = [r for r in variants["rows"] if r["coverage"]["complete"]]
+    assert len(complete) >= 6 and len(variants["columns"]) >= 18 and len(variants["columns"]) % 3 == 0
+    assert {c.split("@")[1] for c in variants["columns"]} == {"numbers", "words", "uuids"}
+    toy = [{"policy": p, "column": f"{t}@{v}@16k"} for p, tasks in (("a", "xyz"), ("b", "xy"), ("c", "x"))
+           for t in tasks for v in ("numbers", "words")] + [{"policy": "a", "column": "w@numbers@16k"}]
+    assert mod.shared_columns(toy, share=0.5) == {"x@numbers@16k", "x@words@16k", "y@numbers@16k", "y@words@16k"}
     mod.main(["--out", str(tmp_path / "plot.png")])
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
