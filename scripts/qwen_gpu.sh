@@ -479,7 +479,8 @@ chess('moderate', calibration='qwen2.5-coder-1.5b')" --suite ruler --no-fullkv
       # (coverage.md), most informative first: question-aware at 32k at 10% / 50% for the policies that use the
       # question (SnapKV, AdaKV, PyramidKV, BM25: at 8k BM25 led SnapKV by 21 points at 10% and trailed at 50%; does
       # that hold at 32k?), then the question-blind compressors, Stem and CHESS question-aware at 32k (25%), and
-      # LongBench for the policies it lacks. Each job resumes its records; a cut row stays partial and goes on next time
+      # LongBench for the policies it lacks, the 16k variants for Stem, CHESS and SnapKV/Quest's last columns. Each job
+      # resumes its records; a cut row stays partial and goes on next time
     { ev 0.12 aware_32k aware 32k "snapkv(0.1), snapkv(0.5), adakv(snapkv(0.1)), adakv(snapkv(0.5))" --suite ruler \
         --no-fullkv
       ev 0.12 aware_32k aware 32k "h2o(0.25), streamingllm(0.25), quest(0.25), semanticache(0.25), stem" --suite ruler \
@@ -487,6 +488,9 @@ chess('moderate', calibration='qwen2.5-coder-1.5b')" --suite ruler --no-fullkv
     { ev 0.12 aware_32k aware 32k "bm25(0.1), bm25(0.5), pyramidkv(snapkv(0.1)), pyramidkv(snapkv(0.5))" \
         --suite ruler --no-fullkv
       ev 0.12 aware_32k aware 32k "chess('moderate', calibration='qwen2.5-coder-1.5b')" --suite ruler --no-fullkv
+      # the value-type variants: SnapKV's and Quest's last two columns, Stem and CHESS (issue 36 asks for every type)
+      ev 0.15 variants_16k agnostic 16k "snapkv(0.25), quest(0.25), stem, \
+chess('moderate', calibration='qwen2.5-coder-1.5b')" --suite ruler-variants --no-fullkv
     } > "$RUNS/aware32k_b.log" 2>&1 &
     { ev 0.12 longbench agnostic 32k "streamingllm(0.25), h2o(0.25), adakv(snapkv(0.25)), pyramidkv(snapkv(0.25)), \
 bm25(0.25), stem, chess('moderate', calibration='qwen2.5-coder-1.5b')" --suite longbench --no-fullkv
