@@ -475,7 +475,8 @@ chess('moderate', calibration='qwen2.5-coder-1.5b')" --suite ruler --no-fullkv
       ev 0.2 variants_16k agnostic 16k "h2o(0.25), streamingllm(0.25), adakv(snapkv(0.25)), pyramidkv(snapkv(0.25))" \
         --suite ruler-variants --no-fullkv; } > "$RUNS/aware8k_rest_variants.log" 2>&1 &
     ;;
-  23)  # DETACH=1 (planned for the next machine; no SAEs needed): after stage 22, the next cells of issue 35's grid
+  23)  # DETACH=1 (no SAEs needed; ran once, 2026-11-29: jobs A/B's first rows complete, CHESS 146/325, LongBench
+      # 63/112; rerun as is, rows resume): after stage 22, the next cells of issue 35's grid
       # (coverage.md), most informative first: question-aware at 32k at 10% / 50% for the policies that use the
       # question (SnapKV, AdaKV, PyramidKV, BM25: at 8k BM25 led SnapKV by 21 points at 10% and trailed at 50%; does
       # that hold at 32k?), then the question-blind compressors, Stem and CHESS question-aware at 32k (25%), and
