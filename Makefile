@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PEER   := .venv-kvpress
 
-.PHONY: demo test lint install clean peer-venv reports
+.PHONY: demo test test-all lint install clean peer-venv reports
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ TEST_WORKERS ?= 2
 
 test: $(STAMP) $(PEER)/.installed lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 tests
+
+# Every parametrization of the tests marked `share` (`make test` runs a seeded share of them; tests/conftest.py)
+test-all: $(STAMP) $(PEER)/.installed lint
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 --every-case tests
 
 # Every results report the docs link to, and the README's plot, regenerated from the committed records.
 reports: $(STAMP)

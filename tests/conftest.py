@@ -39,6 +39,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--seed", type=int, default=None, metavar="N",
                      help="seed of the tests' random draws (default: a fresh one each run; it is printed in the "
                           "header and with each failure, to replay the draws)")
+    parser.addoption("--every-case", action="store_true",
+                     help="run every parametrization of the tests marked `share` (by default a run takes the "
+                          "seeded share of them that `--seed` replays)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -47,6 +50,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if seed is None and workerinput is not None:
         seed = workerinput.get("sparsekv_seed")
     _SEEDS["run"] = secrets.randbits(31) if seed is None else int(seed)
+    config.addinivalue_line("markers", "share(k): a run takes a seeded ceil(n / k) of the test's n parametrizations "
+                                       "(`pytest_collection_modifyitems`; --every-case runs them all)")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -55,7 +60,40 @@ def pytest_configure_node(node) -> None:  # pytest-xdist: every worker draws fro
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    return f"random seed: {_SEEDS['run']} (pytest --seed {_SEEDS['run']} replays the draws)"
+    share = ("every case of the `share` tests" if config.getoption("--every-case")
+             else "a seeded share of the `share` tests' cases (--every-case: all)")
+    return f"random seed: {_SEEDS['run']} (pytest --seed {_SEEDS['run']} replays the draws); {share}"
+
+
+# -- a seeded share of a test's parametrizations --------------------------------------------------
+# `@pytest.mark.share(k)` on a parametrized test whose cases check one property on k or more variants
+# (policies, layouts, dtypes) that each compile their own programs: a run takes ceil(n / k) of its n
+# cases, drawn from the run's seed, the others deselected (counted in pytest's summary). Across runs
+# every case is drawn (one sits out m runs in a row with probability about (1 - 1/k)^m); `--seed N`
+# gives a failing run's cases again, and `--every-case` (`make test-all`) runs them all. Why: the
+# suite compiles thousands of small XLA programs on 2 cores, and CI's budget is 20 minutes.
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m: a case picked by name is never dropped
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--every-case"):
+        return
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        marker = item.get_closest_marker("share")
+        if marker is not None and hasattr(item, "callspec"):
+            groups.setdefault(item.nodeid.split("[", 1)[0], []).append(item)
+    dropped: set[str] = set()
+    for name, cases in groups.items():
+        k = cases[0].get_closest_marker("share").args[0]
+        if not (isinstance(k, int) and k >= 1):
+            raise pytest.UsageError(f"{name}: share(k) takes an integer k >= 1, got {k!r}")
+        order = np.random.default_rng([_SEEDS["run"], zlib.crc32(name.encode())]).permutation(len(cases))
+        kept = -(-len(cases) // k)  # ceil(n / k)
+        dropped.update(cases[i].nodeid for i in order[kept:])
+    if dropped:
+        config.hook.pytest_deselected(items=[item for item in items if item.nodeid in dropped])
+        items[:] = [item for item in items if item.nodeid not in dropped]
 
 
 def pytest_collectstart(collector: pytest.Collector) -> None:
@@ -199,7 +237,10 @@ def _free_compiled_code():
 
     XLA:CPU maps a few memory regions per compiled executable and never unmaps them while the
     executable is cached: the whole suite in one process passed the kernel's ``vm.max_map_count``
-    (65,530 regions; ~20k after 60 tests) and the next compilation segfaulted inside XLA."""
+    (65,530 regions; ~20k after 60 tests) and the next compilation segfaulted inside XLA. Keeping
+    them until the process maps 20k regions (so a module reuses an earlier one's programs) made ten
+    pool test files slower, not faster (405 s against 374 s on 2 workers, 2026-11-29): modules
+    share few programs."""
     yield
     jax.clear_caches()
     gc.collect()

@@ -58,6 +58,7 @@ def _run(params, policy, tokens, lengths, decode, prefill, carry=False, matmul="
                     backend=backend)
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("policy", [Dense(), Quest(budget=32, dense_layers=0), SnapKV(budget=40, window=8),
                                     H2O(budget=40), CHESS.aggressive(chunk_pages=1, grid_chunks=2),
                                     RandomBlocks(seed=int(seeded_rng().integers(1000)))],

@@ -82,6 +82,7 @@ def _np_fill(x: np.ndarray, zero: np.ndarray | float, kv_dtype: str, per_channel
     return scale, np.stack(deq)
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("how", ["append", "write_tokens"])
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 def test_a_page_refilled_after_a_rewind_is_quantised_as_if_never_taken_back(rng, kv_dtype, how):

@@ -155,6 +155,7 @@ def _check_int8(policy: Policy, covering: Policy, setup) -> None:
     _check_covering(covering, setup)
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("name", REGISTERED["int8"])
 def test_registered_policy_keeps_the_contract_on_an_int8_cache(name, int8_setup):
     _check_int8(POLICIES[name], type(POLICIES[name]).covering(), int8_setup)
@@ -195,6 +196,7 @@ def gemma_setup(smol):
     return _setup(GEMMA, smol[2])
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("name", GEMMA_POLICIES)
 def test_registered_policy_keeps_the_contract_on_interleaved_layers(name, gemma_setup):
     assert gemma_setup[3].cache.local is not None  # the ring path

@@ -27,6 +27,7 @@ def params():
     return random_params(CFG, jax.random.key(int(seeded_rng().integers(1 << 30))), jnp.float32, scale=0.3)
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("spec", ["fullkv", "snapkv(0.5, window=8)", "h2o(0.5)", "quest(0.5)"])
 def test_session_steps_give_generates_tokens(params, rng, spec):
     """prefill → compress → decode one at a time, ragged batch 2: the tokens and stats of `generate`."""

@@ -60,6 +60,7 @@ def _pages_needed(lengths, new: int) -> int:
     return CFG.num_layers * CFG.num_kv_heads * sum(max(P, -(-(int(n) + new - 1) // PS)) for n in lengths)
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("store", list(STORES))
 def test_pool_decodes_full_attentions_tokens_and_logits(weights, rng, store):
     """`generate` and `teacher_force` with ``pool=True``: the default path's tokens, and its logits within

@@ -65,6 +65,7 @@ def _stats(out) -> dict[str, np.ndarray]:
     return {k: np.asarray(out.stats[k]) for k in ("backtracks", "reselections", "changed_backtracks")}
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("case", list(RUNS))
 def test_chess_on_the_pool_backtracks_as_the_uniform_layout(params, rng, case):
     """`generate` with ``pool=True``: the default path's tokens, its backtracks (every row takes its first page

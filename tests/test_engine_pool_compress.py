@@ -94,6 +94,7 @@ def _check_decode_pool(pool: PoolCache, counts: np.ndarray) -> None:
     assert int(pool.alloc.num_free) == pool.num_pages - ids.size
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("policy, case", RUNS)
 def test_compressor_on_the_pool_gives_the_uniform_tokens_and_logits(params, rng, policy, case):
     """`generate` and `teacher_force` with ``pool=True``: the default path's tokens and logits (within 1e-5;

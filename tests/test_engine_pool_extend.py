@@ -96,6 +96,7 @@ def _check_pages(pool: PoolCache, lengths: np.ndarray, at_least: int = 0) -> Non
     assert int(pool.alloc.num_free) == pool.num_pages - ids.size
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_suffix_on_the_pool_gives_the_uniform_tokens_and_logits(params, rng, policy):
     """A pooled `Session` whose pool, after compression, has its pages moved by a random permutation and every free
@@ -224,6 +225,7 @@ def test_session_asks_two_questions_of_one_compressed_pool(params, rng, policy):
     assert not np.array_equal(*answers)  # the questions matter
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("policy", list(OTHERS))
 def test_the_other_compressors_read_a_suffix_as_the_uniform_path(params, rng, policy):
     """StreamingLLM, PyramidKV(SnapKV) (layers keep different counts) and SemantiCache (its merge writes

@@ -83,6 +83,7 @@ def _uniform_positions(cache) -> np.ndarray:
 RUNS = {"jnp-0.5": ("jnp", 0.5), "kernel-int8-0.25": ("kernel-int8", 0.25)}
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("case", list(RUNS))
 def test_h2o_on_the_pool_gives_the_uniform_tokens_and_logits(params, rng, case):
     """`generate` and `teacher_force` with ``pool=True``: the uniform path's tokens, its logits within 1e-5 (fp32;

@@ -182,6 +182,7 @@ def _reference(params, cache, first_logits: np.ndarray, per_head: bool, new: int
     return np.stack(tokens, 1), np.stack(logits, 1), np.stack(pages), np.stack(used)
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("compressor", list(COMPRESSORS))
 def test_compressor_then_quest_on_the_pool(params, rng, compressor):
     """`generate` and `teacher_force` with ``pool=True`` for a compressor followed by Quest give the tokens,

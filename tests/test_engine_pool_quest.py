@@ -57,6 +57,7 @@ def _kw(backend: str) -> dict:
 RUNS = {"jnp": ("jnp", QUEST, NEW), "jnp-quest16": ("jnp", Quest(0.25, page_size=2 * PS, dense_layers=1), 8)}
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("case", list(RUNS))
 def test_quest_on_the_pool_gives_the_uniform_tokens_logits_and_reads(params, rng, case):
     """`generate` and `teacher_force` with ``pool=True``: the default path's tokens, its logits within 1e-5
@@ -80,6 +81,7 @@ def test_quest_on_the_pool_gives_the_uniform_tokens_logits_and_reads(params, rng
     np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("backend", ["jnp", "kernel-int8"])
 def test_quest_on_a_shuffled_pool_decodes_the_same(params, rng, backend):
     """After the prefill the pool's pages are moved by a random permutation and every free page filled with

@@ -241,6 +241,7 @@ def _np_dequant(codes, scales, ps, axis_channels: bool, zeros=None) -> np.ndarra
     return c * (s if axis_channels else s[..., None]) + z
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
 @pytest.mark.parametrize("sparse,stacked,q_dtype,zero", [(False, False, jnp.float32, False),
                                                          (True, True, jnp.bfloat16, False),

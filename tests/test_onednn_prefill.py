@@ -138,6 +138,7 @@ def test_bad_settings_name_the_value():
     assert Backend().resolve(fp32).prefill_dots == ("onednn" if ONEDNN_RUNS else "xla")
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("policy,suffix", [(Dense(), False), (SnapKV(0.4, window=8), False), (SnapKV(0.4, window=8),
                                                                                                    True)])
 def test_prefill_on_onednn_matches_xla_dots(policy, suffix):

@@ -119,6 +119,7 @@ _DRAW = seeded_rng()
 KV_DTYPE_OF = dict(zip(SOURCES, [(None, "int8")[i] for i in _DRAW.permutation([0, 1, _DRAW.integers(2)])], strict=True))
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("source", SOURCES)
 def test_pooled_compaction_is_write_entries_per_head(rng, source):
     """Per (layer, row, head), the pool read back through its table holds exactly the first ``count`` entries

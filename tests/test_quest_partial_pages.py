@@ -147,6 +147,7 @@ def test_quest_page_list_on_a_partial_last_quest_page_is_the_bruteforce_top_page
             assert counts == used_c and sorted(ids[:counts].tolist()) == list(range(used_c)), (b, h, ids, counts)
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("budget", [16, 32])
 def test_quest_with_a_partial_last_quest_page_is_the_reference_selection(params, rng, budget):
     """Uniform cache, batch 2 of different lengths, capacity 7 cache pages: `teacher_force` logits within
@@ -171,6 +172,7 @@ def test_quest_with_a_partial_last_quest_page_is_the_reference_selection(params,
     np.testing.assert_allclose(reads, _reads(LENGTHS, budget // QPS), rtol=1e-6)
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("backend", ["jnp", "kernel"])
 def test_quest_listing_every_page_with_a_partial_last_quest_page_is_full_attention(params, rng, backend):
     """Prompt width 36 and 4 tokens after it: capacity 5 cache pages, 3 Quest pages, the last partial and in
@@ -190,6 +192,7 @@ def test_quest_listing_every_page_with_a_partial_last_quest_page_is_full_attenti
     np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("backend", ["jnp", "kernel"])
 def test_quest_with_a_partial_last_quest_page_on_the_pool_is_the_uniform_path(params, rng, backend):
     """``pool=True`` (each head's length, logical pages read through the tables) with the 7-cache-page

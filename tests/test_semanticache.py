@@ -296,6 +296,7 @@ def compare(pol: SemantiCache, seed: int, lengths=(48, 40, 29), T: int = 48, del
 SENTENCES, WORDS, DIGITS = (dict(protect=p) for p in ("digit_sentences", "digit_words", "digits"))
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("pol, delim_rate, number_rate, kept", [
     # threshold mode, number sentences kept (share 1: ids 4 and 5 are digits, so ~12% of tokens are, and most
     # sentences hold one; at the default share a draw could keep the words in every row)

@@ -54,6 +54,7 @@ def _prefill_options(monkeypatch, options: str) -> str:
     return "xla"
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("case, options", RUNS, ids=[f"{c}-{o}" for c, o in RUNS])
 def test_teacher_force_equals_the_session_step_by_step(rng, monkeypatch, case, options):
     """With a suffix, pages of 8, batch 2 of different lengths: `teacher_force`'s logits equal the `Session`'s
