@@ -66,13 +66,21 @@ def short_name(policy: str) -> str:
 
 
 def shared_columns(recs: list[dict[str, Any]], share: float = 0.9) -> set[str]:
-    """The columns that every policy of ``recs`` running at least ``share`` of all the columns has records in,
+    """The columns that every policy of ``recs`` completing at least ``share`` of all the columns has completed,
     kept only for the tasks that have all their value types among them (so the panel weighs the types alike).
-    A row that ran fewer columns is then partial on the panel, and not drawn: without the threshold, two rows
-    that ran half the suite cut the panel to 4 of its 8 tasks."""
-    by_policy: dict[str, set[str]] = {}
+    A row that completed fewer columns is then partial on the panel, and not drawn: without the threshold, two
+    rows that ran half the suite cut the panel to 4 of its 8 tasks. A policy completes a column when it has as
+    many records in it as any policy has (a run cut inside the last column must not make every row partial)."""
+    counts: dict[tuple[str, str], int] = {}
     for r in recs:
-        by_policy.setdefault(r["policy"], set()).add(r["column"])
+        counts[r["policy"], r["column"]] = counts.get((r["policy"], r["column"]), 0) + 1
+    most: dict[str, int] = {}
+    for (_, column), n in counts.items():
+        most[column] = max(most.get(column, 0), n)
+    by_policy: dict[str, set[str]] = {}
+    for (policy, column), n in counts.items():
+        if n == most[column]:
+            by_policy.setdefault(policy, set()).add(column)
     if not by_policy:
         return set()
     every = set.union(*by_policy.values())

@@ -475,8 +475,9 @@ chess('moderate', calibration='qwen2.5-coder-1.5b')" --suite ruler --no-fullkv
       ev 0.2 variants_16k agnostic 16k "h2o(0.25), streamingllm(0.25), adakv(snapkv(0.25)), pyramidkv(snapkv(0.25))" \
         --suite ruler-variants --no-fullkv; } > "$RUNS/aware8k_rest_variants.log" 2>&1 &
     ;;
-  23)  # DETACH=1 (no SAEs needed; ran once, 2026-11-29: jobs A/B's first rows complete, CHESS 146/325, LongBench
-      # 63/112; rerun as is, rows resume): after stage 22, the next cells of issue 35's grid
+  23)  # DETACH=1 (no SAEs needed; ran twice, 2026-11-29: all but job A's second line (175/325), the variants'
+      # last uuid rows and C's 32k budgets are complete; rerun as is, rows resume): after stage 22, the next cells of
+      # issue 35's grid
       # (coverage.md), most informative first: question-aware at 32k at 10% / 50% for the policies that use the
       # question (SnapKV, AdaKV, PyramidKV, BM25: at 8k BM25 led SnapKV by 21 points at 10% and trailed at 50%; does
       # that hold at 32k?), then the question-blind compressors, Stem and CHESS question-aware at 32k (25%), and
@@ -492,6 +493,9 @@ chess('moderate', calibration='qwen2.5-coder-1.5b')" --suite ruler --no-fullkv
       # the value-type variants: SnapKV's and Quest's last two columns, Stem and CHESS (issue 36 asks for every type)
       ev 0.15 variants_16k agnostic 16k "snapkv(0.25), quest(0.25), stem, \
 chess('moderate', calibration='qwen2.5-coder-1.5b')" --suite ruler-variants --no-fullkv
+      # added after the second run (job B had ended early): BM25's and BSER's value-type variants, BSER on LongBench
+      ev 0.15 variants_16k agnostic 16k "bm25(0.25), bser(0.25)" --suite ruler-variants --no-fullkv
+      ev 0.12 longbench agnostic 32k "bser(0.25)" --suite longbench --no-fullkv
     } > "$RUNS/aware32k_b.log" 2>&1 &
     { ev 0.12 longbench agnostic 32k "streamingllm(0.25), h2o(0.25), adakv(snapkv(0.25)), pyramidkv(snapkv(0.25)), \
 bm25(0.25), stem, chess('moderate', calibration='qwen2.5-coder-1.5b')" --suite longbench --no-fullkv
