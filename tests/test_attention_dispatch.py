@@ -87,6 +87,7 @@ def test_block_pattern_listing_every_causal_block_is_dense(params):
     assert float(sparse.stats["prefill_block_fraction"]) < 1.0
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("policy", [Dense(), H2O(budget=40), Quest(budget=32, dense_layers=0)],
                          ids=["dense", "h2o", "quest"])
 def test_carried_cache_equals_scanned_cache(params, policy):

@@ -20,6 +20,7 @@ def planted_band(rng, B: int, H: int, T: int, width: int, groups: int = 5, noise
     return clustering.similarity_band(jnp.asarray(keys, jnp.float32), width)
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("width, tile, T", [(16, 32, 150), (8, 64, 70), (32, 16, 97)])
 def test_kernel_equals_the_jnp_reference_on_every_layout(width, tile, T):
     rng = seeded_rng()

@@ -57,6 +57,7 @@ DENSE_CASES = [
 ]
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("Hq,Hkv,D,ps,P,dtype", DENSE_CASES)
 def test_dense_matches_reference(rng, Hq, Hkv, D, ps, P, dtype):
     q, k, v, lengths = _inputs(rng, 3, Hq, Hkv, D, P, ps, dtype)
@@ -74,6 +75,7 @@ SPARSE_CASES = [
 ]
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("Hq,Hkv,D,ps,P,dtype", SPARSE_CASES)
 def test_sparse_unsorted_ragged_matches_reference(rng, Hq, Hkv, D, ps, P, dtype):
     B = 3

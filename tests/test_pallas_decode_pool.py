@@ -70,6 +70,7 @@ CASES = [(4, 2, False, jnp.float32), (8, 2, True, jnp.bfloat16), (8, 2, False, j
          (6, 3, True, jnp.float32)]
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("Hq,Hkv,listed,dtype", CASES)
 def test_pool_matches_reference_and_uniform_kernel(rng, Hq, Hkv, listed, dtype):
     B, D, M, ps = 2, 64, 5, 16

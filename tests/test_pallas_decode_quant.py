@@ -103,6 +103,7 @@ CHECKED = [d for d in VARIANTS if d != "page_magic"]
 _OFFSET = int(seeded_rng().integers(len(CHECKED)))
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[f"case{i}" for i in range(len(CASES))])
 def test_variant_matches_reference(rng, case):
     """Each case (kv dtype, sparse, stacked, q dtype, zero points, tile: a kernel program per variant, the cost)
@@ -147,6 +148,7 @@ def test_variant_matches_reference(rng, case):
         assert rel_err(out, np.asarray(ref, np.float32)) <= (1e-5 if f32 else 4e-2)
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("dequant", VARIANTS)
 def test_variant_probs_bias_and_page_pool(rng, dequant):
     """``return_probs`` with a bias, against the reference; then the same cache as a page pool (pages

@@ -56,6 +56,7 @@ DENSE_CASES = [
 ]
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("Hq,Hkv,D,bs,T,off,dtype", DENSE_CASES)
 def test_dense_matches_reference(rng, Hq, Hkv, D, bs, T, off, dtype):
     S = off + -(-T // bs) * bs + bs
@@ -72,6 +73,7 @@ SPARSE_CASES = [
 ]
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("Hq,Hkv,D,bs,T,off,dtype,diag", SPARSE_CASES)
 def test_sparse_unsorted_matches_reference(rng, Hq, Hkv, D, bs, T, off, dtype, diag):
     B = 2

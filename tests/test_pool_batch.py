@@ -64,6 +64,7 @@ def _session_pool(params, spec: str, rng):
     return session.prefill().cache if spec == "fullkv" else session.compress().cache
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_pool_builder_is_the_engines_pool(params, name, rng):
     """Same pool size, table width, tables, held pages, lengths, free stack and leaves as the session's pool."""
@@ -104,6 +105,7 @@ def test_adakv_counts_are_its_allocation(rng):
     assert (counts != n).any()
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_pool_decode_equals_uniform_decode(params, name, rng):
     """The engine's pooled step on the built pool gives the uniform builder's logits on the same entries, step by

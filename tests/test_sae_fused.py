@@ -50,6 +50,7 @@ def _check(got, want, gap, tol):
     np.testing.assert_allclose(np.asarray(v)[clear], wv[clear], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("N,block_w,masked", [(16, 32, False), (20, 32, True), (16, None, False)])
 def test_fused_encoder_equals_references(rng, N, block_w, masked):
     x = jnp.asarray(rng.normal(size=(S, N, D)), jnp.float32)

@@ -36,6 +36,7 @@ def _inputs(S=2, N=40, W=256, D=16, k=5):
     return table, bias, ids, coef, vec
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("N,k,block_rows,unroll", [(40, 5, 16, 2), (64, 8, 32, 4), (7, 3, 8, 1)])
 def test_gather_decode_and_its_gradient_equal_jnp(N, k, block_rows, unroll):
     table, bias, ids, coef, vec = _inputs(N=N, k=k)

@@ -81,6 +81,7 @@ def test_paper_config_states_the_papers_run(model):
         assert cfg.layers == global_layers
 
 
+@pytest.mark.share(2)
 @pytest.mark.parametrize("model", sorted(SHAPES))
 def test_paper_config_runs_three_steps_on_a_tiny_slice(model, tmp_path):
     seed = int(seeded_rng().integers(1 << 30))
