@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +72,7 @@ def shared_columns(recs: list[dict[str, Any]], share: float = 0.9) -> set[str]:
     A row that completed fewer columns is then partial on the panel, and not drawn: without the threshold, two
     rows that ran half the suite cut the panel to 4 of its 8 tasks. A policy completes a column when it has as
     many records in it as any policy has (a run cut inside the last column must not make every row partial)."""
-    counts: dict[tuple[str, str], int] = {}
-    for r in recs:
-        counts[r["policy"], r["column"]] = counts.get((r["policy"], r["column"]), 0) + 1
+    counts = Counter((r["policy"], r["column"]) for r in recs)
     most: dict[str, int] = {}
     for (_, column), n in counts.items():
         most[column] = max(most.get(column, 0), n)
