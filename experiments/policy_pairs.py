@@ -12,6 +12,11 @@ samples both ran, both averages, A − B in points and A as a % of B, with the r
 interval (`sparsekv_jax.eval.report.paired_bootstrap`, B as the reference: per task, the same resampled
 samples for both). A pair is written ``A::B`` (policy specs contain
 commas and ``=``). Pairs with no shared sample are listed as such.
+
+A side may name its question mode, ``aware:`` or ``agnostic:`` before the label (both sides, or neither):
+``aware:quest(0.25)::agnostic:quest(0.25)`` pairs Quest with the question in the prompt against Quest without
+it, on the samples both modes ran (RULER's samples are the same in both: the question is only placed
+differently), and the question column says ``aware − agnostic``.
 """
 
 from __future__ import annotations
@@ -22,26 +27,46 @@ from pathlib import Path
 
 from sparsekv_jax.eval.report import find_results, load_results, paired_bootstrap
 
+QUESTION_MODES = ("aware", "agnostic")
+
+
+def _mode(label: str) -> tuple[str | None, str]:
+    """``"aware:quest(0.25)"`` -> ``("aware", "quest(0.25)")``; a label without a mode -> ``(None, label)``."""
+    head, sep, rest = label.partition(":")
+    return (head, rest.strip()) if sep and head in QUESTION_MODES else (None, label)
+
 
 def parse_pair(text: str) -> tuple[str, str]:
-    """``"A::B"`` -> ``(A, B)``; raises `argparse.ArgumentTypeError` naming the text otherwise."""
+    """``"A::B"`` -> ``(A, B)``; raises `argparse.ArgumentTypeError` naming the text otherwise (also when one
+    side names a question mode and the other does not)."""
     a, sep, b = text.partition("::")
     if not sep or not a.strip() or not b.strip() or "::" in b:
         raise argparse.ArgumentTypeError(f"--pair {text!r}: expected POLICY_A::POLICY_B (two labels as the records "
                                          "spell them, e.g. 'adakv(snapkv(0.25))::snapkv(0.25)')")
+    if (_mode(a.strip())[0] is None) != (_mode(b.strip())[0] is None):
+        raise argparse.ArgumentTypeError(f"--pair {text!r}: name the question mode on both sides "
+                                         f"({' or '.join(QUESTION_MODES)}:POLICY) or on neither")
     return a.strip(), b.strip()
 
 
 def table(folder: Path, pairs: list[tuple[str, str]]) -> list[dict]:
     """One dict per (pair, question mode, length) with shared samples; a pair with none gives one row
-    with ``samples == 0``."""
+    with ``samples == 0``. A pair whose sides name question modes (`parse_pair`) matches samples across them."""
     scores: dict[str, dict[tuple, float]] = defaultdict(dict)
     for r in (rec for path in find_results([folder]) for rec in load_results(path)):
         key = (r.get("suite", "ruler"), r["question"], r["length"], r["task"], r["seed"], r["index"])
         scores[r["policy"]][key] = float(r["score"])
+
+    def side(label: str, across: str) -> dict[tuple, float]:
+        mode, policy = _mode(label)
+        return {k if mode is None else (k[0], across, *k[2:]): v for k, v in scores.get(policy, {}).items()
+                if mode is None or k[1] == mode}
+
     rows = []
     for a, b in pairs:
-        shared = sorted(set(scores.get(a, {})) & set(scores.get(b, {})))
+        across = f"{_mode(a)[0]} − {_mode(b)[0]}"
+        a_scores, b_scores = side(a, across), side(b, across)
+        shared = sorted(set(a_scores) & set(b_scores))
         if not shared:
             rows.append({"a": a, "b": b, "samples": 0})
             continue
@@ -49,8 +74,8 @@ def table(folder: Path, pairs: list[tuple[str, str]]) -> list[dict]:
             keys = [k for k in shared if k[:3] == (suite, question, length)]
             pol, ref = defaultdict(list), defaultdict(list)
             for k in keys:
-                pol[k[3]].append(scores[a][k])
-                ref[k[3]].append(scores[b][k])
+                pol[k[3]].append(a_scores[k])
+                ref[k[3]].append(b_scores[k])
             boot = paired_bootstrap(dict(pol), dict(ref))
             ref_avg = boot["reference"][0] if isinstance(boot["reference"], list) else boot["reference"]
             rows.append({"a": a, "b": b, "suite": suite, "question": question, "length": length, "tasks": len(pol),

@@ -77,7 +77,10 @@ PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
         (f"s3hybrid(0.25, saes='{_QWEN_SAES4}')", "snapkv(0.25)"),
         # stage 21: question-aware 8k at 10% and 50%
         ("bser(0.1)", "snapkv(0.1)"), ("bser(0.5)", "snapkv(0.5)"),
-        ("bm25(0.1)", "snapkv(0.1)"), ("bm25(0.5)", "snapkv(0.5)")),
+        ("bm25(0.1)", "snapkv(0.1)"), ("bm25(0.5)", "snapkv(0.5)"),
+        # the same policy with the question in the prompt against without it, on the samples both modes ran
+        *((f"aware:{p}", f"agnostic:{p}") for p in ("snapkv(0.25)", "quest(0.25)", "stem", "h2o(0.25)",
+                                                     "streamingllm(0.25)", "semanticache(0.25)", _CHESS))),
     # the 0.5B (stage 12): does the 1.5B's ranking hold? Its CHESS rows name the calibration by its path on the GPU
     # machine; the same file ships as policies/calibration/qwen2.5-coder-0.5b.json
     "qwen2.5-coder-0.5b_h200": (

@@ -321,6 +321,32 @@ def test_policy_pairs_pairs_two_policies_on_their_shared_samples(tmp_path):
         out.read_text())
 
 
+def test_policy_pairs_pairs_one_policy_across_question_modes(tmp_path):
+    """``aware:P::agnostic:P`` matches P's samples across the two modes. By hand: aware (1, 1 | 0) -> task means 1
+    and 0 -> 50; agnostic (0, 1 | 0) -> 1/2 and 0 -> 25; +25 points, 200%. The aware sample with no agnostic twin
+    (index 2) is left out; a plain pair still pairs within one mode; a mode on one side only is refused."""
+    mod = _module("policy_pairs")
+
+    def rec(question, task, index, score, policy="quest(0.25)"):
+        return {"policy": policy, "suite": "ruler", "task": task, "length": 8192, "question": question, "seed": 0,
+                "index": index, "score": score}
+
+    rows = [rec("aware", "a", 0, 1.0), rec("aware", "a", 1, 1.0), rec("aware", "a", 2, 1.0), rec("aware", "b", 0, 0.0)]
+    rows += [rec("agnostic", "a", 0, 0.0), rec("agnostic", "a", 1, 1.0), rec("agnostic", "b", 0, 0.0)]
+    rows += [rec("agnostic", "a", 0, 1.0, "snapkv(0.25)")]
+    _write_records(tmp_path / "run", rows)
+    pair = mod.parse_pair("aware:quest(0.25)::agnostic:quest(0.25)")
+    (r,) = mod.table(tmp_path, [pair])
+    near = partial(pytest.approx, abs=1e-3)
+    assert (r["question"], r["tasks"], r["samples"]) == ("aware − agnostic", 2, 3)
+    assert (r["a_average"], r["b_average"], r["difference"][0]) == (near(50.0), near(25.0), near(25.0))
+    assert r["ratio"][0] == near(200.0)
+    (plain,) = mod.table(tmp_path, [("quest(0.25)", "snapkv(0.25)")])
+    assert (plain["question"], plain["samples"], plain["difference"][0]) == ("agnostic", 1, near(-100.0))
+    with pytest.raises(argparse.ArgumentTypeError, match="on both sides"):
+        mod.parse_pair("aware:quest(0.25)::quest(0.25)")
+
+
 def test_kvpress_adakv_memory_gpu_tiny(tmp_path):
     """The kvpress script's CPU smoke mode, run as tests/test_kvpress_peer.py runs kvpress (its own venv,
     ``$SPARSEKV_KVPRESS_PYTHON`` or ``.venv-kvpress``): a toy Llama (2 layers, 2 KV heads of 16, fp32), 256
