@@ -475,9 +475,8 @@ chess('moderate', calibration='qwen2.5-coder-1.5b')" --suite ruler --no-fullkv
       ev 0.2 variants_16k agnostic 16k "h2o(0.25), streamingllm(0.25), adakv(snapkv(0.25)), pyramidkv(snapkv(0.25))" \
         --suite ruler-variants --no-fullkv; } > "$RUNS/aware8k_rest_variants.log" 2>&1 &
     ;;
-  23)  # DETACH=1 (no SAEs needed; ran twice, 2026-11-29: all but job A's second line (175/325), the variants'
-      # last uuid rows and C's 32k budgets are complete; rerun as is, rows resume): after stage 22, the next cells of
-      # issue 35's grid
+  23)  # DETACH=1 (no SAEs needed; ran three times, 2026-11-29: everything but BSER's last 2 LongBench tasks is
+      # complete; what it left is in stage 24): after stage 22, the next cells of issue 35's grid
       # (coverage.md), most informative first: question-aware at 32k at 10% / 50% for the policies that use the
       # question (SnapKV, AdaKV, PyramidKV, BM25: at 8k BM25 led SnapKV by 21 points at 10% and trailed at 50%; does
       # that hold at 32k?), then the question-blind compressors, Stem and CHESS question-aware at 32k (25%), and
@@ -501,6 +500,21 @@ chess('moderate', calibration='qwen2.5-coder-1.5b')" --suite ruler-variants --no
 bm25(0.25), stem, chess('moderate', calibration='qwen2.5-coder-1.5b')" --suite longbench --no-fullkv
       ev 0.12 agnostic_32k_budgets agnostic 32k "adakv(snapkv(0.1)), adakv(snapkv(0.5)), pyramidkv(snapkv(0.1)), \
 pyramidkv(snapkv(0.5))" --suite ruler --no-fullkv; } > "$RUNS/longbench_agnostic32k.log" 2>&1 &
+    ;;
+  24)  # DETACH=1 (no SAEs needed): the cells of issue 35's grid stage 23 left (coverage.md), cheapest first. Job A
+      # finishes cut rows: StreamingLLM's and SemantiCache's last 32k samples without the question, BSER's last two
+      # LongBench tasks, then BSER question-aware at 32k at 10% / 50%. Job B: the 8k rows without the question for
+      # BSER, BM25 and Stem (about 1.5 min a row alone). Job C: BSER and BM25 at 32k without the question (about 10 min
+      # a row). Rows resume
+    { ev 0.12 agnostic_32k agnostic 32k "streamingllm(0.25), semanticache(0.25)" --suite ruler --no-fullkv
+      ev 0.12 longbench agnostic 32k "bser(0.25)" --suite longbench --no-fullkv
+      ev 0.12 aware_32k aware 32k "bser(0.1), bser(0.5)" --suite ruler --no-fullkv; } > "$RUNS/finish_a.log" 2>&1 &
+    { ev 0.15 agnostic_8k agnostic 8k "bser(0.25), bm25(0.25), stem" --suite ruler --no-fullkv
+      ev 0.15 agnostic_8k_budgets agnostic 8k "bser(0.1), bser(0.5), bm25(0.1), bm25(0.5)" --suite ruler --no-fullkv
+    } > "$RUNS/agnostic8k_b.log" 2>&1 &
+    { ev 0.12 agnostic_32k agnostic 32k "bser(0.25)" --suite ruler --no-fullkv
+      ev 0.12 agnostic_32k_budgets agnostic 32k "bser(0.1), bser(0.5), bm25(0.1), bm25(0.5)" --suite ruler --no-fullkv
+    } > "$RUNS/agnostic32k_c.log" 2>&1 &
     ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac
