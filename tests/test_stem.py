@@ -5,6 +5,7 @@ ablation script."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import math
@@ -441,6 +442,95 @@ def test_pallas_kernel_interpret_matches_jnp():
     assert not np.allclose(np.asarray(ref), np.asarray(dense), atol=1e-3)
 
 
+def _question_pattern(pol: Stem, q, k, v, lengths, starts) -> tuple[np.ndarray, np.ndarray]:
+    """``pol.prefill_pattern`` with a question split (``starts``; ``None``: no split), as host arrays."""
+    B, T = q.shape[:2]
+    prompt = Prompt(jnp.zeros((B, T), jnp.int32), jnp.asarray(lengths, jnp.int32),
+                    None if starts is None else jnp.asarray(starts, jnp.int32))
+    ids, counts, _ = jax.jit(lambda q, k, v, p: pol.prefill_pattern(q, k, v, jnp.int32(0), p))(q, k, v, prompt)
+    return np.asarray(ids), np.asarray(counts)
+
+
+@pytest.mark.parametrize("routing", ["tiled", "full"])
+def test_dense_question_widens_only_the_question_blocks(rng, routing):
+    """``dense_question``: the blocks from the question's first one to the row's last list every causal
+    block; every other list (and every list without a split) is the default's, id for id."""
+    T = int(rng.integers(330, 400))
+    lengths = np.array([T, int(rng.integers(200, T)), int(rng.integers(60, 150))], np.int32)
+    starts = np.array([int(rng.integers(1, n)) for n in lengths], np.int32)
+    q, k, v = _qkv(rng, 3, T, 6, 2)
+    base = Stem(block_size=16, stride=4, k_start_ratio=0.4, min_blocks=4, sink_blocks=1, local_blocks=2,
+                routing=routing)
+    wide = dataclasses.replace(base, dense_question=True)
+    ids0, counts0 = _question_pattern(base, q, k, v, lengths, starts)
+    ids, counts = _question_pattern(wide, q, k, v, lengths, starts)
+    n = -(-T // 16)
+    assert ids.shape == (3, 2, n, n) and counts.shape == (3, 2, n)
+    check_index_lists(ids, counts, upper=n, name="stem", causal_limit=np.arange(n))
+    widened = False
+    for b in range(3):
+        first, live = starts[b] // 16, -(-lengths[b] // 16)
+        for i in range(n):
+            if first <= i < live:
+                np.testing.assert_array_equal(counts[b, :, i], i + 1)
+                assert all(sorted(ids[b, h, i, :i + 1].tolist()) == list(range(i + 1)) for h in range(2))
+                widened |= bool((counts0[b, :, i] < i + 1).any())
+            else:
+                np.testing.assert_array_equal(counts[b, :, i], counts0[b, :, i])
+                for h in range(2):
+                    c = counts0[b, h, i]
+                    np.testing.assert_array_equal(ids[b, h, i, :c], ids0[b, h, i, :c])
+    assert widened, "no question block was sparse by default: the draw tests nothing"
+    no_split = _question_pattern(wide, q, k, v, lengths, None)
+    for got, want in zip(no_split, _question_pattern(base, q, k, v, lengths, None), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("impl", ["jnp", "pallas"])
+def test_dense_question_rows_equal_dense_attention(rng, impl):
+    """The question's rows of a ``dense_question`` prefill equal dense causal attention (jnp reference);
+    the context's blocks before the question equal the default's; a question from token 0 is dense."""
+    T = 96
+    lengths = np.array([T, int(rng.integers(60, T))], np.int32)
+    starts = np.array([int(rng.integers(64, 80)), int(rng.integers(40, lengths[1]))], np.int32)
+    q, k, v = _qkv(rng, 2, T, 4, 2)
+    base = Stem(block_size=16, stride=4, k_start_ratio=0.3, min_blocks=2, sink_blocks=1, local_blocks=1)
+    wide = dataclasses.replace(base, dense_question=True)
+    run = jax.jit(lambda q, k, v, ids, counts: attention.prefill(
+        q, k, v, (ids, counts, 16), backend=Backend(sparse_prefill=impl)))
+    dense = np.asarray(jax.jit(attention.dense_causal_attention)(q, k, v))
+    sparse = np.asarray(run(q, k, v, *_question_pattern(base, q, k, v, lengths, starts)))
+    got = np.asarray(run(q, k, v, *_question_pattern(wide, q, k, v, lengths, starts)))
+    differs = False
+    for b in range(2):
+        lo, hi = starts[b], lengths[b]
+        np.testing.assert_allclose(got[b, lo:hi], dense[b, lo:hi], rtol=2e-5, atol=2e-5)
+        ctx = starts[b] // 16 * 16
+        np.testing.assert_allclose(got[b, :ctx], sparse[b, :ctx], rtol=2e-5, atol=2e-5)
+        differs |= not np.allclose(sparse[b, lo:hi], dense[b, lo:hi], atol=1e-3)
+    assert differs, "the default's question rows already equal dense attention: the draw tests nothing"
+    from_zero = np.asarray(run(q, k, v, *_question_pattern(wide, q, k, v, lengths, np.zeros(2, np.int32))))
+    for b in range(2):
+        np.testing.assert_allclose(from_zero[b, :lengths[b]], dense[b, :lengths[b]], rtol=2e-5, atol=2e-5)
+
+
+def test_dense_question_reaches_the_prefill_through_generate(tiny):
+    """`generate(question_start=...)` hands the split to Stem's prefill: ``dense_question`` computes more
+    blocks than the default with a split and the same without one."""
+    rng = seeded_rng()
+    tokens = rng.integers(0, 89, (2, 320)).astype(np.int32)
+    lengths, starts = np.array([320, 250]), np.array([200, 150])
+    base = Stem(block_size=16, stride=4, min_blocks=2, k_start_ratio=0.2)
+    wide = dataclasses.replace(base, dense_question=True)
+
+    def fraction(pol, **split):
+        out = generate(tiny, pol, tokens, lengths, max_new_tokens=1, stop_tokens=(), page_size=8, **split)
+        return float(out.stats["prefill_block_fraction"])
+
+    assert fraction(wide, question_start=starts) > fraction(base, question_start=starts) + 0.05
+    assert fraction(wide) == fraction(base)
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: Stem(block_size=48), "block_size=48"), (lambda: Stem(block_size=8), "block_size=8"),
     (lambda: Stem(k_start_ratio=0.0), "k_start_ratio=0.0"), (lambda: Stem(k_start_ratio=True), "k_start_ratio=True"),
@@ -450,6 +540,7 @@ def test_pallas_kernel_interpret_matches_jnp():
     (lambda: Stem(schedule="linear"), "schedule='linear'"), (lambda: Stem(stride=3), "stride=3"),
     (lambda: Stem(block_size=16, stride=32), "stride=32"), (lambda: Stem(gqa="sum"), "gqa='sum'"),
     (lambda: Stem(routing="fast"), "routing='fast'"), (lambda: Stem(route_tile=0), "route_tile=0"),
+    (lambda: Stem(dense_question=1), "dense_question=1"),
     (lambda: parse_policy("stem(colour=1)"), "colour"),
 ])
 def test_bad_settings_raise(make, match):
@@ -458,8 +549,9 @@ def test_bad_settings_raise(make, match):
 
 
 def test_spec_and_pipeline(tiny):
-    a, b = parse_policies("stem, stem(k_start_ratio=0.1, block_size=128)")
+    a, b, c = parse_policies("stem, stem(k_start_ratio=0.1, block_size=128), stem(dense_question=True)")
     assert a == Stem() and b.k_start_ratio == 0.1 and b.block_size == 128
+    assert c.dense_question is True and c.name == "Stem(dense_question=True)"
     pol = Pipeline(prefill=Stem(block_size=16, stride=4, min_blocks=2),
                    decode=Quest(budget=64, page_size=8, dense_layers=0))
     tokens = seeded_rng().integers(0, 89, (1, 300)).astype(np.int32)

@@ -79,6 +79,7 @@ from sparsekv_jax.policies.base import Policy, Prompt
 from sparsekv_jax.policies.stem_routing import (  # noqa: F401 (select_blocks re-exported)
     antidiagonal_routing,
     block_counts,
+    dense_from,
     routed_blocks,
     select_blocks,
     value_magnitude,
@@ -151,6 +152,13 @@ class Stem(Policy):
       route_tile: query blocks per step of the tiled routing; ``None`` = as many as keep a step's
         largest buffer within `stem_routing.TILE_ELEMENTS` (256 MiB of fp32; `route_tile`). Memory
         and speed only.
+      dense_question: opt-in, not in the paper (default ``False``). With a ``question_start`` (the
+        harness' question-aware mode) the query blocks from the one holding the question's first
+        token on compute every causal block, so the question reads the context densely, as it
+        does question-agnostic, where it comes after the prefill. Why: on Qwen2.5-Coder-1.5B at
+        32k, 25%, Stem with the question in the prompt kept 5.85 [2.42, 9.35] RULER points less
+        than without it (docs/RESULTS.md, stage 23). Costs one dense row of blocks per question
+        block and lists ``nQ`` wide. Without a ``question_start`` it changes nothing.
     """
 
     block_size: int = struct.field(pytree_node=False, default=64)
@@ -165,6 +173,7 @@ class Stem(Policy):
     gqa: str = struct.field(pytree_node=False, default="max")
     routing: str = struct.field(pytree_node=False, default="tiled")
     route_tile: int | None = struct.field(pytree_node=False, default=None)
+    dense_question: bool = struct.field(pytree_node=False, default=False)
 
     stages = ("prefill",)
     needs_whole_prefill = True
@@ -205,6 +214,8 @@ class Stem(Policy):
         if self.route_tile is not None and not (isinstance(self.route_tile, int) and not isinstance(
                 self.route_tile, bool) and self.route_tile >= 1):
             raise ValueError(f"route_tile={self.route_tile!r} must be an integer >= 1 or None (automatic)")
+        if not isinstance(self.dense_question, bool):
+            raise ValueError(f"dense_question={self.dense_question!r} must be True or False")
 
     @classmethod
     def covering(cls) -> Stem:
@@ -264,10 +275,14 @@ class Stem(Policy):
         budget = self.schedule_for(lengths, n)
         width, Hkv = self.list_width(T), k.shape[2]
         if self.routing == "full":
-            return *select_blocks(self.block_metric(q, k, v, lengths), budget, lengths, self.block_size,
-                                  self.sink_blocks, self.local_blocks, width), self.block_size
-        ids = routed_blocks(q, k, v, lengths, block_size=self.block_size, stride=self.stride, beta=self.beta,
-                            gqa=self.gqa, sink_blocks=self.sink_blocks, local_blocks=self.local_blocks, width=width,
-                            tile=self.route_tile, method="pallas" if self.routing == "kernel" else "jnp")
-        counts = block_counts(budget, lengths, self.block_size, self.sink_blocks, self.local_blocks, width, Hkv)
+            ids, counts = select_blocks(self.block_metric(q, k, v, lengths), budget, lengths, self.block_size,
+                                        self.sink_blocks, self.local_blocks, width)
+        else:
+            ids = routed_blocks(q, k, v, lengths, block_size=self.block_size, stride=self.stride, beta=self.beta,
+                                gqa=self.gqa, sink_blocks=self.sink_blocks, local_blocks=self.local_blocks,
+                                width=width, tile=self.route_tile,
+                                method="pallas" if self.routing == "kernel" else "jnp")
+            counts = block_counts(budget, lengths, self.block_size, self.sink_blocks, self.local_blocks, width, Hkv)
+        if self.dense_question and prompt.question_start is not None:
+            ids, counts = dense_from(ids, counts, prompt.question_start - prompt.offset, lengths, self.block_size)
         return ids, counts, self.block_size

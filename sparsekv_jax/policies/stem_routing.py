@@ -137,6 +137,19 @@ def select_blocks(metric: jax.Array, budget: jax.Array, lengths: jax.Array, bloc
     return ids.astype(jnp.int32), counts
 
 
+def dense_from(ids: jax.Array, counts: jax.Array, start: jax.Array, lengths: jax.Array,
+               block_size: int) -> tuple[jax.Array, jax.Array]:
+    """Widen to every causal block the lists of the query blocks that hold a token in
+    ``[start[b], lengths[b])``: ``ids`` ``[B, Hkv, nQ, K]`` → ``[B, Hkv, nQ, nQ]`` (those lists
+    ``0 .. i``, the others padded), ``counts`` → ``i + 1`` there (``Stem(dense_question=True)``)."""
+    n, width = ids.shape[2], ids.shape[3]
+    blocks = jnp.arange(n, dtype=jnp.int32)
+    dense = (blocks[None] >= (start // block_size)[:, None]) & (blocks[None] < (-(-lengths // block_size))[:, None])
+    wide = jnp.pad(ids, ((0, 0), (0, 0), (0, 0), (0, n - width)))
+    ids = jnp.where(dense[:, None, :, None], blocks, wide).astype(jnp.int32)
+    return ids, jnp.where(dense[:, None, :], blocks + 1, counts).astype(jnp.int32)
+
+
 def route_tile(T: int, Hq: int, Hkv: int, block_size: int, stride: int, batch: int, method: str = "jnp") -> int:
     """Query blocks per `lax.map` step: as many as keep one step's largest buffer within
     `TILE_ELEMENTS` (at least 1, at most all). That buffer is the strided scores
