@@ -505,7 +505,9 @@ pyramidkv(snapkv(0.5))" --suite ruler --no-fullkv; } > "$RUNS/longbench_agnostic
       # finishes cut rows: StreamingLLM's and SemantiCache's last 32k samples without the question, BSER's last two
       # LongBench tasks, then BSER question-aware at 32k at 10% / 50%. Job B: the 8k rows without the question for
       # BSER, BM25 and Stem (about 1.5 min a row alone). Job C: BSER and BM25 at 32k without the question (about 10 min
-      # a row). Rows resume
+      # a row). Job D: the opt-in Stem(dense_question=True) (issue 36: the question's blocks dense in question-aware
+      # mode, where Stem lost 5.85 points at 32k) at 32k, then beside Stem question-aware on every needle value type
+      # (16k variants) and on LongBench, where an opt-in must help too. Rows resume
     { ev 0.12 agnostic_32k agnostic 32k "streamingllm(0.25), semanticache(0.25)" --suite ruler --no-fullkv
       ev 0.12 longbench agnostic 32k "bser(0.25)" --suite longbench --no-fullkv
       ev 0.12 aware_32k aware 32k "bser(0.1), bser(0.5)" --suite ruler --no-fullkv; } > "$RUNS/finish_a.log" 2>&1 &
@@ -515,6 +517,10 @@ pyramidkv(snapkv(0.5))" --suite ruler --no-fullkv; } > "$RUNS/longbench_agnostic
     { ev 0.12 agnostic_32k agnostic 32k "bser(0.25)" --suite ruler --no-fullkv
       ev 0.12 agnostic_32k_budgets agnostic 32k "bser(0.1), bser(0.5), bm25(0.1), bm25(0.5)" --suite ruler --no-fullkv
     } > "$RUNS/agnostic32k_c.log" 2>&1 &
+    { ev 0.12 aware_32k aware 32k "stem(dense_question=True)" --suite ruler --no-fullkv
+      ev 0.15 variants_16k_aware aware 16k "stem, stem(dense_question=True)" --suite ruler-variants --no-fullkv
+      ev 0.12 longbench_aware aware 32k "stem, stem(dense_question=True)" --suite longbench --no-fullkv
+    } > "$RUNS/stem_dense_question.log" 2>&1 &
     ;;
   *) echo "unknown STAGE=$STAGE"; exit 2 ;;
 esac

@@ -80,7 +80,10 @@ PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
         ("bm25(0.1)", "snapkv(0.1)"), ("bm25(0.5)", "snapkv(0.5)"),
         # the same policy with the question in the prompt against without it, on the samples both modes ran
         *((f"aware:{p}", f"agnostic:{p}") for p in ("snapkv(0.25)", "quest(0.25)", "stem", "h2o(0.25)",
-                                                     "streamingllm(0.25)", "semanticache(0.25)", _CHESS))),
+                                                     "streamingllm(0.25)", "semanticache(0.25)", _CHESS)),
+        # stage 24: Stem's opt-in dense question blocks against Stem, both question-aware, and against Stem without
+        # the question (what it means to restore)
+        ("stem(dense_question=True)", "stem"), ("aware:stem(dense_question=True)", "agnostic:stem")),
     # the 0.5B (stage 12): does the 1.5B's ranking hold? Its CHESS rows name the calibration by its path on the GPU
     # machine; the same file ships as policies/calibration/qwen2.5-coder-0.5b.json
     "qwen2.5-coder-0.5b_h200": (
