@@ -83,7 +83,9 @@ PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
                                                      "streamingllm(0.25)", "semanticache(0.25)", _CHESS)),
         # stage 24: Stem's opt-in dense question blocks against Stem, both question-aware, and against Stem without
         # the question (what it means to restore)
-        ("stem(dense_question=True)", "stem"), ("aware:stem(dense_question=True)", "agnostic:stem")),
+        ("stem(dense_question=True)", "stem"), ("aware:stem(dense_question=True)", "agnostic:stem"),
+        # and SemantiCache's protect='outlier_keys' at 50% against the paper's (issue 36's 95% target)
+        ("semanticache(0.5, protect='outlier_keys')", "semanticache(0.5)")),
     # the 0.5B (stage 12): does the 1.5B's ranking hold? Its CHESS rows name the calibration by its path on the GPU
     # machine; the same file ships as policies/calibration/qwen2.5-coder-0.5b.json
     "qwen2.5-coder-0.5b_h200": (
